@@ -1,0 +1,81 @@
+"""Input validation shared by every public entry point.
+
+Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value) with a
+message that names the argument, what was expected and what came, so that bad input fails at the API
+boundary and never deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    x,
+    *,
+    ndim: Optional[int | Sequence[int]] = None,
+    min_ndim: Optional[int] = None,
+    dtypes: Optional[Iterable[torch.dtype]] = None,
+    floating: bool = False,
+    integer: bool = False,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """Checks that ``x`` is a tensor with the given rank, dtype family and device; returns it."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if x.ndim not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise ValueError(f"{name}: expected {want} dimensions, got shape {tuple(x.shape)}")
+    if min_ndim is not None and x.ndim < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {tuple(x.shape)}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if integer and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        raise TypeError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if x.dtype not in dtypes:
+            raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
+    if device is not None and x.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {x.device}")
+    return x
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    """Raises ValueError when the given tensors (None skipped) live on different devices."""
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {v.device for v in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {v.device}" for k, v in present.items())
+        raise ValueError(f"expected all tensors on one device, got {where}")
+
+
+def check_positive_int(name: str, value, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}: expected an int {bound}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
+
+
+def check_range(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    bad_lo = value <= lo if lo_open else value < lo
+    bad_hi = value >= hi if hi_open else value > hi
+    if bad_lo or bad_hi:
+        lb = "(" if lo_open else "["
+        hb = ")" if hi_open else "]"
+        raise ValueError(f"{name}: expected a value in {lb}{lo}, {hi}{hb}, got {value}")
+    return value

@@ -1,0 +1,73 @@
+"""The interpreter helper: kernels run on the CPU under TRITON_INTERPRET=1, and `mma` fixes bf16 dots."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from thrifty.triton_utils import interpreting, kernels_available, mma
+
+pytestmark = pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, USE_MMA: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):  # loop bounded by a runtime argument: needs numpy < 2.4 in the interpreter
+        a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :],
+                    mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + (k0 + rk)[:, None] * N + rn[None, :],
+                    mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if USE_MMA:
+            acc = mma(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _run(a, b, use_mma):
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(M, 16), triton.cdiv(N, 16))
+    _matmul_kernel[grid](a, b, c, M, N, K, USE_MMA=use_mma, BM=16, BN=16, BK=16)
+    return c
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(16, 16, 16), (33, 47, 70), (5, 130, 19)])
+def test_mma_matches_float64(dtype, shape):
+    M, N, K = shape
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    a = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(K, N, generator=g).to(dtype).to(DEVICE)
+    expected = a.double() @ b.double()
+    got = _run(a, b, use_mma=True).double()
+    # fp32 accumulation of exactly-representable products: error is fp32 summation rounding only
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4 * K**0.5)
+
+
+@pytest.mark.skipif(not interpreting(), reason="documents an interpreter-only defect")
+def test_plain_bf16_dot_is_wrong_in_interpreter():
+    """The pitfall the helper exists for: if this starts passing, Triton fixed it and `mma` can drop the upcast."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 32, generator=g).bfloat16()
+    b = torch.randn(32, 32, generator=g).bfloat16()
+    expected = a.double() @ b.double()
+    raw = _run(a, b, use_mma=False).double()
+    assert not torch.allclose(raw, expected, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(_run(a, b, use_mma=True).double(), expected, rtol=1e-5, atol=1e-3)
+
+
+def test_kernels_available_names_devices():
+    assert kernels_available("cuda") or not torch.cuda.is_available()
+    assert kernels_available("cpu") == interpreting()
