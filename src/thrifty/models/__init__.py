@@ -1,0 +1,8 @@
+"""The reference model: one readable Llama-style decoder with swappable attention, Linear, loss and KV cache."""
+
+from .generate import generate
+from .llama import (KVCache, LlamaConfig, LlamaForCausalLM, default_linear, logits_cross_entropy,
+                    sdpa_attention)
+
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "KVCache", "generate", "sdpa_attention", "default_linear",
+           "logits_cross_entropy"]

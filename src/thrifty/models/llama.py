@@ -1,0 +1,334 @@
+"""A readable Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied embeddings).
+
+Parameter names follow HF transformers' ``LlamaForCausalLM`` so a HF safetensors checkpoint loads as is.
+Four seams are explicit, so the techniques of thrifty slot in without copying the model:
+
+* ``attention``: ``fn(q, k, v, *, causal, scale) -> out`` on (B, H, T, Dh) queries and (B, Hkv, S, Dh) keys and
+  values (grouped-query: H is a multiple of Hkv). Default :func:`sdpa_attention`.
+* ``linear``: ``factory(in_features, out_features, *, name) -> nn.Module`` builds every projection inside the
+  blocks (q/k/v/o, gate/up/down). Default :func:`default_linear` (``nn.Linear`` without bias).
+* ``loss``: ``fn(hidden (B, T, D), classifier_weight (V, D), labels (B, T)) -> scalar`` with labels already
+  aligned to the hidden positions and ``-100`` ignored; a fused linear cross-entropy never needs the logits.
+  Default :func:`logits_cross_entropy`.
+* KV cache: ``forward(..., cache=...)`` takes any object with ``update(layer_idx, k, v, positions, rope)``
+  receiving **pre-RoPE** keys (so a cache may store them low-rank, as ShadowKV does) and returning the
+  post-RoPE keys and the values of every cached position. Default :class:`KVCache`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .._checks import check_positive_int, check_tensor
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: Optional[int] = None
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            check_positive_int(name, getattr(self, name))
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size: expected a multiple of num_attention_heads ({self.num_attention_heads}) "
+                    f"when head_dim is not given, got {self.hidden_size}")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even number (RoPE rotates pairs), got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: expected a divisor of num_attention_heads ({self.num_attention_heads}), "
+                f"got {self.num_key_value_heads}")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "LlamaConfig":
+        """From a HF ``config.json`` dict (transformers 4.x ``rope_theta`` or 5.x ``rope_parameters``)."""
+        rope = hf.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+            raise ValueError(f"config: only default RoPE is supported, got {rope or hf.get('rope_scaling')}")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ValueError("config: attention_bias/mlp_bias are not supported by the reference model")
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in hf.items() if k in names}
+        kwargs["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        d.pop("rope_theta")
+        d.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                 attention_bias=False, mlp_bias=False)
+        return d
+
+    def num_parameters(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = d * self.head_dim * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        block = attn + 3 * d * f + 2 * d
+        return self.num_hidden_layers * block + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+
+# ----------------------------------------------------------------------------------------------- default seams
+
+def sdpa_attention(q, k, v, *, causal: bool, scale: float):
+    """torch SDPA with grouped-query heads; ``causal`` with fewer queries than keys means the queries are last."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    tq, tk = q.shape[2], k.shape[2]
+    if causal and tq > 1 and tq != tk:
+        # queries sit at the end of the key sequence (chunked prefill with a cache): explicit bottom-right mask
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal and tq > 1, scale=scale)
+
+
+def default_linear(in_features: int, out_features: int, *, name: str) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+def logits_cross_entropy(hidden, weight, labels):
+    """The plain loss: materialize the logits, fp32 cross-entropy, mean over non-ignored tokens."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+# ----------------------------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalize in fp32 like HF, then cast back before the scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE in the rotate-half layout HF uses."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, x, positions):
+        """Rotates x: (B, H, T, Dh) at integer positions (T,) or (B, T)."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, Dh/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if cos.ndim == 3:  # (B, T, Dh): broadcast over heads
+            cos, sin = cos[:, None], sin[:, None]
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, linear: Callable, attention: Callable):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = linear(d, self.n_heads * hd, name=f"layers.{layer_idx}.self_attn.q_proj")
+        self.k_proj = linear(d, self.n_kv * hd, name=f"layers.{layer_idx}.self_attn.k_proj")
+        self.v_proj = linear(d, self.n_kv * hd, name=f"layers.{layer_idx}.self_attn.v_proj")
+        self.o_proj = linear(self.n_heads * hd, d, name=f"layers.{layer_idx}.self_attn.o_proj")
+        self.attention = attention
+
+    def forward(self, x, positions, rope: RotaryEmbedding, cache=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = rope(q, positions)
+        if cache is None:
+            k = rope(k, positions)
+        else:  # the cache gets pre-RoPE keys and decides how to store them
+            k, v = cache.update(self.layer_idx, k, v, positions, rope)
+        out = self.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, linear: Callable):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = linear(d, f, name=f"layers.{layer_idx}.mlp.gate_proj")
+        self.up_proj = linear(d, f, name=f"layers.{layer_idx}.mlp.up_proj")
+        self.down_proj = linear(f, d, name=f"layers.{layer_idx}.mlp.down_proj")
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, linear: Callable, attention: Callable):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, linear, attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, layer_idx, linear)
+
+    def forward(self, x, positions, rope, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig, linear: Callable, attention: Callable):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, linear, attention)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(self, input_ids, positions, cache=None):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, cache)
+        return self.norm(x)
+
+
+class KVCache:
+    """Default cache: post-RoPE keys and values concatenated per layer (grows with each call)."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def update(self, layer_idx, k, v, positions, rope):
+        k = rope(k, positions)
+        if layer_idx in self.keys:
+            k = torch.cat((self.keys[layer_idx], k), dim=2)
+            v = torch.cat((self.values[layer_idx], v), dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+    def __len__(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+
+# ----------------------------------------------------------------------------------------------- the LM
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig, *, linear: Callable = default_linear,
+                 attention: Callable = sdpa_attention, loss: Callable = logits_cross_entropy):
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = LlamaModel(config, linear, attention)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_fn = loss
+
+    # seams that can be swapped after construction too
+    def set_attention(self, fn: Callable) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.attention = fn
+
+    def set_loss(self, fn: Callable) -> None:
+        self.loss_fn = fn
+
+    def init_weights(self, std: float = 0.02, seed: Optional[int] = None) -> "LlamaForCausalLM":
+        """Fresh weights for pre-training: N(0, std), output projections scaled by 1/sqrt(2·layers)."""
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        out_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                nn.init.ones_(p)
+            else:
+                s = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * s)
+        return self
+
+    def forward(self, input_ids, labels=None, *, positions=None, cache=None, logits_to_keep: int = 0):
+        """Returns the loss when ``labels`` (aligned with ``input_ids``: predict ``labels[t]`` at position t,
+        -100 ignored) are given, else the logits of the last ``logits_to_keep`` positions (0 = all)."""
+        check_tensor("input_ids", input_ids, ndim=2, integer=True)
+        B, T = input_ids.shape
+        lo, hi = int(input_ids.min()), int(input_ids.max())  # one sync; an out-of-range id would crash in a kernel
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"input_ids: expected ids in [0, {self.config.vocab_size}), got min {lo} max {hi}")
+        if positions is None:
+            start = len(cache) if cache is not None else 0
+            positions = torch.arange(start, start + T, device=input_ids.device)
+        hidden = self.model(input_ids, positions, cache)
+        if labels is not None:
+            check_tensor("labels", labels, ndim=2, integer=True)
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+            return self.loss_fn(hidden, self.lm_head.weight, labels)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return self.lm_head(hidden)
+
+    # --------------------------------------------------------------------------------------- checkpoints
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device="cpu", **seams):
+        """Loads a HF Llama-family checkpoint folder (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"path: expected a folder with config.json, got {path}")
+        config = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"path: no .safetensors files in {path}")
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        with torch.device(device):
+            model = cls(config, **seams)
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(dtype)
+
+    def save_pretrained(self, path) -> Path:
+        """Writes config.json + model.safetensors in HF layout (loadable by transformers too)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(self.config.to_hf(), indent=1))
+        return path

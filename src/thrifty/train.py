@@ -1,0 +1,194 @@
+"""A small trainer for the reference model: AdamW, warm-up + cosine schedule, gradient clipping, bf16 autocast
+on GPU, evaluation perplexity, safetensors checkpoints (model, optimizer, trainer state; never pickle).
+
+Data is any object with ``batch(batch_size, seq_len, generator) -> (inputs, labels)`` (labels aligned to
+inputs, i.e. already shifted) and ``iter_eval_batches(batch_size, seq_len, max_batches)``, as
+:class:`thrifty.data.TokenDataset` provides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from ._checks import check_choice, check_positive_int, check_range
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_every: int = 0          # 0: only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 0    # 0: only at the end, when checkpoint_dir is set
+    checkpoint_dir: Optional[str] = None
+    autocast: str = "auto"       # "auto" = bf16 on CUDA, fp32 elsewhere; or "bf16" / "none"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+            check_positive_int(name, getattr(self, name), allow_zero=True)
+        check_range("lr", self.lr, 0.0, 1.0, lo_open=True)
+        check_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_range("weight_decay", self.weight_decay, 0.0, 10.0)
+        check_range("grad_clip", self.grad_clip, 0.0, 1e9)
+        check_choice("autocast", self.autocast, ("auto", "bf16", "none"))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    def __init__(self, model: torch.nn.Module, train_data, val_data=None, config: Optional[TrainConfig] = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not hasattr(train_data, "batch"):
+            raise TypeError(f"train_data: expected an object with .batch(batch_size, seq_len, generator), "
+                            f"got {type(train_data).__name__}")
+        self.model, self.train_data, self.val_data = model, train_data, val_data
+        self.cfg = config or TrainConfig()
+        self.device = next(model.parameters()).device
+        self.optimizer = self._make_optimizer()
+        self.step = 0
+        self.tokens_seen = 0
+        self.history: list[dict] = []
+        self.generator = torch.Generator().manual_seed(self.cfg.seed)
+
+    def _make_optimizer(self):
+        # decay matrices only; norms (1-D) keep their scale
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        fused = self.device.type == "cuda"
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas, fused=fused)
+
+    def _autocast(self):
+        use = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use)
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, cfg)
+        total = 0.0
+        for _ in range(cfg.grad_accum):
+            inputs, labels = self.train_data.batch(cfg.batch_size, cfg.seq_len, generator=self.generator)
+            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.model(inputs, labels=labels) / cfg.grad_accum
+            loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += cfg.grad_accum * cfg.batch_size * cfg.seq_len
+        return {"step": self.step, "loss": float(total), "grad_norm": float(norm), "lr": lr_at(self.step - 1, cfg)}
+
+    @torch.no_grad()
+    def evaluate(self, data=None, max_batches: Optional[int] = None) -> dict:
+        """Mean token loss and perplexity over the validation split, read in order (deterministic)."""
+        data = data if data is not None else self.val_data
+        if data is None:
+            raise ValueError("data: no validation data given to the Trainer or to evaluate()")
+        self.model.eval()
+        losses = []
+        for inputs, labels in data.iter_eval_batches(self.cfg.batch_size, self.cfg.seq_len,
+                                                    max_batches or self.cfg.eval_batches):
+            with self._autocast():
+                losses.append(float(self.model(inputs.to(self.device), labels=labels.to(self.device))))
+        loss = sum(losses) / len(losses)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_batches": len(losses)}
+
+    def fit(self, progress: bool = True) -> list[dict]:
+        cfg = self.cfg
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc="train", unit="step")
+        start, start_tokens = time.perf_counter(), self.tokens_seen
+        while self.step < cfg.steps:
+            row = self.train_step()
+            row["tokens_per_s"] = (self.tokens_seen - start_tokens) / (time.perf_counter() - start)
+            last = self.step == cfg.steps
+            if self.val_data is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                row.update(self.evaluate())
+            if cfg.checkpoint_dir and ((cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last):
+                self.save_checkpoint(cfg.checkpoint_dir)
+            self.history.append(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}")
+            bar.update(1)
+        bar.close()
+        return self.history
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path) -> Path:
+        """model.safetensors (+config.json), optimizer.safetensors, trainer_state.json."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if hasattr(self.model, "save_pretrained"):
+            self.model.save_pretrained(path)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
+                      str(path / "model.safetensors"))
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        opt = {}
+        for p, state in self.optimizer.state.items():
+            for key, value in state.items():
+                opt[f"{names[id(p)]}::{key}"] = value.detach().contiguous().cpu().reshape(value.shape)
+        save_file(opt, str(path / "optimizer.safetensors"))
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "config": asdict(self.cfg),
+                 "generator_state": self.generator.get_state().tolist(), "history": self.history}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        return path
+
+    def load_checkpoint(self, path) -> None:
+        """Restores model weights, optimizer moments and the step counter from :meth:`save_checkpoint`."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        for name in ("model.safetensors", "optimizer.safetensors", "trainer_state.json"):
+            if not (path / name).is_file():
+                raise ValueError(f"path: {path} has no {name}; not a thrifty checkpoint")
+        weights = load_file(str(path / "model.safetensors"), device=str(self.device))
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        tied = getattr(getattr(self.model, "config", None), "tie_word_embeddings", False)
+        missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        opt = load_file(str(path / "optimizer.safetensors"), device=str(self.device))
+        params = dict(self.model.named_parameters())
+        for key, value in opt.items():
+            name, field_name = key.split("::")
+            state = self.optimizer.state[params[name]]
+            state[field_name] = value.cpu() if field_name == "step" and not self.optimizer.defaults.get("fused") \
+                else value
+        meta = json.loads((path / "trainer_state.json").read_text())
+        self.step, self.tokens_seen, self.history = meta["step"], meta["tokens_seen"], meta["history"]
+        self.generator.set_state(torch.tensor(meta["generator_state"], dtype=torch.uint8))
