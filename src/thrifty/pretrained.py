@@ -23,7 +23,11 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def find_gguf() -> Path:
-    """Path of the GGUF file, found through the installed distribution's file list (the package is not imported)."""
+    """Path of the GGUF file: staged under ``<data>/models/`` (the GPU box), else found through the installed
+    distribution's file list (the package is not imported)."""
+    staged = data_dir() / "models" / GGUF_NAME
+    if staged.is_file():
+        return staged
     try:
         dist = importlib.metadata.distribution(PACKAGE)
     except importlib.metadata.PackageNotFoundError:
