@@ -1,0 +1,28 @@
+"""thrifty: cheaper LLM training and serving (Cut Cross-Entropy, quantized attention, BitNet a4.8, NeuZip, ShadowKV).
+
+Submodules are imported on first use so that ``import thrifty`` stays cheap and never compiles kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "linear_cross_entropy": ("thrifty.loss", "linear_cross_entropy"),
+    "LlamaForCausalLM": ("thrifty.models", "LlamaForCausalLM"),
+    "LlamaConfig": ("thrifty.models", "LlamaConfig"),
+    "Trainer": ("thrifty.train", "Trainer"),
+    "TrainConfig": ("thrifty.train", "TrainConfig"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'thrifty' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY) + ["__version__"]

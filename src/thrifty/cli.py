@@ -75,6 +75,59 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_pretrain(args) -> int:
+    """Pre-trains a preset-sized reference model from scratch on the corpus; writes checkpoint, history, plot."""
+    import torch
+
+    from .data import TokenDataset, prepare_corpus
+    from .models import LlamaForCausalLM, preset
+    from .train import Trainer, TrainConfig
+
+    device = _device(args.device)
+    corpus = prepare_corpus(corpus_dir=args.corpus)
+    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
+    with torch.device(device):
+        model = LlamaForCausalLM(preset(args.preset)).init_weights(seed=args.seed)
+    if args.loss != "torch":
+        from .loss import make_loss_fn
+
+        model.set_loss(make_loss_fn(impl=args.loss))
+    if args.compile:
+        model.model.compile()
+    out = Path(args.out)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup_steps=max(1, args.steps // 20), eval_every=args.eval_every, eval_batches=8,
+                      checkpoint_dir=str(out), seed=args.seed)
+    trainer = Trainer(model, train, val, cfg)
+    history = trainer.fit(progress=True)
+    (out / "history.json").write_text(json.dumps(history))
+    _plot_history(history, out / "loss.png", title=f"{args.preset} ({args.loss} loss) on {device}")
+    last = history[-1]
+    print(f"{args.preset}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"loss {history[0]['loss']:.3f} -> {last['loss']:.3f}, val ppl {last.get('val_ppl', float('nan')):.1f}, "
+          f"{last['tokens_per_s']:,.0f} tokens/s; checkpoint in {out}")
+    return 0
+
+
+def _plot_history(history, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train")
+    evals = [h for h in history if "val_loss" in h]
+    ax.plot([h["step"] for h in evals], [h["val_loss"] for h in evals], "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _print_report(r: dict) -> None:
     line = "-" * 72
     print(line)
@@ -106,6 +159,19 @@ def main(argv=None) -> int:
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--new-tokens", type=int, default=30)
     d.add_argument("--report", default=None, help="also write the report as JSON here")
+    t = sub.add_parser("pretrain", help="pre-train a preset-sized model from scratch on the corpus")
+    t.add_argument("--preset", default="30m")
+    t.add_argument("--corpus", default=None)
+    t.add_argument("--device", default="auto")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--loss", default="torch", help="torch (logits + F.cross_entropy) or a thrifty.loss impl")
+    t.add_argument("--compile", action="store_true")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default="runs/pretrain")
     sub.add_parser("stage", help="stage model + corpus onto the GPU box in parts (see thrifty stage -h)",
                    add_help=False)
     args, rest = ap.parse_known_args(argv)
@@ -115,7 +181,7 @@ def main(argv=None) -> int:
         return stage_main(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"setup": cmd_setup, "demo": cmd_demo}[args.cmd](args)
+    return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain}[args.cmd](args)
 
 
 if __name__ == "__main__":

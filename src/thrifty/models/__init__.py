@@ -3,6 +3,7 @@
 from .generate import generate
 from .llama import (KVCache, LlamaConfig, LlamaForCausalLM, default_linear, logits_cross_entropy,
                     sdpa_attention)
+from .presets import PRESETS, preset
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM", "KVCache", "generate", "sdpa_attention", "default_linear",
-           "logits_cross_entropy"]
+           "logits_cross_entropy", "PRESETS", "preset"]

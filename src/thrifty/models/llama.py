@@ -131,18 +131,33 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE in the rotate-half layout HF uses."""
+    """Default (unscaled) RoPE in the rotate-half layout HF uses; cos/sin come from a table built once per
+    device and grown on demand, so the 30 layers of a forward share one gather instead of 30 trig evaluations."""
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._table: Optional[tuple] = None
+        self._last: Optional[tuple] = None  # (positions, cos, sin): every layer of one forward reuses it
+
+    def _cos_sin(self, positions):
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1], self._last[2]
+        length = int(positions.max()) + 1 if positions.numel() else 1
+        table = self._table
+        if table is None or table[0].shape[0] < length or table[0].device != positions.device:
+            size = max(length, 2 * table[0].shape[0] if table is not None else 4096)
+            freqs = torch.arange(size, device=positions.device, dtype=torch.float32)[:, None] * \
+                self.inv_freq.to(positions.device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._table = table = (emb.cos(), emb.sin())
+        self._last = (positions, table[0][positions], table[1][positions])
+        return self._last[1], self._last[2]
 
     def forward(self, x, positions):
         """Rotates x: (B, H, T, Dh) at integer positions (T,) or (B, T)."""
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, Dh/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = self._cos_sin(positions)
         if cos.ndim == 3:  # (B, T, Dh): broadcast over heads
             cos, sin = cos[:, None], sin[:, None]
         x1, x2 = x.chunk(2, dim=-1)

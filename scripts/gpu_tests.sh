@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs the whole test suite on the GPU box (CUDA tests included), e.g. through the device tool:
+#   run(command="bash scripts/gpu_tests.sh", carry=[".whl"])
+# The box has torch/triton/transformers preinstalled and no internet; pytest and any missing wheels come
+# from .whl/ (scripts/fetch_wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+out=${OUT:-/tmp}
+python3 -m pytest -q -m "${MARKS:-cuda}" "$@" 2>&1 | tee "$out/gpu_tests.log"
+exit "${PIPESTATUS[0]}"
