@@ -2,7 +2,7 @@
 # Runs the whole test suite on the GPU box (CUDA tests included), e.g. through the device tool:
 #   run(command="bash scripts/gpu_tests.sh", carry=[".whl"])
 # The box has torch/triton/transformers preinstalled and no internet; pytest and any missing wheels come
-# from .whl/ (scripts/fetch_wheels.sh).
+# from .whl/ (scripts/fetch_wheels.sh; the box already has pytest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,0 +1,460 @@
+"""Benchmark harness: timing, peak memory, one result schema, a plot and a table.
+
+Every benchmark in ``benchmarks/`` uses this module so that its numbers are taken the same way and land in
+``benchmarks/results/<name>_<device>.json`` (plus a PNG beside it) with the same keys.
+
+Timing on CUDA uses events around each call, after a warm-up, and reports the median; the caller passes
+several input sets (or a factory) and the timer cycles through them so that a small working set does not sit
+in L2 and flatter the result; ``flush_l2=True`` also overwrites L2 before every call. On CPU the same API
+times with ``time.perf_counter`` so that everything here is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ._checks import check_choice, check_positive_int
+from .paths import repo_root
+
+SCHEMA_VERSION = 1
+REQUIRED_KEYS = ("schema", "name", "device", "meta", "summary", "rows")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+# --------------------------------------------------------------------------------------------- device / env
+def detect_device(device: Optional[torch.device | str] = None) -> str:
+    """Short device tag for file names: "h100", "h200", another GPU's slug, or "cpu"."""
+    dev = torch.device(device) if device is not None else None
+    if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(dev).lower()  # e.g. "nvidia h100 80gb hbm3"
+    tokens = re.split(r"[^a-z0-9]+", name)
+    for tag in ("h200", "h100", "h800", "h20", "a100", "l40s", "b200", "gb200"):
+        if tag in tokens:
+            return tag
+    return re.sub(r"[^a-z0-9]+", "_", name.replace("nvidia", "")).strip("_") or "cuda"
+
+
+def git_commit() -> Optional[str]:
+    """HEAD of the checkout (``-dirty`` appended when tracked files differ); else ``$THRIFTY_COMMIT``.
+
+    The tree copied to the GPU box has no ``.git``, so ``benchmarks/run_on_gpu.sh`` is given the commit.
+    """
+    root = repo_root()
+    if root is not None and (root / ".git").exists():
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                 timeout=10, check=True).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return sha + ("-dirty" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return os.environ.get("THRIFTY_COMMIT") or None
+
+
+def _version(module: str) -> Optional[str]:
+    try:
+        return __import__(module).__version__
+    except Exception:  # not installed, or broken install: record the absence, never fail a benchmark
+        return None
+
+
+def env_info(device: Optional[str] = None) -> dict:
+    """What produced a result: versions, GPU, date, commit."""
+    info = {
+        "device": device or detect_device(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "cuda": torch.version.cuda,
+        "gpu": None,
+        "host": platform.node(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_sms"] = p.multi_processor_count
+        info["gpu_mem_gib"] = round(p.total_memory / 2**30, 1)
+        info["gpu_l2_mib"] = round(getattr(p, "L2_cache_size", 0) / 2**20, 1)
+    return info
+
+
+# --------------------------------------------------------------------------------------------------- timing
+@dataclass
+class Timing:
+    """Per-call times in milliseconds; ``median_ms`` is the headline."""
+
+    times_ms: list = field(repr=False)
+    backend: str  # "cuda-events" or "perf_counter"
+
+    @property
+    def reps(self) -> int:
+        return len(self.times_ms)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.times_ms)
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.times_ms)
+
+    @property
+    def spread_pct(self) -> float:
+        """(p90 - p10) / median, in percent: how noisy the median is."""
+        q = statistics.quantiles(self.times_ms, n=10) if self.reps >= 2 else [self.median_ms] * 9
+        return 100.0 * (q[-1] - q[0]) / self.median_ms if self.median_ms > 0 else 0.0
+
+    def rate(self, amount: float, unit: float = 1e12) -> float:
+        """``amount`` (flops, bytes, ...) per second of the median call, divided by ``unit`` (1e12: T/s)."""
+        return amount / (self.median_ms * 1e-3) / unit
+
+    def __repr__(self) -> str:
+        return f"Timing(median={self.median_ms:.4g} ms, reps={self.reps}, spread={self.spread_pct:.1f}%)"
+
+
+def _as_args(item) -> tuple:
+    return item if isinstance(item, tuple) else (item,)
+
+
+def _input_sets(inputs, n_inputs: int) -> list:
+    if inputs is None:
+        return [()]
+    if callable(inputs):
+        return [_as_args(inputs()) for _ in range(n_inputs)]
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+        raise TypeError(f"inputs: expected a list of argument tuples, a factory or None, got {type(inputs).__name__}")
+    if len(inputs) == 0:
+        raise ValueError("inputs: expected at least one input set, got an empty list")
+    return [_as_args(x) for x in inputs]
+
+
+_L2_BUFFERS: dict = {}
+
+
+def _l2_flusher(device: torch.device) -> Callable[[], None]:
+    """Writes a buffer twice the size of L2, evicting whatever the last call left there."""
+    if device not in _L2_BUFFERS:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 * 2**20
+        _L2_BUFFERS[device] = torch.empty(2 * l2, dtype=torch.uint8, device=device)
+    buf = _L2_BUFFERS[device]
+    return lambda: buf.fill_(1)
+
+
+def time_fn(
+    fn: Callable,
+    inputs=None,
+    *,
+    n_inputs: int = 4,
+    warmup: int = 3,
+    reps: int = 50,
+    min_reps: int = 3,
+    budget_s: Optional[float] = None,
+    flush_l2: bool = False,
+    device: Optional[torch.device | str] = None,
+) -> Timing:
+    """Times ``fn(*args)`` cycling over input sets; returns per-call times (median is the headline).
+
+    inputs: a list of input sets (a tuple is unpacked as positional arguments, anything else is passed as the
+        one argument), or a zero-argument factory called ``n_inputs`` times up front, or None (``fn()``).
+    warmup: untimed calls first (compilation, autotuning, handle creation stay out of the numbers).
+    reps: timed calls; with ``budget_s`` fewer are made (never under ``min_reps``) when the warm-up shows
+        that ``reps`` calls would take longer than the budget (large problems).
+    flush_l2: on CUDA, overwrite L2 before each timed call (outside the timed region).
+    device: where ``fn`` runs; default CUDA when available. Only CUDA uses events; others use perf_counter.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    check_positive_int("n_inputs", n_inputs)
+    check_positive_int("warmup", warmup, allow_zero=True)
+    check_positive_int("reps", reps)
+    check_positive_int("min_reps", min_reps)
+    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s <= 0):
+        raise ValueError(f"budget_s: expected a positive number of seconds or None, got {budget_s!r}")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA requested but torch.cuda.is_available() is False")
+    sets = _input_sets(inputs, n_inputs)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda *a: None)
+
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    sync()
+    if budget_s is not None and warmup > 0:
+        per_call = (time.perf_counter() - t0) / warmup
+        reps = max(min(reps, int(budget_s / max(per_call, 1e-9))), min(min_reps, reps))
+
+    flush = _l2_flusher(dev) if (flush_l2 and cuda) else None
+    times = []
+    if cuda:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for i, (start, end) in enumerate(ev):
+            if flush is not None:
+                flush()
+            start.record()
+            fn(*sets[i % len(sets)])
+            end.record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in ev]
+    else:
+        for i in range(reps):
+            args = sets[i % len(sets)]
+            t = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t) * 1e3)
+    return Timing(times, "cuda-events" if cuda else "perf_counter")
+
+
+def peak_memory(fn: Callable, *args, device: Optional[torch.device | str] = None, **kwargs) -> Optional[int]:
+    """Peak CUDA bytes allocated while ``fn(*args, **kwargs)`` runs, over the live baseline (its inputs and
+    whatever else is already allocated). The output counts as it is allocated during the call.
+    Returns None on CPU (the caching allocator statistics exist only for CUDA)."""
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    out = fn(*args, **kwargs)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    del out
+    return peak - base
+
+
+# --------------------------------------------------------------------------------------------------- schema
+def default_results_dir() -> Path:
+    """``$THRIFTY_RESULTS``, else ``<checkout>/benchmarks/results``, else ``./benchmarks/results``."""
+    env = os.environ.get("THRIFTY_RESULTS")
+    if env:
+        return Path(env)
+    root = repo_root()
+    return (root if root is not None else Path.cwd()) / "benchmarks" / "results"
+
+
+def _jsonable(x):
+    """Plain JSON: tensors and numpy scalars to Python numbers, NaN/inf to None, dtypes/paths to strings."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return _jsonable(x.item() if x.numel() == 1 else x.tolist())
+    if hasattr(x, "item") and hasattr(x, "dtype"):  # numpy scalar
+        return _jsonable(x.item())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return str(x)
+
+
+def _check_name(kind: str, value: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{kind}: expected a str, got {type(value).__name__}")
+    if not _NAME_RE.match(value):
+        raise ValueError(f"{kind}: expected letters, digits, '_', '-', '.' (used in a file name), got {value!r}")
+
+
+def _check_rows(rows) -> list:
+    if isinstance(rows, dict) or not isinstance(rows, (list, tuple)):
+        raise TypeError(f"rows: expected a list of dicts, got {type(rows).__name__}")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise TypeError(f"rows[{i}]: expected a dict, got {type(r).__name__}")
+    return list(rows)
+
+
+def write_result(
+    name: str,
+    rows: Sequence[dict],
+    summary: dict,
+    *,
+    device: Optional[str] = None,
+    extra: Optional[dict] = None,
+    results_dir: Optional[str | Path] = None,
+    plot: Optional[dict] = None,
+) -> Path:
+    """Writes ``<results_dir>/<name>_<device>.json``; returns its path.
+
+    rows: one dict per measurement (an error row carries an ``"error"`` string instead of numbers).
+    summary: headline numbers, flat ``{key: number}`` with the unit in the key (``bf16_matmul_tflops``).
+    device: tag in the file name; default ``detect_device()``.
+    results_dir: default ``default_results_dir()``.
+    extra: anything else worth keeping (settings, clocks, notes).
+    plot: when given, ``plot_rows(rows, **plot)`` writes ``<name>_<device>.png`` beside the JSON.
+    """
+    _check_name("name", name)
+    rows = _check_rows(rows)
+    if not isinstance(summary, dict):
+        raise TypeError(f"summary: expected a dict, got {type(summary).__name__}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra: expected a dict or None, got {type(extra).__name__}")
+    device = device or detect_device()
+    _check_name("device", device)
+    out_dir = Path(results_dir) if results_dir is not None else default_results_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "name": name,
+        "device": device,
+        "meta": env_info(device),
+        "summary": summary,
+        "rows": rows,
+        "extra": extra or {},
+    }
+    path = out_dir / f"{name}_{device}.json"
+    path.write_text(json.dumps(_jsonable(doc), indent=1) + "\n")
+    if plot is not None:
+        plot_rows(rows, path=path.with_suffix(".png"), **plot)
+    return path
+
+
+def read_result(path: str | Path) -> dict:
+    """Loads a result file and checks that the schema's keys are there."""
+    doc = json.loads(Path(path).read_text())
+    missing = [k for k in REQUIRED_KEYS if k not in doc]
+    if missing:
+        raise ValueError(f"{path}: not a thrifty result, missing keys {missing}")
+    return doc
+
+
+# ------------------------------------------------------------------------------------------- table and plot
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        a = abs(v)
+        return f"{v:.3g}" if (a and (a < 1e-2 or a >= 1e6)) else (f"{v:.1f}" if a >= 100 else f"{v:.4g}")
+    return str(v)
+
+
+def format_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None, *, max_width: int = 60) -> str:
+    """Aligned text table; ``columns`` default to every key in order of first appearance; cells longer than
+    ``max_width`` characters (error messages) are cut."""
+    rows = _check_rows(rows)
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    elif isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+        raise TypeError("columns: expected a list of column names (str)")
+    check_positive_int("max_width", max_width)
+    cut = lambda t: t if len(t) <= max_width else t[: max_width - 3] + "..."
+    cells = [[cut(_fmt(r.get(c))) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[j]) for row in cells]) for j, c in enumerate(columns)]
+    num = [all(_is_num(r.get(c)) for r in rows if r.get(c) is not None) for c in columns]
+    line = lambda vals: "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(vals, widths, num)).rstrip()
+    out = [line(list(columns)), line(["-" * w for w in widths])] + [line(row) for row in cells]
+    return "\n".join(out)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def print_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None, *, max_width: int = 60) -> str:
+    """Prints ``format_table(rows, columns)`` and returns it."""
+    text = format_table(rows, columns, max_width=max_width)
+    print(text, flush=True)
+    return text
+
+
+def plot_rows(
+    rows: Sequence[dict],
+    *,
+    x: str,
+    y: str,
+    path: str | Path,
+    hue: Optional[str] = None,
+    title: Optional[str] = None,
+    logy: bool = False,
+    kind: str = "bar",
+    ylabel: Optional[str] = None,
+    annotate: bool = True,
+) -> Path:
+    """Grouped bars (``kind="bar"``) or lines (``"line"``) of ``y`` against ``x``, one series per ``hue`` value.
+
+    Rows whose ``y`` is missing or not a number (error rows) are left out. x values keep their first-seen
+    order (bars) or are sorted (lines, numeric x). Writes a PNG at ``path`` and returns it.
+    """
+    rows = _check_rows(rows)
+    check_choice("kind", kind, ("bar", "line"))
+    for arg, val in (("x", x), ("y", y)):
+        if not isinstance(val, str):
+            raise TypeError(f"{arg}: expected a column name (str), got {type(val).__name__}")
+    good = [r for r in rows if _is_num(r.get(y)) and math.isfinite(r[y]) and x in r]
+    if not good:
+        raise ValueError(f"plot_rows: no row has both {x!r} and a numeric {y!r}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: the GPU box and CI have no display
+    import matplotlib.pyplot as plt
+
+    series = list(dict.fromkeys(r.get(hue) for r in good)) if hue else [None]
+    xs = list(dict.fromkeys(r[x] for r in good))
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.9 * len(xs) * max(1, len(series)) ** 0.5 + 3), 4.5), dpi=120)
+    if kind == "bar":
+        width = 0.8 / len(series)
+        for i, s in enumerate(series):
+            pts = {r[x]: r[y] for r in good if not hue or r.get(hue) == s}
+            pos = [j + (i - (len(series) - 1) / 2) * width for j, xv in enumerate(xs) if xv in pts]
+            vals = [pts[xv] for xv in xs if xv in pts]
+            bars = ax.bar(pos, vals, width, label=None if s is None else str(s))
+            if annotate and len(xs) * len(series) <= 40:
+                ax.bar_label(bars, fmt="%.0f" if max(vals) >= 100 else "%.3g", fontsize=7, rotation=90, padding=2)
+        ax.set_xticks(range(len(xs)), [str(v) for v in xs], rotation=30 if len(xs) > 6 else 0, ha="right" if len(xs) > 6 else "center")
+        ax.margins(y=0.15)
+    else:
+        for s in series:
+            pts = sorted(((r[x], r[y]) for r in good if not hue or r.get(hue) == s), key=lambda p: p[0])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=None if s is None else str(s))
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel or y)
+    if title:
+        ax.set_title(title, fontsize=10)
+    if hue:
+        ax.legend(title=hue, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+__all__ = [
+    "Timing", "time_fn", "peak_memory", "detect_device", "env_info", "git_commit", "default_results_dir",
+    "write_result", "read_result", "format_table", "print_table", "plot_rows", "SCHEMA_VERSION", "REQUIRED_KEYS",
+]

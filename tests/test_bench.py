@@ -1,0 +1,128 @@
+"""thrifty.bench on CPU: result schema round trip, plot, table, timer, argument errors."""
+
+import json
+
+import pytest
+import torch
+
+from thrifty import bench
+
+ROWS = [
+    {"backend": "a", "S": 1024, "rate": 10.0},
+    {"backend": "b", "S": 1024, "rate": 12.5},
+    {"backend": "a", "S": 2048, "rate": 11.0},
+    {"backend": "b", "S": 2048, "error": "RuntimeError: unsupported"},  # error rows are kept, not plotted
+]
+
+
+def test_write_read_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("THRIFTY_COMMIT", "deadbeef")  # used only where no .git is found
+    summary = {"x_tflops": 12.5, "nan_becomes_null": float("nan"), "tensor": torch.tensor(3.0)}
+    path = bench.write_result("unit", ROWS, summary, device="cpu", extra={"note": "hi"}, results_dir=tmp_path)
+    assert path == tmp_path / "unit_cpu.json"
+    doc = bench.read_result(path)
+    for key in bench.REQUIRED_KEYS:
+        assert key in doc
+    assert doc["schema"] == bench.SCHEMA_VERSION and doc["name"] == "unit" and doc["device"] == "cpu"
+    assert doc["rows"] == ROWS
+    assert doc["summary"] == {"x_tflops": 12.5, "nan_becomes_null": None, "tensor": 3.0}
+    assert doc["extra"] == {"note": "hi"}
+    for key in ("date", "commit", "python", "torch", "triton", "transformers", "gpu", "device"):
+        assert key in doc["meta"]
+    assert doc["meta"]["commit"]  # git HEAD here, or $THRIFTY_COMMIT without a checkout
+    json.loads(path.read_text())  # strict JSON, no NaN literals
+
+
+def test_write_result_with_plot(tmp_path):
+    path = bench.write_result("plotted", ROWS, {}, device="cpu", results_dir=tmp_path,
+                              plot=dict(x="S", y="rate", hue="backend", title="t"))
+    png = path.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("kind,logy", [("bar", False), ("line", True)])
+def test_plot_rows(tmp_path, kind, logy):
+    out = bench.plot_rows(ROWS, x="S", y="rate", hue="backend", path=tmp_path / "p.png", kind=kind, logy=logy)
+    assert out.stat().st_size > 1000
+
+
+def test_read_result_rejects_other_json(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('{"rows": []}')
+    with pytest.raises(ValueError, match="missing keys"):
+        bench.read_result(p)
+
+
+def test_format_table_aligned():
+    text = bench.print_table(ROWS, ["backend", "S", "rate", "error"], max_width=12)
+    lines = text.splitlines()
+    assert lines[0].split() == ["backend", "S", "rate", "error"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    assert "RuntimeEr..." in text and "-" in lines[2]  # cut long cells; missing values print as "-"
+    end = lines[0].index("rate") + len("rate")
+    assert lines[2][:end].endswith(" 10") and lines[3][:end].endswith("12.5")  # numbers right-aligned
+
+
+def test_time_fn_cpu_cycles_inputs():
+    seen = []
+    sets = [(torch.full((4,), float(i)),) for i in range(3)]
+    t = bench.time_fn(lambda x: seen.append(int(x[0])), sets, warmup=1, reps=7, device="cpu")
+    assert t.backend == "perf_counter" and t.reps == 7
+    assert seen == [0] + [i % 3 for i in range(7)]  # warm-up, then the timed calls rotate over the sets
+    assert t.median_ms >= 0 and t.min_ms <= t.median_ms and t.spread_pct >= 0
+    assert t.rate(1e9, 1e9) > 0
+
+
+def test_time_fn_factory_and_budget():
+    made = []
+    t = bench.time_fn(lambda a, b: torch.mm(a, b), lambda: made.append(1) or (torch.randn(32, 32), torch.randn(32, 32)),
+                      n_inputs=3, warmup=1, reps=1000, min_reps=4, budget_s=1e-6, device="cpu")
+    assert len(made) == 3
+    assert t.reps == 4  # the budget cut 1000 reps down to min_reps
+
+
+def test_time_fn_no_inputs():
+    calls = []
+    t = bench.time_fn(lambda: calls.append(1), warmup=0, reps=2, device="cpu")
+    assert t.reps == 2 and len(calls) == 2
+
+
+def test_peak_memory_cpu_is_none():
+    assert bench.peak_memory(lambda: torch.ones(3), device="cpu") is None
+
+
+@pytest.mark.cuda
+def test_time_fn_cuda_and_peak_memory():
+    x = torch.randn(1024, 1024, device="cuda")
+    t = bench.time_fn(lambda a: a @ a, [(x,)], warmup=2, reps=5, flush_l2=True)
+    assert t.backend == "cuda-events" and t.median_ms > 0
+    peak = bench.peak_memory(lambda a: a @ a, x)
+    assert peak >= 4 * 1024 * 1024
+
+
+def test_detect_device_cpu():
+    assert bench.detect_device("cpu") == "cpu"
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: bench.time_fn(42), TypeError, "fn: expected a callable"),
+        (lambda: bench.time_fn(print, [], device="cpu"), ValueError, "at least one input set"),
+        (lambda: bench.time_fn(print, "abc", device="cpu"), TypeError, "inputs"),
+        (lambda: bench.time_fn(print, reps=0, device="cpu"), ValueError, "reps"),
+        (lambda: bench.time_fn(print, warmup=-1, device="cpu"), ValueError, "warmup"),
+        (lambda: bench.time_fn(print, budget_s=0, device="cpu"), ValueError, "budget_s"),
+        (lambda: bench.write_result("bad name", [], {}, device="cpu"), ValueError, "name"),
+        (lambda: bench.write_result("ok", {"a": 1}, {}, device="cpu"), TypeError, "rows"),
+        (lambda: bench.write_result("ok", [1], {}, device="cpu"), TypeError, r"rows\[0\]"),
+        (lambda: bench.write_result("ok", [], [], device="cpu"), TypeError, "summary"),
+        (lambda: bench.write_result("ok", [], {}, device="../x"), ValueError, "device"),
+        (lambda: bench.plot_rows(ROWS, x="S", y="rate", path="p.png", kind="pie"), ValueError, "kind"),
+        (lambda: bench.plot_rows(ROWS, x="S", y="nope", path="p.png"), ValueError, "no row"),
+        (lambda: bench.format_table(ROWS, "backend"), TypeError, "columns"),
+    ],
+)
+def test_argument_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
