@@ -19,13 +19,27 @@ def _device(name: str):
     return torch.device(name)
 
 
+def _corpus(corpus_dir, max_mb=None, reuse=False):
+    """The Debian corpus by default; with ``--corpus DIR`` only that folder, built into its own data folder.
+    ``reuse``: take a corpus already built by ``thrifty setup`` (whatever its size cap) as it is."""
+    from .data import prepare_corpus
+    from .paths import data_dir
+
+    if corpus_dir is None:
+        built = data_dir() / "corpus"
+        if reuse and (built / "manifest.json").is_file():
+            return built
+        return prepare_corpus(max_mb=max_mb)
+    name = Path(corpus_dir).resolve().name or "root"
+    return prepare_corpus(out_dir=data_dir() / f"corpus-{name}", sources=(), corpus_dir=corpus_dir, max_mb=max_mb)
+
+
 def cmd_setup(args) -> int:
     from . import pretrained
-    from .data import prepare_corpus
 
     path = pretrained.ensure_converted()
     print(f"model: {path}")
-    corpus = prepare_corpus(corpus_dir=args.corpus, max_mb=args.max_mb)
+    corpus = _corpus(args.corpus, args.max_mb)
     print(f"corpus: {corpus}")
     return 0
 
@@ -35,7 +49,7 @@ def cmd_demo(args) -> int:
     import torch
 
     from . import pretrained
-    from .data import TokenDataset, prepare_corpus
+    from .data import TokenDataset
     from .models import LlamaForCausalLM, generate
     from .train import Trainer, TrainConfig
 
@@ -46,8 +60,8 @@ def cmd_demo(args) -> int:
     t0 = time.perf_counter()
     model_dir = pretrained.ensure_converted()
     tokenizer = pretrained.load_tokenizer()
-    corpus = prepare_corpus(corpus_dir=args.corpus)
-    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
+    corpus = _corpus(args.corpus, reuse=True)
+    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "validation")
     model = LlamaForCausalLM.from_pretrained(model_dir, device=device)
     cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq_len, lr=2e-5, warmup_steps=min(5, steps),
                       min_lr_ratio=1.0, weight_decay=0.0, eval_batches=args.eval_batches)
@@ -79,13 +93,13 @@ def cmd_pretrain(args) -> int:
     """Pre-trains a preset-sized reference model from scratch on the corpus; writes checkpoint, history, plot."""
     import torch
 
-    from .data import TokenDataset, prepare_corpus
+    from .data import TokenDataset
     from .models import LlamaForCausalLM, preset
     from .train import Trainer, TrainConfig
 
     device = _device(args.device)
-    corpus = prepare_corpus(corpus_dir=args.corpus)
-    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
+    corpus = _corpus(args.corpus, reuse=True)
+    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "validation")
     with torch.device(device):
         model = LlamaForCausalLM(preset(args.preset)).init_weights(seed=args.seed)
     if args.loss != "torch":
