@@ -56,7 +56,8 @@ def cmd_demo(args) -> int:
     device = _device(args.device)
     on_gpu = device.type == "cuda"
     steps = args.steps if args.steps is not None else (50 if on_gpu else 4)
-    seq_len, batch = (512, 16) if on_gpu else (256, 4)
+    seq_len = args.seq_len or (512 if on_gpu else 256)
+    batch = args.batch_size or (16 if on_gpu else 4)
     t0 = time.perf_counter()
     model_dir = pretrained.ensure_converted()
     tokenizer = pretrained.load_tokenizer()
@@ -170,6 +171,8 @@ def main(argv=None) -> int:
     d.add_argument("--device", default="auto")
     d.add_argument("--steps", type=int, default=None, help="training steps (default 4 on CPU, 50 on GPU)")
     d.add_argument("--eval-batches", type=int, default=4)
+    d.add_argument("--seq-len", type=int, default=None, help="default 256 on CPU, 512 on GPU")
+    d.add_argument("--batch-size", type=int, default=None, help="default 4 on CPU, 16 on GPU")
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--new-tokens", type=int, default=30)
     d.add_argument("--report", default=None, help="also write the report as JSON here")
