@@ -1,0 +1,16 @@
+"""Quantized attention after SageAttention2 (arXiv 2411.10958): INT8 (or INT4-range) Q·Kᵀ with K smoothing,
+FP8 P̃·V with two-level accumulation, a Triton forward for CUDA and a readable PyTorch reference.
+
+    from thrifty.attention import sage_attention
+    out = sage_attention(q, k, v, causal=True)            # (B, H, S, D); GQA when k has fewer heads
+
+Models: ``model.set_attention(sage_seam())`` (reference Llama), ``enable_hf(model)`` (transformers),
+``apply_plan(model, calibrate(model, batches))`` (per-layer 4/8 bits). See NOTES.md for the kernel's numbers.
+"""
+
+from .api import apply_plan, calibrate, load_plan, sage_attention, sage_seam, save_plan
+from .hf import disable_hf, enable_hf
+from .reference import accuracy_metrics, exact_attention, sage_attention_reference
+
+__all__ = ["sage_attention", "sage_seam", "calibrate", "save_plan", "load_plan", "apply_plan", "enable_hf",
+           "disable_hf", "sage_attention_reference", "exact_attention", "accuracy_metrics"]

@@ -1,0 +1,102 @@
+"""The Triton SageAttention kernel against the reference (same tile sizes, so the same quantization groups).
+
+On CPU the kernel runs in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1): sizes stay
+small. The ``cuda`` tests run on the GPU box at real sizes."""
+
+import pytest
+import torch
+
+from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.triton_utils import interpreting
+
+pytestmark = pytest.mark.skipif(not (interpreting() or torch.cuda.is_available()),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _blocks(D):
+    from thrifty.attention.attn_kernel import kernel_config
+    cfg = kernel_config(D, torch.device(DEVICE))
+    return dict(block_m=cfg["block_m"], block_n=cfg["block_n"])
+
+
+def _inputs(B, H, Hkv, Sq, Sk, D, dtype=torch.float32, seed=0, k_bias=4.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g) * 1.5
+    k = torch.randn(B, Hkv, Sk, D, generator=g) * 1.5 + k_bias * torch.randn(D, generator=g)
+    v = torch.randn(B, Hkv, Sk, D, generator=g)
+    return [x.to(DEVICE, dtype) for x in (q, k, v)]
+
+
+CASES = [  # B, H, Hkv, Sq, Sk, causal
+    (1, 2, 2, 64, 64, False),
+    (1, 2, 2, 64, 64, True),
+    (2, 4, 2, 37, 53, False),  # GQA, odd lengths, q_len != kv_len
+    (1, 4, 1, 21, 70, True),   # causal with fewer queries than keys: queries are the last positions
+    (1, 2, 1, 45, 19, True),   # more queries than keys: the first rows see nothing
+]
+
+
+@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,causal", CASES)
+def test_kernel_matches_reference_int8_fp8(B, H, Hkv, Sq, Sk, causal):
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, 64)
+    out, lse = sage_attention(q, k, v, causal=causal, impl="triton", return_lse=True)
+    ref, ref_lse = sage_attention_reference(q, k, v, causal=causal, return_lse=True, **_blocks(64))
+    assert (out - ref).abs().max() < 1e-4
+    finite = ref_lse.isfinite()
+    assert torch.equal(finite, lse.isfinite()) and (lse - ref_lse)[finite].abs().max() < 1e-4
+    exact = exact_attention(q, k, v, causal=causal)
+    assert accuracy_metrics(out, exact)["cos_sim"] > 0.999
+
+
+@pytest.mark.parametrize("opts", [dict(qk_bits=4), dict(pv="fp16"), dict(smooth_v=True), dict(smooth_k=False)])
+def test_kernel_modes(opts):
+    q, k, v = _inputs(1, 2, 1, 40, 40, 64)
+    out = sage_attention(q, k, v, causal=True, impl="triton", **opts)
+    ref_opts = dict(opts)
+    if "qk_bits" in ref_opts:
+        ref_opts["qk_format"] = "int4" if ref_opts.pop("qk_bits") == 4 else "int8"
+    ref = sage_attention_reference(q, k, v, causal=True, **ref_opts, **_blocks(64))
+    assert (out - ref).abs().max() < 1e-3
+
+
+def test_kernel_bf16_and_bshd_layout():
+    q, k, v = _inputs(1, 2, 2, 33, 33, 64, dtype=torch.bfloat16)
+    out = sage_attention(*(x.transpose(1, 2) for x in (q, k, v)), impl="triton", layout="bshd")
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 33, 2, 64)
+    ref = sage_attention_reference(q, k, v, **_blocks(64))
+    assert (out.transpose(1, 2).float() - ref.float()).abs().max() < 2e-2  # bf16 output rounding
+
+
+def test_unsupported_head_dim_falls_back_to_sdpa_with_warning():
+    q, k, v = _inputs(1, 2, 2, 16, 16, 48)
+    with pytest.warns(UserWarning, match="head_dim 48"):
+        out = sage_attention(q, k, v, impl="triton")
+    assert (out - exact_attention(q, k, v)).abs().max() < 1e-4
+
+
+def test_smooth_q_is_reference_only():
+    q, k, v = _inputs(1, 2, 2, 16, 16, 64)
+    with pytest.raises(ValueError, match="smooth_q"):
+        sage_attention(q, k, v, impl="triton", smooth_q=True)
+
+
+# ------------------------------------------------------------------------------------------------ GPU only
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_kernel_real_sizes(D, causal):
+    q, k, v = _inputs(2, 8, 2, 1000, 1000, D, dtype=torch.bfloat16)
+    out = sage_attention(q, k, v, causal=causal)
+    ref = sage_attention_reference(q, k, v, causal=causal, **_blocks(D))
+    assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
+    exact = exact_attention(q, k, v, causal=causal, dtype=torch.float32)
+    assert accuracy_metrics(out, exact)["cos_sim"] > 0.999
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_odd_lengths_and_lse():
+    q, k, v = _inputs(1, 8, 4, 333, 1111, 128, dtype=torch.float16)
+    out, lse = sage_attention(q, k, v, causal=True, return_lse=True)
+    exact, exact_lse = exact_attention(q, k, v, causal=True, return_lse=True)
+    assert accuracy_metrics(out, exact)["cos_sim"] > 0.999 and (lse - exact_lse).abs().max() < 0.1
