@@ -37,3 +37,16 @@ def test_unknown_preset_is_rejected():
 
     with pytest.raises(ValueError, match="preset"):
         preset("7b")
+
+
+def test_compress_decompress_subcommands(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "w.safetensors"
+    weights = {"a": (torch.randn(33, 17) * 0.02).bfloat16(), "b": torch.randn(5)}
+    save_file(weights, str(src))
+    assert main(["compress", str(src), str(tmp_path / "w.nz")]) == 0
+    assert main(["decompress", str(tmp_path / "w.nz"), str(tmp_path / "back.safetensors")]) == 0
+    back = load_file(str(tmp_path / "back.safetensors"))
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in weights.items())

@@ -104,9 +104,11 @@ def cmd_pretrain(args) -> int:
     with torch.device(device):
         model = LlamaForCausalLM(preset(args.preset)).init_weights(seed=args.seed)
     if args.loss != "torch":
-        from .loss import make_loss_fn
+        import functools
 
-        model.set_loss(make_loss_fn(impl=args.loss))
+        from .loss import lm_loss
+
+        model.set_loss(functools.partial(lm_loss, impl=args.loss))
     if args.compile:
         model.model.compile()
     out = Path(args.out)
@@ -191,11 +193,18 @@ def main(argv=None) -> int:
     t.add_argument("--out", default="runs/pretrain")
     sub.add_parser("stage", help="stage model + corpus onto the GPU box in parts (see thrifty stage -h)",
                    add_help=False)
+    sub.add_parser("compress", help="NeuZip-compress a .safetensors file (see thrifty compress -h)", add_help=False)
+    sub.add_parser("decompress", help="restore a NeuZip file to .safetensors (see thrifty decompress -h)",
+                   add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "stage":
         from .stage import main as stage_main
 
         return stage_main(rest)
+    if args.cmd in ("compress", "decompress"):
+        from .neuzip import cli as neuzip_cli
+
+        return getattr(neuzip_cli, f"{args.cmd}_main")(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain}[args.cmd](args)

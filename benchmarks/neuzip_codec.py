@@ -1,0 +1,260 @@
+"""NeuZip codec on the GPU: ratio (lossless, k = 0/1/3/7), bits per exponent vs entropy, decode GB/s vs DFloat11
+0.5.0 and vs the HBM copy bandwidth, on real weights (SmolLM2-135M layers, carried in .neuzip_tensors/) and a
+Llama-shaped random init made here. Every decode is checked bit for bit against the original first.
+
+    python benchmarks/neuzip_codec.py [--tensors .neuzip_tensors/smollm2_layers.safetensors] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from thrifty import bench
+from thrifty.neuzip import compress
+from thrifty.neuzip import reference as R
+from thrifty.neuzip.decode_kernel import decode_into
+
+DEV = "cuda"
+# (groups_per_prog, num_warps, first-level 8-bit table, pipelined v2 kernel); v1 = pipelined False
+LAUNCHES = [(g, w, small, pipe) for pipe in (True, False) for small in (True, False)
+            for g, w in ((1, 1), (1, 2), (2, 2), (2, 4), (1, 4), (4, 4))]
+
+
+def load_real(path):
+    from safetensors.torch import load_file
+
+    if not os.path.exists(path):
+        return {}
+    return {k: v.bfloat16().contiguous() for k, v in sorted(load_file(path).items())}
+
+
+def llama_init(seed=0):
+    """Llama-7B-shaped matrices with the usual N(0, 0.02) init, as bf16."""
+    g = torch.Generator().manual_seed(seed)
+    return {"q_proj_4096x4096": (torch.randn(4096, 4096, generator=g) * 0.02).bfloat16(),
+            "gate_proj_11008x4096": (torch.randn(11008, 4096, generator=g) * 0.02).bfloat16()}
+
+
+# --------------------------------------------------------------------------------------------- DFloat11
+def dfloat11_module():
+    """dfloat11's encoder (dfloat11_utils) and its PTX decode kernel, without importing dfloat11/__init__
+    (which pulls in accelerate/transformers and pkg_resources)."""
+    spec = importlib.util.find_spec("dfloat11")
+    if spec is None:
+        return None
+    pkg = spec.submodule_search_locations[0]
+    u_spec = importlib.util.spec_from_file_location("df11_utils", os.path.join(pkg, "dfloat11_utils.py"))
+    utils = importlib.util.module_from_spec(u_spec)
+    u_spec.loader.exec_module(utils)
+    if not torch.cuda.is_available():
+        return utils, None
+    import cupy as cp
+
+    kernel = cp.RawModule(path=os.path.join(pkg, "decode.ptx")).get_function("decode")
+    return utils, kernel
+
+
+def dfloat11_encode(utils, weights, threads=512, bytes_per_thread=8):
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its code table
+        _, counter = utils.get_codec(torch.cat([w.reshape(-1) for w in weights]))
+        codec, _, table = utils.get_32bit_codec(counter)
+        luts = utils.get_luts(table)
+        enc, other, pos, gaps, _ = utils.encode_weights([w.reshape(-1) for w in weights], codec, bytes_per_thread,
+                                                       threads)
+    pos_np = pos.numpy().astype(np.int64)
+    shared = threads * 4 + 4 + int((pos_np[1:] - pos_np[:-1]).max()) * 2
+    parts = {"luts": luts, "encoded": enc, "other": other, "pos": pos.view(torch.int32), "gaps": gaps}
+    nbytes = sum(t.numel() * t.element_size() for t in parts.values())
+    return parts, shared, nbytes
+
+
+def dfloat11_decoder(kernel, parts, shared, n, threads=512, bytes_per_thread=8):
+    import cupy as cp
+
+    d = {k: v.cuda() for k, v in parts.items()}
+    out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    n_bytes = d["encoded"].numel()
+    grid = ((n_bytes + threads * bytes_per_thread - 1) // (threads * bytes_per_thread),)
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+    def run():
+        kernel(grid=grid, block=(threads,), shared_mem=shared, stream=stream,
+               args=[d["luts"].data_ptr(), d["encoded"].data_ptr(), d["other"].data_ptr(), d["pos"].data_ptr(),
+                     d["gaps"].data_ptr(), out.data_ptr(), d["luts"].shape[0], n_bytes, n])
+    return run, out
+
+
+# ----------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tensors", default=".neuzip_tensors/smollm2_layers.safetensors")
+    p.add_argument("--quick", action="store_true", help="fewer launch configs and reps")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under TRITON_INTERPRET=1")
+    args = p.parse_args(argv)
+    global DEV
+    DEV = "cpu" if args.smoke else "cuda"
+    assert args.smoke or torch.cuda.is_available(), "needs CUDA (or --smoke with TRITON_INTERPRET=1)"
+    launches = LAUNCHES[::5] if args.quick else LAUNCHES
+    rows, t_start = [], time.time()
+
+    # HBM copy bandwidth, same run: 1 GiB device-to-device, bytes read + written
+    src = torch.empty(2**16 if args.smoke else 2**29, dtype=torch.bfloat16, device=DEV).normal_()
+    dst = torch.empty_like(src)
+    t = bench.time_fn(lambda: dst.copy_(src), reps=20, device=DEV)
+    copy_gbps = 2 * src.numel() * 2 / (t.median_ms * 1e-3) / 1e9
+    rows.append({"set": "copy_1GiB", "codec": "torch.copy_", "decode_gbps": copy_gbps / 2, "copy_rw_gbps": copy_gbps})
+    print(f"HBM copy: {copy_gbps:.0f} GB/s read+write", flush=True)
+    del src, dst
+
+    real = load_real(args.tensors)
+    if args.smoke:
+        real = {k: v.reshape(-1)[:3000] for k, v in list(real.items())[:2]}
+        init = {k: v[:2] for k, v in llama_init().items()}
+    else:
+        init = llama_init()
+    sets = {}
+    if real:
+        sets["smollm2_layers_concat"] = [torch.cat([w.reshape(-1) for w in real.values()])]
+    sets.update({k: [v] for k, v in init.items()})  # made here, not carried
+    df11 = dfloat11_module() if importlib.util.find_spec("dfloat11") else None
+    print(f"sets: {list(sets)}; real tensors: {len(real)}; dfloat11: {df11 is not None}", flush=True)
+
+    # ---- ratios (lossless and lossy) on the real matrices, per matrix as stored, and on the init
+    ratio_rows = []
+    for set_name, tensors in (("smollm2_layers", list(real.values())), ("llama_init", [init["q_proj_4096x4096"]])):
+        if not tensors:
+            continue
+        orig = sum(t.numel() * 2 for t in tensors)
+        for k in (None, 0, 1, 3, 7):
+            cs = [compress(t, k) for t in tensors]
+            row = {"set": set_name, "codec": "neuzip", "mantissa_bits": "lossless" if k is None else k,
+                   "ratio": sum(c.nbytes for c in cs) / orig}
+            if k is None:
+                counts = sum(np.bincount(R.split_symbols(R._uint_view(t), t.dtype)[0], minlength=256) for t in tensors)
+                row["entropy_bits"] = R.entropy_bits(counts)  # pooled; per-matrix codes can do slightly better
+                row["coded_bits"] = sum(c.symbol_bits * c.numel for c in cs) / sum(c.numel for c in cs)
+                row["entropy_bound_ratio"] = (8 + sum(c.symbol_entropy * c.numel for c in cs)
+                                              / sum(c.numel for c in cs)) / 16
+            ratio_rows.append(row)
+            print(row, flush=True)
+
+    # ---- decode throughput, bit-exact check first
+    summary = {"copy_gbps": copy_gbps}
+    for set_name, tensors in sets.items():
+        x = tensors[0]
+        n = x.numel()
+        c = compress(x).to(DEV)
+        table, small_tab = c._table(DEV)
+        s = c.streams
+        out = torch.empty(n, dtype=torch.bfloat16, device=DEV)
+        x_gpu = x.reshape(-1).to(DEV)
+        best = v1_best = None
+        for g, w, small, pipe in launches:
+            out.fill_(0)
+            run = lambda: decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], table, out, 7,
+                                      groups_per_prog=g, num_warps=w, small_table=small_tab if small else None,
+                                      pipelined=pipe)
+            run()
+            exact = torch.equal(out.view(torch.int16), x_gpu.view(torch.int16))
+            t = bench.time_fn(run, reps=2 if args.smoke else 30 if args.quick else 100, flush_l2=True, device=DEV)
+            gbps = 2 * n / (t.median_ms * 1e-3) / 1e9
+            name = f"g{g}w{w}{'s' if small else 'f'}{'v2' if pipe else 'v1'}"
+            row = {"set": set_name, "codec": f"neuzip {name}", "kernel": "v2" if pipe else "v1", "n": n, "ratio": c.ratio, "exact": exact,
+                   "us": t.median_ms * 1e3, "decode_gbps": gbps, "spread_pct": t.spread_pct}
+            rows.append(row)
+            print(row, flush=True)
+            assert exact, f"neuzip decode not bit-exact on {set_name} with {g, w}"
+            if best is None or gbps > best["decode_gbps"]:
+                best, best_launch = row, (g, w, small, pipe)
+            if v1_best is None or (not pipe and gbps > v1_best["decode_gbps"]):
+                v1_best = row if not pipe else v1_best
+        best = dict(best, codec="neuzip (best launch)", launch=best["codec"].split()[1])
+        if v1_best is not None:
+            rows.append(dict(v1_best, codec="neuzip v1 (best launch)", launch=v1_best["codec"].split()[1]))
+        rows.append(best)
+        if df11 is not None and df11[1] is not None and n <= 20_000_000:  # its Python encoder runs ~0.8M symbols/s: skip the 45M matrix
+            t0 = time.time()
+            parts, shared, nbytes = dfloat11_encode(df11[0], [x])
+            enc_s = time.time() - t0
+            run, dout = dfloat11_decoder(df11[1], parts, shared, n)
+            run()
+            torch.cuda.synchronize()
+            exact = torch.equal(dout.view(torch.int16), x_gpu.view(torch.int16))
+            t = bench.time_fn(run, reps=30 if args.quick else 100, flush_l2=True)
+            row = {"set": set_name, "codec": "dfloat11 0.5.0", "n": n, "ratio": nbytes / (2 * n), "exact": exact,
+                   "us": t.median_ms * 1e3, "decode_gbps": 2 * n / (t.median_ms * 1e-3) / 1e9,
+                   "spread_pct": t.spread_pct, "encode_s": enc_s}
+            rows.append(row)
+            print(row, flush=True)
+            best["vs_dfloat11"] = best["decode_gbps"] / row["decode_gbps"]
+        best["of_copy_rw"] = best["decode_gbps"] / copy_gbps
+        print("BEST", best, flush=True)
+        del out, x_gpu
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+
+    # lossy decode speed (k = 3) on the 4096^2 init
+    x = init["q_proj_4096x4096"]
+    c3 = compress(x, 3).to(DEV)
+    ref3 = c3.decompress(impl="reference").to(DEV)
+    out = torch.empty_like(ref3)
+    s3, (tab3, small3) = c3.streams, c3._table(DEV)
+    g, w, small, pipe = best_launch
+    run = lambda: decode_into(s3["words"], s3["lane_bits"], s3["group_offsets"], s3["raw"], tab3, out, 3,
+                              groups_per_prog=g, num_warps=w, small_table=small3 if small else None, pipelined=pipe)
+    run()
+    exact = torch.equal(out.view(torch.int16), ref3.view(torch.int16))
+    t = bench.time_fn(run, reps=2 if args.smoke else 50, flush_l2=True, device=DEV)
+    rows.append({"set": "q_proj_4096x4096", "codec": "neuzip k=3", "n": x.numel(), "ratio": c3.ratio,
+                 "exact": exact, "us": t.median_ms * 1e3, "decode_gbps": 2 * x.numel() / (t.median_ms * 1e-3) / 1e9})
+    print(rows[-1], flush=True)
+
+    bests = {r["set"]: r for r in rows if r.get("codec") == "neuzip (best launch)"}
+    dfs = {r["set"]: r for r in rows if r.get("codec") == "dfloat11 0.5.0"}
+    head = "smollm2_layers_concat" if "smollm2_layers_concat" in bests else "q_proj_4096x4096"
+    lossless_real = [r for r in ratio_rows if r["set"] == "smollm2_layers" and r["mantissa_bits"] == "lossless"]
+    summary.update({
+        "lossless_ratio_real": lossless_real[0]["ratio"] if lossless_real else None,
+        "lossless_ratio_llama_init": [r for r in ratio_rows if r["set"] == "llama_init"
+                                      and r["mantissa_bits"] == "lossless"][0]["ratio"],
+        "decode_gbps": bests[head]["decode_gbps"],
+        "decode_set": head,
+        "decode_ratio_vs_dfloat11": (bests[head]["decode_gbps"] / dfs[head]["decode_gbps"]) if head in dfs else None,
+        "decode_of_copy_rw": bests[head]["decode_gbps"] / copy_gbps,
+        "dfloat11_gbps": dfs[head]["decode_gbps"] if head in dfs else None,
+        "all_exact": all(r.get("exact", True) for r in rows),
+        "seconds": time.time() - t_start,
+    })
+    for name, r in bests.items():
+        summary[f"decode_gbps_{name}"] = r["decode_gbps"]
+        if name in dfs:
+            summary[f"dfloat11_gbps_{name}"] = dfs[name]["decode_gbps"]
+            summary[f"dfloat11_ratio_{name}"] = dfs[name]["ratio"]
+    print("SUMMARY", summary, flush=True)
+    plot_rows = [r for r in rows if r["codec"] in ("neuzip (best launch)", "neuzip v1 (best launch)",
+                                                   "dfloat11 0.5.0", "torch.copy_", "neuzip k=3")]
+    path = bench.write_result("neuzip_codec", rows + ratio_rows, summary, device="smoke" if args.smoke else None,
+                              extra={"dfloat11": "0.5.0", "copy": "1 GiB bf16 copy_, read+write bytes",
+                                     "decode_gbps": "bytes of bf16 output per second, L2 flushed before each call",
+                                     "real_weights": "SmolLM2-135M layers 0/14/29 (Q4_1-dequantized GGUF -> "
+                                                     "fp32 -> bf16: exponent statistics are distorted)"})
+    try:
+        bench.plot_rows(plot_rows, x="set", y="decode_gbps", hue="codec", path=path.with_suffix(".png"),
+                        title="decode, GB/s of bf16 output (copy_: half the read+write copy rate)")
+    except Exception as err:  # a plot failure must not lose the numbers
+        print("plot failed:", err)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

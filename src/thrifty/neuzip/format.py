@@ -1,0 +1,161 @@
+"""On-disk format: a safetensors file of uint8 streams + header metadata; checked before anything is used.
+
+Layout: for tensor NAME, the safetensors entries ``NAME::words``, ``::lane_bits``, ``::group_offsets``,
+``::raw``, ``::lengths`` (NeuZip codec) or ``NAME::data`` (codec "plain": dtypes NeuZip does not code, e.g.
+int64), each stored as flat uint8 (little-endian bytes). The header's ``__metadata__`` holds
+``thrifty.neuzip.format`` = FORMAT_VERSION and ``thrifty.neuzip.tensors`` = JSON {NAME: {codec, dtype,
+shape, mantissa_bits, crc32, ...}}. ``load`` parses the header, checks the version, every tensor's streams,
+sizes and CRC32, and only then returns tensors: a corrupted, truncated or foreign file raises ValueError
+naming the file (and the tensor). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+import torch
+
+from . import reference as R
+from .tensor import CompressedTensor
+
+FORMAT_VERSION = 1
+VERSION_KEY = "thrifty.neuzip.format"
+TENSORS_KEY = "thrifty.neuzip.tensors"
+STREAMS = {"words": torch.int32, "lane_bits": torch.int16, "group_offsets": torch.int64, "raw": torch.uint8,
+           "lengths": torch.uint8}
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
+
+Entry = Union[CompressedTensor, torch.Tensor]  # a plain tensor is stored uncompressed ("plain" codec)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def save(path, entries: dict) -> None:
+    """Writes {name: CompressedTensor or plain tensor} to ``path`` (safetensors)."""
+    from safetensors.numpy import save_file
+
+    arrays, meta = {}, {}
+    for name, e in entries.items():
+        if "::" in name:
+            raise ValueError(f"entries: tensor name {name!r} must not contain '::'")
+        if isinstance(e, CompressedTensor):
+            for key in STREAMS:
+                arrays[f"{name}::{key}"] = _bytes(e.streams[key])
+            meta[name] = {"codec": "neuzip", "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
+                          "mantissa_bits": e.mantissa_bits, "steps": R.STEPS, "group": R.GROUP,
+                          "max_code_bits": R.MAX_CODE_BITS, "crc32": e.crc32()}
+        elif isinstance(e, torch.Tensor):
+            data = _bytes(e)
+            arrays[f"{name}::data"] = data
+            meta[name] = {"codec": "plain", "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
+                          "crc32": zlib.crc32(data.tobytes())}
+        else:
+            raise TypeError(f"entries[{name!r}]: expected a CompressedTensor or a torch.Tensor, got {type(e).__name__}")
+    save_file(arrays, str(path), metadata={VERSION_KEY: str(FORMAT_VERSION), TENSORS_KEY: json.dumps(meta)})
+
+
+def _header(path: Path, data: bytes) -> dict:
+    if len(data) < 8:
+        raise ValueError(f"{path}: not a neuzip file (only {len(data)} bytes)")
+    (size,) = struct.unpack("<Q", data[:8])
+    if size > len(data) - 8:
+        raise ValueError(f"{path}: truncated or not a safetensors file (header of {size} bytes, file {len(data)})")
+    try:
+        header = json.loads(data[8: 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: corrupted header ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupted header (not a JSON object)")
+    return header
+
+
+def load(path, device="cpu") -> dict:
+    """Reads and checks a file written by :func:`save`; returns {name: CompressedTensor or tensor}."""
+    from safetensors.numpy import load as st_load
+
+    path = Path(path)
+    data = path.read_bytes()
+    header = _header(path, data)
+    meta = header.get("__metadata__") or {}
+    version = meta.get(VERSION_KEY)
+    if version is None:
+        raise ValueError(f"{path}: not a thrifty neuzip file (no {VERSION_KEY!r} in the header)")
+    if version != str(FORMAT_VERSION):
+        raise ValueError(f"{path}: neuzip format version {version!r}, this thrifty reads version {FORMAT_VERSION}")
+    try:
+        tensors_meta = json.loads(meta.get(TENSORS_KEY, ""))
+        arrays = st_load(data)
+    except Exception as err:  # safetensors raises its own error type for bad offsets / sizes
+        raise ValueError(f"{path}: corrupted or truncated file ({type(err).__name__}: {err})") from None
+    if not isinstance(tensors_meta, dict):
+        raise ValueError(f"{path}: corrupted tensor table in the header")
+    out = {}
+    for name, m in tensors_meta.items():  # check everything first, build tensors only when all are good
+        out[name] = _check_entry(path, name, m, arrays)
+    expected = {f"{n}::{k}" for n, m in tensors_meta.items()
+                for k in (STREAMS if m.get("codec") == "neuzip" else ("data",))}
+    if set(arrays) != expected:
+        raise ValueError(f"{path}: streams {sorted(set(arrays) ^ expected)[:4]} do not match the tensor table")
+    return {k: (v.to(device) if device is not None else v) for k, v in out.items()}
+
+
+def _check_entry(path: Path, name: str, m, arrays: dict) -> Entry:
+    where = f"{path}: tensor {name!r}"
+    try:
+        codec, dtype, shape = m["codec"], _DTYPE_NAMES[m["dtype"]], [int(d) for d in m["shape"]]
+        crc = int(m["crc32"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{where}: corrupted metadata {m!r}") from None
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{where}: bad shape {shape}")
+    numel = int(np.prod(shape, dtype=np.int64))
+    if codec == "plain":
+        data = arrays.get(f"{name}::data")
+        if data is None or data.size != numel * torch.empty((), dtype=dtype).element_size():
+            raise ValueError(f"{where}: missing or truncated data")
+        if zlib.crc32(data.tobytes()) != crc:
+            raise ValueError(f"{where}: checksum mismatch (file corrupted)")
+        return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
+    if codec != "neuzip":
+        raise ValueError(f"{where}: unknown codec {codec!r}")
+    if dtype not in R.DTYPES:
+        raise ValueError(f"{where}: dtype {dtype} cannot be NeuZip-coded")
+    params = (m.get("steps"), m.get("group"), m.get("max_code_bits"))
+    if params != (R.STEPS, R.GROUP, R.MAX_CODE_BITS):
+        raise ValueError(f"{where}: codec parameters {params} differ from this version's "
+                         f"{(R.STEPS, R.GROUP, R.MAX_CODE_BITS)}")
+    k = m.get("mantissa_bits")
+    if k is not None and (dtype != torch.bfloat16 or k not in (0, 1, 3)):
+        raise ValueError(f"{where}: bad mantissa_bits {k!r}")
+    streams = {}
+    for key, sdtype in STREAMS.items():
+        a = arrays.get(f"{name}::{key}")
+        size = torch.empty((), dtype=sdtype).element_size()
+        if a is None or a.ndim != 1 or a.size % size:
+            raise ValueError(f"{where}: stream {key!r} missing or truncated")
+        streams[key] = torch.from_numpy(a.copy()).view(sdtype)
+    # sizes implied by the element count: a mismatch means truncation or a forged header
+    groups = -(-numel // (R.GROUP * R.STEPS))
+    kept, field_bits = R.field_layout(dtype, k)
+    want = {"lane_bits": groups * R.GROUP, "group_offsets": groups, "lengths": 256,
+            "raw": -(-numel * field_bits // 8)}
+    for key, n in want.items():
+        if streams[key].numel() != n:
+            raise ValueError(f"{where}: stream {key!r} has {streams[key].numel()} entries, expected {n}")
+    ct = CompressedTensor(streams, dtype, shape, k)
+    if ct.crc32() != crc:
+        raise ValueError(f"{where}: checksum mismatch (file corrupted)")
+    total_bits = int(streams["lane_bits"].numpy().view(np.uint16).astype(np.int64).sum())
+    if (streams["words"].numel() != -(-total_bits // 32) + R.WORD_PAD
+            or int(streams["lengths"].max()) > R.MAX_CODE_BITS):
+        raise ValueError(f"{where}: inconsistent streams")
+    return ct

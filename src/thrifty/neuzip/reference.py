@@ -1,0 +1,326 @@
+"""NeuZip codec, the spec and the CPU path (NumPy, vectorized across lanes).
+
+Layout of one compressed tensor of N elements (bf16, fp16 or fp32, read as raw bits):
+
+* Each element is split into an 8-bit **symbol** (entropy coded) and a **raw field** (stored as is):
+  - bf16 / fp32: symbol = the 8-bit exponent; raw = sign + mantissa (8 / 24 bits).
+  - fp16: symbol = the 5-bit exponent + the top 3 mantissa bits (bits 14..7), so that fp16 shares bf16's
+    byte layout; raw = sign + the low 7 mantissa bits.
+  - lossy bf16 (``mantissa_bits=k``, k in {0, 1, 3}): the mantissa is first rounded to k bits (round to
+    nearest even, carry into the exponent), raw = sign + k bits, packed 8/(k+1) fields per byte.
+* Symbols are coded with one **canonical Huffman code per tensor**, lengths <= ``MAX_CODE_BITS`` (12), over
+  the symbols that occur. The code is stored once as 256 code lengths.
+* **Lanes**: elements are cut into groups of ``GROUP * STEPS`` (64 * 256) consecutive elements; lane j of a
+  group decodes elements j, j + 64, j + 128, ... (256 of them). So at every step the 64 lanes of a group
+  read/write 64 *consecutive* elements (coalesced on a GPU) while each lane has its own bit stream. Lane
+  streams are concatenated MSB-first into 32-bit words; ``lane_bits`` (uint16) holds each lane's length and
+  ``group_offsets`` (int64) each group's first bit, so every lane starts at
+  group_offset + (exclusive prefix sum of the lane lengths within its group) and decodes independently.
+  Metadata cost: 16 bits / 256 symbols = 0.0625 bits per weight (+ 64 bits per 16384 elements).
+
+The decoder below is the same lane-parallel algorithm as the Triton kernel (a Python loop over the 256
+steps, NumPy over all lanes), so both give the same bits by construction.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_CODE_BITS = 12  # one 4096-entry decode table; costs ~0.003 bits/symbol vs unlimited Huffman
+GROUP = 64  # lanes per group: 64 consecutive elements per step (128 B of bf16)
+STEPS = 256  # symbols per lane; 256 * 12 bits < 2^16, so a lane's length fits uint16
+WORD_PAD = 4  # zero words after the stream so a decoder's look-ahead never reads past the end
+
+# dtype -> (bits per element, position of the symbol's lowest bit, raw bits kept below the symbol)
+DTYPES = {
+    torch.bfloat16: (16, 7, 7),
+    torch.float16: (16, 7, 7),
+    torch.float32: (32, 23, 23),
+}
+LOSSY_MANTISSA_BITS = (0, 1, 3, 7)  # bf16 only; 7 is every bf16 mantissa bit, i.e. lossless
+
+
+# ----------------------------------------------------------------------------------------- bit fields
+def _uint_view(x: torch.Tensor) -> np.ndarray:
+    """The raw bits of a float tensor as an unsigned NumPy array (uint16 / uint32), flattened."""
+    bits = DTYPES[x.dtype][0]
+    ints = x.detach().contiguous().reshape(-1).cpu().view(torch.int16 if bits == 16 else torch.int32)
+    return ints.numpy().view(np.uint16 if bits == 16 else np.uint32)
+
+
+def _from_uint(u: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    bits = DTYPES[dtype][0]
+    ints = torch.from_numpy(np.ascontiguousarray(u).view(np.int16 if bits == 16 else np.int32).copy())
+    return ints.view(dtype).reshape(shape)
+
+
+def split_fields(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sign, exponent, mantissa) of every element as NumPy integer arrays (IEEE fields, flattened)."""
+    bits = DTYPES[x.dtype][0]
+    exp_bits = {torch.bfloat16: 8, torch.float16: 5, torch.float32: 8}[x.dtype]
+    man_bits = bits - 1 - exp_bits
+    u = _uint_view(x).astype(np.uint32)
+    return u >> (bits - 1), (u >> man_bits) & ((1 << exp_bits) - 1), u & ((1 << man_bits) - 1)
+
+
+def merge_fields(sign, exponent, mantissa, dtype: torch.dtype, shape) -> torch.Tensor:
+    """Inverse of :func:`split_fields`."""
+    bits = DTYPES[dtype][0]
+    exp_bits = {torch.bfloat16: 8, torch.float16: 5, torch.float32: 8}[dtype]
+    man_bits = bits - 1 - exp_bits
+    u = (np.asarray(sign, np.uint32) << (bits - 1)) | (np.asarray(exponent, np.uint32) << man_bits)
+    u = u | np.asarray(mantissa, np.uint32)
+    return _from_uint(u.astype(np.uint16 if bits == 16 else np.uint32), dtype, shape)
+
+
+def split_symbols(u: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Codec split of raw bits: (8-bit symbol, raw field = sign above the kept low bits)."""
+    bits, shift, kept = DTYPES[dtype]
+    u = u.astype(np.uint32)
+    symbol = ((u >> shift) & 0xFF).astype(np.uint8)
+    raw = ((u >> (bits - 1)) << kept) | (u & ((1 << kept) - 1))
+    return symbol, raw
+
+
+def merge_symbols(symbol: np.ndarray, raw: np.ndarray, dtype: torch.dtype, kept: int) -> np.ndarray:
+    """Inverse of :func:`split_symbols` for a raw field of ``kept`` mantissa bits (lossy: kept < full)."""
+    bits, shift, _ = DTYPES[dtype]
+    raw = raw.astype(np.uint32)
+    u = ((raw >> kept) << (bits - 1)) | (symbol.astype(np.uint32) << shift)
+    u = u | ((raw & ((1 << kept) - 1)) << (shift - kept))
+    return u.astype(np.uint16 if bits == 16 else np.uint32)
+
+
+# ------------------------------------------------------------------------------------- lossy rounding
+def round_mantissa(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Rounds bf16 ``x`` to k mantissa bits, round to nearest even on the magnitude's bits.
+
+    A carry out of the mantissa increments the exponent (still within 2^-(k+1) relative). A finite value that
+    would round up to infinity is truncated instead (relative change < 2^-k). Infinities stay; a NaN stays a
+    NaN (its top mantissa bit is forced on so it survives the cut; payload bits below k are lost; k=0 has no mantissa bit for it, so NaN input raises ValueError). Subnormals
+    get an absolute error <= 2^-(k+1) * 2^-126 (relative to the smallest normal).
+    """
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x: lossy rounding is implemented for torch.bfloat16, got {x.dtype}")
+    u = _uint_view(x).astype(np.uint32)
+    drop = 7 - k
+    if drop == 0:
+        return x.clone()
+    sign, mag = u & 0x8000, u & 0x7FFF
+    special = mag >= 0x7F80
+    if k == 0 and (mag > 0x7F80).any():  # no mantissa bit left to tell a NaN from an infinity
+        raise ValueError(f"mantissa_bits=0 cannot represent NaN; the tensor holds {(mag > 0x7F80).sum()} NaNs")
+    lsb = (mag >> drop) & 1
+    rounded = ((mag + (1 << (drop - 1)) - 1 + lsb) >> drop) << drop
+    truncated = (mag >> drop) << drop
+    rounded = np.where(rounded >= 0x7F80, truncated, rounded)  # never overflow a finite value to inf
+    nan_quiet = (mag | 0x0040) >> drop << drop  # quiet bit (mantissa bit 6) kept for every k >= 1
+    out = np.where(special, np.where(mag > 0x7F80, nan_quiet, mag), rounded)
+    return _from_uint((sign | out).astype(np.uint16), torch.bfloat16, x.shape)
+
+
+# ------------------------------------------------------------------------------------ Huffman code
+def code_lengths(counts: np.ndarray, max_bits: int = MAX_CODE_BITS) -> np.ndarray:
+    """Huffman code lengths (uint8[256], 0 = absent) for symbol counts, limited to ``max_bits``.
+
+    Length limit by halving the counts (keeping them >= 1) until the tree is shallow enough: on weight
+    exponents this costs < 0.01 bits/symbol. A lone symbol gets length 1.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    present = np.flatnonzero(counts)
+    lengths = np.zeros(256, dtype=np.uint8)
+    if len(present) == 0:
+        return lengths
+    if len(present) == 1:
+        lengths[present[0]] = 1
+        return lengths
+    c = counts.copy()
+    while True:
+        heap = [(int(c[s]), int(s), [int(s)]) for s in present]  # (weight, tie-break, leaves)
+        heapq.heapify(heap)
+        depth = np.zeros(256, dtype=np.int64)
+        while len(heap) > 1:
+            w1, t1, a = heapq.heappop(heap)
+            w2, t2, b = heapq.heappop(heap)
+            depth[a + b] += 1
+            heapq.heappush(heap, (w1 + w2, min(t1, t2), a + b))
+        if depth.max() <= max_bits:
+            lengths[present] = depth[present]
+            return lengths
+        c[present] = np.maximum(c[present] >> 1, 1)
+
+
+def canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """Canonical Huffman codes (uint32[256]) for code lengths: shorter first, then by symbol."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    codes = np.zeros(256, dtype=np.uint32)
+    order = np.lexsort((np.arange(256), lengths))
+    code, prev = 0, 0
+    for s in order:
+        n = int(lengths[s])
+        if n == 0:
+            continue
+        code <<= n - prev
+        codes[s] = code
+        code, prev = code + 1, n
+    return codes
+
+
+def decode_table(lengths: np.ndarray) -> np.ndarray:
+    """4096-entry int32 table indexed by the next 12 stream bits: (symbol << 4) | code length."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    codes = canonical_codes(lengths)
+    table = np.full(1 << MAX_CODE_BITS, 1, dtype=np.int32)  # unused entries (never hit on valid streams)
+    for s in np.flatnonzero(lengths):
+        n = int(lengths[s])
+        lo = int(codes[s]) << (MAX_CODE_BITS - n)
+        table[lo: lo + (1 << (MAX_CODE_BITS - n))] = (int(s) << 4) | n
+    return table
+
+
+def entropy_bits(counts: np.ndarray) -> float:
+    """Shannon entropy, bits per symbol."""
+    p = np.asarray(counts, dtype=np.float64)
+    p = p[p > 0] / p.sum() if p.sum() else p[:0]
+    return float(-(p * np.log2(p)).sum())
+
+
+# ------------------------------------------------------------------------------------ lanes and streams
+def lane_order(n: int) -> np.ndarray:
+    """Element index of every (lane, step) slot in lane-major order; -1 where past the tensor's end."""
+    groups = -(-n // (GROUP * STEPS))
+    idx = np.arange(groups * GROUP * STEPS, dtype=np.int64).reshape(groups, STEPS, GROUP)
+    idx = idx.transpose(0, 2, 1).reshape(-1)  # [group, lane, step]
+    return np.where(idx < n, idx, -1)
+
+
+@dataclass
+class Streams:
+    """The encoded parts of one tensor (all NumPy, as stored on disk)."""
+
+    words: np.ndarray  # uint32, MSB-first bit stream of all lanes, + WORD_PAD zero words
+    lane_bits: np.ndarray  # uint16 per lane
+    group_offsets: np.ndarray  # int64 per group: first bit of the group's first lane
+    raw: np.ndarray  # uint8: raw fields (1 or 3 bytes per element, or packed (k+1)-bit fields)
+    lengths: np.ndarray  # uint8[256] code lengths
+    counts: np.ndarray  # int64[256] symbol histogram (not stored; for reports)
+
+
+def encode_symbols(symbol: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Huffman-encodes uint8 symbols into (words, lane_bits, group_offsets)."""
+    n = len(symbol)
+    codes = canonical_codes(lengths).astype(np.uint64)
+    slot = lane_order(n)
+    valid = slot >= 0
+    sym = np.where(valid, symbol[np.maximum(slot, 0)] if n else 0, 0)
+    nbits = np.where(valid, lengths.astype(np.int64)[sym], 0)
+    code = np.where(valid, codes[sym], 0).astype(np.uint64)
+    lanes = len(slot) // STEPS
+    lane_bits = nbits.reshape(lanes, STEPS).sum(axis=1)
+    end = np.cumsum(nbits)
+    pos = end - nbits  # first bit of each code
+    total = int(end[-1]) if len(end) else 0
+    n_words = -(-total // 32) + WORD_PAD
+    # Left-justify each code in a 64-bit window starting at its word: high half -> word, low half -> word+1.
+    # Codes never overlap, so summing the pieces per word (exactly, in float64: each sum < 2^32) ORs them.
+    word = (pos >> 5)[valid]
+    window = code[valid] << (np.uint64(64) - nbits[valid].astype(np.uint64) - (pos[valid] & 31).astype(np.uint64))
+    hi = (window >> np.uint64(32)).astype(np.float64)
+    lo = (window & np.uint64(0xFFFFFFFF)).astype(np.float64)
+    words = np.bincount(word, weights=hi, minlength=n_words) + np.bincount(word + 1, weights=lo, minlength=n_words)
+    words = words[:n_words].astype(np.uint64).astype(np.uint32)
+    lane_start = np.concatenate([[0], np.cumsum(lane_bits)])[:-1]
+    group_offsets = lane_start[::GROUP].astype(np.int64)
+    return words, lane_bits.astype(np.uint16), group_offsets
+
+
+def decode_symbols(words: np.ndarray, lane_bits: np.ndarray, group_offsets: np.ndarray, lengths: np.ndarray,
+                   n: int) -> np.ndarray:
+    """Lane-parallel decoder: one Python step per symbol position, NumPy across all lanes."""
+    lanes = len(lane_bits)
+    table = decode_table(lengths)
+    w64 = np.asarray(words, dtype=np.uint64)
+    lane_bits = np.asarray(lane_bits, dtype=np.int64)
+    within = np.cumsum(lane_bits.reshape(-1, GROUP), axis=1) - lane_bits.reshape(-1, GROUP)
+    pos = (np.asarray(group_offsets, dtype=np.int64)[:, None] + within).reshape(-1)
+    lane = np.arange(lanes, dtype=np.int64)
+    first = (lane // GROUP) * GROUP * STEPS + lane % GROUP  # element index of each lane's first symbol
+    out = np.zeros(n, dtype=np.uint8)
+    for step in range(STEPS):
+        elem = first + step * GROUP
+        valid = elem < n
+        if not valid.any():
+            break
+        w = pos >> 5
+        window = ((w64[w] << np.uint64(32)) | w64[w + 1]) << (pos & 31).astype(np.uint64)
+        entry = table[(window >> np.uint64(64 - MAX_CODE_BITS)).astype(np.int64)]
+        out[elem[valid]] = (entry[valid] >> 4).astype(np.uint8)
+        pos = pos + np.where(valid, entry & 15, 0)
+    return out
+
+
+# --------------------------------------------------------------------------------- raw field packing
+def pack_fields(raw: np.ndarray, field_bits: int) -> np.ndarray:
+    """Packs raw fields: 8 -> 1 byte each, 24 -> 3 little-endian bytes, 1/2/4 -> 8/field_bits per byte
+    (element i in the bits (i * field_bits) % 8 upward of byte i * field_bits // 8)."""
+    raw = raw.astype(np.uint32)
+    if field_bits == 8:
+        return raw.astype(np.uint8)
+    if field_bits == 24:
+        return raw.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :3].reshape(-1).copy()
+    per_byte = 8 // field_bits
+    pad = (-len(raw)) % per_byte
+    r = np.concatenate([raw, np.zeros(pad, np.uint32)]).reshape(-1, per_byte)
+    shifts = (np.arange(per_byte) * field_bits).astype(np.uint32)
+    return np.bitwise_or.reduce(r << shifts, axis=1).astype(np.uint8)
+
+
+def unpack_fields(packed: np.ndarray, field_bits: int, n: int) -> np.ndarray:
+    packed = np.asarray(packed, dtype=np.uint8)
+    if field_bits == 8:
+        return packed[:n].astype(np.uint32)
+    if field_bits == 24:
+        b = packed[: 3 * n].reshape(-1, 3).astype(np.uint32)
+        return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+    per_byte = 8 // field_bits
+    i = np.arange(n)
+    return (packed[i // per_byte].astype(np.uint32) >> ((i % per_byte) * field_bits).astype(np.uint32)) & (
+        (1 << field_bits) - 1)
+
+
+# ------------------------------------------------------------------------------------------- codec
+def field_layout(dtype: torch.dtype, mantissa_bits) -> tuple[int, int]:
+    """(kept mantissa bits in the raw field, raw field bits incl. sign)."""
+    _, _, full = DTYPES[dtype]
+    kept = full if mantissa_bits is None else mantissa_bits
+    return kept, kept + 1
+
+
+def encode(x: torch.Tensor, mantissa_bits=None) -> Streams:
+    """Encodes a bf16/fp16/fp32 tensor (lossless, or bf16 rounded to ``mantissa_bits``); no validation here."""
+    if mantissa_bits is not None and mantissa_bits < 7:
+        x = round_mantissa(x, mantissa_bits)
+    elif mantissa_bits == 7:
+        mantissa_bits = None
+    u = _uint_view(x)
+    symbol, raw = split_symbols(u, x.dtype)
+    kept, field_bits = field_layout(x.dtype, mantissa_bits)
+    full = DTYPES[x.dtype][2]
+    raw = ((raw >> full) << kept) | ((raw & ((1 << full) - 1)) >> (full - kept))  # keep the top `kept` bits
+    counts = np.bincount(symbol, minlength=256).astype(np.int64)
+    lengths = code_lengths(counts)
+    words, lane_bits, group_offsets = encode_symbols(symbol, lengths)
+    return Streams(words, lane_bits, group_offsets, pack_fields(raw, field_bits), lengths, counts)
+
+
+def decode(s: Streams, dtype: torch.dtype, shape, mantissa_bits=None) -> torch.Tensor:
+    """CPU decoder: the spec the Triton kernel must match bit for bit."""
+    n = int(np.prod(shape, dtype=np.int64))
+    kept, field_bits = field_layout(dtype, None if mantissa_bits == 7 else mantissa_bits)
+    symbol = decode_symbols(s.words, s.lane_bits, s.group_offsets, s.lengths, n)
+    raw = unpack_fields(s.raw, field_bits, n)
+    return _from_uint(merge_symbols(symbol, raw, dtype, kept), dtype, shape)

