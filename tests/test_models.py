@@ -135,3 +135,21 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         LlamaForCausalLM.from_pretrained(tmp_path / "nothing")
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, torch.zeros(1, 3, dtype=torch.long), 0)
+
+
+def test_loss_seam_sees_autocast_dtype():
+    seen = {}
+
+    def loss(hidden, weight, labels):
+        seen["dtypes"] = (hidden.dtype, weight.dtype)
+        return hidden.float().sum() * 0
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg, loss=loss)
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels=ids).backward()
+    assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)
+    model(ids, labels=ids)
+    assert seen["dtypes"] == (torch.float32, torch.float32)

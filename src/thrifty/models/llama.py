@@ -303,7 +303,14 @@ class LlamaForCausalLM(nn.Module):
             check_tensor("labels", labels, ndim=2, integer=True)
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-            return self.loss_fn(hidden, self.lm_head.weight, labels)
+            weight = self.lm_head.weight
+            device_type = hidden.device.type
+            if torch.is_autocast_enabled(device_type):
+                # the loss seam sees what the lm_head Linear would see under autocast, so a fused linear-CE
+                # runs its matmuls in bf16 like F.linear does, not in fp32
+                dtype = torch.get_autocast_dtype(device_type)
+                hidden, weight = hidden.to(dtype), weight.to(dtype)
+            return self.loss_fn(hidden, weight, labels)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(hidden)

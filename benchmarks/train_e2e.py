@@ -1,0 +1,121 @@
+"""End to end: pre-train the reference model (SmolLM2-135M shape, vocab 49152) from scratch on the corpus with
+torch's cross-entropy (logits materialized) and with thrifty's cut cross-entropy, same seed and batches.
+
+Reports the loss curves (plot), tokens/s, peak memory per step, and the largest batch that fits (seq_len
+fixed) for each loss. Needs the tokenized corpus on the box (carry `data/corpus` token files).
+
+    bash benchmarks/run_on_gpu.sh benchmarks/train_e2e.py --steps 150
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+from thrifty.bench import print_table, write_result
+from thrifty.data import TokenDataset
+from thrifty.models import LlamaForCausalLM, preset
+from thrifty.paths import data_dir
+from thrifty.train import Trainer, TrainConfig
+
+
+def make_model(name: str, loss: str, device):
+    with torch.device(device):
+        model = LlamaForCausalLM(preset(name)).init_weights(seed=0)
+    if loss != "torch":
+        import functools
+
+        from thrifty.loss import lm_loss
+
+        model.set_loss(functools.partial(lm_loss, impl=loss))
+    return model
+
+
+def train_curve(args, loss: str, corpus):
+    model = make_model(args.preset, loss, args.device)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup_steps=max(1, args.steps // 10), eval_batches=8, seed=0)
+    trainer = Trainer(model, TokenDataset(corpus, "train"), TokenDataset(corpus, "validation"), cfg)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    history = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        row = trainer.train_step()  # ends with a host sync (loss.item()), so wall time is the step time
+        row["step_ms"] = (time.perf_counter() - t0) * 1e3
+        history.append(row)
+    final = trainer.evaluate()
+    steady = [h["step_ms"] for h in history[len(history) // 4:]]
+    tokens_per_s = cfg.batch_size * cfg.seq_len / (statistics.median(steady) / 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    del trainer, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return history, final, tokens_per_s, peak
+
+
+def max_batch(args, loss: str, corpus) -> int:
+    """Largest power-of-two batch (at seq_len) whose full training step (fwd, bwd, AdamW) fits."""
+    data = TokenDataset(corpus, "train")
+    best, batch = 0, 8
+    while batch <= args.max_batch_limit:
+        model = trainer = None
+        try:
+            model = make_model(args.preset, loss, args.device)
+            cfg = TrainConfig(steps=1, batch_size=batch, seq_len=args.seq_len, warmup_steps=0)
+            trainer = Trainer(model, data, None, cfg)
+            trainer.train_step()
+            best = batch
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            del model, trainer
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        batch *= 2
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="135m")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--losses", default="torch,triton")
+    ap.add_argument("--max-batch-limit", type=int, default=512)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    corpus = data_dir() / "corpus"  # staged: the box has no apt to build it
+    rows, curves = [], {}
+    for loss in args.losses.split(","):
+        history, final, tps, peak = train_curve(args, loss, corpus)
+        curves[loss] = [h["loss"] for h in history]
+        fits = max_batch(args, loss, corpus)
+        rows.append({"loss": loss, "tokens_per_s": tps, "peak_gib": peak, "final_train_loss": history[-1]["loss"],
+                     "val_loss": final["val_loss"], "val_ppl": final["val_ppl"], "max_batch": fits,
+                     "seq_len": args.seq_len})
+        for h in history:
+            rows.append({"curve": loss, "step": h["step"], "train_loss": h["loss"], "step_ms": h["step_ms"]})
+    summary_rows = [r for r in rows if "tokens_per_s" in r]
+    print_table(summary_rows)
+    summary = {f"{r['loss']}_{k}": r[k] for r in summary_rows for k in ("tokens_per_s", "peak_gib", "max_batch",
+                                                                       "val_loss")}
+    names = list(curves)
+    if len(names) == 2:
+        a, b = curves[names[0]], curves[names[1]]
+        summary["loss_curve_max_abs_diff"] = max(abs(x - y) for x, y in zip(a, b))
+    write_result("train_e2e", rows, summary, extra=vars(args),
+                 plot=dict(x="step", y="train_loss", hue="curve", title=f"{args.preset}: torch CE vs thrifty CE"))
+
+
+if __name__ == "__main__":
+    main()
