@@ -184,9 +184,9 @@ def sage_attention_reference(
 
     # 4-5. Online softmax over KV tiles (base 2, as the kernel computes it).
     scale2 = sm_scale * LOG2E
-    m = torch.full((B, H, Sq, 1), float("-inf"))
-    l = torch.zeros(B, H, Sq, 1)
-    acc = torch.zeros(B, H, Sq, D)
+    m = torch.full((B, H, Sq, 1), float("-inf"), device=q.device)
+    l = torch.zeros(B, H, Sq, 1, device=q.device)
+    acc = torch.zeros(B, H, Sq, D, device=q.device)
     allowed = causal_mask(Sq, Sk, q.device) if causal else None
     for start in range(0, Sk, block_n):
         sl = slice(start, min(start + block_n, Sk))

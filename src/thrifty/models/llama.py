@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 s = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
                 with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=g) * s)
+                    p.copy_(torch.randn(p.shape, generator=g, device="cpu") * s)  # CPU generator: same init on any device
         return self
 
     def forward(self, input_ids, labels=None, *, positions=None, cache=None, logits_to_keep: int = 0):
