@@ -1,0 +1,464 @@
+"""Linear cross-entropy, loss and loss+grad, side by side in one run: naive torch, torch.compile, apple CCE
+(cut-cross-entropy 25.1.1), Liger FLCE (liger-kernel 0.8.5) and thrifty; time, peak memory, accuracy vs float64.
+
+    python benchmarks/cce.py --stage            # CPU, once: real SmolLM2 E and C into .stage/cce (carried)
+    python benchmarks/cce.py --shapes 576x49152,2304x256000 --regimes random,realistic --out DIR
+
+Regimes: "random" = near-uniform logits (apple's best case); "realistic" = real SmolLM2-135M final hidden
+states and lm_head on real text (D=576, V=49152) or, for the large shapes, synthetic E, C whose logits have the
+real entropy and top-1 probability (a Zipf-like per-token bias plus Gaussian per-row noise, two scales fitted;
+targets sampled from the softmax itself, so the loss ~ the entropy, as with a trained model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE = ROOT / ".stage" / "cce"
+N_TOKENS = 8192
+
+
+# ------------------------------------------------------------------------------------------- staging (CPU)
+def stage():
+    """Final (post-norm) hidden states of SmolLM2 on real English text + its lm_head, bf16, into .stage/cce."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from thrifty.pretrained import ensure_converted
+
+    d = ensure_converted()
+    tok = AutoTokenizer.from_pretrained(str(d))
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    corpus = ROOT / "data" / "corpus" / "text" / "python3.11-doc.jsonl"
+    texts = [json.loads(line)["text"] for line in corpus.open()] if corpus.exists() else [FALLBACK_TEXT] * 400
+    ids = tok("\n\n".join(texts[:400]), return_tensors="pt").input_ids[0][: N_TOKENS + 16]
+    seq = 512
+    hs, tg = [], []
+    with torch.no_grad():
+        for s in range(0, N_TOKENS, seq):
+            chunk = ids[s: s + seq + 1]
+            out = model(chunk[None, :-1], output_hidden_states=True)
+            h = out.hidden_states[-1][0]
+            # the last hidden_states entry must be post-norm: lm_head of it reproduces the logits
+            assert torch.allclose(model.lm_head(h), out.logits[0], atol=1e-3), "hidden_states[-1] is not post-norm"
+            hs.append(h)
+            tg.append(chunk[1:])
+    e = torch.cat(hs)[:N_TOKENS].bfloat16()
+    t = torch.cat(tg)[:N_TOKENS]
+    c = model.lm_head.weight.detach().bfloat16()
+    STAGE.mkdir(parents=True, exist_ok=True)
+    # bf16 C is 56.6 MB: store the two byte planes, the high one (sign+exponent) compressed, to fit the 64 MiB
+    # the device tool carries.
+    import numpy as np
+
+    raw = c.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
+    np.savez_compressed(STAGE / "c_hi.npz", hi=raw[:, 1])
+    np.save(STAGE / "c_lo.npy", raw[:, 0])
+    torch.save({"e": e, "targets": t, "shape": tuple(c.shape)}, STAGE / "e_targets.pt")
+    z = e.float() @ c.float().T
+    print("staged", e.shape, c.shape, "stats", logit_stats(z), "loss", F.cross_entropy(z, t).item())
+
+
+def load_staged():
+    import numpy as np
+
+    et = torch.load(STAGE / "e_targets.pt")
+    hi = np.load(STAGE / "c_hi.npz")["hi"]
+    lo = np.load(STAGE / "c_lo.npy")
+    raw = np.stack([lo, hi], axis=1).reshape(-1).view(np.int16).copy()
+    c = torch.from_numpy(raw).view(torch.bfloat16).view(*et["shape"])
+    return et["e"], c, et["targets"]
+
+
+FALLBACK_TEXT = ("The quick brown fox jumps over the lazy dog. Language models predict the next token from the ones "
+                 "before it, and the cross-entropy of that prediction is the loss they are trained on. ")
+
+
+def logit_stats(z):
+    """Mean per-row softmax entropy (nats) and mean top-1 probability."""
+    p = torch.softmax(z.float(), -1)
+    ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+    return dict(entropy=ent.mean().item(), top1=p.max(-1).values.mean().item())
+
+
+# ------------------------------------------------------------------------------------------- inputs (GPU)
+def synthetic(D, V, entropy, top1, seed=0, device="cuda"):
+    """E, C (bf16) with logits z_ij = a*bias_j + s*noise_ij: bias_j = -log(rank_j) (Zipf over a random token
+    order) in one coordinate, Gaussian noise in the others; (a, s) fitted on 256 rows to the target
+    entropy and top-1. Returns E, C, targets sampled from softmax(z)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rank = torch.randperm(V, generator=g, device=device).float() + 1
+    zipf = -torch.log(rank)
+    base_e = torch.randn(N_TOKENS, D - 1, generator=g, device=device) / math.sqrt(D - 1)
+    base_c = torch.randn(V, D - 1, generator=g, device=device)
+
+    def build(a, s):
+        e = torch.cat([torch.ones(N_TOKENS, 1, device=device), base_e * s], 1)
+        c = torch.cat([zipf[:, None] * a, base_c], 1)
+        return e, c
+
+    best = None
+    for a in torch.linspace(0.5, 2.0, 16).tolist():
+        for s in torch.linspace(0.5, 4.0, 15).tolist():
+            e, c = build(a, s)
+            st = logit_stats((e[:256].bfloat16() @ c.bfloat16().T).float())
+            err = (st["entropy"] - entropy) ** 2 + (10 * (st["top1"] - top1)) ** 2
+            if best is None or err < best[0]:
+                best = (err, a, s, st)
+    _, a, s, st = best
+    e, c = build(a, s)
+    e, c = e.bfloat16(), c.bfloat16()
+    targets = torch.empty(N_TOKENS, dtype=torch.long, device=device)
+    for i in range(0, N_TOKENS, 512):
+        p = torch.softmax((e[i:i + 512] @ c.T).float(), -1)
+        targets[i:i + 512] = torch.multinomial(p, 1, generator=g).squeeze(1)
+    return e, c, targets, dict(a=a, s=s, **st)
+
+
+def random_inputs(D, V, seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    e = torch.randn(N_TOKENS, D, generator=g, device=device).bfloat16()
+    c = (torch.randn(V, D, generator=g, device=device) / math.sqrt(D)).bfloat16()  # logits ~ N(0, 1)
+    t = torch.randint(0, V, (N_TOKENS,), generator=g, device=device)
+    return e, c, t, logit_stats((e[:256] @ c.T).float())
+
+
+# ------------------------------------------------------------------------------------------- implementations
+def impls():
+    from thrifty.loss import linear_cross_entropy as thrifty_lce
+
+    out = {}
+    out["torch"] = lambda e, c, t: F.cross_entropy((e @ c.T).float(), t)
+    compiled = torch.compile(lambda e, c, t: F.cross_entropy((e @ c.T).float(), t), dynamic=False)
+    out["torch.compile"] = compiled
+    try:
+        from cut_cross_entropy import linear_cross_entropy as apple
+
+        out["apple_cce"] = lambda e, c, t: apple(e, c, t)
+    except Exception as err:  # noqa: BLE001
+        print("apple cce unavailable:", err)
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+
+        out["liger"] = lambda e, c, t: liger(e, c, t)
+    except Exception as err:  # noqa: BLE001
+        print("liger unavailable:", err)
+    variants = {
+        "thrifty": {},  # defaults: exact (no filter), 64 MiB gradient-tile chunks, fp32 dE accumulation
+        "thrifty_filter": dict(filter_eps="auto"),  # apple's eps/32 filter + vocabulary sorting
+        "thrifty_filter_nosort": dict(filter_eps="auto", sort_vocab=False),
+        "thrifty_lowmem": dict(e_grad_fp32=False),
+        "thrifty_16MB_lowmem": dict(chunk_bytes=16 << 20, e_grad_fp32=False),
+    }
+    for name, kw in variants.items():
+        out[name] = (lambda kw: lambda e, c, t: thrifty_lce(e, c, t, impl="triton", **kw))(kw)
+    return out
+
+
+def float64_reference(e, c, t):
+    from thrifty.loss.reference import linear_cross_entropy as ref
+
+    e64 = e.double().requires_grad_()
+    c64 = c.double().requires_grad_()
+    loss = ref(e64, c64, t, chunk_size=1024)
+    loss.backward()
+    return loss.item(), e64.grad.float(), c64.grad.float()
+
+
+def cos(a, b):
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def kept_tile_fraction(e, c, t, lse, eps, sort, tile=128):
+    """Fraction of 128x128 gradient tiles with some |g| >= eps (what thrifty's backward must multiply)."""
+    from thrifty.loss.backward import vocab_order
+
+    rows = torch.arange(e.shape[0], device=e.device)
+    order = vocab_order(e, c, None, rows).long() if sort else torch.arange(c.shape[0], device=e.device)
+    c_sorted = c[order]
+    kept = total = 0
+    for i in range(0, e.shape[0], tile):
+        z = (e[i:i + tile] @ c_sorted.T).float()
+        g = torch.exp(z - lse[i:i + tile, None])
+        g[torch.arange(z.shape[0]), torch.argsort(order)[t[i:i + tile]]] -= 1
+        nb = math.ceil(z.shape[1] / tile)
+        gp = F.pad(g.abs(), (0, nb * tile - z.shape[1]))
+        m = gp.view(z.shape[0], nb, tile).amax(dim=(0, 2))
+        kept += int((m >= eps).sum())
+        total += nb
+    return kept / total
+
+
+def measure(name, fn, e, c, t, ref, rate_tflops, shape_info, budget_s=3.0):
+    from thrifty.bench import peak_memory, time_fn
+
+    N, D = e.shape
+    V = c.shape[0]
+    row = dict(shape=f"D={D} V={V}", impl=name, **shape_info)
+    ec = [(e.clone().requires_grad_(), c.clone().requires_grad_(), t) for _ in range(2)]
+
+    def loss_only(e_, c_, t_):
+        with torch.no_grad():
+            return fn(e_, c_, t_)
+
+    def loss_grad(e_, c_, t_):
+        e_.grad = c_.grad = None
+        loss = fn(e_, c_, t_)
+        loss.backward()
+        return loss
+
+    try:
+        e_, c_, _ = ec[0]
+        loss = loss_grad(e_, c_, t)
+        torch.cuda.synchronize()
+        l64, de64, dc64 = ref
+        row.update(loss_rel_err=abs(loss.item() - l64) / abs(l64), de_cos=cos(e_.grad, de64), dc_cos=cos(c_.grad, dc64))
+        row["loss_ms"] = time_fn(loss_only, ec, warmup=2, reps=20, budget_s=budget_s).median_ms
+        row["loss_grad_ms"] = time_fn(loss_grad, ec, warmup=2, reps=20, budget_s=budget_s).median_ms
+        for x in ec:
+            x[0].grad = x[1].grad = None
+        e_, c_, _ = ec[0]
+        e_.grad = c_.grad = None
+        # grads are allocated during the call, so this is peak over inputs (grads included)
+        row["peak_mem_mib"] = peak_memory(loss_grad, e_, c_, t) / 2**20
+        e_.grad = c_.grad = None
+    except Exception as err:  # noqa: BLE001
+        row["error"] = f"{type(err).__name__}: {err}"[:300]
+    del ec
+    torch.cuda.empty_cache()
+    lower = (N * D + V * D) * 2 / 2**20
+    row["lower_bound_mib"] = lower
+    row["roofline_ms"] = 4 * 2 * N * D * V / (rate_tflops * 1e12) * 1e3
+    return row
+
+
+def profile(D, V, regime, entropy, top1):
+    """Where thrifty's loss+grad time goes (kernel table), and the forward kernel's block configs."""
+    from thrifty.bench import time_fn
+    from thrifty.loss import linear_cross_entropy as lce
+    from thrifty.loss.forward import lse_forward
+
+    e, c, t, _ = random_inputs(D, V) if regime == "random" else synthetic(D, V, entropy, top1)
+    e.requires_grad_()
+    c.requires_grad_()
+    for _ in range(2):
+        lce(e, c, t).backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            lce(e, c, t).backward()
+        torch.cuda.synchronize()
+    print(f"== profile D={D} V={V} {regime} (3 calls)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    rows = torch.arange(e.shape[0], device="cuda")
+    for bn, bv, bd, w, st in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
+                              (256, 128, 64, 8, 3), (128, 256, 32, 8, 5), (64, 256, 64, 4, 4)]:
+        cfg = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, num_warps=w, num_stages=st)
+        try:
+            ms = time_fn(lambda: lse_forward(e.detach(), c.detach(), None, rows, t, None, config=cfg), warmup=2,
+                         reps=10).median_ms
+            print(f"  forward {cfg}: {ms:.2f} ms = {2 * e.shape[0] * D * V / ms / 1e9:.0f} TFLOP/s", flush=True)
+        except Exception as err:  # noqa: BLE001
+            print(f"  forward {cfg}: {type(err).__name__}", flush=True)
+
+
+def train_compare(steps, preset_name, out, batch=16, seq=512):
+    """The end effect: the reference model (thrifty.models) pre-trained from scratch on real tokens with the
+    plain loss (logits + F.cross_entropy) and with thrifty's, same seed and data: loss curves, step time, memory."""
+    from thrifty.bench import detect_device, write_result
+    from thrifty.loss import lm_loss
+    from thrifty.models.llama import LlamaForCausalLM, logits_cross_entropy
+    from thrifty.models.presets import preset
+
+    tokens = torch.load(STAGE / "train_tokens.pt").long()
+    train, val = tokens[:-200_000], tokens[-200_000:]
+
+    def batch_from(data, g):
+        idx = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[i:i + seq + 1] for i in idx.tolist()]).cuda(non_blocking=True)
+        return x[:, :-1], x[:, 1:]
+
+    rows, summary = [], {}
+    arms = (("torch", logits_cross_entropy), ("thrifty", lm_loss),
+            ("thrifty_filter", lambda h, w, y: lm_loss(h, w, y, filter_eps="auto")))
+    for name, loss_fn in arms:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(preset(preset_name), loss=loss_fn).init_weights(seed=0).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        g = torch.Generator().manual_seed(1)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        times, losses = [], []
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * min(1.0, (step + 1) / 30)
+            inputs, labels = batch_from(train, g)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(inputs, labels=labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+            losses.append(loss.item())
+            rows.append(dict(impl=name, step=step, loss=losses[-1], step_ms=times[-1]))
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        model.eval()
+        gv = torch.Generator().manual_seed(2)
+        vals = []
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            for _ in range(10):
+                x, y = batch_from(val, gv)
+                vals.append(float(model(x, labels=y)))
+        val_loss = sum(vals) / len(vals)
+        summary[f"{name}_final_train_loss_mean_last50"] = sum(losses[-50:]) / 50
+        summary[f"{name}_val_loss"] = val_loss
+        summary[f"{name}_median_step_ms"] = sorted(times[5:])[len(times[5:]) // 2]
+        summary[f"{name}_peak_mem_mib"] = peak
+        print(name, {k: v for k, v in summary.items() if k.startswith(name)}, flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+    dev = detect_device()
+    path = write_result("cce_train", rows, summary, device=dev, results_dir=out,
+                        extra=dict(preset=preset_name, batch=batch, seq=seq, steps=steps, lr=1e-3, autocast="bf16",
+                                   data="SmolLM2-tokenised Debian/Python/PostgreSQL docs (data/corpus)"),
+                        plot=dict(x="step", y="loss", hue="impl", kind="line",
+                                  title=f"{preset_name} from scratch: plain CE vs thrifty CE ({dev})"))
+    print("summary:", json.dumps(summary, indent=1), "->", path)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", action="store_true")
+    ap.add_argument("--shapes", default="576x49152,2304x256000,4096x128256,3584x152064")
+    ap.add_argument("--regimes", default="realistic,random")
+    ap.add_argument("--impls", default="")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--entropy", type=float, default=5.35, help="synthetic regime target (anchors' SmolLM2 figure)")
+    ap.add_argument("--top1", type=float, default=0.17)
+    ap.add_argument("--train", default="", help="preset:steps, e.g. 30m:300 (the end effect in the model)")
+    ap.add_argument("--profile", default="", help="e.g. 2304x256000:realistic,2304x256000:random")
+    args = ap.parse_args()
+    if args.stage:
+        return stage()
+
+    torch.manual_seed(0)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    from thrifty.bench import time_fn
+
+    ms = time_fn(lambda: a @ a, warmup=3, reps=20).median_ms
+    rate = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    del a
+    print(f"bf16 matmul 8192^3: {rate:.0f} TFLOP/s", flush=True)
+
+    if args.train:
+        name, steps = args.train.split(":")
+        return train_compare(int(steps), name, args.out)
+    for item in filter(None, args.profile.split(",")):
+        shape, regime = item.split(":")
+        profile(*map(int, shape.split("x")), regime, args.entropy, args.top1)
+    if args.profile:
+        return
+    e_real, c_real, t_real = load_staged()
+    real = logit_stats((e_real[:512].float() @ c_real.float().T))
+    print("real SmolLM2 logits:", real, flush=True)
+    fns = impls()
+    if args.impls:
+        fns = {k: v for k, v in fns.items() if k in args.impls.split(",")}
+    rows = []
+    for shape in args.shapes.split(","):
+        D, V = map(int, shape.split("x"))
+        for regime in args.regimes.split(","):
+            t0 = time.time()
+            if regime == "random":
+                e, c, t, st = random_inputs(D, V)
+            elif D == 576 and V == 49152:
+                e, c, t, st = e_real.cuda(), c_real.cuda(), t_real.cuda(), dict(real)
+            else:
+                e, c, t, st = synthetic(D, V, args.entropy, args.top1)
+            ref = float64_reference(e, c, t)
+            with torch.no_grad():
+                from thrifty.loss.reference import linear_cross_entropy as ref_lce  # noqa: F401
+
+                lse = torch.logsumexp((e.float() @ c.float().T), -1) if V * N_TOKENS * 4 < 20e9 else None
+            info = dict(regime=regime, entropy=st["entropy"], top1=st["top1"])
+            if lse is not None:
+                info["kept_tiles_sorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, True)
+                info["kept_tiles_unsorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, False)
+            del lse
+            print(f"== D={D} V={V} {regime} {info} (inputs+ref {time.time() - t0:.0f}s)", flush=True)
+            for name, fn in fns.items():
+                t1 = time.time()
+                row = measure(name, fn, e, c, t, ref, rate, info)
+                row["matmul_tflops"] = rate
+                rows.append(row)
+                keys = ("loss_ms", "loss_grad_ms", "peak_mem_mib", "loss_rel_err", "de_cos", "dc_cos", "error")
+                print(f"  {name:18s}", {k: (round(row[k], 6) if isinstance(row.get(k), float) else row.get(k))
+                                         for k in keys if k in row}, f"{time.time() - t1:.0f}s", flush=True)
+                Path(args.out, "cce_rows.json").write_text(json.dumps(rows, indent=1))
+            del e, c, t, ref
+            torch.cuda.empty_cache()
+    finalize(rows, rate, args)
+
+
+def finalize(rows, rate, args):
+    """Result file (thrifty.bench schema) + a bar chart of the realistic regime, both under --out."""
+    from thrifty.bench import detect_device, plot_rows, write_result
+
+    def get(shape, regime, impl, key):
+        for r in rows:
+            if r["shape"] == shape and r["regime"] == regime and r["impl"] == impl:
+                return r.get(key)
+        return None
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    big, small = "D=2304 V=256000", "D=576 V=49152"
+    summary = dict(
+        loss_grad_time_ratio_vs_apple_cce=ratio(get(big, "realistic", "thrifty", "loss_grad_ms"),
+                                                get(big, "realistic", "apple_cce", "loss_grad_ms")),
+        loss_grad_time_ratio_vs_torch_compile=ratio(get(big, "realistic", "thrifty", "loss_grad_ms"),
+                                                    get(big, "realistic", "torch.compile", "loss_grad_ms")),
+        peak_mem_over_lower_bound_mib=(get(big, "realistic", "thrifty", "peak_mem_mib") or 0)
+        - (get(big, "realistic", "thrifty", "lower_bound_mib") or 0),
+        lowmem16_peak_mem_over_lower_bound_mib=(get(big, "realistic", "thrifty_16MB_lowmem", "peak_mem_mib") or 0)
+        - (get(big, "realistic", "thrifty", "lower_bound_mib") or 0),
+        smollm2_real_loss_grad_ratio_vs_apple_cce=ratio(get(small, "realistic", "thrifty", "loss_grad_ms"),
+                                                        get(small, "realistic", "apple_cce", "loss_grad_ms")),
+        smollm2_real_loss_grad_ratio_vs_torch_compile=ratio(get(small, "realistic", "thrifty", "loss_grad_ms"),
+                                                            get(small, "realistic", "torch.compile", "loss_grad_ms")),
+        random_256k_loss_grad_ratio_vs_apple_cce=ratio(get(big, "random", "thrifty", "loss_grad_ms"),
+                                                       get(big, "random", "apple_cce", "loss_grad_ms")),
+        random_256k_filtered_loss_grad_ratio_vs_apple_cce=ratio(get(big, "random", "thrifty_filter", "loss_grad_ms"),
+                                                                get(big, "random", "apple_cce", "loss_grad_ms")),
+        bf16_matmul_tflops=rate,
+    )
+    dev = detect_device()
+    path = write_result("cce", rows, summary, device=dev, results_dir=args.out,
+                        extra=dict(n_tokens=N_TOKENS, dtype="bfloat16",
+                                   regimes="random: N(0,1) logits, uniform targets; realistic: real SmolLM2-135M "
+                                           "hidden states/lm_head on Python docs text (D=576), else synthetic "
+                                           "Zipf bias + Gaussian noise fitted to entropy/top-1, targets sampled"))
+    plot_rows([r for r in rows if r["regime"] == "realistic" and "loss_grad_ms" in r], x="shape", y="loss_grad_ms",
+              hue="impl", path=Path(args.out) / f"cce_{dev}.png", logy=True,
+              title=f"linear CE loss+grad, N={N_TOKENS}, bf16, realistic logits ({dev})", ylabel="ms (log)")
+    print("summary:", json.dumps(summary, indent=1), "->", path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Backward kernels: dE and dC without an N x V buffer and without locked accumulation, with gradient filtering
+and vocabulary sorting. See NOTES.md for the arithmetic behind the design.
+
+Why not apple's one fused kernel: with D in the thousands neither a dE row block (BLOCK_N x D fp32) nor a dC
+vocabulary block fits in registers, so a fused kernel must add partial products into global dE/dC from every
+tile, under locks (apple) -- ~(V/BLOCK_V)*N*D + (N/BLOCK_N)*V*D read-modify-writes, its slow path on peaky logits.
+Here the vocabulary (in sorted order) is processed in chunks of ``vc`` entries:
+
+1. ``_grad_tile_kernel`` (grid rows x chunk tiles): recompute each logit tile, form the gradient
+   g = w * (p*(1+2*z_loss*lse) - (1-ls)*onehot - ls/V) (times the softcap factor; w = upstream grad per row),
+   zero it when every |unscaled g| < ``filter_eps``, write it to a small Nv x vc buffer, and append kept tiles
+   to per-row and per-column work lists (atomics).
+2. dC[chunk] = g^T @ E and dE += g @ C[chunk]: when most tiles of the chunk are kept, cuBLAS on the whole
+   chunk (filtered tiles are zeros); otherwise ``_dc_kernel`` / ``_de_kernel``, Triton GEMMs that loop over the
+   work lists only. Each vocabulary row lives in one chunk, so dC is written once, never accumulated; dE is
+   accumulated in fp32 scratch (or in place, ``e_grad_fp32=False``).
+
+Sorting the vocabulary by mean logit (exactly C @ mean(E) + bias, one GEMV, no atomics) puts the tokens that
+ever get probability mass into the first chunks, so whole tiles and chunks elsewhere fall under the filter.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_utils import interpreting
+from .forward import dot, logit_tile
+
+
+@triton.jit
+def _grad_tile_kernel(E, C, BIAS, ROWS, TGT, LSE, W, ORDER, G, DBIAS, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL,
+                      NV, D, stride_e, stride_c, stride_g, v_chunk_start, vc, n_vb, n_nb,
+                      softcap, z_loss, onehot_weight, uniform_weight, filter_eps,
+                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ORDER: tl.constexpr,
+                      FILTER: tl.constexpr, NEED_DBIAS: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One BLOCK_N x BLOCK_V logit tile (wide, for matmul efficiency); filtering and the work lists use
+    SPLIT sub-tiles of BLOCK_V // SPLIT columns (narrow, so that more of them fall under the filter)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = r < NV
+    e_rows = tl.load(ROWS + r, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(TGT + r, mask=row_mask, other=-1)
+    lse = tl.load(LSE + r, mask=row_mask, other=0.0)
+    j = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = j < vc
+    if HAS_ORDER:
+        vocab = tl.load(ORDER + v_chunk_start + j, mask=col_mask, other=0).to(tl.int64)
+    else:
+        vocab = (v_chunk_start + j).to(tl.int64)
+    z = logit_tile(E, C, BIAS, e_rows, row_mask, vocab, col_mask, D, stride_e, stride_c, softcap,
+                   HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_D)
+    g = tl.exp(z - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None]
+    g = g - tl.where(vocab[None, :] == tgt[:, None], onehot_weight, 0.0) - uniform_weight
+    if HAS_SOFTCAP:
+        zc = z / softcap
+        g = g * (1.0 - zc * zc)
+    g = tl.where(row_mask[:, None] & col_mask[None, :], g, 0.0)
+    in_first = (tl.arange(0, BLOCK_V) < BLOCK_V // SPLIT)[None, :]
+    if FILTER:
+        # filter on the unscaled gradient (|g| <= 1 + ...); a NaN tile is kept: NaN in, NaN grads out
+        keep0 = _tile_matters(tl.where(in_first, g, 0.0), filter_eps)
+        keep1 = keep0
+        if SPLIT == 2:
+            keep1 = _tile_matters(tl.where(in_first, 0.0, g), filter_eps)
+        g = tl.where(tl.where(in_first, keep0, keep1), g, 0.0)
+    else:
+        keep0 = True
+        keep1 = True
+    # scaled by the upstream grad here (bf16 has fp32's range: no underflow), so the GEMMs are plain GEMMs
+    g = g * tl.load(W + r, mask=row_mask, other=0.0)[:, None]
+    # always written (zeros when filtered): a dense cuBLAS pass may read every tile
+    tl.store(G + r[:, None].to(tl.int64) * stride_g + j[None, :], g.to(G.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+    if NEED_DBIAS:
+        tl.atomic_add(DBIAS + vocab, tl.sum(g, axis=0), mask=col_mask)
+    if keep0:
+        _append(pid_n, pid_v * SPLIT, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
+    if SPLIT == 2:
+        if (pid_v * SPLIT + 1) * (BLOCK_V // SPLIT) < vc:  # the second half exists in this chunk
+            if keep1:
+                _append(pid_n, pid_v * SPLIT + 1, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
+
+
+@triton.jit
+def _tile_matters(g, filter_eps):
+    big = tl.max(tl.max(tl.abs(g), axis=1), axis=0) >= filter_eps
+    nan = tl.sum(tl.sum((g != g).to(tl.int32), axis=1), axis=0) > 0
+    return big | nan
+
+
+@triton.jit
+def _append(pid_n, sub_v, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb):
+    """Work lists for the sparse GEMMs: they loop over kept tiles only, with no branch in the loop (a branch
+    stops Triton's software pipelining). Slot order is whatever the atomics give: the fp32 sums in dC/dE may
+    differ in the last bits from run to run."""
+    slot = tl.atomic_add(CNT_DC + sub_v, 1)
+    tl.store(LIST_DC + sub_v * n_nb + slot, pid_n)
+    slot = tl.atomic_add(CNT_DE + pid_n, 1)
+    tl.store(LIST_DE + pid_n * n_vb + slot, sub_v)
+    tl.atomic_add(CNT_ALL, 1)
+
+
+@triton.jit
+def _dc_kernel(G, CNT_DC, LIST_DC, E, ROWS, ORDER, DC, NV, D, stride_e, stride_g, stride_dc,
+               v_chunk_start, vc, n_nb, HAS_ORDER: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_v = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    j = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = j < vc
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    for k in range(0, tl.load(CNT_DC + pid_v)):
+        nb = tl.load(LIST_DC + pid_v * n_nb + k)
+        r = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = r < NV
+        g = tl.load(G + r[:, None].to(tl.int64) * stride_g + j[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        e_rows = tl.load(ROWS + r, mask=row_mask, other=0).to(tl.int64)
+        e = tl.load(E + e_rows[:, None] * stride_e + d[None, :], mask=row_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        acc = dot(tl.trans(g.to(e.dtype)), e, acc)
+    if HAS_ORDER:
+        vocab = tl.load(ORDER + v_chunk_start + j, mask=col_mask, other=0).to(tl.int64)
+    else:
+        vocab = (v_chunk_start + j).to(tl.int64)
+    tl.store(DC + vocab[:, None] * stride_dc + d[None, :], acc.to(DC.dtype.element_ty),
+             mask=col_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _de_kernel(G, CNT_DE, LIST_DE, C, ORDER, ROWS, DE, NV, D, stride_c, stride_g, stride_de, v_chunk_start, vc,
+               n_vb, HAS_ORDER: tl.constexpr, DE_BY_ROW: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = r < NV
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    n_active = tl.load(CNT_DE + pid_n)
+    for k in range(0, n_active):
+        vb = tl.load(LIST_DE + pid_n * n_vb + k)
+        j = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_mask = j < vc
+        if HAS_ORDER:
+            vocab = tl.load(ORDER + v_chunk_start + j, mask=col_mask, other=0).to(tl.int64)
+        else:
+            vocab = (v_chunk_start + j).to(tl.int64)
+        g = tl.load(G + r[:, None].to(tl.int64) * stride_g + j[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        c = tl.load(C + vocab[:, None] * stride_c + d[None, :], mask=col_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        acc = dot(g.to(c.dtype), c, acc)
+    if n_active > 0:
+        if DE_BY_ROW:
+            out_rows = tl.load(ROWS + r, mask=row_mask, other=0).to(tl.int64)
+        else:
+            out_rows = r.to(tl.int64)
+        ptr = DE + out_rows[:, None] * stride_de + d[None, :]
+        mask = row_mask[:, None] & d_mask[None, :]
+        old = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptr, (old + acc).to(DE.dtype.element_ty), mask=mask)
+
+
+def backward_config(interp: bool):
+    if interp:
+        return dict(BLOCK_N=16, BLOCK_V=16, SPLIT=2, BLOCK_D_TILE=16, BLOCK_D_DC=16, BLOCK_D_DE=16, num_warps=4,
+                    num_stages=1)
+    # BLOCK_V: the sparse GEMMs' tile and the filter's granularity; the tile kernel computes SPLIT of them at once
+    return dict(BLOCK_N=128, BLOCK_V=128, SPLIT=2, BLOCK_D_TILE=64, BLOCK_D_DC=128, BLOCK_D_DE=128, num_warps=8,
+                num_stages=3)
+
+
+def default_filter_eps(dtype: torch.dtype) -> float:
+    """apple's choice: eps/32 of the gradient dtype. A dropped element is < 1/32 of the spacing of 1.0 in that
+    dtype; since the row's total |g| is 2*(1-p_t) <= 2 and bf16 dE/dC already round at eps/2 relative, the
+    dropped mass sits below the output's own rounding except for rows whose gradient is nearly zero."""
+    return torch.finfo(dtype).eps / 32
+
+
+def vocab_order(e2d, c, bias, rows) -> torch.Tensor:
+    """Vocabulary sorted by mean logit over the valid rows, descending. The mean of a linear map is the map of
+    the mean, so this is one GEMV: C @ mean(E) (+ bias). Softcap is monotone, so it does not change the order."""
+    weights = torch.zeros(e2d.shape[0], dtype=torch.float32, device=e2d.device)
+    weights[rows] = 1.0 / max(rows.numel(), 1)
+    e_mean = (weights @ e2d.float()) if e2d.device.type == "cpu" else torch.mv(e2d.T, weights.to(e2d.dtype)).float()
+    key = torch.mv(c, e_mean.to(c.dtype)).float()
+    if bias is not None:
+        key = key + bias.float()
+    return torch.argsort(key, descending=True).to(torch.int32)
+
+
+def _dense_de_update(de_acc, g, c_chunk):
+    """de_acc += g @ c_chunk with fp32 accumulation where cuBLAS offers it (bf16 inputs, fp32 output)."""
+    if de_acc.dtype == g.dtype:
+        de_acc.addmm_(g, c_chunk)
+    elif de_acc.is_cuda:
+        torch.addmm(de_acc, g, c_chunk, out_dtype=de_acc.dtype, out=de_acc)
+    else:
+        de_acc += (g.float() @ c_chunk.float())
+
+
+def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional[float], label_smoothing: float,
+                       z_loss: float, filter_eps: Optional[float], sort_vocab: bool, chunk_bytes: int,
+                       need_e: bool = True, need_c: bool = True, e_grad_fp32: bool = True, dense_above: float = 0.3,
+                       config=None):
+    """Returns (dE shaped like e2d or None, dC or None, dbias or None). ``w``: fp32 upstream grad per valid row.
+
+    Per vocabulary chunk, after the gradient-tile kernel, the fraction of kept tiles picks the GEMMs: above
+    ``dense_above`` cuBLAS on the whole chunk (fast when most tiles matter), else the Triton kernels that
+    visit kept tiles only. The choice costs one host sync per chunk (skipped when filtering is off).
+    """
+    N, D = e2d.shape
+    V = c.shape[0]
+    nv = rows.numel()
+    cfg = dict(config or backward_config(interpreting()))
+    bn, bv, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_V"), cfg.pop("SPLIT", 1)
+    bd_tile, bd_dc, bd_de = cfg.pop("BLOCK_D_TILE"), cfg.pop("BLOCK_D_DC"), cfg.pop("BLOCK_D_DE")
+    if e2d.dtype == torch.float32 and not interpreting():  # fp32 tiles take twice the shared memory
+        bd_dc = bd_de = 64
+        cfg["num_stages"] = 2
+    need_b = bias is not None and need_c
+    de = torch.zeros(N, D, dtype=e2d.dtype, device=e2d.device) if need_e else None
+    dc = torch.empty_like(c) if need_c else None
+    db = torch.zeros(V, dtype=torch.float32, device=c.device) if need_b else None
+    if nv == 0:
+        return de, (dc.zero_() if need_c else None), (db.to(bias.dtype) if need_b else None)
+    # label smoothing puts -ls/V on every element: filtering would drop it systematically, so it is off then
+    filtering = filter_eps is not None and label_smoothing == 0.0
+    order = vocab_order(e2d, c, bias, rows) if (sort_vocab and filtering) else None  # sorting only helps filtering
+    # fp16 gradients scaled by 1/N would underflow: fp16 inputs get a bf16 buffer (same size, fp32's range)
+    g_dtype = {torch.float32: torch.float32}.get(e2d.dtype, torch.bfloat16)
+    elem = torch.finfo(g_dtype).bits // 8
+    step = bv * split
+    vc = max(step, min(triton.cdiv(V, step) * step, (chunk_bytes // max(nv * elem, 1)) // step * step))
+    g_buf = torch.empty(nv, vc, dtype=g_dtype, device=e2d.device)
+    n_nb, n_vb = triton.cdiv(nv, bn), triton.cdiv(vc, bv)
+    n_chunks = triton.cdiv(V, vc)
+    counts = torch.zeros(n_chunks, n_vb + n_nb + 1, dtype=torch.int32, device=e2d.device)  # dC | dE | all
+    list_dc = torch.empty(n_vb, n_nb, dtype=torch.int32, device=e2d.device)
+    list_de = torch.empty(n_nb, n_vb, dtype=torch.int32, device=e2d.device)
+    de_acc = torch.zeros(nv, D, dtype=torch.float32, device=e2d.device) if (need_e and e_grad_fp32) else de
+    order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
+    e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)
+    progress = _KeptTiles(n_chunks, e2d.device)
+    for chunk, start in enumerate(range(0, V, vc)):
+        cur = min(vc, V - start)
+        cnt_dc, cnt_de, cnt_all = counts[chunk, :n_vb], counts[chunk, n_vb:-1], counts[chunk, -1:]
+        _grad_tile_kernel[(n_nb, triton.cdiv(cur, step))](
+            e2d, c, c if bias is None else bias, rows, targets, lse, w, order_arg, g_buf, db if need_b else w,
+            cnt_dc, list_dc, cnt_de, list_de, cnt_all,
+            nv, D, e2d.stride(0), c.stride(0), g_buf.stride(0), start, cur, n_vb, n_nb,
+            float(softcap or 1.0), float(z_loss), 1.0 - label_smoothing, label_smoothing / V,
+            float(filter_eps or 0.0), HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b, SPLIT=split, BLOCK_N=bn, BLOCK_V=step,
+            BLOCK_D=bd_tile, **cfg)
+        n_tiles = n_nb * triton.cdiv(cur, bv)
+        kept = progress.kept(chunk, cnt_all, n_tiles) if filtering else n_tiles
+        vocab_chunk = order[start:start + cur].long() if order is not None else None
+        if kept == 0:  # nothing above the filter in the whole chunk: dC rows are zero, dE unchanged
+            if need_c:
+                if vocab_chunk is None:
+                    dc[start:start + cur].zero_()
+                else:
+                    dc.index_fill_(0, vocab_chunk, 0)
+            continue
+        if kept > dense_above * n_tiles and g_dtype == e2d.dtype:
+            g = g_buf[:, :cur]
+            if need_c:
+                if e_valid is None:
+                    e_valid = e2d if nv == N else e2d.index_select(0, rows)
+                if vocab_chunk is None:
+                    torch.mm(g.T, e_valid, out=dc[start:start + cur])
+                else:
+                    dc.index_copy_(0, vocab_chunk, torch.mm(g.T, e_valid))
+            if need_e:
+                c_chunk = c[start:start + cur] if vocab_chunk is None else c.index_select(0, vocab_chunk)
+                if e_grad_fp32:
+                    _dense_de_update(de_acc, g, c_chunk)
+                elif nv == N:  # every row valid: rows is 0..N-1, dE is updated in place
+                    _dense_de_update(de, g, c_chunk)
+                else:
+                    _dense_de_scatter(de, rows, g, c_chunk)
+            continue
+        if need_c:
+            _dc_kernel[(triton.cdiv(cur, bv), triton.cdiv(D, bd_dc))](
+                g_buf, cnt_dc, list_dc, e2d, rows, order_arg, dc, nv, D, e2d.stride(0),
+                g_buf.stride(0), dc.stride(0), start, cur, n_nb, HAS_ORDER=order is not None,
+                BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_dc, **cfg)
+        if need_e:
+            _de_kernel[(n_nb, triton.cdiv(D, bd_de))](
+                g_buf, cnt_de, list_de, c, order_arg, rows, de_acc, nv, D, c.stride(0), g_buf.stride(0),
+                de_acc.stride(0), start, cur, n_vb, HAS_ORDER=order is not None, DE_BY_ROW=not e_grad_fp32,
+                BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_de, **cfg)
+    if need_e and e_grad_fp32:
+        de[rows] = de_acc.to(de.dtype)
+    return de, dc, (db.to(bias.dtype) if need_b else None)
+
+
+class _KeptTiles:
+    """How many tiles of a chunk passed the filter, without stalling the GPU: on CUDA each chunk's count is
+    copied to pinned memory behind an event and the newest finished chunk's fraction is used (with sorted
+    vocabulary it changes slowly from chunk to chunk). Either GEMM path is correct whatever the count; only
+    speed depends on it. On the CPU (interpreter) the exact count is read, and an empty chunk is skipped."""
+
+    def __init__(self, n_chunks, device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(n_chunks, dtype=torch.int32, pin_memory=self.cuda)
+        self.tiles = [1] * n_chunks
+        self.events = []
+        self.done = -1
+
+    def kept(self, chunk, cnt_all, n_tiles):
+        if not self.cuda:
+            return int(cnt_all.item())
+        self.host[chunk:chunk + 1].copy_(cnt_all, non_blocking=True)
+        self.tiles[chunk] = n_tiles
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events.append(ev)
+        while self.done + 1 < chunk and self.events[self.done + 1].query():
+            self.done += 1
+        if self.done < 0:
+            return n_tiles  # nothing known yet: dense (correct either way); never the "skip" value 0
+        return max(1, round(int(self.host[self.done]) / self.tiles[self.done] * n_tiles))
+
+
+def _dense_de_scatter(de, rows, g, c_chunk):
+    """Low-memory dense path with ignored tokens: dE rows are scattered, so add through a temporary."""
+    de.index_add_(0, rows, (g @ c_chunk).to(de.dtype))

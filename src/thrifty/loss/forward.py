@@ -1,0 +1,124 @@
+"""Forward kernel: per valid row, log-sum-exp of the logits over the vocabulary, the target logit and (for
+label smoothing) the sum of logits, computed tile by tile (BLOCK_N rows x BLOCK_V vocabulary entries, the dot
+over D in BLOCK_D steps, fp32 accumulation); the N x V logits are never written.
+
+The grid is (row blocks, vocabulary splits): each program reduces its share of V with an online max/sum and
+writes one partial (max, sum, target logit, logit sum) per row; a tiny torch step merges the splits. Splitting V
+keeps the GPU full when few rows are valid, and merging partials avoids apple's spin locks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_utils import interpreting, mma
+
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp(NEG_BIG - NEG_BIG) must not be NaN
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh in 3.6; this form saturates correctly at +-1 (exp overflow gives 1 - 0)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """mma for 16-bit inputs; fp32 inputs get an exact fp32 dot (as torch's default matmul precision), not tf32."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return mma(a, b, acc)
+
+
+@triton.jit
+def logit_tile(E, C, BIAS, e_rows, row_mask, vocab, col_mask, D, stride_e, stride_c, softcap,
+               HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 logits (after bias and softcap) of rows ``e_rows`` against vocabulary entries ``vocab``."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        a = tl.load(E + e_rows[:, None] * stride_e + d[None, :], mask=row_mask[:, None] & (d[None, :] < D), other=0.0)
+        b = tl.load(C + vocab[None, :] * stride_c + d[:, None], mask=col_mask[None, :] & (d[:, None] < D), other=0.0)
+        acc = dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + vocab, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    return acc
+
+
+@triton.jit
+def _lse_forward_kernel(E, C, BIAS, ROWS, TGT, OUT, NV, V, D, stride_e, stride_c, v_per_split, softcap,
+                        HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = r < NV
+    e_rows = tl.load(ROWS + r, mask=row_mask, other=0).to(tl.int64)  # int64: row * stride may pass 2**31
+    tgt = tl.load(TGT + r, mask=row_mask, other=-1)
+    m = tl.full((BLOCK_N,), NEG_BIG, tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    z_sum = tl.zeros((BLOCK_N,), tl.float32)
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < v_end
+        z = logit_tile(E, C, BIAS, e_rows, row_mask, cols.to(tl.int64), col_mask, D, stride_e, stride_c, softcap,
+                       HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_D)
+        z_t += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        z_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
+        z = tl.where(col_mask[None, :], z, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m = m_new
+    out = OUT + pid_s * 4 * NV + r
+    tl.store(out, m, mask=row_mask)
+    tl.store(out + NV, s, mask=row_mask)
+    tl.store(out + 2 * NV, z_t, mask=row_mask)
+    tl.store(out + 3 * NV, z_sum, mask=row_mask)
+
+
+# GPU: autotuned over the D step and pipeline depth (BLOCK_N x BLOCK_V stays 128 x 256: the host splits V by it)
+_TUNED_CONFIGS = [triton.Config(dict(BLOCK_D=bd), num_warps=8, num_stages=st)
+                  for bd, st in ((64, 3), (64, 4), (128, 2), (32, 5))]
+_lse_forward_tuned = None if interpreting() else triton.autotune(_TUNED_CONFIGS, key=["D", "V"])(_lse_forward_kernel)
+
+
+def forward_config(interp: bool):
+    if interp:
+        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3)
+
+
+def lse_forward(e2d, c, bias, rows, targets, softcap, config=None):
+    """Returns (lse, target logit, logit sum), each fp32 of shape (Nv,)."""
+    nv, V, D = rows.numel(), c.shape[0], c.shape[1]
+    cfg = dict(config or forward_config(interpreting()))
+    if e2d.dtype == torch.float32 and not interpreting() and config is None:  # fp32 tiles: twice the smem
+        cfg.update(BLOCK_V=128, num_stages=2)
+    bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
+    n_blocks = triton.cdiv(nv, bn)
+    # enough programs for ~4 waves on the GPU, each with at least a few vocabulary tiles
+    sms = 132 if e2d.device.type != "cuda" else torch.cuda.get_device_properties(e2d.device).multi_processor_count
+    splits = max(1, min(triton.cdiv(4 * sms, max(n_blocks, 1)), triton.cdiv(V, 4 * bv)))
+    v_per_split = triton.cdiv(triton.cdiv(V, splits), bv) * bv
+    splits = triton.cdiv(V, v_per_split)
+    out = torch.empty(splits, 4, nv, dtype=torch.float32, device=e2d.device)
+    args = (e2d, c, c if bias is None else bias, rows, targets, out, nv, V, D, e2d.stride(0), c.stride(0),
+            v_per_split, float(softcap or 1.0))
+    flags = dict(HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None)
+    if nv and config is None and _lse_forward_tuned is not None and e2d.dtype != torch.float32:
+        _lse_forward_tuned[(n_blocks, splits)](*args, **flags, BLOCK_N=bn, BLOCK_V=bv)
+    elif nv:
+        _lse_forward_kernel[(n_blocks, splits)](*args, **flags, **cfg)
+    m, s, z_t, z_sum = out.unbind(1)
+    m_max = m.max(0).values
+    lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(0))
+    return lse, z_t.sum(0), z_sum.sum(0)

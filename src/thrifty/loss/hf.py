@@ -1,0 +1,68 @@
+"""transformers integration: give a ``*ForCausalLM`` instance a forward that computes the training loss with
+thrifty's linear cross-entropy instead of materialising the logits.
+
+In transformers 5.17 the ``loss_function`` hook receives logits that were already computed, so (like apple CCE
+and Liger) the only way to skip them is to replace the model's ``forward``. Only this instance is patched.
+Works for models whose forward is ``self.model(...)`` -> hidden states -> ``self.lm_head`` (Llama, Mistral,
+Qwen2, SmolLM2, ...). Not handled: an FSDP2-sharded ``lm_head`` (its weight is a DTensor).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .cce import linear_cross_entropy
+
+
+def patch_causal_lm(model, **loss_kwargs):
+    """Replaces ``model.forward`` (this instance only); returns the model.
+
+    The new forward takes the stock arguments plus ``skip_logits`` (default: ``model.training`` and labels
+    given), ``num_items_in_batch`` (loss = sum / num_items_in_batch, as the HF Trainer expects for gradient
+    accumulation) and ``shift_labels`` (already shifted labels). With logits skipped it returns
+    ``logits=None``; otherwise it behaves like the stock forward. ``loss_kwargs`` go to
+    :func:`thrifty.loss.linear_cross_entropy` (e.g. ``impl``, ``z_loss``).
+    """
+    if not (hasattr(model, "model") and hasattr(model, "lm_head")):
+        raise TypeError(f"model: expected a *ForCausalLM with .model and .lm_head, got {type(model).__name__}")
+    stock_forward = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None,
+                num_items_in_batch=None, shift_labels=None, **kwargs):
+        has_labels = labels is not None or shift_labels is not None
+        if skip_logits is None:
+            skip_logits = self.training and has_labels
+        if not skip_logits:
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return stock_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                                 use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        if not has_labels:
+            raise ValueError("skip_logits=True needs labels (or shift_labels): without them there is nothing to return")
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
+        hidden = outputs.last_hidden_state
+        # the HF loss: labels shifted left by one (ignore_index appended), or given pre-shifted
+        targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
+        kw = dict(ignore_index=-100, shift=shift, bias=getattr(self.lm_head, "bias", None))
+        kw.update(loss_kwargs)
+        if num_items_in_batch is not None:
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), reduction="sum", **kw)
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        else:
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), **kw)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+    model.forward = types.MethodType(forward, model)
+    return model

@@ -1,0 +1,266 @@
+"""thrifty.loss: the chunked reference against float64 naive CE, the options, the errors, and the Triton kernels
+(under the interpreter on CPU, natively on CUDA) against float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thrifty.loss import LinearCrossEntropy, linear_cross_entropy, lm_loss
+from thrifty.loss.reference import naive_linear_cross_entropy
+from thrifty.triton_utils import interpreting
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HAVE_KERNELS = interpreting() or torch.cuda.is_available()
+needs_kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def make(N=37, D=40, V=300, dtype=torch.float32, bias=False, ignore_every=5, seed=0, scale=1.0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    e = (torch.randn(N, D, generator=g) * scale).to(dtype).to(device).requires_grad_()
+    c = (torch.randn(V, D, generator=g) * 0.5).to(dtype).to(device).requires_grad_()
+    b = (torch.randn(V, generator=g)).to(dtype).to(device).requires_grad_() if bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    if ignore_every:
+        t[::ignore_every] = -100
+    return e, c, b, t.to(device)
+
+
+def loss_and_grads(fn, e, c, b, t, **kw):
+    for x in (e, c, b):
+        if x is not None:
+            x.grad = None
+    loss = fn(e, c, t, bias=b, **kw)
+    (loss.sum() if loss.ndim else loss).backward()
+    grads = [x.grad.detach().double().clone() if x is not None else None for x in (e, c, b)]
+    return loss.detach().double(), grads
+
+
+def oracle(e, c, b, t, **kw):
+    return loss_and_grads(lambda *a, **k: naive_linear_cross_entropy(*a, dtype=torch.float64, **k), e, c, b, t, **kw)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(got, want, loss_tol, grad_tol):
+    (l1, g1), (l2, g2) = got, want
+    assert torch.isfinite(l1).all()
+    assert rel(l1, l2) <= loss_tol, (l1, l2)
+    for a, b_ in zip(g1, g2):
+        if b_ is not None:
+            assert rel(a, b_) <= grad_tol, rel(a, b_)
+
+
+OPTIONS = [{}, dict(softcap=4.0), dict(label_smoothing=0.1), dict(z_loss=1e-2), dict(reduction="sum"),
+           dict(reduction="none"), dict(softcap=3.0, label_smoothing=0.2, z_loss=1e-3, bias=True)]
+
+
+# ---------------------------------------------------------------- the reference (spec) vs float64
+
+@pytest.mark.parametrize("shape", [(37, 40, 300), (1, 24, 7), (64, 33, 129)])
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_reference_matches_float64(shape, opts):
+    opts = dict(opts)
+    N, D, V = shape
+    e, c, b, t = make(N, D, V, bias=opts.pop("bias", False))
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="reference", **opts)
+    assert_close(got, oracle(e, c, b, t, **opts), 1e-6, 1e-5)
+
+
+def test_reference_chunking_does_not_change_the_result():
+    e, c, b, t = make(50, 24, 70, bias=True)
+    one = loss_and_grads(lambda *a, **k: __import__("thrifty.loss.reference", fromlist=["x"]).linear_cross_entropy(
+        *a, chunk_size=1000, **k), e, c, b, t)
+    many = loss_and_grads(lambda *a, **k: __import__("thrifty.loss.reference", fromlist=["x"]).linear_cross_entropy(
+        *a, chunk_size=7, **k), e, c, b, t)
+    assert_close(many, one, 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_low_precision_accumulates_in_fp32(dtype):
+    e, c, b, t = make(33, 40, 260, dtype=dtype)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="reference")
+    assert_close(got, oracle(e, c, b, t), 1e-5, 1e-2)  # grads are rounded to the input dtype, nothing more
+
+
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch has no F.linear_cross_entropy")
+@pytest.mark.parametrize("opts", [{}, dict(reduction="sum"), dict(label_smoothing=0.1), dict(reduction="none")])
+def test_matches_torch_native_linear_cross_entropy(opts):
+    e, c, b, t = make(29, 24, 100, bias=True)
+    native = lambda e_, c_, t_, bias=None, **k: F.linear_cross_entropy(  # noqa: E731
+        e_, c_, t_, linear_bias=bias, ignore_index=-100, **k)
+    want = loss_and_grads(native, e, c, b, t, **opts)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="reference", **opts)
+    assert_close(got, want, 1e-5, 1e-5)
+
+
+def test_torch_impl_is_the_naive_path():
+    e, c, b, t = make(20, 16, 50)
+    assert_close(loss_and_grads(linear_cross_entropy, e, c, b, t, impl="torch"), oracle(e, c, b, t), 1e-6, 1e-5)
+
+
+# ---------------------------------------------------------------- options and conventions
+
+def test_shift_is_the_causal_lm_shift():
+    g = torch.Generator().manual_seed(1)
+    e = torch.randn(2, 9, 16, generator=g, requires_grad=True)
+    c = torch.randn(40, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (2, 9), generator=g)
+    t[0, 3] = -100
+    got = linear_cross_entropy(e, c, t, shift=True, impl="reference")
+    want = F.cross_entropy((e[:, :-1] @ c.T).reshape(-1, 40), t[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(got, want)
+    none = linear_cross_entropy(e, c, t, shift=True, reduction="none", impl="reference")
+    assert none.shape == (2, 9) and (none[:, -1] == 0).all() and none[0, 2] == 0
+
+
+def test_reduction_none_shape_and_zeros_at_ignored():
+    e, c, b, t = make(4 * 6, 16, 50)
+    e3, t3 = e.detach().view(4, 6, 16), t.view(4, 6)
+    out = linear_cross_entropy(e3, c, t3, reduction="none", impl="reference")
+    assert out.shape == (4, 6) and out.dtype == torch.float32
+    assert (out[t3 == -100] == 0).all() and (out[t3 != -100] > 0).all()
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch"] + (["triton"] if HAVE_KERNELS else []))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_gives_zero_loss_and_zero_grads(impl, reduction):
+    e, c, b, t = make(10, 16, 40, bias=True, device=DEVICE)
+    t = torch.full_like(t, -100)
+    loss, (de, dc, db) = loss_and_grads(linear_cross_entropy, e, c, b, t, impl=impl, reduction=reduction)
+    assert (loss == 0).all()  # mean over no token is 0 by definition here (torch gives NaN)
+    assert (de == 0).all() and (dc == 0).all() and (db == 0).all()
+
+
+def test_custom_ignore_index_and_module_and_loss_seam():
+    e, c, b, t = make(30, 16, 50, ignore_every=0)
+    t[::3] = 7  # token 7 is the ignored one
+    want = oracle(e, c, b, torch.where(t == 7, -100, t))
+    got = loss_and_grads(lambda *a, bias=None: LinearCrossEntropy(ignore_index=7, impl="reference")(*a, bias), e, c, b, t)
+    assert_close(got, want, 1e-6, 1e-5)
+    hidden, labels = e.detach().view(5, 6, 16), t.view(5, 6).clone()
+    labels[labels == 7] = -100
+    torch.testing.assert_close(lm_loss(hidden, c, labels), want[0].float())
+
+
+def test_nan_in_e_gives_nan_loss():
+    e, c, b, t = make(12, 16, 40, ignore_every=0)
+    e.data[3, 5] = float("nan")
+    for impl in ["reference", "torch"] + (["triton"] if HAVE_KERNELS and DEVICE == "cpu" else []):
+        assert torch.isnan(linear_cross_entropy(e, c, t, impl=impl))
+        assert torch.isfinite(linear_cross_entropy(e, c, t, reduction="none", impl=impl)[torch.arange(12) != 3]).all()
+
+
+# ---------------------------------------------------------------- errors name the argument
+
+@pytest.mark.parametrize("bad, exc, name", [
+    (lambda e, c, t: (e, c[:, :-1], t), ValueError, "c"),
+    (lambda e, c, t: (e, c, t[:-1]), ValueError, "targets"),
+    (lambda e, c, t: (e, c, t.float()), TypeError, "targets"),
+    (lambda e, c, t: (e, c, torch.where(t == -100, 50, t)), ValueError, "targets"),
+    (lambda e, c, t: (e, c, torch.where(t == -100, -3, t)), ValueError, "targets"),
+    (lambda e, c, t: (e, c.double(), t), TypeError, "c"),
+    (lambda e, c, t: (e, c.to("meta"), t), ValueError, "device"),
+    (lambda e, c, t: (e[0], c, t[0]), ValueError, "e"),
+])
+def test_bad_inputs_raise_naming_the_argument(bad, exc, name):
+    e, c, b, t = make(10, 16, 50)
+    with pytest.raises(exc, match=name):
+        linear_cross_entropy(*bad(e.detach(), c.detach(), t), impl="reference")
+
+
+def test_bad_options_raise():
+    e, c, b, t = make(10, 16, 50)
+    for kw, name in [(dict(reduction="avg"), "reduction"), (dict(softcap=0.0), "softcap"), (dict(impl="cuda"), "impl"),
+                     (dict(label_smoothing=1.5), "label_smoothing"), (dict(bias=torch.zeros(3)), "bias")]:
+        with pytest.raises(ValueError, match=name):
+            linear_cross_entropy(e, c, t, **kw)
+
+
+@pytest.mark.skipif(interpreting() or torch.cuda.is_available(), reason="only without kernels")
+def test_triton_without_kernels_is_a_clear_error():
+    e, c, b, t = make(10, 16, 50)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        linear_cross_entropy(e, c, t, impl="triton")
+
+
+# ---------------------------------------------------------------- the kernels vs float64
+
+GRAD_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}  # bf16 gradient-tile buffer
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_kernels_match_float64(dtype, opts):
+    opts = dict(opts)
+    e, c, b, t = make(37, 40, 300, dtype=dtype, bias=opts.pop("bias", False), device=DEVICE)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", **opts)
+    assert_close(got, oracle(e, c, b, t, **opts), 1e-4 if dtype == torch.float32 or DEVICE == "cpu" else 2e-3,
+                 GRAD_TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("filter_eps", [None, "auto", 1e-3])
+@pytest.mark.parametrize("sort_vocab", [False, True])
+@pytest.mark.parametrize("dense_above", [0.0, 2.0])  # cuBLAS GEMMs for every chunk / the sparse Triton ones
+@pytest.mark.parametrize("e_grad_fp32, ignore_every", [(True, 4), (False, 0), (False, 4)])
+def test_kernels_filtering_sorting_and_chunking(filter_eps, sort_vocab, e_grad_fp32, dense_above, ignore_every):
+    if not e_grad_fp32 and (filter_eps != "auto" or not sort_vocab):
+        pytest.skip("low-memory dE accumulation: checked once per path")
+    # peaky logits (scale 3) so that filtering really skips tiles; tiny chunks so several vocabulary chunks run
+    e, c, b, t = make(45, 24, 333, dtype=torch.bfloat16, scale=3.0, bias=True, device=DEVICE, seed=3,
+                      ignore_every=ignore_every)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", filter_eps=filter_eps,
+                         sort_vocab=sort_vocab, chunk_bytes=45 * 64 * 2, e_grad_fp32=e_grad_fp32,
+                         kernel_config=dict(dense_above=dense_above))
+    assert_close(got, oracle(e, c, b, t), 1e-4, 3e-2 if filter_eps == 1e-3 else 2e-2)
+
+
+@needs_kernels
+def test_kernel_shift_and_3d_input():
+    e, c, b, t = make(4 * 9, 24, 100, dtype=torch.float32, device=DEVICE)
+    e3 = e.detach().view(4, 9, 24).requires_grad_()
+    t3 = t.view(4, 9)
+    got = loss_and_grads(linear_cross_entropy, e3, c, None, t3, impl="triton", shift=True)
+    want = oracle(e3, c, None, t3, shift=True)
+    assert_close(got, want, 1e-5, 1e-3)
+
+
+@pytest.mark.cuda
+def test_auto_picks_triton_on_cuda():
+    e, c, b, t = make(300, 64, 1000, dtype=torch.bfloat16, device="cuda")
+    assert_close(loss_and_grads(linear_cross_entropy, e, c, b, t), oracle(e, c, b, t), 2e-3, 2e-2)
+
+
+def test_loss_seam_in_the_reference_model_matches_plain_loss():
+    models = pytest.importorskip("thrifty.models.llama")
+    presets = pytest.importorskip("thrifty.models.presets")
+    cfg = presets.preset("tiny", vocab_size=500)
+    torch.manual_seed(0)
+    plain = models.LlamaForCausalLM(cfg).init_weights(seed=0)
+    cut = models.LlamaForCausalLM(cfg, loss=lm_loss).init_weights(seed=0)
+    ids = torch.randint(0, 500, (2, 33))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    labels[0, :4] = -100
+    a, b = plain(ids, labels=labels), cut(ids, labels=labels)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    a.backward()
+    b.backward()
+    for (name, p), q in zip(plain.named_parameters(), cut.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("impl", ["reference"] + (["triton"] if HAVE_KERNELS else []))
+def test_autocast_fp32_master_weight_with_bf16_hidden(impl):
+    """A trainer under autocast hands an fp32 lm_head weight; the loss runs at bf16 and grads keep their dtype."""
+    e, c, b, t = make(30, 24, 90, device=DEVICE)
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        loss = linear_cross_entropy(e.bfloat16(), c, t, impl=impl)
+    loss.backward()
+    assert c.grad.dtype == torch.float32 and e.grad.dtype == torch.float32
+    e16, c16 = e.detach().bfloat16().requires_grad_(), c.detach().bfloat16().requires_grad_()
+    want = oracle(e16, c16, None, t)
+    assert rel(loss.detach().double(), want[0]) < 1e-4
+    assert rel(c.grad.double(), want[1][1]) < 2e-2
