@@ -113,8 +113,34 @@ def main():
     if len(names) == 2:
         a, b = curves[names[0]], curves[names[1]]
         summary["loss_curve_max_abs_diff"] = max(abs(x - y) for x, y in zip(a, b))
-    write_result("train_e2e", rows, summary, extra=vars(args),
-                 plot=dict(x="step", y="train_loss", hue="curve", title=f"{args.preset}: torch CE vs thrifty CE"))
+    path = write_result("train_e2e", rows, summary, extra=vars(args))
+    plot_curves(rows, path.with_suffix(".png"), f"{args.preset} preset, B={args.batch_size}x{args.seq_len}: "
+                "torch CE vs thrifty CE")
+
+
+def plot_curves(rows, path, title):
+    """Training-loss curves, one line per loss implementation (plus a smoothed copy to see through noise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name in dict.fromkeys(r["curve"] for r in rows if "curve" in r):
+        pts = [(r["step"], r["train_loss"]) for r in rows if r.get("curve") == name]
+        steps, losses = zip(*pts)
+        ax.plot(steps, losses, alpha=0.35, lw=0.8)
+        smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
+        ax.plot(steps, smooth, lw=1.8, label=f"{name} (10-step mean)", color=ax.lines[-1].get_color())
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (nats/token)")
+    ax.set_ylim(top=min(11, ax.get_ylim()[1]))
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
