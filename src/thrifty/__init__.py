@@ -11,6 +11,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "linear_cross_entropy": ("thrifty.loss", "linear_cross_entropy"),
+    "sage_attention": ("thrifty.attention", "sage_attention"),
+    "compress": ("thrifty.neuzip", "compress"),
     "LlamaForCausalLM": ("thrifty.models", "LlamaForCausalLM"),
     "LlamaConfig": ("thrifty.models", "LlamaConfig"),
     "Trainer": ("thrifty.train", "Trainer"),
