@@ -41,15 +41,7 @@ def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, 
     elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
     for _ in range(STEPS):
         valid = elem < n
-        if SMALL_TABLE:
-            # codes <= 8 bits (~99% of weight exponents) from a 256-entry int16 table (512 B: few cache
-            # lines per warp-wide gather); the rest from the full table, loaded for those lanes only
-            entry = tl.load(small_ptr + (buf >> 56).to(tl.int32)).to(tl.int32)
-            long_code = entry == 0
-            full = tl.load(table_ptr + (buf >> (64 - TABLE_BITS)).to(tl.int32), mask=long_code, other=0)
-            entry = tl.where(long_code, full, entry)
-        else:
-            entry = tl.load(table_ptr + (buf >> (64 - TABLE_BITS)).to(tl.int32))
+        entry = _lookup(buf, table_ptr, small_ptr, TABLE_BITS, SMALL_TABLE)
         length = tl.where(valid, entry & 15, 0)
         symbol = entry >> 4
         buf = buf << length.to(tl.uint64)
@@ -84,6 +76,8 @@ def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, 
 def _lookup(buf, table_ptr, small_ptr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr):
     """(symbol << 4) | code length of the code at the top of ``buf``."""
     if SMALL_TABLE:
+        # codes <= 8 bits (~99% of weight exponents) from a 256-entry int16 table (512 B: few cache
+        # lines per warp-wide gather); the rest from the full table, loaded for those lanes only
         entry = tl.load(small_ptr + (buf >> 56).to(tl.int32)).to(tl.int32)
         long_code = entry == 0
         full = tl.load(table_ptr + (buf >> (64 - TABLE_BITS)).to(tl.int32), mask=long_code, other=0)
