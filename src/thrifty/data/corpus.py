@@ -188,6 +188,17 @@ def _blocks(lines: list[str]) -> Iterator[list[str]]:
         yield block
 
 
+def _bullet_items(block: list[str]) -> list[list[str]]:
+    """A block may hold several bullet items: each becomes its own paragraph (bullet marker removed)."""
+    items: list[list[str]] = []
+    for b in block:
+        if _BULLET.match(b) or not items:
+            items.append([_BULLET.sub("", b)])
+        else:
+            items[-1].append(b)
+    return items
+
+
 def _indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
@@ -220,13 +231,7 @@ def clean_rst(text: str) -> list[str]:
         block = [b for b in block if not _RST_ADORN.match(b)]
         if not block or block[0].lstrip().startswith(":"):  # field list
             continue
-        # A block may hold several bullet items: each is its own paragraph.
-        items: list[list[str]] = []
-        for b in block:
-            if _BULLET.match(b) or not items:
-                items.append([_BULLET.sub("", b)])
-            else:
-                items[-1].append(b)
+        items = _bullet_items(block)
         out.extend(_normalize(_rst_inline(" ".join(i))) for i in items)
     return out
 
@@ -262,12 +267,7 @@ def clean_markdown(text: str) -> list[str]:
         prev_blank = not stripped
     out = []
     for block in _blocks(keep):
-        items: list[list[str]] = []
-        for b in block:
-            if _BULLET.match(b) or not items:
-                items.append([_BULLET.sub("", b)])
-            else:
-                items[-1].append(b)
+        items = _bullet_items(block)
         for i in items:
             par = " ".join(i)
             par = _MD_LINK.sub(r"\1", par)
