@@ -22,7 +22,7 @@ from thrifty.attention import accuracy_metrics, exact_attention, sage_attention
 from thrifty.attention.attn_kernel import kernel_config, launch, quantize_inputs, sage_forward_triton
 
 BF16 = torch.bfloat16
-QKV_FILE = Path(__file__).resolve().parents[1] / "build" / "attn_qkv" / "smollm2_qkv.pt"
+QKV_FILE = Path(__file__).resolve().parents[1] / "build" / "attn_qkv" / "smollm2_qkv.safetensors"
 
 
 def real_accuracy(dev):
@@ -31,7 +31,10 @@ def real_accuracy(dev):
     if not QKV_FILE.is_file():
         print(f"no real Q/K/V at {QKV_FILE}: skipping real-data accuracy")
         return rows
-    layers = torch.load(QKV_FILE)
+    from safetensors.torch import load_file
+
+    flat = load_file(str(QKV_FILE))
+    layers = [tuple(flat[f"layer{i}.{n}"] for n in "qkv") for i in range(len(flat) // 3)]
     for bits in (8, 4):
         for i, (q, k, v) in enumerate(layers):
             q, k, v = (x.to(dev) for x in (q, k, v))

@@ -63,20 +63,44 @@ def stage():
     raw = c.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
     np.savez_compressed(STAGE / "c_hi.npz", hi=raw[:, 1])
     np.save(STAGE / "c_lo.npy", raw[:, 0])
-    torch.save({"e": e, "targets": t, "shape": tuple(c.shape)}, STAGE / "e_targets.pt")
+    from safetensors.torch import save_file  # never pickle, even for staging
+
+    save_file({"e": e.contiguous(), "targets": t.contiguous()}, str(STAGE / "e_targets.safetensors"),
+              metadata={"c_shape": json.dumps(list(c.shape))})
+    stage_train_tokens()
     z = e.float() @ c.float().T
     print("staged", e.shape, c.shape, "stats", logit_stats(z), "loss", F.cross_entropy(z, t).item())
+
+
+def stage_train_tokens(n_tokens: int = 3_000_000):
+    """The first tokens of the corpus train split (int32, 12 MB) for `--train`, which runs without the corpus."""
+    from safetensors.torch import save_file
+
+    from thrifty.data import TokenDataset
+
+    tokens = torch.from_numpy(TokenDataset(prepare_corpus_dir(), "train").tokens[:n_tokens].astype("int32"))
+    save_file({"tokens": tokens}, str(STAGE / "train_tokens.safetensors"))
+
+
+def prepare_corpus_dir():
+    from thrifty.data import prepare_corpus
+
+    return prepare_corpus(progress=False)
 
 
 def load_staged():
     import numpy as np
 
-    et = torch.load(STAGE / "e_targets.pt")
+    from safetensors import safe_open
+
+    with safe_open(str(STAGE / "e_targets.safetensors"), framework="pt") as f:
+        e, targets = f.get_tensor("e"), f.get_tensor("targets")
+        shape = json.loads(f.metadata()["c_shape"])
     hi = np.load(STAGE / "c_hi.npz")["hi"]
     lo = np.load(STAGE / "c_lo.npy")
     raw = np.stack([lo, hi], axis=1).reshape(-1).view(np.int16).copy()
-    c = torch.from_numpy(raw).view(torch.bfloat16).view(*et["shape"])
-    return et["e"], c, et["targets"]
+    c = torch.from_numpy(raw).view(torch.bfloat16).view(*shape)
+    return e, c, targets
 
 
 FALLBACK_TEXT = ("The quick brown fox jumps over the lazy dog. Language models predict the next token from the ones "
@@ -279,7 +303,9 @@ def train_compare(steps, preset_name, out, batch=16, seq=512):
     from thrifty.models.llama import LlamaForCausalLM, logits_cross_entropy
     from thrifty.models.presets import preset
 
-    tokens = torch.load(STAGE / "train_tokens.pt").long()
+    from safetensors.torch import load_file
+
+    tokens = load_file(str(STAGE / "train_tokens.safetensors"))["tokens"].long()
     train, val = tokens[:-200_000], tokens[-200_000:]
 
     def batch_from(data, g):

@@ -119,7 +119,10 @@ def main():
     print(f"captured {len(captured)} layers of q {tuple(captured[0][0].shape)} k {tuple(captured[0][1].shape)}")
     if args.save_qkv:
         Path(args.save_qkv).mkdir(parents=True, exist_ok=True)
-        torch.save([tuple(t.bfloat16() for t in qkv) for qkv in captured], Path(args.save_qkv) / "smollm2_qkv.pt")
+        from safetensors.torch import save_file  # never pickle
+
+        save_file({f"layer{i}.{n}": t.bfloat16().contiguous() for i, qkv in enumerate(captured)
+                   for n, t in zip("qkv", qkv)}, str(Path(args.save_qkv) / "smollm2_qkv.safetensors"))
     rows = layer_table(captured)
 
     # end to end: perplexity on validation windows; the adaptive plan is calibrated on other windows
