@@ -50,3 +50,24 @@ def test_compress_decompress_subcommands(tmp_path):
     assert main(["decompress", str(tmp_path / "w.nz"), str(tmp_path / "back.safetensors")]) == 0
     back = load_file(str(tmp_path / "back.safetensors"))
     assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in weights.items())
+
+
+def test_setup_with_own_corpus_folder(tmp_path):
+    import shutil
+
+    from thrifty.cli import _corpus
+    from thrifty.data import TokenDataset
+
+    folder = tmp_path / "my_texts"
+    folder.mkdir()
+    prose = ("The kernel keeps track of every page of physical memory, and it records which process owns each "
+             "page so that the memory can be returned when the process exits. ")
+    for i in range(40):  # enough documents that the hash split puts some in validation
+        (folder / f"doc{i}.txt").write_text(f"Document {i}. " + prose * 3 + "\n\n" + prose)
+    built = _corpus(str(folder))
+    try:
+        assert built.name == "corpus-my_texts"
+        train = TokenDataset(built, "train")
+        assert train.num_tokens > 1000
+    finally:
+        shutil.rmtree(built)
