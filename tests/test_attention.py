@@ -4,7 +4,6 @@ Inputs mimic real attention: K has channels with a large bias shared by all toke
 naive per-block INT8 lose most of its resolution), which K smoothing removes exactly."""
 
 import json
-import math
 
 import pytest
 import torch

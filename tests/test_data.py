@@ -3,7 +3,6 @@
 The first run on a fresh machine downloads three .deb files (~23 MB) and converts the tokenizer; later runs reuse
 both from ``data/``. Everything here reads that one session-scoped slice, so the module runs in seconds."""
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
