@@ -70,7 +70,7 @@ def cmd_demo(args) -> int:
 
     before = trainer.evaluate()
     history = trainer.fit(progress=True)
-    after = trainer.evaluate()
+    after = history[-1]  # fit() evaluates after its last step: no second pass over the validation batches
     prompt = torch.tensor([tokenizer.encode(args.prompt).ids], device=device)
     out = generate(model, prompt, args.new_tokens)
     continuation = tokenizer.decode(out[0, prompt.shape[1]:].tolist())
