@@ -26,9 +26,11 @@ from thrifty.neuzip import reference as R
 from thrifty.neuzip.decode_kernel import decode_into
 
 DEV = "cuda"
-# v3 launch variants: (groups_per_prog, num_warps, int16 table, inline-asm funnel shifts)
-V3_LAUNCHES = [(g, w, t16, True) for t16 in (False, True) for g, w in ((1, 2), (1, 4), (2, 4), (4, 4), (2, 8))]
-V3_LAUNCHES += [(2, 4, False, False)]  # the plain-tl path (what the interpreter runs), for the asm gain
+# v3 launch variants: (groups_per_prog, num_warps, int16 table, 8-bit first-level table, inline-asm funnel shifts)
+# (1 group on 4 warps replicates lanes across threads: slow, left out)
+V3_LAUNCHES = [(1, 2, True, False, True), (2, 4, True, False, True), (4, 4, True, False, True),
+               (4, 4, False, False, True), (2, 4, True, True, True), (4, 4, True, True, True),
+               (4, 4, True, False, False)]  # the last: the plain-tl path (what the interpreter runs)
 # v2 baseline (NOTES.md): 256-symbol lanes, 2 groups per program, 4 warps, full / first-level table
 V2_LAUNCHES = [(2, 4, False), (2, 4, True)]
 
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
     global DEV
     DEV = "cpu" if args.smoke else "cuda"
     assert args.smoke or torch.cuda.is_available(), "needs CUDA (or --smoke with TRITON_INTERPRET=1)"
-    v3_launches = V3_LAUNCHES[2::5] if args.quick else V3_LAUNCHES
+    v3_launches = V3_LAUNCHES[2::3] if args.quick else V3_LAUNCHES
     rows, t_start = [], time.time()
 
     # HBM copy bandwidth, same run: 1 GiB device-to-device, bytes read + written
@@ -168,13 +170,15 @@ def main(argv=None) -> int:
         for steps, kernel, launch in variants:
             if steps not in cs:
                 c = compress(x, steps=steps).to(DEV)
-                cs[steps] = (c, c.streams, c._table(DEV), c._table(DEV, "small"), c._table(DEV, "v3"),
-                             c._table(DEV, "v3_16"))
-            c, s, table, small_tab, t32, t16 = cs[steps]
+                cs[steps] = (c, c.streams, c._table(DEV), c._table(DEV, "small"),
+                             {k: c._table(DEV, k) for k in ("v3", "v3_16", "v3_small", "v3_small16")})
+            c, s, table, small_tab, t3 = cs[steps]
             if kernel == "v3":
-                g, w, use16, asm = launch
-                kw = dict(kernel="v3", v3_table=t16 if use16 else t32, asm=asm and not args.smoke)
-                name = f"v3 s{steps} g{g}w{w}{' t16' if use16 else ''}{'' if asm else ' noasm'}"
+                g, w, use16, small, asm = launch
+                kw = dict(kernel="v3", v3_table=t3["v3_16" if use16 else "v3"], asm=asm and not args.smoke,
+                          v3_small=t3["v3_small16" if use16 else "v3_small"] if small else None)
+                name = (f"v3 s{steps} g{g}w{w}{' t16' if use16 else ' t32'}{' small' if small else ''}"
+                        f"{'' if asm else ' noasm'}")
             else:
                 g, w, small = launch
                 kw = dict(kernel="v2", small_table=small_tab if small else None)
@@ -191,7 +195,9 @@ def main(argv=None) -> int:
                    "spread_pct": t.spread_pct}
             rows.append(row)
             print(row, flush=True)
-            assert exact, f"neuzip decode not bit-exact on {set_name} with {name}"
+            if not exact:  # recorded (all_exact turns False), never a candidate for the best launch
+                print(f"NOT BIT-EXACT: {set_name} {name}", flush=True)
+                continue
             key = (kernel, steps)
             if key not in per_steps or gbps > per_steps[key]["decode_gbps"]:
                 per_steps[key] = row
@@ -229,7 +235,9 @@ def main(argv=None) -> int:
     c3 = compress(x, 3).to(DEV)
     ref3 = c3.decompress(impl="reference").to(DEV)
     out = torch.empty_like(ref3)
-    run = lambda: c3.decompress(out=out)
+    s3, tab3, v3tab3 = c3.streams, c3._table(DEV), c3._table(DEV, "v3_16")
+    run = lambda: decode_into(s3["words"], s3["lane_bits"], s3["group_offsets"], s3["raw"], tab3, out, 3,
+                              steps=c3.steps, v3_table=v3tab3, asm=not args.smoke)  # default launch
     run()
     exact = torch.equal(out.view(torch.int16), ref3.view(torch.int16))
     t = bench.time_fn(run, reps=2 if args.smoke else 50, flush_l2=True, device=DEV)

@@ -162,7 +162,9 @@ def test_triton_interpreter_matches_reference(trained_weights):
             small = c._table("cpu", "small")  # v1/v2 on the same 64-step layout, two-level table
             assert_same_bits(c.decompress(impl="triton", kernel="v2", small_table=small, groups_per_prog=4), ref)
             assert_same_bits(c.decompress(impl="triton", pipelined=False, groups_per_prog=1), ref)
-            assert_same_bits(c.decompress(impl="triton", table16=True, groups_per_prog=1), ref)
+            assert_same_bits(c.decompress(impl="triton", table16=False, groups_per_prog=1), ref)
+            assert_same_bits(c.decompress(impl="triton", small=True, groups_per_prog=2), ref)
+            assert_same_bits(c.decompress(impl="triton", small=True, table16=False, groups_per_prog=1), ref)
     assert compress(xs[-1].bfloat16()).streams["lengths"].max() > 8
     for k in (0, 1, 3):
         c = compress(xs[0][:3000].bfloat16(), k)
@@ -183,6 +185,7 @@ def test_triton_interpreter_lane_lengths():
         assert_same_bits(c.decompress(impl="reference"), x)
         for gpp in (1, 2):
             assert_same_bits(c.decompress(impl="triton", groups_per_prog=gpp), x)
+        assert_same_bits(c.decompress(impl="triton", groups_per_prog=1, small=True), x)
         n = R.GROUP * steps * 2  # exact multiple: the last program is full but must still run masked
         c = compress(x[:n], steps=steps)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x[:n])

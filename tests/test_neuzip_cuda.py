@@ -29,8 +29,7 @@ def test_triton_gpu_equals_reference(dtype, n, steps):
     launches = [{}, {"groups_per_prog": 1, "num_warps": 1}, {"groups_per_prog": 4, "num_warps": 4},
                 {"groups_per_prog": 1, "num_warps": 2}, {"asm": False}, {"asm": False, "groups_per_prog": 1},
                 {"kernel": "v2", "small_table": gpu._table("cuda", "small")}, {"kernel": "v1"}]
-    if dtype != torch.float32:
-        launches += [{"table16": True}, {"table16": True, "asm": False, "groups_per_prog": 4}]
+    launches += [{"small": True}, {"small": True, "asm": False, "groups_per_prog": 1}, {"table16": False}]
     for launch in launches:
         out = torch.empty(x.shape, dtype=dtype, device="cuda")
         assert gpu.decompress(out=out, impl="triton", **launch) is out
@@ -43,7 +42,7 @@ def test_triton_gpu_lossy_equals_reference(k):
     c = compress(x, k)
     gpu = c.to("cuda")
     ref = _bits(c.decompress(impl="reference"))
-    for launch in ({}, {"asm": False}, {"table16": True}, {"kernel": "v2"}):
+    for launch in ({}, {"asm": False}, {"table16": False}, {"small": True}, {"kernel": "v2"}):
         assert torch.equal(_bits(gpu.decompress(**launch).cpu()), ref)
 
 
@@ -55,10 +54,11 @@ def test_triton_gpu_special_values(steps):
         sp = torch.tensor(pat, dtype=torch.int32).to(torch.int16).view(dtype)
         for x in (torch.zeros(100_003, dtype=dtype), sp.repeat(10_007), sp[4:5], sp[2:3].repeat(R.GROUP * steps)):
             c = compress(x, steps=steps)
-            for launch in ({}, {"asm": False}, {"groups_per_prog": 1}):
+            for launch in ({}, {"asm": False}, {"groups_per_prog": 1}, {"small": True}, {"table16": False}):
                 assert torch.equal(_bits(c.to("cuda").decompress(**launch).cpu()), _bits(x))
     raw = torch.tensor([0, -2**31, 1, -2**31 + 0x7FFFFF, 0x7F800000, -8388608, 0x7FC00000, 0x7F800001, -1, 0x7FA5A5A5],
                        dtype=torch.int32)
     for x in (raw.view(torch.float32).repeat(10_007), torch.zeros(1)):
         c = compress(x, steps=steps)
-        assert torch.equal(_bits(c.to("cuda").decompress().cpu()), _bits(x))
+        for launch in ({}, {"small": True}, {"asm": False}):
+            assert torch.equal(_bits(c.to("cuda").decompress(**launch).cpu()), _bits(x))

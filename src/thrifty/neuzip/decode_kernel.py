@@ -202,15 +202,18 @@ def _funnel(hi, lo, sh, ASM: tl.constexpr):
 @triton.jit
 def _at(base_ptr, idx, SHIFT: tl.constexpr, SIZE: tl.constexpr, ASM: tl.constexpr):
     """Pointer to base_ptr[idx >> SHIFT] (idx: uint32 / non-negative int32; SIZE: bytes per element, 2 or
-    4; SHIFT: 0 or 20): one IMAD.WIDE.U32 with inline PTX, where plain pointer arithmetic costs a LEA pair
+    4; SHIFT: 0, 20 or 24): one IMAD.WIDE.U32 with inline PTX, where plain pointer arithmetic costs a LEA pair
     (the index is zero-extended first)."""
     if ASM:
+        tl.static_assert((SHIFT == 0 or SHIFT == 20 or SHIFT == 24) and (SIZE == 2 or SIZE == 4))
         if SHIFT == 0:
             code: tl.constexpr = "mad.wide.u32 $0, $1, 4, $2;" if SIZE == 4 else "mad.wide.u32 $0, $1, 2, $2;"
-        else:
-            tl.static_assert(SHIFT == 20)
+        elif SHIFT == 20:
             code: tl.constexpr = ("{ .reg .u32 t; shr.u32 t, $1, 20; mad.wide.u32 $0, t, 4, $2; }" if SIZE == 4
                                   else "{ .reg .u32 t; shr.u32 t, $1, 20; mad.wide.u32 $0, t, 2, $2; }")
+        else:
+            code: tl.constexpr = ("{ .reg .u32 t; shr.u32 t, $1, 24; mad.wide.u32 $0, t, 4, $2; }" if SIZE == 4
+                                  else "{ .reg .u32 t; shr.u32 t, $1, 24; mad.wide.u32 $0, t, 2, $2; }")
         addr = tl.inline_asm_elementwise(code, "=l,r,l", [idx, tl.cast(base_ptr, tl.int64)], dtype=tl.int64,
                                          is_pure=True, pack=1)
         ptr = addr.to(base_ptr.dtype)
@@ -269,20 +272,35 @@ def _put_v3(optr, valid, entry, field, KEPT: tl.constexpr, SYM_SHIFT: tl.constex
 
 
 @triton.jit
-def _two_symbols(hi, lo, w, off, nw, fa, fb, elem, optr, n, words_ptr, table_ptr,
+def _lookup_v3(hi, lo, off, table_ptr, small_ptr, TSIZE: tl.constexpr, SMALL: tl.constexpr, ASM: tl.constexpr):
+    """Table entry of the code at bit ``off`` of (hi:lo). SMALL: codes of <= 8 bits (~99% of weight exponents)
+    from a 256-entry first level (4 cache lines at int16, so a warp's gather touches few lines), the rest
+    from the full table, loaded for those lanes only."""
+    peek = _funnel(hi, lo, off, ASM)
+    if SMALL:
+        entry = tl.load(_at(small_ptr, peek, 24, TSIZE, ASM)).to(tl.int32)
+        # masked load with other=entry: no select afterwards (entry is 0 exactly where the load happens)
+        entry = tl.load(_at(table_ptr, peek, 20, TSIZE, ASM), mask=entry == 0,
+                        other=entry.to(table_ptr.dtype.element_ty)).to(tl.int32)
+    else:
+        entry = tl.load(_at(table_ptr, peek, 20, TSIZE, ASM)).to(tl.int32)
+    return entry
+
+
+@triton.jit
+def _two_symbols(hi, lo, w, off, nw, fa, fb, elem, optr, n, words_ptr, table_ptr, small_ptr,
                  GROUP: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr,
-                 MASKED: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr):
+                 MASKED: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr):
     """Decodes and stores elements ``elem`` and ``elem + GROUP`` of each lane. The unread bits start at bit
     ``off`` < 32 of the word pair (hi:lo), so >= 33 bits are at hand: enough for two codes of <= 12 bits,
     with a single refill check (one word at most) per pair. ``w`` = words[nw] is the next word."""
-    ea = tl.load(_at(table_ptr, _funnel(hi, lo, off, ASM), 20, TSIZE, ASM)).to(tl.int32)
+    ea = _lookup_v3(hi, lo, off, table_ptr, small_ptr, TSIZE, SMALL, ASM)
     la = ea & 15
     if MASKED:  # past the end a lane stands still, so it never reads past the stream
         la = tl.where(elem < n, la, 0)
     off = off + la  # < 44
     # second code: if off >= 32 its <= 12 bits lie in lo alone (off - 32 <= 11), so funnel (lo:lo)
-    eb = tl.load(_at(table_ptr, _funnel(tl.where(off >= 32, lo, hi), lo, off, ASM), 20, TSIZE,
-                     ASM)).to(tl.int32)
+    eb = _lookup_v3(tl.where(off >= 32, lo, hi), lo, off, table_ptr, small_ptr, TSIZE, SMALL, ASM)
     lb = eb & 15
     if MASKED:
         lb = tl.where(elem + GROUP < n, lb, 0)
@@ -299,10 +317,10 @@ def _two_symbols(hi, lo, w, off, nw, fa, fb, elem, optr, n, words_ptr, table_ptr
 
 
 @triton.jit
-def _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, out_ptr,
+def _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, small_ptr, out_ptr,
               STEPS: tl.constexpr, GROUP: tl.constexpr, FIELD_BITS: tl.constexpr, KEPT: tl.constexpr,
               SYM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr,
-              TSIZE: tl.constexpr):
+              TSIZE: tl.constexpr, SMALL: tl.constexpr):
     """All STEPS symbols of each lane, 4 per iteration; the raw fields are loaded an iteration ahead. The
     raw and output pointers advance by constants, so loads and stores take immediate offsets."""
     optr = out_ptr + elem
@@ -314,12 +332,12 @@ def _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, out_pt
     for _ in range(0, STEPS, 4):
         ahead = elem + 4 * GROUP  # unmasked: in bounds, as this is not the last program
         rptr += 4 * GROUP
-        hi, lo, w, off, nw = _two_symbols(hi, lo, w, off, nw, f0, f1, elem, optr, n, words_ptr, table_ptr,
-                                          GROUP, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED, ASM, TSIZE)
+        hi, lo, w, off, nw = _two_symbols(hi, lo, w, off, nw, f0, f1, elem, optr, n, words_ptr, table_ptr, small_ptr,
+                                          GROUP, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED, ASM, TSIZE, SMALL)
         f0 = _field_v3(rptr, raw_ptr, ahead, ahead < n, FIELD_BITS, MASKED)
         f1 = _field_v3(rptr + GROUP, raw_ptr, ahead + GROUP, ahead + GROUP < n, FIELD_BITS, MASKED)
         hi, lo, w, off, nw = _two_symbols(hi, lo, w, off, nw, f2, f3, elem + 2 * GROUP, optr + 2 * GROUP, n,
-                                          words_ptr, table_ptr, GROUP, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED, ASM, TSIZE)
+                                          words_ptr, table_ptr, small_ptr, GROUP, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED, ASM, TSIZE, SMALL)
         f2 = _field_v3(rptr + 2 * GROUP, raw_ptr, ahead + 2 * GROUP, ahead + 2 * GROUP < n, FIELD_BITS, MASKED)
         f3 = _field_v3(rptr + 3 * GROUP, raw_ptr, ahead + 3 * GROUP, ahead + 3 * GROUP < n, FIELD_BITS, MASKED)
         optr += 4 * GROUP
@@ -327,11 +345,11 @@ def _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, out_pt
 
 
 @triton.jit
-def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, out_ptr,
+def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, small_ptr, out_ptr,
                       n, n_lanes, n_words, n_full_progs,
                       STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                       FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
-                      SIGN_SHIFT: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr):
+                      SIGN_SHIFT: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr):
     """v3: 32-bit word pair + funnel shift instead of a uint64 buffer, two symbols per refill check, a
     table entry that holds the symbol at its place in the output, and no masks outside the last program.
     Same bits as v1/v2 and the reference."""
@@ -357,18 +375,22 @@ def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_pt
     nw = word + 2
     elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
     if pid < n_full_progs:
-        _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, out_ptr, STEPS, GROUP,
-                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, False, ASM, TSIZE)
+        _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, small_ptr, out_ptr, STEPS, GROUP,
+                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, False, ASM, TSIZE, SMALL)
     else:
-        _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, out_ptr, STEPS, GROUP,
-                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, True, ASM, TSIZE)
+        _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, small_ptr, out_ptr, STEPS, GROUP,
+                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, True, ASM, TSIZE, SMALL)
 
 
-def kernel_table(table: torch.Tensor, dtype: torch.dtype, table16: bool = False) -> torch.Tensor:
+def kernel_table(table: torch.Tensor, dtype: torch.dtype, table16: bool = False, small: bool = False) -> torch.Tensor:
     """The v3 table from the reference one ((symbol << 4) | length): (symbol << SYM_SHIFT) | length, so the
-    symbol sits at its place in the output element. table16: int16 entries (16-bit dtypes only; 8 KB)."""
+    symbol sits at its place in the output element. table16: int16 entries (16-bit dtypes only; 8 KB).
+    small: the 256-entry first level indexed by the next 8 bits (0 where the code is longer)."""
     shift = R.DTYPES[dtype][1]
     t = ((table >> 4) << shift) | (table & 15)
+    if small:
+        t = t[:: 1 << (R.MAX_CODE_BITS - 8)]
+        t = torch.where((t & 15) <= 8, t, 0)
     if table16:
         if R.DTYPES[dtype][0] != 16:
             raise ValueError(f"table16: int16 entries need a 16-bit dtype, got {dtype}")
@@ -381,22 +403,26 @@ KERNELS = ("v3", "v2", "v1")
 
 def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: torch.Tensor, raw: torch.Tensor,
                 table: torch.Tensor, out: torch.Tensor, kept: int, steps: int = R.LEGACY_STEPS,
-                kernel: str = "v3", groups_per_prog: int = 2, num_warps: int = 4,
+                kernel: str = "v3", groups_per_prog: int | None = None, num_warps: int = 4,
                 small_table: torch.Tensor | None = None, v3_table: torch.Tensor | None = None,
-                asm: bool | None = None, pipelined: bool | None = None) -> torch.Tensor:
+                v3_small: torch.Tensor | None = None, asm: bool | None = None,
+                pipelined: bool | None = None) -> torch.Tensor:
     """Launches the decoder; ``out`` (contiguous, dtype bf16/fp16/fp32) receives the tensor's elements.
 
     words: int32 (the uint32 stream); lane_bits: int16 (uint16 lengths); group_offsets: int64; raw: uint8;
     table: int32[4096] from :func:`reference.decode_table`; steps: symbols per lane (the tensor's layout).
     kernel: "v3" (default), "v2" (pipelined uint64 buffer) or "v1" (plain loop); ``pipelined`` (old flag):
     True = v2, False = v1. v1/v2: small_table, an optional int16[256] from :func:`small_table`. v3:
-    v3_table from :func:`kernel_table` (made here when None); asm: funnel shifts by inline PTX (default:
+    v3_table from :func:`kernel_table` (made here when None: int16 entries for 16-bit dtypes) and optionally v3_small, its first level
+    (``kernel_table(..., small=True)``, same entry dtype); asm: funnel shifts by inline PTX (default:
     on CUDA, off under the interpreter). All on one device.
     """
     if pipelined is not None:
         kernel = "v2" if pipelined else "v1"
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    if groups_per_prog is None:  # the fastest on the H100 (v3) and the H200 (v2), NOTES.md
+        groups_per_prog = 4 if kernel == "v3" else 2
     steps = R.check_steps(steps)
     n = out.numel()
     if n == 0:
@@ -412,15 +438,18 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
     # group_offsets is read at pid * groups_per_prog, always < n_groups; lanes past n_lanes are masked.
     if kernel == "v3":
         if v3_table is None:
-            v3_table = kernel_table(table, out.dtype)
+            v3_table = kernel_table(table, out.dtype, table16=bits == 16)
         if asm is None:
             asm = words.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
         # programs whose elements all lie below n, the last one excluded (its look-ahead loads would not)
         n_full = min(n // (groups_per_prog * R.GROUP * steps), grid[0] - 1)
-        _decode_kernel_v3[grid](words, lane_bits, group_offsets, raw, v3_table, out_bits, n, n_lanes,
+        if v3_small is not None and v3_small.dtype != v3_table.dtype:
+            raise ValueError(f"v3_small: entries must have v3_table's dtype {v3_table.dtype}, got {v3_small.dtype}")
+        _decode_kernel_v3[grid](words, lane_bits, group_offsets, raw, v3_table,
+                                v3_small if v3_small is not None else v3_table, out_bits, n, n_lanes,
                                 words.numel(), n_full, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog,
                                 FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm,
-                                TSIZE=v3_table.element_size(),
+                                TSIZE=v3_table.element_size(), SMALL=v3_small is not None,
                                 num_warps=num_warps)
         return out
     kern, extra = (_decode_kernel_pipelined, (words.numel(),)) if kernel == "v2" else (_decode_kernel, ())

@@ -108,7 +108,8 @@ class CompressedTensor:
 
         impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "reference" (NumPy on the CPU), "auto"
         (Triton on CUDA, else the reference). ``launch``: ``kernel`` ("v3", "v2", "v1") / ``groups_per_prog`` /
-        ``num_warps`` / ``table16`` / ``asm`` (v3), ``small_table`` (v1/v2: ``self._table(device, "small")``)
+        ``num_warps`` / ``table16`` (int16 entries; default for 16-bit dtypes) / ``small`` (8-bit first-level
+        table) / ``asm`` (v3), ``small_table`` (v1/v2: ``self._table(device, "small")``)
         for Triton; the defaults were the fastest on the H200 (NOTES.md).
         """
         check_choice("impl", impl, IMPLS)
@@ -135,16 +136,20 @@ class CompressedTensor:
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=target)
         s = src.streams
-        table16 = launch.pop("table16", False)
+        table16 = launch.pop("table16", self.dtype != torch.float32)
+        small = launch.pop("small", False)
         if launch.get("kernel", "v3") == "v3" and launch.get("pipelined") is None:
             launch.setdefault("v3_table", src._table(target, "v3_16" if table16 else "v3"))
+            if small:
+                launch.setdefault("v3_small", src._table(target, "v3_small16" if table16 else "v3_small"))
         decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], src._table(target), out,
                     self._kept(), steps=self.steps, **launch)
         return out
 
     def _table(self, device, kind: str = "ref") -> torch.Tensor:
         """A decode table on ``device``, cached: "ref" the int32[4096] of :func:`reference.decode_table`,
-        "small" its int16[256] first level (v1/v2), "v3" / "v3_16" the v3 kernel's (int32 / int16)."""
+        "small" its int16[256] first level (v1/v2), "v3" / "v3_16" the v3 kernel's (int32 / int16) and
+        "v3_small" / "v3_small16" their 256-entry first levels."""
         from .decode_kernel import kernel_table, small_table
 
         key = (str(device), kind)
@@ -153,10 +158,11 @@ class CompressedTensor:
                 t = torch.from_numpy(R.decode_table(self.streams["lengths"].cpu().numpy())).to(device)
             elif kind == "small":
                 t = small_table(self._table(device))
-            elif kind in ("v3", "v3_16"):
-                t = kernel_table(self._table(device), self.dtype, table16=kind == "v3_16")
+            elif kind in ("v3", "v3_16", "v3_small", "v3_small16"):
+                t = kernel_table(self._table(device), self.dtype, table16=kind.endswith("16"), small="small" in kind)
             else:
-                raise ValueError(f"kind: expected 'ref', 'small', 'v3' or 'v3_16', got {kind!r}")
+                raise ValueError(f"kind: expected 'ref', 'small', 'v3', 'v3_16', 'v3_small' or 'v3_small16', "
+                                 f"got {kind!r}")
             self._tables[key] = t
         return self._tables[key]
 
