@@ -1,6 +1,8 @@
-"""NeuZip codec on the GPU: ratio (lossless, k = 0/1/3/7), bits per exponent vs entropy, decode GB/s vs DFloat11
-0.5.0 and vs the HBM copy bandwidth, on real weights (SmolLM2-135M layers, carried in .neuzip_tensors/) and a
-Llama-shaped random init made here. Every decode is checked bit for bit against the original first.
+"""NeuZip codec on the GPU: ratio (lossless, k = 0/1/3/7; lane lengths 64/128/256), bits per exponent vs
+entropy, decode GB/s vs DFloat11 0.5.0 and vs the HBM copy bandwidth, on real weights (SmolLM2-135M layers,
+carried in .neuzip_tensors/) and a Llama-shaped random init made here. Every decode is checked bit for bit
+against the original first. Decode variants: the v3 kernel per lane length and launch config (asm funnel
+shifts on/off, int32/int16 table), and v2 (the previous kernel) on 256-symbol lanes as the baseline.
 
     python benchmarks/neuzip_codec.py [--tensors .neuzip_tensors/smollm2_layers.safetensors] [--quick]
 """
@@ -24,9 +26,13 @@ from thrifty.neuzip import reference as R
 from thrifty.neuzip.decode_kernel import decode_into
 
 DEV = "cuda"
-# (groups_per_prog, num_warps, first-level 8-bit table, pipelined v2 kernel); v1 = pipelined False
-LAUNCHES = [(g, w, small, pipe) for pipe in (True, False) for small in (True, False)
-            for g, w in ((1, 1), (1, 2), (2, 2), (2, 4), (1, 4), (4, 4))]
+# v3 launch variants: (groups_per_prog, num_warps, int16 table, 8-bit first-level table, inline-asm funnel shifts)
+# (1 group on 4 warps replicates lanes across threads: slow, left out)
+V3_LAUNCHES = [(1, 2, True, False, True), (2, 4, True, False, True), (4, 4, True, False, True),
+               (4, 4, False, False, True), (2, 4, True, True, True), (4, 4, True, True, True),
+               (4, 4, True, False, False)]  # the last: the plain-tl path (what the interpreter runs)
+# v2 baseline (NOTES.md): 256-symbol lanes, 2 groups per program, 4 warps, full / first-level table
+V2_LAUNCHES = [(2, 4, False), (2, 4, True)]
 
 
 def load_real(path):
@@ -103,7 +109,7 @@ def main(argv=None) -> int:
     global DEV
     DEV = "cpu" if args.smoke else "cuda"
     assert args.smoke or torch.cuda.is_available(), "needs CUDA (or --smoke with TRITON_INTERPRET=1)"
-    launches = LAUNCHES[::5] if args.quick else LAUNCHES
+    v3_launches = V3_LAUNCHES[2::3] if args.quick else V3_LAUNCHES
     rows, t_start = [], time.time()
 
     # HBM copy bandwidth, same run: 1 GiB device-to-device, bytes read + written
@@ -135,51 +141,70 @@ def main(argv=None) -> int:
             continue
         orig = sum(t.numel() * 2 for t in tensors)
         for k in (None, 0, 1, 3, 7):
-            cs = [compress(t, k) for t in tensors]
-            row = {"set": set_name, "codec": "neuzip", "mantissa_bits": "lossless" if k is None else k,
-                   "ratio": sum(c.nbytes for c in cs) / orig}
-            if k is None:
-                counts = sum(np.bincount(R.split_symbols(R._uint_view(t), t.dtype)[0], minlength=256) for t in tensors)
-                row["entropy_bits"] = R.entropy_bits(counts)  # pooled; per-matrix codes can do slightly better
-                row["coded_bits"] = sum(c.symbol_bits * c.numel for c in cs) / sum(c.numel for c in cs)
-                row["entropy_bound_ratio"] = (8 + sum(c.symbol_entropy * c.numel for c in cs)
-                                              / sum(c.numel for c in cs)) / 16
-            ratio_rows.append(row)
-            print(row, flush=True)
+            for steps in (R.LANE_STEPS if k is None else (R.STEPS,)):
+                cs = [compress(t, k, steps=steps) for t in tensors]
+                row = {"set": set_name, "codec": "neuzip", "mantissa_bits": "lossless" if k is None else k,
+                       "steps": steps, "ratio": sum(c.nbytes for c in cs) / orig}
+                if k is None:
+                    counts = sum(np.bincount(R.split_symbols(R._uint_view(t), t.dtype)[0], minlength=256)
+                                 for t in tensors)
+                    row["entropy_bits"] = R.entropy_bits(counts)  # pooled; per-matrix codes can do slightly better
+                    row["coded_bits"] = sum(c.symbol_bits * c.numel for c in cs) / sum(c.numel for c in cs)
+                    row["entropy_bound_ratio"] = (8 + sum(c.symbol_entropy * c.numel for c in cs)
+                                                  / sum(c.numel for c in cs)) / 16
+                ratio_rows.append(row)
+                print(row, flush=True)
 
     # ---- decode throughput, bit-exact check first
-    summary = {"copy_gbps": copy_gbps}
+    summary = {"copy_gbps": copy_gbps, "default_steps": R.STEPS}
+    reps = 2 if args.smoke else 30 if args.quick else 100
     for set_name, tensors in sets.items():
         x = tensors[0]
         n = x.numel()
-        c = compress(x).to(DEV)
-        table, small_tab = c._table(DEV)
-        s = c.streams
         out = torch.empty(n, dtype=torch.bfloat16, device=DEV)
         x_gpu = x.reshape(-1).to(DEV)
-        best = v1_best = None
-        for g, w, small, pipe in launches:
+        per_steps = {}
+        variants = [(steps, "v3", launch) for steps in R.LANE_STEPS for launch in v3_launches]
+        variants += [(R.LEGACY_STEPS, "v2", launch) for launch in V2_LAUNCHES]
+        cs = {}
+        for steps, kernel, launch in variants:
+            if steps not in cs:
+                c = compress(x, steps=steps).to(DEV)
+                cs[steps] = (c, c.streams, c._table(DEV), c._table(DEV, "small"),
+                             {k: c._table(DEV, k) for k in ("v3", "v3_16", "v3_small", "v3_small16")})
+            c, s, table, small_tab, t3 = cs[steps]
+            if kernel == "v3":
+                g, w, use16, small, asm = launch
+                kw = dict(kernel="v3", v3_table=t3["v3_16" if use16 else "v3"], asm=asm and not args.smoke,
+                          v3_small=t3["v3_small16" if use16 else "v3_small"] if small else None)
+                name = (f"v3 s{steps} g{g}w{w}{' t16' if use16 else ' t32'}{' small' if small else ''}"
+                        f"{'' if asm else ' noasm'}")
+            else:
+                g, w, small = launch
+                kw = dict(kernel="v2", small_table=small_tab if small else None)
+                name = f"v2 s{steps} g{g}w{w}{' small' if small else ''}"
             out.fill_(0)
             run = lambda: decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], table, out, 7,
-                                      groups_per_prog=g, num_warps=w, small_table=small_tab if small else None,
-                                      pipelined=pipe)
+                                      steps=steps, groups_per_prog=g, num_warps=w, **kw)
             run()
             exact = torch.equal(out.view(torch.int16), x_gpu.view(torch.int16))
-            t = bench.time_fn(run, reps=2 if args.smoke else 30 if args.quick else 100, flush_l2=True, device=DEV)
+            t = bench.time_fn(run, reps=reps, flush_l2=True, device=DEV)
             gbps = 2 * n / (t.median_ms * 1e-3) / 1e9
-            name = f"g{g}w{w}{'s' if small else 'f'}{'v2' if pipe else 'v1'}"
-            row = {"set": set_name, "codec": f"neuzip {name}", "kernel": "v2" if pipe else "v1", "n": n, "ratio": c.ratio, "exact": exact,
-                   "us": t.median_ms * 1e3, "decode_gbps": gbps, "spread_pct": t.spread_pct}
+            row = {"set": set_name, "codec": f"neuzip {name}", "kernel": kernel, "steps": steps, "launch": name,
+                   "n": n, "ratio": c.ratio, "exact": exact, "us": t.median_ms * 1e3, "decode_gbps": gbps,
+                   "spread_pct": t.spread_pct}
             rows.append(row)
             print(row, flush=True)
-            assert exact, f"neuzip decode not bit-exact on {set_name} with {g, w}"
-            if best is None or gbps > best["decode_gbps"]:
-                best, best_launch = row, (g, w, small, pipe)
-            if v1_best is None or (not pipe and gbps > v1_best["decode_gbps"]):
-                v1_best = row if not pipe else v1_best
-        best = dict(best, codec="neuzip (best launch)", launch=best["codec"].split()[1])
-        if v1_best is not None:
-            rows.append(dict(v1_best, codec="neuzip v1 (best launch)", launch=v1_best["codec"].split()[1]))
+            if not exact:  # recorded (all_exact turns False), never a candidate for the best launch
+                print(f"NOT BIT-EXACT: {set_name} {name}", flush=True)
+                continue
+            key = (kernel, steps)
+            if key not in per_steps or gbps > per_steps[key]["decode_gbps"]:
+                per_steps[key] = row
+        for (kernel, steps), r in sorted(per_steps.items()):
+            label = f"neuzip {kernel} steps={steps} (best launch)"
+            rows.append(dict(r, codec=label))
+        best = dict(per_steps[("v3", R.STEPS)], codec="neuzip (best launch)")  # the default layout
         rows.append(best)
         if df11 is not None and df11[1] is not None and n <= 20_000_000:  # its Python encoder runs ~0.8M symbols/s: skip the 45M matrix
             t0 = time.time()
@@ -196,36 +221,41 @@ def main(argv=None) -> int:
             rows.append(row)
             print(row, flush=True)
             best["vs_dfloat11"] = best["decode_gbps"] / row["decode_gbps"]
+            for r in rows:
+                if r["set"] == set_name and r["codec"].endswith("(best launch)") and r is not best:
+                    r["vs_dfloat11"] = r["decode_gbps"] / row["decode_gbps"]
         best["of_copy_rw"] = best["decode_gbps"] / copy_gbps
         print("BEST", best, flush=True)
-        del out, x_gpu
+        del out, x_gpu, cs
         if DEV == "cuda":
             torch.cuda.empty_cache()
 
-    # lossy decode speed (k = 3) on the 4096^2 init
+    # lossy decode speed (k = 3) on the 4096^2 init, default layout and launch
     x = init["q_proj_4096x4096"]
     c3 = compress(x, 3).to(DEV)
     ref3 = c3.decompress(impl="reference").to(DEV)
     out = torch.empty_like(ref3)
-    s3, (tab3, small3) = c3.streams, c3._table(DEV)
-    g, w, small, pipe = best_launch
+    s3, tab3, v3tab3 = c3.streams, c3._table(DEV), c3._table(DEV, "v3_16")
     run = lambda: decode_into(s3["words"], s3["lane_bits"], s3["group_offsets"], s3["raw"], tab3, out, 3,
-                              groups_per_prog=g, num_warps=w, small_table=small3 if small else None, pipelined=pipe)
+                              steps=c3.steps, v3_table=v3tab3, asm=not args.smoke)  # default launch
     run()
     exact = torch.equal(out.view(torch.int16), ref3.view(torch.int16))
     t = bench.time_fn(run, reps=2 if args.smoke else 50, flush_l2=True, device=DEV)
     rows.append({"set": "q_proj_4096x4096", "codec": "neuzip k=3", "n": x.numel(), "ratio": c3.ratio,
-                 "exact": exact, "us": t.median_ms * 1e3, "decode_gbps": 2 * x.numel() / (t.median_ms * 1e-3) / 1e9})
+                 "steps": c3.steps, "exact": exact, "us": t.median_ms * 1e3,
+                 "decode_gbps": 2 * x.numel() / (t.median_ms * 1e-3) / 1e9})
     print(rows[-1], flush=True)
 
     bests = {r["set"]: r for r in rows if r.get("codec") == "neuzip (best launch)"}
     dfs = {r["set"]: r for r in rows if r.get("codec") == "dfloat11 0.5.0"}
     head = "smollm2_layers_concat" if "smollm2_layers_concat" in bests else "q_proj_4096x4096"
-    lossless_real = [r for r in ratio_rows if r["set"] == "smollm2_layers" and r["mantissa_bits"] == "lossless"]
+    lossless_real = [r for r in ratio_rows if r["set"] == "smollm2_layers" and r["mantissa_bits"] == "lossless"
+                     and r["steps"] == R.STEPS]
     summary.update({
         "lossless_ratio_real": lossless_real[0]["ratio"] if lossless_real else None,
         "lossless_ratio_llama_init": [r for r in ratio_rows if r["set"] == "llama_init"
-                                      and r["mantissa_bits"] == "lossless"][0]["ratio"],
+                                      and r["mantissa_bits"] == "lossless" and r["steps"] == R.STEPS][0]["ratio"],
+        "decode_launch": bests[head]["launch"],
         "decode_gbps": bests[head]["decode_gbps"],
         "decode_set": head,
         "decode_ratio_vs_dfloat11": (bests[head]["decode_gbps"] / dfs[head]["decode_gbps"]) if head in dfs else None,
@@ -234,14 +264,20 @@ def main(argv=None) -> int:
         "all_exact": all(r.get("exact", True) for r in rows),
         "seconds": time.time() - t_start,
     })
+    for r in ratio_rows:
+        if r["mantissa_bits"] == "lossless":
+            summary[f"lossless_ratio_{r['set']}_steps{r['steps']}"] = r["ratio"]
+    for r in rows:
+        if r["codec"].startswith("neuzip v") and r["codec"].endswith("(best launch)"):
+            summary[f"decode_gbps_{r['set']}_{r['kernel']}_steps{r['steps']}"] = r["decode_gbps"]
     for name, r in bests.items():
         summary[f"decode_gbps_{name}"] = r["decode_gbps"]
         if name in dfs:
             summary[f"dfloat11_gbps_{name}"] = dfs[name]["decode_gbps"]
             summary[f"dfloat11_ratio_{name}"] = dfs[name]["ratio"]
     print("SUMMARY", summary, flush=True)
-    plot_rows = [r for r in rows if r["codec"] in ("neuzip (best launch)", "neuzip v1 (best launch)",
-                                                   "dfloat11 0.5.0", "torch.copy_", "neuzip k=3")]
+    plot_rows = [r for r in rows if (r["codec"].startswith("neuzip v") and r["codec"].endswith("(best launch)"))
+                 or r["codec"] in ("dfloat11 0.5.0", "torch.copy_", "neuzip k=3")]
     path = bench.write_result("neuzip_codec", rows + ratio_rows, summary, device="smoke" if args.smoke else None,
                               extra={"dfloat11": "0.5.0", "copy": "1 GiB bf16 copy_, read+write bytes",
                                      "decode_gbps": "bytes of bf16 output per second, L2 flushed before each call",

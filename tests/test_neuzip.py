@@ -148,7 +148,7 @@ def test_triton_interpreter_matches_reference(trained_weights):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("interpreter test (CPU); the GPU is checked in test_neuzip_cuda.py")
     g = torch.Generator().manual_seed(4)
-    xs = [(torch.randn(R.GROUP * R.STEPS + 333, generator=g) * 0.02), trained_weights[:2000],
+    xs = [(torch.randn(R.GROUP * 256 + 333, generator=g) * 0.02), trained_weights[:2000],
           special_values(torch.float32).repeat(5), torch.tensor([0.25]),
           torch.exp(torch.randn(3000, generator=g) * 8)]  # wide range: codes longer than 8 bits
     for dtype in DTYPES:
@@ -159,13 +159,49 @@ def test_triton_interpreter_matches_reference(trained_weights):
             assert_same_bits(c.decompress(impl="triton"), ref)
             if dtype != torch.bfloat16:
                 continue
-            small = c._table("cpu")[1]  # two-level table, and the plain v1 kernel
-            assert_same_bits(c.decompress(impl="triton", small_table=small, groups_per_prog=4), ref)
+            small = c._table("cpu", "small")  # v1/v2 on the same 64-step layout, two-level table
+            assert_same_bits(c.decompress(impl="triton", kernel="v2", small_table=small, groups_per_prog=4), ref)
             assert_same_bits(c.decompress(impl="triton", pipelined=False, groups_per_prog=1), ref)
+            assert_same_bits(c.decompress(impl="triton", table16=False, groups_per_prog=1), ref)
+            assert_same_bits(c.decompress(impl="triton", small=True, groups_per_prog=2), ref)
+            assert_same_bits(c.decompress(impl="triton", small=True, table16=False, groups_per_prog=1), ref)
     assert compress(xs[-1].bfloat16()).streams["lengths"].max() > 8
     for k in (0, 1, 3):
         c = compress(xs[0][:3000].bfloat16(), k)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), c.decompress(impl="reference"))
+
+
+def test_triton_interpreter_lane_lengths():
+    """v3 on every lane length, in programs that are full (unmasked loop) and the last one (masked)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test (CPU); the GPU is checked in test_neuzip_cuda.py")
+    g = torch.Generator().manual_seed(5)
+    for steps in R.LANE_STEPS:
+        n = R.GROUP * steps * 3 + 77  # gpp=1: 3 full programs and a partial one; gpp=2: 1 full, 1 partial
+        x = (torch.randn(n, generator=g) * 0.02).bfloat16()
+        x[:50] = torch.exp(torch.randn(50, generator=g) * 8).bfloat16()
+        c = compress(x, steps=steps)
+        assert c.steps == steps
+        assert_same_bits(c.decompress(impl="reference"), x)
+        for gpp in (1, 2):
+            assert_same_bits(c.decompress(impl="triton", groups_per_prog=gpp), x)
+        assert_same_bits(c.decompress(impl="triton", groups_per_prog=1, small=True), x)
+        n = R.GROUP * steps * 2  # exact multiple: the last program is full but must still run masked
+        c = compress(x[:n], steps=steps)
+        assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x[:n])
+
+
+@pytest.mark.parametrize("steps", R.LANE_STEPS)
+def test_lane_lengths_round_trip(steps, trained_weights):
+    for dtype in DTYPES:
+        for name, x in cases(dtype, trained_weights):
+            if name in ("random", "specials", "one", "multi-group", "empty", "wide-range"):
+                c = compress(x, steps=steps)
+                assert c.streams["lane_bits"].numel() == R.GROUP * -(-x.numel() // (R.GROUP * steps))
+                assert_same_bits(c.decompress(impl="reference"), x)
+    x = (torch.randn(R.GROUP * 256 * 4) * 0.02).bfloat16()  # metadata: 16 bits per lane
+    extra = compress(x, steps=steps).nbytes - compress(x, steps=256).nbytes
+    assert extra == 2 * x.numel() // steps - 2 * x.numel() // 256 + 8 * (x.numel() // (R.GROUP * steps) - 4)
 
 
 def test_bad_input():
@@ -189,13 +225,21 @@ def test_bad_input():
         c.decompress(out=torch.zeros(4, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="out"):
         c.decompress(out=torch.zeros(3, dtype=torch.float32))
+    for steps in (32, 100, 512):
+        with pytest.raises(ValueError, match="steps"):
+            compress(torch.zeros(3, dtype=torch.bfloat16), steps=steps)
+    with pytest.raises(TypeError, match="steps"):
+        compress(torch.zeros(3, dtype=torch.bfloat16), steps=64.0)
+    with pytest.raises(ValueError, match="kernel"):
+        c.decompress(impl="triton", kernel="v9")
 
 
 # ----------------------------------------------------------------------------------------------- files
 @pytest.fixture()
 def saved(tmp_path, trained_weights):
-    entries = {"w": compress(trained_weights.bfloat16()), "h": compress(trained_weights[:999].half()),
-               "lossy": compress(trained_weights.bfloat16(), 1), "ids": torch.arange(7)}
+    entries = {"w": compress(trained_weights.bfloat16()), "h": compress(trained_weights[:999].half(), steps=128),
+               "lossy": compress(trained_weights.bfloat16(), 1), "old": compress(trained_weights.float(), steps=256),
+               "ids": torch.arange(7)}
     path = tmp_path / "m.nz"
     save(path, entries)
     return path, entries
@@ -240,14 +284,18 @@ def test_file_corruption_fuzz(saved):
             load(path)
 
 
-def test_file_wrong_version_and_foreign(saved, tmp_path):
-    path, _ = saved
+def _set_header(path, edit):
     data = path.read_bytes()
     (hsize,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8: 8 + hsize])
-    header["__metadata__"]["thrifty.neuzip.format"] = "999"
+    edit(header)
     new = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + hsize:])
+
+
+def test_file_wrong_version_and_foreign(saved, tmp_path):
+    path, _ = saved
+    _set_header(path, lambda h: h["__metadata__"].update({"thrifty.neuzip.format": "999"}))
     with pytest.raises(ValueError, match="version"):
         load(path)
     from safetensors.torch import save_file
@@ -255,6 +303,28 @@ def test_file_wrong_version_and_foreign(saved, tmp_path):
     save_file({"a": torch.zeros(3)}, str(plain))
     with pytest.raises(ValueError, match="not a thrifty neuzip file"):
         load(plain)
+
+
+def test_file_version_1_and_lane_lengths(tmp_path, trained_weights):
+    """Version 1 files (256-symbol lanes, no other choice) still load; other lane lengths need version 2."""
+    old = {"w": compress(trained_weights.bfloat16(), steps=256), "ids": torch.arange(3)}
+    path = tmp_path / "v1.nz"
+    save(path, old)
+    _set_header(path, lambda h: h["__metadata__"].update({"thrifty.neuzip.format": "1"}))
+    assert _same_entries(load(path), old)
+    save(path, {"w": compress(trained_weights.bfloat16(), steps=64)})
+    _set_header(path, lambda h: h["__metadata__"].update({"thrifty.neuzip.format": "1"}))
+    with pytest.raises(ValueError, match="steps"):
+        load(path)
+
+    def edit_steps(h):
+        meta = json.loads(h["__metadata__"]["thrifty.neuzip.tensors"])
+        meta["w"]["steps"] = 128
+        h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(meta)
+    save(path, {"w": compress(trained_weights.bfloat16(), steps=64)})
+    _set_header(path, edit_steps)  # a forged lane length: the sizes or the checksum no longer fit
+    with pytest.raises(ValueError, match=str(path.name)):
+        load(path)
 
 
 def test_cli_round_trip(tmp_path, capsys, trained_weights):
@@ -270,7 +340,7 @@ def test_cli_round_trip(tmp_path, capsys, trained_weights):
     assert decompress_main([str(mid), str(dst)]) == 0
     back = load_file(str(dst))
     assert all(torch.equal(back[k].view(torch.uint8), model[k].view(torch.uint8)) for k in model)
-    assert compress_main([str(src), str(mid), "--mantissa-bits", "3"]) == 0
+    assert compress_main([str(src), str(mid), "--mantissa-bits", "3", "--steps", "128"]) == 0
     assert decompress_main([str(mid), str(dst)]) == 0
     mid.write_bytes(mid.read_bytes()[:-10])
     assert decompress_main([str(mid), str(dst)]) == 2

@@ -32,6 +32,8 @@ def compress_main(argv=None) -> int:
     p.add_argument("out", type=Path, help="output file (neuzip, safetensors container)")
     p.add_argument("--mantissa-bits", type=int, default=None, choices=(0, 1, 3, 7),
                    help="lossy: keep k mantissa bits of bf16 tensors (7 = lossless); default lossless")
+    p.add_argument("--steps", type=int, default=R.STEPS, choices=R.LANE_STEPS,
+                   help=f"symbols per lane (shorter: faster GPU decode, more metadata); default {R.STEPS}")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     try:
@@ -47,7 +49,7 @@ def compress_main(argv=None) -> int:
         if t.dtype in R.DTYPES and t.numel() > 0:
             k = args.mantissa_bits if t.dtype == torch.bfloat16 else None
             try:
-                ct = compress(t, k)
+                ct = compress(t, k, steps=args.steps)
             except ValueError as err:  # e.g. NaNs with --mantissa-bits 0
                 print(f"thrifty compress: tensor {name!r}: {err}", file=sys.stderr)
                 return 2

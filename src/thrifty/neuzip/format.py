@@ -4,7 +4,8 @@ Layout: for tensor NAME, the safetensors entries ``NAME::words``, ``::lane_bits`
 ``::raw``, ``::lengths`` (NeuZip codec) or ``NAME::data`` (codec "plain": dtypes NeuZip does not code, e.g.
 int64), each stored as flat uint8 (little-endian bytes). The header's ``__metadata__`` holds
 ``thrifty.neuzip.format`` = FORMAT_VERSION and ``thrifty.neuzip.tensors`` = JSON {NAME: {codec, dtype,
-shape, mantissa_bits, crc32, ...}}. ``load`` parses the header, checks the version, every tensor's streams,
+shape, mantissa_bits, steps, crc32, ...}}. Version 2 added the lane length ``steps`` as a per-tensor
+parameter (64, 128 or 256); version 1 files (always 256) are still read. ``load`` parses the header, checks the version, every tensor's streams,
 sizes and CRC32, and only then returns tensors: a corrupted, truncated or foreign file raises ValueError
 naming the file (and the tensor). No pickle anywhere.
 """
@@ -23,7 +24,8 @@ import torch
 from . import reference as R
 from .tensor import CompressedTensor
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = {"1": (R.LEGACY_STEPS,), "2": R.LANE_STEPS}  # version -> the lane lengths it allows
 VERSION_KEY = "thrifty.neuzip.format"
 TENSORS_KEY = "thrifty.neuzip.tensors"
 STREAMS = {"words": torch.int32, "lane_bits": torch.int16, "group_offsets": torch.int64, "raw": torch.uint8,
@@ -51,7 +53,7 @@ def save(path, entries: dict) -> None:
             for key in STREAMS:
                 arrays[f"{name}::{key}"] = _bytes(e.streams[key])
             meta[name] = {"codec": "neuzip", "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
-                          "mantissa_bits": e.mantissa_bits, "steps": R.STEPS, "group": R.GROUP,
+                          "mantissa_bits": e.mantissa_bits, "steps": e.steps, "group": R.GROUP,
                           "max_code_bits": R.MAX_CODE_BITS, "crc32": e.crc32()}
         elif isinstance(e, torch.Tensor):
             data = _bytes(e)
@@ -89,8 +91,9 @@ def load(path, device="cpu") -> dict:
     version = meta.get(VERSION_KEY)
     if version is None:
         raise ValueError(f"{path}: not a thrifty neuzip file (no {VERSION_KEY!r} in the header)")
-    if version != str(FORMAT_VERSION):
-        raise ValueError(f"{path}: neuzip format version {version!r}, this thrifty reads version {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"{path}: neuzip format version {version!r}, this thrifty reads versions "
+                         f"{sorted(READABLE_VERSIONS)}")
     try:
         tensors_meta = json.loads(meta.get(TENSORS_KEY, ""))
         arrays = st_load(data)
@@ -100,7 +103,7 @@ def load(path, device="cpu") -> dict:
         raise ValueError(f"{path}: corrupted tensor table in the header")
     out = {}
     for name, m in tensors_meta.items():  # check everything first, build tensors only when all are good
-        out[name] = _check_entry(path, name, m, arrays)
+        out[name] = _check_entry(path, name, m, arrays, READABLE_VERSIONS[version])
     expected = {f"{n}::{k}" for n, m in tensors_meta.items()
                 for k in (STREAMS if m.get("codec") == "neuzip" else ("data",))}
     if set(arrays) != expected:
@@ -108,7 +111,7 @@ def load(path, device="cpu") -> dict:
     return {k: (v.to(device) if device is not None else v) for k, v in out.items()}
 
 
-def _check_entry(path: Path, name: str, m, arrays: dict) -> Entry:
+def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps) -> Entry:
     where = f"{path}: tensor {name!r}"
     try:
         codec, dtype, shape = m["codec"], _DTYPE_NAMES[m["dtype"]], [int(d) for d in m["shape"]]
@@ -129,10 +132,13 @@ def _check_entry(path: Path, name: str, m, arrays: dict) -> Entry:
         raise ValueError(f"{where}: unknown codec {codec!r}")
     if dtype not in R.DTYPES:
         raise ValueError(f"{where}: dtype {dtype} cannot be NeuZip-coded")
-    params = (m.get("steps"), m.get("group"), m.get("max_code_bits"))
-    if params != (R.STEPS, R.GROUP, R.MAX_CODE_BITS):
-        raise ValueError(f"{where}: codec parameters {params} differ from this version's "
-                         f"{(R.STEPS, R.GROUP, R.MAX_CODE_BITS)}")
+    steps = m.get("steps")
+    if type(steps) is not int or steps not in lane_steps:
+        raise ValueError(f"{where}: lane length steps={steps!r}, this file version allows {list(lane_steps)}")
+    params = (m.get("group"), m.get("max_code_bits"))
+    if params != (R.GROUP, R.MAX_CODE_BITS):
+        raise ValueError(f"{where}: codec parameters (group, max_code_bits) = {params} differ from this "
+                         f"version's {(R.GROUP, R.MAX_CODE_BITS)}")
     k = m.get("mantissa_bits")
     if k is not None and (dtype != torch.bfloat16 or k not in (0, 1, 3)):
         raise ValueError(f"{where}: bad mantissa_bits {k!r}")
@@ -144,14 +150,14 @@ def _check_entry(path: Path, name: str, m, arrays: dict) -> Entry:
             raise ValueError(f"{where}: stream {key!r} missing or truncated")
         streams[key] = torch.from_numpy(a.copy()).view(sdtype)
     # sizes implied by the element count: a mismatch means truncation or a forged header
-    groups = -(-numel // (R.GROUP * R.STEPS))
+    groups = R.n_groups(numel, steps)
     kept, field_bits = R.field_layout(dtype, k)
     want = {"lane_bits": groups * R.GROUP, "group_offsets": groups, "lengths": 256,
             "raw": -(-numel * field_bits // 8)}
     for key, n in want.items():
         if streams[key].numel() != n:
             raise ValueError(f"{where}: stream {key!r} has {streams[key].numel()} entries, expected {n}")
-    ct = CompressedTensor(streams, dtype, shape, k)
+    ct = CompressedTensor(streams, dtype, shape, k, steps=steps)
     if ct.crc32() != crc:
         raise ValueError(f"{where}: checksum mismatch (file corrupted)")
     total_bits = int(streams["lane_bits"].numpy().view(np.uint16).astype(np.int64).sum())

@@ -10,16 +10,19 @@ Layout of one compressed tensor of N elements (bf16, fp16 or fp32, read as raw b
     nearest even, carry into the exponent), raw = sign + k bits, packed 8/(k+1) fields per byte.
 * Symbols are coded with one **canonical Huffman code per tensor**, lengths <= ``MAX_CODE_BITS`` (12), over
   the symbols that occur. The code is stored once as 256 code lengths.
-* **Lanes**: elements are cut into groups of ``GROUP * STEPS`` (64 * 256) consecutive elements; lane j of a
-  group decodes elements j, j + 64, j + 128, ... (256 of them). So at every step the 64 lanes of a group
+* **Lanes**: elements are cut into groups of ``GROUP * steps`` consecutive elements; lane j of a group
+  decodes elements j, j + 64, j + 128, ... (``steps`` of them). The lane length ``steps`` is a per-tensor
+  codec parameter, a power of two in ``LANE_STEPS`` (64, 128 or 256; files of format version 1 always use
+  256); shorter lanes give a GPU decoder more, shorter dependency chains. So at every step the 64 lanes of a group
   read/write 64 *consecutive* elements (coalesced on a GPU) while each lane has its own bit stream. Lane
   streams are concatenated MSB-first into 32-bit words; ``lane_bits`` (uint16) holds each lane's length and
   ``group_offsets`` (int64) each group's first bit, so every lane starts at
   group_offset + (exclusive prefix sum of the lane lengths within its group) and decodes independently.
-  Metadata cost: 16 bits / 256 symbols = 0.0625 bits per weight (+ 64 bits per 16384 elements).
+  Metadata cost: 16 bits / ``steps`` symbols = 0.25 / 0.125 / 0.0625 bits per weight for 64 / 128 / 256
+  (+ 64 bits per group of 64 * steps elements).
 
-The decoder below is the same lane-parallel algorithm as the Triton kernel (a Python loop over the 256
-steps, NumPy over all lanes), so both give the same bits by construction.
+The decoder below is the same lane-parallel algorithm as the Triton kernel (a Python loop over the
+``steps`` steps, NumPy over all lanes), so both give the same bits by construction.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import torch
 
 MAX_CODE_BITS = 12  # one 4096-entry decode table; costs ~0.003 bits/symbol vs unlimited Huffman
 GROUP = 64  # lanes per group: 64 consecutive elements per step (128 B of bf16)
-STEPS = 256  # symbols per lane; 256 * 12 bits < 2^16, so a lane's length fits uint16
+LANE_STEPS = (64, 128, 256)  # allowed symbols per lane; 256 * 12 bits < 2^16, so a lane's length fits uint16
+STEPS = 128  # default lane length (GPU decode speed vs metadata, NOTES.md): 0.0625 bits/weight more than 256
+LEGACY_STEPS = 256  # the only lane length of format version 1
 WORD_PAD = 4  # zero words after the stream so a decoder's look-ahead never reads past the end
 
 # dtype -> (bits per element, position of the symbol's lowest bit, raw bits kept below the symbol)
@@ -190,10 +195,22 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------------ lanes and streams
-def lane_order(n: int) -> np.ndarray:
+def check_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise TypeError(f"steps: expected an int (symbols per lane), got {type(steps).__name__}")
+    if int(steps) not in LANE_STEPS:
+        raise ValueError(f"steps: expected one of {list(LANE_STEPS)} (symbols per lane), got {steps!r}")
+    return int(steps)
+
+
+def n_groups(n: int, steps: int) -> int:
+    return -(-n // (GROUP * steps))
+
+
+def lane_order(n: int, steps: int = STEPS) -> np.ndarray:
     """Element index of every (lane, step) slot in lane-major order; -1 where past the tensor's end."""
-    groups = -(-n // (GROUP * STEPS))
-    idx = np.arange(groups * GROUP * STEPS, dtype=np.int64).reshape(groups, STEPS, GROUP)
+    groups = n_groups(n, steps)
+    idx = np.arange(groups * GROUP * steps, dtype=np.int64).reshape(groups, steps, GROUP)
     idx = idx.transpose(0, 2, 1).reshape(-1)  # [group, lane, step]
     return np.where(idx < n, idx, -1)
 
@@ -208,19 +225,21 @@ class Streams:
     raw: np.ndarray  # uint8: raw fields (1 or 3 bytes per element, or packed (k+1)-bit fields)
     lengths: np.ndarray  # uint8[256] code lengths
     counts: np.ndarray  # int64[256] symbol histogram (not stored; for reports)
+    steps: int = LEGACY_STEPS  # symbols per lane
 
 
-def encode_symbols(symbol: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Huffman-encodes uint8 symbols into (words, lane_bits, group_offsets)."""
+def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Huffman-encodes uint8 symbols into (words, lane_bits, group_offsets), lanes of ``steps`` symbols."""
     n = len(symbol)
     codes = canonical_codes(lengths).astype(np.uint64)
-    slot = lane_order(n)
+    slot = lane_order(n, steps)
     valid = slot >= 0
     sym = np.where(valid, symbol[np.maximum(slot, 0)] if n else 0, 0)
     nbits = np.where(valid, lengths.astype(np.int64)[sym], 0)
     code = np.where(valid, codes[sym], 0).astype(np.uint64)
-    lanes = len(slot) // STEPS
-    lane_bits = nbits.reshape(lanes, STEPS).sum(axis=1)
+    lanes = len(slot) // steps
+    lane_bits = nbits.reshape(lanes, steps).sum(axis=1)
     end = np.cumsum(nbits)
     pos = end - nbits  # first bit of each code
     total = int(end[-1]) if len(end) else 0
@@ -239,7 +258,7 @@ def encode_symbols(symbol: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray,
 
 
 def decode_symbols(words: np.ndarray, lane_bits: np.ndarray, group_offsets: np.ndarray, lengths: np.ndarray,
-                   n: int) -> np.ndarray:
+                   n: int, steps: int = STEPS) -> np.ndarray:
     """Lane-parallel decoder: one Python step per symbol position, NumPy across all lanes."""
     lanes = len(lane_bits)
     table = decode_table(lengths)
@@ -248,9 +267,9 @@ def decode_symbols(words: np.ndarray, lane_bits: np.ndarray, group_offsets: np.n
     within = np.cumsum(lane_bits.reshape(-1, GROUP), axis=1) - lane_bits.reshape(-1, GROUP)
     pos = (np.asarray(group_offsets, dtype=np.int64)[:, None] + within).reshape(-1)
     lane = np.arange(lanes, dtype=np.int64)
-    first = (lane // GROUP) * GROUP * STEPS + lane % GROUP  # element index of each lane's first symbol
+    first = (lane // GROUP) * GROUP * steps + lane % GROUP  # element index of each lane's first symbol
     out = np.zeros(n, dtype=np.uint8)
-    for step in range(STEPS):
+    for step in range(steps):
         elem = first + step * GROUP
         valid = elem < n
         if not valid.any():
@@ -300,8 +319,9 @@ def field_layout(dtype: torch.dtype, mantissa_bits) -> tuple[int, int]:
     return kept, kept + 1
 
 
-def encode(x: torch.Tensor, mantissa_bits=None) -> Streams:
-    """Encodes a bf16/fp16/fp32 tensor (lossless, or bf16 rounded to ``mantissa_bits``); no validation here."""
+def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS) -> Streams:
+    """Encodes a bf16/fp16/fp32 tensor (lossless, or bf16 rounded to ``mantissa_bits``) in lanes of ``steps``
+    symbols; no validation here."""
     if mantissa_bits is not None and mantissa_bits < 7:
         x = round_mantissa(x, mantissa_bits)
     elif mantissa_bits == 7:
@@ -313,14 +333,14 @@ def encode(x: torch.Tensor, mantissa_bits=None) -> Streams:
     raw = ((raw >> full) << kept) | ((raw & ((1 << full) - 1)) >> (full - kept))  # keep the top `kept` bits
     counts = np.bincount(symbol, minlength=256).astype(np.int64)
     lengths = code_lengths(counts)
-    words, lane_bits, group_offsets = encode_symbols(symbol, lengths)
-    return Streams(words, lane_bits, group_offsets, pack_fields(raw, field_bits), lengths, counts)
+    words, lane_bits, group_offsets = encode_symbols(symbol, lengths, steps)
+    return Streams(words, lane_bits, group_offsets, pack_fields(raw, field_bits), lengths, counts, steps)
 
 
 def decode(s: Streams, dtype: torch.dtype, shape, mantissa_bits=None) -> torch.Tensor:
     """CPU decoder: the spec the Triton kernel must match bit for bit."""
     n = int(np.prod(shape, dtype=np.int64))
     kept, field_bits = field_layout(dtype, None if mantissa_bits == 7 else mantissa_bits)
-    symbol = decode_symbols(s.words, s.lane_bits, s.group_offsets, s.lengths, n)
+    symbol = decode_symbols(s.words, s.lane_bits, s.group_offsets, s.lengths, n, s.steps)
     raw = unpack_fields(s.raw, field_bits, n)
     return _from_uint(merge_symbols(symbol, raw, dtype, kept), dtype, shape)

@@ -31,16 +31,17 @@ class CompressedTensor:
     """A NeuZip-compressed float tensor: streams (torch tensors on one device) + metadata.
 
     Streams: ``words`` int32 (uint32 bit stream), ``lane_bits`` int16 (uint16), ``group_offsets`` int64,
-    ``raw`` uint8, ``lengths`` uint8[256] (the code). ``decompress`` rebuilds the exact original bits
-    (lossless) or the rounded tensor (``mantissa_bits`` = k).
+    ``raw`` uint8, ``lengths`` uint8[256] (the code). ``steps``: symbols per lane (the lane layout).
+    ``decompress`` rebuilds the exact original bits (lossless) or the rounded tensor (``mantissa_bits`` = k).
     """
 
     def __init__(self, streams: dict, dtype: torch.dtype, shape, mantissa_bits: Optional[int] = None,
-                 symbol_entropy: Optional[float] = None):
+                 symbol_entropy: Optional[float] = None, steps: int = R.LEGACY_STEPS):
         self.streams = streams
         self.dtype = dtype
         self.shape = torch.Size(shape)
         self.mantissa_bits = mantissa_bits
+        self.steps = R.check_steps(steps)
         self.symbol_entropy = symbol_entropy  # Shannon entropy of the symbols (bits), when known
         self._tables: dict = {}
 
@@ -75,20 +76,23 @@ class CompressedTensor:
 
     def crc32(self) -> int:
         """Checksum of every stream (in a fixed order) and the metadata that interprets them."""
-        crc = zlib.crc32(repr((str(self.dtype), tuple(self.shape), self.mantissa_bits)).encode())
+        meta = (str(self.dtype), tuple(self.shape), self.mantissa_bits)
+        if self.steps != R.LEGACY_STEPS:  # so that the checksums of 256-step (version 1) files stay valid
+            meta += (self.steps,)
+        crc = zlib.crc32(repr(meta).encode())
         for key in sorted(self.streams):
             crc = zlib.crc32(self.streams[key].cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
         return crc
 
     def to(self, device) -> "CompressedTensor":
         out = CompressedTensor({k: v.to(device) for k, v in self.streams.items()}, self.dtype, self.shape,
-                               self.mantissa_bits, self.symbol_entropy)
+                               self.mantissa_bits, self.symbol_entropy, self.steps)
         return out
 
     def __repr__(self) -> str:
         lossy = "lossless" if self.mantissa_bits is None else f"mantissa_bits={self.mantissa_bits}"
         return (f"CompressedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {lossy}, "
-                f"ratio={self.ratio:.4f}, device={self.device})")
+                f"steps={self.steps}, ratio={self.ratio:.4f}, device={self.device})")
 
     # ---- decode
     def _kept(self) -> int:
@@ -97,14 +101,16 @@ class CompressedTensor:
     def _numpy_streams(self) -> R.Streams:
         s = {k: v.cpu().numpy() for k, v in self.streams.items()}
         return R.Streams(s["words"].view(np.uint32), s["lane_bits"].view(np.uint16), s["group_offsets"],
-                         s["raw"], s["lengths"], np.zeros(256, np.int64))
+                         s["raw"], s["lengths"], np.zeros(256, np.int64), self.steps)
 
     def decompress(self, out: Optional[torch.Tensor] = None, impl: str = "auto", **launch) -> torch.Tensor:
         """The decoded tensor, on ``self.device`` (or written into ``out``, any device, same dtype/numel).
 
         impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "reference" (NumPy on the CPU), "auto"
-        (Triton on CUDA, else the reference). ``launch``: ``groups_per_prog`` / ``num_warps`` / ``pipelined`` /
-        ``small_table`` (``self._table(device)[1]``) for Triton; the defaults were the fastest on the H200.
+        (Triton on CUDA, else the reference). ``launch``: ``kernel`` ("v3", "v2", "v1") / ``groups_per_prog`` /
+        ``num_warps`` / ``table16`` (int16 entries; default for 16-bit dtypes) / ``small`` (8-bit first-level
+        table) / ``asm`` (v3), ``small_table`` (v1/v2: ``self._table(device, "small")``)
+        for Triton; the defaults were the fastest on the H200 (NOTES.md).
         """
         check_choice("impl", impl, IMPLS)
         if out is not None:
@@ -129,30 +135,48 @@ class CompressedTensor:
         src = self if self.device == target else self.to(target)
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=target)
-        table, small = src._table(target)
         s = src.streams
-        decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], table, out, self._kept(), **launch)
+        table16 = launch.pop("table16", self.dtype != torch.float32)
+        small = launch.pop("small", False)
+        if launch.get("kernel", "v3") == "v3" and launch.get("pipelined") is None:
+            launch.setdefault("v3_table", src._table(target, "v3_16" if table16 else "v3"))
+            if small:
+                launch.setdefault("v3_small", src._table(target, "v3_small16" if table16 else "v3_small"))
+        decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], src._table(target), out,
+                    self._kept(), steps=self.steps, **launch)
         return out
 
-    def _table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(full int32[4096] decode table, int16[256] first-level table) on ``device``, cached."""
-        from .decode_kernel import small_table
+    def _table(self, device, kind: str = "ref") -> torch.Tensor:
+        """A decode table on ``device``, cached: "ref" the int32[4096] of :func:`reference.decode_table`,
+        "small" its int16[256] first level (v1/v2), "v3" / "v3_16" the v3 kernel's (int32 / int16) and
+        "v3_small" / "v3_small16" their 256-entry first levels."""
+        from .decode_kernel import kernel_table, small_table
 
-        key = str(device)
+        key = (str(device), kind)
         if key not in self._tables:
-            table = torch.from_numpy(R.decode_table(self.streams["lengths"].cpu().numpy()))
-            self._tables[key] = (table.to(device), small_table(table).to(device))
+            if kind == "ref":
+                t = torch.from_numpy(R.decode_table(self.streams["lengths"].cpu().numpy())).to(device)
+            elif kind == "small":
+                t = small_table(self._table(device))
+            elif kind in ("v3", "v3_16", "v3_small", "v3_small16"):
+                t = kernel_table(self._table(device), self.dtype, table16=kind.endswith("16"), small="small" in kind)
+            else:
+                raise ValueError(f"kind: expected 'ref', 'small', 'v3', 'v3_16', 'v3_small' or 'v3_small16', "
+                                 f"got {kind!r}")
+            self._tables[key] = t
         return self._tables[key]
 
 
-def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None) -> CompressedTensor:
+def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None, steps: int = R.STEPS) -> CompressedTensor:
     """Compresses a bf16/fp16/fp32 tensor; lossless unless ``mantissa_bits`` (bf16: 0, 1, 3; 7 = lossless).
 
-    Encoding runs on the CPU; the result's streams live on ``tensor``'s device.
+    steps: symbols per lane, one of ``reference.LANE_STEPS`` (shorter lanes: faster GPU decode, 16 bits of
+    metadata per lane). Encoding runs on the CPU; the result's streams live on ``tensor``'s device.
     """
     check_tensor("tensor", tensor, dtypes=tuple(R.DTYPES))
     mantissa_bits = _check_mantissa_bits(mantissa_bits, tensor.dtype)
-    s = R.encode(tensor, mantissa_bits)
+    steps = R.check_steps(steps)
+    s = R.encode(tensor, mantissa_bits, steps)
     streams = {
         "words": torch.from_numpy(s.words.view(np.int32).copy()),
         "lane_bits": torch.from_numpy(s.lane_bits.view(np.int16).copy()),
@@ -160,5 +184,5 @@ def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None) -> Compr
         "raw": torch.from_numpy(s.raw.copy()),
         "lengths": torch.from_numpy(s.lengths.copy()),
     }
-    ct = CompressedTensor(streams, tensor.dtype, tensor.shape, mantissa_bits, R.entropy_bits(s.counts))
+    ct = CompressedTensor(streams, tensor.dtype, tensor.shape, mantissa_bits, R.entropy_bits(s.counts), steps)
     return ct if tensor.device.type == "cpu" else ct.to(tensor.device)
