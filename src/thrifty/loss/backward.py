@@ -36,7 +36,7 @@ def _grad_tile_kernel(E, C, BIAS, ROWS, TGT, LSE, W, ORDER, G, DBIAS, CNT_DC, LI
                       NV, D, stride_e, stride_c, stride_g, v_chunk_start, vc, n_vb, n_nb,
                       softcap, z_loss, onehot_weight, uniform_weight, filter_eps,
                       HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ORDER: tl.constexpr,
-                      FILTER: tl.constexpr, NEED_DBIAS: tl.constexpr, SPLIT: tl.constexpr,
+                      FILTER: tl.constexpr, NEED_DBIAS: tl.constexpr, SPLIT: tl.constexpr, LISTS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     """One BLOCK_N x BLOCK_V logit tile (wide, for matmul efficiency); filtering and the work lists use
     SPLIT sub-tiles of BLOCK_V // SPLIT columns (narrow, so that more of them fall under the filter)."""
@@ -79,12 +79,13 @@ def _grad_tile_kernel(E, C, BIAS, ROWS, TGT, LSE, W, ORDER, G, DBIAS, CNT_DC, LI
              mask=row_mask[:, None] & col_mask[None, :])
     if NEED_DBIAS:
         tl.atomic_add(DBIAS + vocab, tl.sum(g, axis=0), mask=col_mask)
-    if keep0:
-        _append(pid_n, pid_v * SPLIT, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
-    if SPLIT == 2:
-        if (pid_v * SPLIT + 1) * (BLOCK_V // SPLIT) < vc:  # the second half exists in this chunk
-            if keep1:
-                _append(pid_n, pid_v * SPLIT + 1, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
+    if LISTS:  # only the sparse GEMMs read the work lists
+        if keep0:
+            _append(pid_n, pid_v * SPLIT, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
+        if SPLIT == 2:
+            if (pid_v * SPLIT + 1) * (BLOCK_V // SPLIT) < vc:  # the second half exists in this chunk
+                if keep1:
+                    _append(pid_n, pid_v * SPLIT + 1, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
 
 
 @triton.jit
@@ -209,7 +210,10 @@ def _dense_de_update(de_acc, g, c_chunk):
         de_acc += (g.float() @ c_chunk.float())
 
 
-TAIL_BYTES = 8 << 20  # separate gradient-tile buffer once dC's free rows are too few (1% of the 256k bound: 11.6 MiB)
+# separate gradient-tile buffer once dC's free rows are too few. Budget (issue #3): 1% of the bound dE + dC, or
+# 16 MB where 1% is less: 8 MiB fits 1% from ~0.9 GiB up (256k: 11.6 MiB); smaller shapes get 12 MiB (< 15.26 MiB)
+TAIL_BYTES = 8 << 20
+SMALL_TAIL_BYTES = 12 << 20
 SEPARATE_BYTES = 64 << 20  # gradient-tile buffer when dC cannot host it (sorted vocabulary, or no dC wanted)
 ALIGN = 64  # elements: scratch views in dC start 128-byte aligned (bf16) for cuBLAS
 
@@ -297,8 +301,11 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     # dC's free rows can hold the tiles only if dC is written in vocabulary order (no sorting) and has the
     # tiles' element size (always: fp32 -> fp32, bf16/fp16 -> bf16)
     in_dc = scratch_in_dc and need_c and order is None and c.element_size() == elem and dc.is_contiguous()
-    if chunk_bytes is None:
-        chunk_bytes = TAIL_BYTES if in_dc else SEPARATE_BYTES
+    if chunk_bytes is None and in_dc:
+        bound = (N + V) * D * e2d.element_size()  # dE + dC: what must be allocated anyway
+        chunk_bytes = TAIL_BYTES if bound // 100 >= TAIL_BYTES + (1 << 20) else SMALL_TAIL_BYTES
+    elif chunk_bytes is None:
+        chunk_bytes = SEPARATE_BYTES
     buf_cols = min(max(step, (chunk_bytes // max(nv * elem, 1)) // step * step), triton.cdiv(V, step) * step)
     # fp32 dE accumulation (16-bit inputs): in dC's free rows (in_dc) or a separate nv x D fp32 scratch
     fp32_acc = need_e and e_grad_fp32 and e2d.dtype != torch.float32
@@ -323,6 +330,10 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     else:  # in place in e's dtype (also when dC is too small to host the fp32 accumulator: memory first)
         de_acc = de_c
     order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
+    # work lists only for the sparse GEMMs: with filtering, or when cuBLAS cannot take the tiles (fp16 inputs)
+    lists = filtering or g_dtype != e2d.dtype or dense_above >= 1.0
+    dc_flat = dc.view(-1).view(g_dtype) if in_dc else None  # per-chunk views: one as_strided (launch-bound shapes)
+    cnt_dc = cnt_de = cnt_all = counts  # placeholders when no lists are kept
     e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)
     progress = _KeptTiles(n_chunks, e2d.device)
     for chunk, (start, cur, g_off, flush) in enumerate(plan):
@@ -330,19 +341,21 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
             de_c.copy_(de_acc)
             de_acc = de_c
         if g_off is not None:
-            g_buf = dc.view(-1)[g_off:g_off + nv * cur].view(g_dtype).view(nv, cur)
+            g_buf = dc_flat.as_strided((nv, cur), (cur, 1), g_off)
         else:
             if buf is None:
                 buf = torch.empty(nv * buf_cols, dtype=g_dtype, device=e2d.device)
-            g_buf = buf[:nv * cur].view(nv, cur)
-        cnt_dc, cnt_de, cnt_all = counts[chunk, :n_vb], counts[chunk, n_vb:-1], counts[chunk, -1:]
+            g_buf = buf.as_strided((nv, cur), (cur, 1))
+        if lists:
+            cnt_dc, cnt_de, cnt_all = counts[chunk, :n_vb], counts[chunk, n_vb:-1], counts[chunk, -1:]
         _grad_tile_kernel[(n_nb, triton.cdiv(cur, step))](
             e2d, c, c if bias is None else bias, rows, targets, lse, w, order_arg, g_buf, db if need_b else w,
             cnt_dc, list_dc, cnt_de, list_de, cnt_all,
             nv, D, e2d.stride(0), c.stride(0), g_buf.stride(0), start, cur, n_vb, n_nb,
             float(softcap or 1.0), float(z_loss), 1.0 - label_smoothing, label_smoothing / V,
             float(filter_eps or 0.0), HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b, SPLIT=split, BLOCK_N=bn, BLOCK_V=step,
+            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b, SPLIT=split, LISTS=lists,
+            BLOCK_N=bn, BLOCK_V=step,
             BLOCK_D=bd_tile, **cfg)
         n_tiles = n_nb * triton.cdiv(cur, bv)
         kept = progress.kept(chunk, cnt_all, n_tiles) if filtering else n_tiles

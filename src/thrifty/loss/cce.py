@@ -85,7 +85,7 @@ def linear_cross_entropy(
     ``sort_vocab`` (with filtering: cluster the tokens that matter), ``scratch_in_dc`` (default True: the
     gradient tiles and the fp32 dE accumulator live in the rows of dC not yet written, so the backward needs
     only one small extra buffer; not with a sorted vocabulary), ``chunk_bytes`` (that extra gradient-tile
-    buffer: default 8 MiB with ``scratch_in_dc``, else 64 MiB), ``e_grad_fp32`` (accumulate dE in fp32 -- in
+    buffer: default 8 MiB with ``scratch_in_dc`` -- 12 MiB where dE + dC < ~0.9 GiB --, else 64 MiB), ``e_grad_fp32`` (accumulate dE in fp32 -- in
     dC's free rows while they hold it, then in place; a separate Nv x D fp32 scratch without ``scratch_in_dc``;
     False accumulates in e's dtype throughout),
     ``kernel_config`` ({"forward": {...}, "backward": {...}} block sizes, see forward_config/backward_config;
