@@ -128,7 +128,7 @@ def main():
                          **({"loss_check_abs_diff": h["loss_check_abs_diff"]} if "loss_check_abs_diff" in h else {})})
         steps = [h["loss"] for h in history]
         # one-step spikes: loss above the mean of both neighbours by > 0.5 nats
-        rows[-len(history) - 1]["spikes"] = [i for i in range(1, len(steps) - 1)
+        rows[-len(history) - 1]["spikes"] = [history[i]["step"] for i in range(1, len(steps) - 1)
                                               if steps[i] - (steps[i - 1] + steps[i + 1]) / 2 > 0.5]
     summary_rows = [r for r in rows if "tokens_per_s" in r]
     print_table(summary_rows)
