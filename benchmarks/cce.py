@@ -491,9 +491,11 @@ def finalize(rows, rate, args):
                                    regimes="random: N(0,1) logits, uniform targets; realistic: real SmolLM2-135M "
                                            "hidden states/lm_head on Python docs text (D=576), else synthetic "
                                            "Zipf bias + Gaussian noise fitted to entropy/top-1, targets sampled"))
-    plot_rows([r for r in rows if r["regime"] == "realistic" and "loss_grad_ms" in r], x="shape", y="loss_grad_ms",
-              hue="impl", path=Path(args.out) / f"cce_{dev}.png", logy=True,
-              title=f"linear CE loss+grad, N={N_TOKENS}, bf16, realistic logits ({dev})", ylabel="ms (log)")
+    plotted = [r for r in rows if r["regime"] == "realistic" and "loss_grad_ms" in r]
+    if plotted:  # a random-only run has nothing for this chart
+        plot_rows(plotted, x="shape", y="loss_grad_ms", hue="impl", path=Path(args.out) / f"cce_{dev}.png",
+                  logy=True, title=f"linear CE loss+grad, N={N_TOKENS}, bf16, realistic logits ({dev})",
+                  ylabel="ms (log)")
     print("summary:", json.dumps(summary, indent=1), "->", path)
 
 
