@@ -8,12 +8,14 @@ Here the vocabulary (in sorted order) is processed in chunks of ``vc`` entries:
 
 1. ``_grad_tile_kernel`` (grid rows x chunk tiles): recompute each logit tile, form the gradient
    g = w * (p*(1+2*z_loss*lse) - (1-ls)*onehot - ls/V) (times the softcap factor; w = upstream grad per row),
-   zero it when every |unscaled g| < ``filter_eps``, write it to a small Nv x vc buffer, and append kept tiles
-   to per-row and per-column work lists (atomics).
+   zero it when every |unscaled g| < ``filter_eps``, write it to an Nv x vc buffer -- by default inside dC's rows
+   not yet written (plan_chunks), so it costs no memory -- and append kept tiles to per-row and per-column work
+   lists (atomics; only when the sparse GEMMs may run).
 2. dC[chunk] = g^T @ E and dE += g @ C[chunk]: when most tiles of the chunk are kept, cuBLAS on the whole
    chunk (filtered tiles are zeros); otherwise ``_dc_kernel`` / ``_de_kernel``, Triton GEMMs that loop over the
    work lists only. Each vocabulary row lives in one chunk, so dC is written once, never accumulated; dE is
-   accumulated in fp32 scratch (or in place, ``e_grad_fp32=False``).
+   accumulated in fp32 (in dC's free rows while they hold it, then rounded once into dE and accumulated there;
+   or throughout in place, ``e_grad_fp32=False``).
 
 Sorting the vocabulary by mean logit (exactly C @ mean(E) + bias, one GEMV, no atomics) puts the tokens that
 ever get probability mass into the first chunks, so whole tiles and chunks elsewhere fall under the filter.
