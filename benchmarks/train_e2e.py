@@ -23,20 +23,31 @@ from thrifty.paths import data_dir
 from thrifty.train import Trainer, TrainConfig
 
 
-def make_model(name: str, loss: str, device):
+CHECKS: list = []  # |kernel loss - naive torch loss| on the same batch, per step (--check-loss)
+
+
+def make_model(name: str, loss: str, device, seed: int = 0, check: bool = False):
     with torch.device(device):
-        model = LlamaForCausalLM(preset(name)).init_weights(seed=0)
+        model = LlamaForCausalLM(preset(name)).init_weights(seed=seed)
     if loss != "torch":
         import functools
 
         from thrifty.loss import lm_loss
 
-        model.set_loss(functools.partial(lm_loss, impl=loss))
+        fn = functools.partial(lm_loss, impl=loss)
+        if check:
+            def fn(h, w, y, _impl=loss):  # noqa: F811 -- the same loss, plus the naive loss of the same inputs
+                out = lm_loss(h, w, y, impl=_impl)
+                with torch.no_grad():
+                    ref = lm_loss(h.detach(), w.detach(), y, impl="torch")
+                CHECKS.append(abs(out.item() - ref.item()))
+                return out
+        model.set_loss(fn)
     return model
 
 
-def train_curve(args, loss: str, corpus):
-    model = make_model(args.preset, loss, args.device)
+def train_curve(args, loss: str, corpus, seed: int = 0):
+    model = make_model(args.preset, loss, args.device, seed=seed, check=args.check_loss)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=max(1, args.steps // 10), eval_batches=8, seed=0)
     trainer = Trainer(model, TokenDataset(corpus, "train"), TokenDataset(corpus, "validation"), cfg)
@@ -48,6 +59,9 @@ def train_curve(args, loss: str, corpus):
         t0 = time.perf_counter()
         row = trainer.train_step()  # ends with a host sync (loss.item()), so wall time is the step time
         row["step_ms"] = (time.perf_counter() - t0) * 1e3
+        if CHECKS:
+            row["loss_check_abs_diff"] = CHECKS[-1]
+            CHECKS.clear()
         history.append(row)
     final = trainer.evaluate()
     steady = [h["step_ms"] for h in history[len(history) // 4:]]
@@ -93,22 +107,36 @@ def main():
     ap.add_argument("--losses", default="torch,triton")
     ap.add_argument("--max-batch-limit", type=int, default=512)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--init-seeds", default="0", help="model init seeds, e.g. 0,1 (the data order stays seed 0)")
+    ap.add_argument("--no-max-batch", action="store_true")
+    ap.add_argument("--check-loss", action="store_true", help="also the naive loss of each batch (kernel arms)")
     args = ap.parse_args()
     corpus = data_dir() / "corpus"  # staged: the box has no apt to build it
     rows, curves = [], {}
-    for loss in args.losses.split(","):
-        history, final, tps, peak = train_curve(args, loss, corpus)
-        curves[loss] = [h["loss"] for h in history]
-        fits = max_batch(args, loss, corpus)
-        rows.append({"loss": loss, "tokens_per_s": tps, "peak_gib": peak, "final_train_loss": history[-1]["loss"],
+    seeds = [int(x) for x in args.init_seeds.split(",")]
+    arms = [(loss, seed) for loss in args.losses.split(",") for seed in seeds]
+    for loss, seed in arms:
+        name = loss if len(seeds) == 1 else f"{loss}_s{seed}"
+        history, final, tps, peak = train_curve(args, loss, corpus, seed)
+        curves[name] = [h["loss"] for h in history]
+        fits = None if args.no_max_batch else max_batch(args, loss, corpus)
+        rows.append({"loss": name, "tokens_per_s": tps, "peak_gib": peak, "final_train_loss": history[-1]["loss"],
                      "val_loss": final["val_loss"], "val_ppl": final["val_ppl"], "max_batch": fits,
                      "seq_len": args.seq_len})
         for h in history:
-            rows.append({"curve": loss, "step": h["step"], "train_loss": h["loss"], "step_ms": h["step_ms"]})
+            rows.append({"curve": name, "step": h["step"], "train_loss": h["loss"], "step_ms": h["step_ms"],
+                         **({"loss_check_abs_diff": h["loss_check_abs_diff"]} if "loss_check_abs_diff" in h else {})})
+        steps = [h["loss"] for h in history]
+        # one-step spikes: loss above the mean of both neighbours by > 0.5 nats
+        rows[-len(history) - 1]["spikes"] = [history[i]["step"] for i in range(1, len(steps) - 1)
+                                              if steps[i] - (steps[i - 1] + steps[i + 1]) / 2 > 0.5]
     summary_rows = [r for r in rows if "tokens_per_s" in r]
     print_table(summary_rows)
     summary = {f"{r['loss']}_{k}": r[k] for r in summary_rows for k in ("tokens_per_s", "peak_gib", "max_batch",
-                                                                       "val_loss")}
+                                                                       "val_loss", "spikes")}
+    checks = [r["loss_check_abs_diff"] for r in rows if "loss_check_abs_diff" in r]
+    if checks:
+        summary["loss_check_max_abs_diff"] = max(checks)
     names = list(curves)
     if len(names) == 2:
         a, b = curves[names[0]], curves[names[1]]

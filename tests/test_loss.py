@@ -218,6 +218,52 @@ def test_kernels_filtering_sorting_and_chunking(filter_eps, sort_vocab, e_grad_f
     assert_close(got, oracle(e, c, b, t), 1e-4, 3e-2 if filter_eps == 1e-3 else 2e-2)
 
 
+@pytest.mark.parametrize("nv, D, V, buf, acc", [(45, 24, 333, 64, True), (45, 24, 333, 32, False), (34, 24, 333, 64, True),
+                                                (45, 24, 7, 64, True), (8, 40, 301, 32, True), (8192, 2304, 256000, 512, True),
+                                                (8192, 576, 49152, 512, True), (8192, 576, 49152, 512, False)])
+def test_in_place_plan_keeps_scratch_in_free_rows_of_dc(nv, D, V, buf, acc):
+    """The schedule that puts gradient tiles (and the fp32 dE accumulator) into dC's rows not yet written:
+    chunks tile [0, V) in order, every scratch region lies after the rows written so far and before the
+    accumulator until it is flushed, and the accumulator's rows are written only after the flush."""
+    from thrifty.loss.backward import ALIGN, plan_chunks
+
+    step = 32
+    plan, acc_off = plan_chunks(V, D, nv, step, buf, 2 * nv * D if acc else 0)
+    assert plan[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(plan, plan[1:]))
+    assert plan[-1][0] + plan[-1][1] == V
+    assert sum(p[3] for p in plan) == (acc_off is not None)
+    flushed = acc_off is None
+    for s, cur, g_off, flush in plan:
+        flushed = flushed or flush
+        assert cur > 0 and (cur % step == 0 or s + cur == V)
+        if g_off is None:
+            assert cur <= buf
+        else:
+            assert g_off % ALIGN == 0 and g_off >= (s + cur) * D
+            assert g_off + nv * cur <= (V * D if flushed else acc_off)
+        if not flushed:
+            assert (s + cur) * D <= acc_off
+    if V > 1000:  # the real shapes use dC's rows for most of the vocabulary
+        assert sum(p[1] for p in plan if p[2] is not None) > 0.8 * V
+
+
+@needs_kernels
+@pytest.mark.parametrize("N, D, V, ignore_every, filter_eps, e_grad_fp32", [
+    (45, 24, 333, 0, None, True),  # fp32 dE accumulator in dC, flushed, then in place; tail buffer; odd V
+    (45, 24, 333, 4, 1e-3, True),  # ignored tokens (compact dE spread at the end) + filtering, unsorted
+    (8, 40, 301, 0, None, False),  # bf16 in place throughout; one chunk spans most of V
+    (45, 24, 7, 3, None, True),  # V smaller than one chunk: no room in dC, the separate buffer only
+])
+def test_kernels_scratch_in_dc(N, D, V, ignore_every, filter_eps, e_grad_fp32):
+    e, c, b, t = make(N, D, V, dtype=torch.bfloat16, scale=3.0, device=DEVICE, seed=5, ignore_every=ignore_every)
+    kw = dict(impl="triton", filter_eps=filter_eps, sort_vocab=False, e_grad_fp32=e_grad_fp32,
+              chunk_bytes=N * 64 * 2, kernel_config=dict(dense_above=0.0 if filter_eps is None else 2.0))
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, **kw)
+    assert_close(got, oracle(e, c, b, t), 1e-4, 3e-2 if filter_eps else 2e-2)
+    sep = loss_and_grads(linear_cross_entropy, e, c, b, t, **dict(kw, scratch_in_dc=False))
+    assert_close(got, sep, 1e-6, 1e-2)  # same maths; only the dE rounding schedule differs
+
+
 @needs_kernels
 def test_kernel_shift_and_3d_input():
     e, c, b, t = make(4 * 9, 24, 100, dtype=torch.float32, device=DEVICE)

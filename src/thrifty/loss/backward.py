@@ -8,12 +8,14 @@ Here the vocabulary (in sorted order) is processed in chunks of ``vc`` entries:
 
 1. ``_grad_tile_kernel`` (grid rows x chunk tiles): recompute each logit tile, form the gradient
    g = w * (p*(1+2*z_loss*lse) - (1-ls)*onehot - ls/V) (times the softcap factor; w = upstream grad per row),
-   zero it when every |unscaled g| < ``filter_eps``, write it to a small Nv x vc buffer, and append kept tiles
-   to per-row and per-column work lists (atomics).
+   zero it when every |unscaled g| < ``filter_eps``, write it to an Nv x vc buffer -- by default inside dC's rows
+   not yet written (plan_chunks), so it costs no memory -- and append kept tiles to per-row and per-column work
+   lists (atomics; only when the sparse GEMMs may run).
 2. dC[chunk] = g^T @ E and dE += g @ C[chunk]: when most tiles of the chunk are kept, cuBLAS on the whole
    chunk (filtered tiles are zeros); otherwise ``_dc_kernel`` / ``_de_kernel``, Triton GEMMs that loop over the
    work lists only. Each vocabulary row lives in one chunk, so dC is written once, never accumulated; dE is
-   accumulated in fp32 scratch (or in place, ``e_grad_fp32=False``).
+   accumulated in fp32 (in dC's free rows while they hold it, then rounded once into dE and accumulated there;
+   or throughout in place, ``e_grad_fp32=False``).
 
 Sorting the vocabulary by mean logit (exactly C @ mean(E) + bias, one GEMV, no atomics) puts the tokens that
 ever get probability mass into the first chunks, so whole tiles and chunks elsewhere fall under the filter.
@@ -36,7 +38,7 @@ def _grad_tile_kernel(E, C, BIAS, ROWS, TGT, LSE, W, ORDER, G, DBIAS, CNT_DC, LI
                       NV, D, stride_e, stride_c, stride_g, v_chunk_start, vc, n_vb, n_nb,
                       softcap, z_loss, onehot_weight, uniform_weight, filter_eps,
                       HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ORDER: tl.constexpr,
-                      FILTER: tl.constexpr, NEED_DBIAS: tl.constexpr, SPLIT: tl.constexpr,
+                      FILTER: tl.constexpr, NEED_DBIAS: tl.constexpr, SPLIT: tl.constexpr, LISTS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     """One BLOCK_N x BLOCK_V logit tile (wide, for matmul efficiency); filtering and the work lists use
     SPLIT sub-tiles of BLOCK_V // SPLIT columns (narrow, so that more of them fall under the filter)."""
@@ -79,12 +81,13 @@ def _grad_tile_kernel(E, C, BIAS, ROWS, TGT, LSE, W, ORDER, G, DBIAS, CNT_DC, LI
              mask=row_mask[:, None] & col_mask[None, :])
     if NEED_DBIAS:
         tl.atomic_add(DBIAS + vocab, tl.sum(g, axis=0), mask=col_mask)
-    if keep0:
-        _append(pid_n, pid_v * SPLIT, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
-    if SPLIT == 2:
-        if (pid_v * SPLIT + 1) * (BLOCK_V // SPLIT) < vc:  # the second half exists in this chunk
-            if keep1:
-                _append(pid_n, pid_v * SPLIT + 1, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
+    if LISTS:  # only the sparse GEMMs read the work lists
+        if keep0:
+            _append(pid_n, pid_v * SPLIT, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
+        if SPLIT == 2:
+            if (pid_v * SPLIT + 1) * (BLOCK_V // SPLIT) < vc:  # the second half exists in this chunk
+                if keep1:
+                    _append(pid_n, pid_v * SPLIT + 1, CNT_DC, LIST_DC, CNT_DE, LIST_DE, CNT_ALL, n_vb, n_nb)
 
 
 @triton.jit
@@ -209,15 +212,71 @@ def _dense_de_update(de_acc, g, c_chunk):
         de_acc += (g.float() @ c_chunk.float())
 
 
+# separate gradient-tile buffer once dC's free rows are too few. Budget (issue #3): 1% of the bound dE + dC, or
+# 16 MB where 1% is less: 8 MiB fits 1% from ~0.9 GiB up (256k: 11.6 MiB); smaller shapes get 12 MiB (< 15.26 MiB)
+TAIL_BYTES = 8 << 20
+SMALL_TAIL_BYTES = 12 << 20
+SEPARATE_BYTES = 64 << 20  # gradient-tile buffer when dC cannot host it (sorted vocabulary, or no dC wanted)
+ALIGN = 64  # elements: scratch views in dC start 128-byte aligned (bf16) for cuBLAS
+
+
+def _fit(s, V, D, nv, step, limit, align=ALIGN):
+    """Largest chunk (a multiple of ``step``, or the whole rest V - s) starting at vocabulary row s whose
+    gradient tiles (nv x cur elements) fit in dC's flat storage between the end of the chunk's own rows and
+    ``limit``: align_up((s+cur)*D) + nv*cur <= limit. 0 when not even one step fits."""
+    cur = max(0, (limit - s * D - align) // (nv + D))
+    if cur >= V - s:
+        return V - s
+    return cur // step * step
+
+
+def plan_chunks(V, D, nv, step, buf_cols, acc_elems, align=ALIGN):
+    """The vocabulary chunks of the in-place schedule: [(start, cur, g_off or None, flush_before)].
+
+    dC (V x D, contiguous) is written chunk by chunk in vocabulary order, so its rows after the current chunk
+    are free: the chunk's gradient tiles live there (g_off: flat element offset), and, while ``acc_elems`` > 0,
+    the fp32 dE accumulator too, at the very end of dC (it needs 2*nv rows of a 16-bit dC). Chunks shrink as
+    the free region does (cur ~ (free rows) * D / (nv + D)); once the accumulator's room ahead is too small for
+    ``buf_cols`` columns, it is flushed into dE (flush_before=True on that chunk: one rounding, dE then
+    accumulates in place), and once dC's whole free region is smaller than ``buf_cols`` columns, the rest
+    goes through a separate buffer of buf_cols columns (g_off None)."""
+    total = V * D
+    acc_off = (total - acc_elems) // align * align if acc_elems else total
+    # (the accumulator's rows are written last, so a plan that uses it always flushes it)
+    accumulating = acc_elems > 0 and acc_off > 0 and _fit(0, V, D, nv, step, acc_off, align) >= min(buf_cols, V)
+    plan, s, flush = [], 0, False
+    while s < V:
+        if accumulating:
+            cur = _fit(s, V, D, nv, step, acc_off, align)
+            if cur < buf_cols:  # room ahead of the accumulator too small: round it into dE, free its rows
+                accumulating, flush = False, True
+                continue
+        else:
+            cur = _fit(s, V, D, nv, step, total, align)
+        if cur >= min(buf_cols, V - s) and cur > 0:
+            plan.append((s, cur, -(-(s + cur) * D // align) * align, flush))
+        else:
+            cur = min(buf_cols, V - s)
+            plan.append((s, cur, None, flush))
+        flush = False
+        s += cur
+    return plan, (acc_off if any(p[3] for p in plan) else None)
+
+
 def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional[float], label_smoothing: float,
-                       z_loss: float, filter_eps: Optional[float], sort_vocab: bool, chunk_bytes: int,
+                       z_loss: float, filter_eps: Optional[float], sort_vocab: bool, chunk_bytes: Optional[int],
                        need_e: bool = True, need_c: bool = True, e_grad_fp32: bool = True, dense_above: float = 0.3,
-                       config=None):
+                       scratch_in_dc: bool = True, config=None):
     """Returns (dE shaped like e2d or None, dC or None, dbias or None). ``w``: fp32 upstream grad per valid row.
 
     Per vocabulary chunk, after the gradient-tile kernel, the fraction of kept tiles picks the GEMMs: above
     ``dense_above`` cuBLAS on the whole chunk (fast when most tiles matter), else the Triton kernels that
-    visit kept tiles only. The choice costs one host sync per chunk (skipped when filtering is off).
+    visit kept tiles only (filtering only; the count is read without a sync, see _KeptTiles).
+
+    Memory (``scratch_in_dc``, the default; not with a sorted vocabulary): the gradient tiles and the fp32 dE
+    accumulator live in dC's not-yet-written rows (plan_chunks), so the extra memory is one small buffer
+    (``chunk_bytes``, default TAIL_BYTES) for the last chunks. dE is accumulated in compact valid-row order in
+    dE's own first nv rows and spread to the token rows at the end when tokens are ignored.
     """
     N, D = e2d.shape
     V = c.shape[0]
@@ -241,27 +300,64 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     g_dtype = {torch.float32: torch.float32}.get(e2d.dtype, torch.bfloat16)
     elem = torch.finfo(g_dtype).bits // 8
     step = bv * split
-    vc = max(step, min(triton.cdiv(V, step) * step, (chunk_bytes // max(nv * elem, 1)) // step * step))
-    g_buf = torch.empty(nv, vc, dtype=g_dtype, device=e2d.device)
+    # dC's free rows can hold the tiles only if dC is written in vocabulary order (no sorting) and has the
+    # tiles' element size (always: fp32 -> fp32, bf16/fp16 -> bf16)
+    in_dc = scratch_in_dc and need_c and order is None and c.element_size() == elem and dc.is_contiguous()
+    if chunk_bytes is None and in_dc:
+        bound = (N + V) * D * e2d.element_size()  # dE + dC: what must be allocated anyway
+        chunk_bytes = TAIL_BYTES if bound // 100 >= TAIL_BYTES + (1 << 20) else SMALL_TAIL_BYTES
+    elif chunk_bytes is None:
+        chunk_bytes = SEPARATE_BYTES
+    buf_cols = min(max(step, (chunk_bytes // max(nv * elem, 1)) // step * step), triton.cdiv(V, step) * step)
+    # fp32 dE accumulation (16-bit inputs): in dC's free rows (in_dc) or a separate nv x D fp32 scratch
+    fp32_acc = need_e and e_grad_fp32 and e2d.dtype != torch.float32
+    if in_dc:
+        plan, acc_off = plan_chunks(V, D, nv, step, buf_cols, 2 * nv * D if fp32_acc else 0)
+    else:
+        plan = [(s, min(buf_cols, V - s), None, False) for s in range(0, V, buf_cols)]
+        acc_off = None
+    vc = max(p[1] for p in plan)
+    buf = None
     n_nb, n_vb = triton.cdiv(nv, bn), triton.cdiv(vc, bv)
-    n_chunks = triton.cdiv(V, vc)
+    n_chunks = len(plan)
     counts = torch.zeros(n_chunks, n_vb + n_nb + 1, dtype=torch.int32, device=e2d.device)  # dC | dE | all
     list_dc = torch.empty(n_vb, n_nb, dtype=torch.int32, device=e2d.device)
     list_de = torch.empty(n_nb, n_vb, dtype=torch.int32, device=e2d.device)
-    de_acc = torch.zeros(nv, D, dtype=torch.float32, device=e2d.device) if (need_e and e_grad_fp32) else de
+    de_c = de[:nv] if need_e else None  # compact: row i is valid token rows[i] (spread at the end)
+    if fp32_acc and acc_off is not None:
+        de_acc = dc.view(-1)[acc_off:acc_off + 2 * nv * D].view(torch.float32).view(nv, D)
+        de_acc.zero_()
+    elif fp32_acc and not in_dc:
+        de_acc = torch.zeros(nv, D, dtype=torch.float32, device=e2d.device)
+    else:  # in place in e's dtype (also when dC is too small to host the fp32 accumulator: memory first)
+        de_acc = de_c
     order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
+    # work lists only for the sparse GEMMs: with filtering, or when cuBLAS cannot take the tiles (fp16 inputs)
+    lists = filtering or g_dtype != e2d.dtype or dense_above >= 1.0
+    dc_flat = dc.view(-1).view(g_dtype) if in_dc else None  # per-chunk views: one as_strided (launch-bound shapes)
+    cnt_dc = cnt_de = cnt_all = counts  # placeholders when no lists are kept
     e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)
     progress = _KeptTiles(n_chunks, e2d.device)
-    for chunk, start in enumerate(range(0, V, vc)):
-        cur = min(vc, V - start)
-        cnt_dc, cnt_de, cnt_all = counts[chunk, :n_vb], counts[chunk, n_vb:-1], counts[chunk, -1:]
+    for chunk, (start, cur, g_off, flush) in enumerate(plan):
+        if flush and fp32_acc and de_acc is not de_c:  # its rows of dC come next: round it into dE (once)
+            de_c.copy_(de_acc)
+            de_acc = de_c
+        if g_off is not None:
+            g_buf = dc_flat.as_strided((nv, cur), (cur, 1), g_off)
+        else:
+            if buf is None:
+                buf = torch.empty(nv * buf_cols, dtype=g_dtype, device=e2d.device)
+            g_buf = buf.as_strided((nv, cur), (cur, 1))
+        if lists:
+            cnt_dc, cnt_de, cnt_all = counts[chunk, :n_vb], counts[chunk, n_vb:-1], counts[chunk, -1:]
         _grad_tile_kernel[(n_nb, triton.cdiv(cur, step))](
             e2d, c, c if bias is None else bias, rows, targets, lse, w, order_arg, g_buf, db if need_b else w,
             cnt_dc, list_dc, cnt_de, list_de, cnt_all,
             nv, D, e2d.stride(0), c.stride(0), g_buf.stride(0), start, cur, n_vb, n_nb,
             float(softcap or 1.0), float(z_loss), 1.0 - label_smoothing, label_smoothing / V,
             float(filter_eps or 0.0), HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b, SPLIT=split, BLOCK_N=bn, BLOCK_V=step,
+            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b, SPLIT=split, LISTS=lists,
+            BLOCK_N=bn, BLOCK_V=step,
             BLOCK_D=bd_tile, **cfg)
         n_tiles = n_nb * triton.cdiv(cur, bv)
         kept = progress.kept(chunk, cnt_all, n_tiles) if filtering else n_tiles
@@ -274,7 +370,7 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
                     dc.index_fill_(0, vocab_chunk, 0)
             continue
         if kept > dense_above * n_tiles and g_dtype == e2d.dtype:
-            g = g_buf[:, :cur]
+            g = g_buf
             if need_c:
                 if e_valid is None:
                     e_valid = e2d if nv == N else e2d.index_select(0, rows)
@@ -284,12 +380,7 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
                     dc.index_copy_(0, vocab_chunk, torch.mm(g.T, e_valid))
             if need_e:
                 c_chunk = c[start:start + cur] if vocab_chunk is None else c.index_select(0, vocab_chunk)
-                if e_grad_fp32:
-                    _dense_de_update(de_acc, g, c_chunk)
-                elif nv == N:  # every row valid: rows is 0..N-1, dE is updated in place
-                    _dense_de_update(de, g, c_chunk)
-                else:
-                    _dense_de_scatter(de, rows, g, c_chunk)
+                _dense_de_update(de_acc, g, c_chunk)
             continue
         if need_c:
             _dc_kernel[(triton.cdiv(cur, bv), triton.cdiv(D, bd_dc))](
@@ -299,11 +390,29 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
         if need_e:
             _de_kernel[(n_nb, triton.cdiv(D, bd_de))](
                 g_buf, cnt_de, list_de, c, order_arg, rows, de_acc, nv, D, c.stride(0), g_buf.stride(0),
-                de_acc.stride(0), start, cur, n_vb, HAS_ORDER=order is not None, DE_BY_ROW=not e_grad_fp32,
+                de_acc.stride(0), start, cur, n_vb, HAS_ORDER=order is not None, DE_BY_ROW=False,
                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_de, **cfg)
-    if need_e and e_grad_fp32:
-        de[rows] = de_acc.to(de.dtype)
+    del buf
+    if need_e:
+        if de_acc is not de_c:
+            de_c.copy_(de_acc)
+            del de_acc
+        if nv < N:
+            _spread_rows(de, rows)
     return de, dc, (db.to(bias.dtype) if need_b else None)
+
+
+def _spread_rows(de, rows, block=1024):
+    """In place: compact row i of ``de`` moves to row rows[i] (rows strictly increasing, so rows[i] >= i), the
+    other rows become zero. Blocks go from the end, each through a small copy: a block's targets never hit a
+    compact row still to be moved (they are >= the block's own first row) nor a row already placed."""
+    nv = rows.numel()
+    valid = torch.zeros(de.shape[0], dtype=torch.bool, device=de.device)
+    valid[rows.long()] = True
+    for hi in range(nv, 0, -block):
+        lo = max(0, hi - block)
+        de.index_copy_(0, rows[lo:hi].long(), de[lo:hi].clone())
+    de[~valid] = 0
 
 
 class _KeptTiles:
@@ -332,8 +441,3 @@ class _KeptTiles:
         if self.done < 0:
             return n_tiles  # nothing known yet: dense (correct either way); never the "skip" value 0
         return max(1, round(int(self.host[self.done]) / self.tiles[self.done] * n_tiles))
-
-
-def _dense_de_scatter(de, rows, g, c_chunk):
-    """Low-memory dense path with ignored tokens: dE rows are scattered, so add through a temporary."""
-    de.index_add_(0, rows, (g @ c_chunk).to(de.dtype))

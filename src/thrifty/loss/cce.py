@@ -11,7 +11,6 @@ from ..triton_utils import interpreting, kernels_available
 from . import _spec, reference
 
 IMPLS = ("auto", "triton", "reference", "torch")
-DEFAULT_CHUNK_BYTES = 64 << 20  # gradient-tile buffer per vocabulary chunk (NOTES.md: memory vs launches and dE traffic)
 
 
 class _TritonLinearCE(torch.autograd.Function):
@@ -62,8 +61,9 @@ def linear_cross_entropy(
     impl: str = "auto",
     filter_eps=None,
     sort_vocab: bool = True,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: Optional[int] = None,
     e_grad_fp32: bool = True,
+    scratch_in_dc: bool = True,
     kernel_config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Cross-entropy of the logits ``e @ c.T (+ bias)`` against ``targets``, never holding all the logits.
@@ -82,8 +82,12 @@ def linear_cross_entropy(
     number: gradient tiles whose every |element| is below it are skipped -- faster on flat softmaxes, but it
     drops the small push-down gradient of rarely-seen tokens; pre-training a 30M model from scratch with "auto"
     was 0.09-0.13 nats worse over the first 50 steps, NOTES.md; ignored with label smoothing),
-    ``sort_vocab`` (with filtering: cluster the tokens that matter), ``chunk_bytes`` (gradient-tile buffer),
-    ``e_grad_fp32`` (accumulate dE in fp32 scratch of Nv x D; False accumulates in e's dtype to save memory),
+    ``sort_vocab`` (with filtering: cluster the tokens that matter), ``scratch_in_dc`` (default True: the
+    gradient tiles and the fp32 dE accumulator live in the rows of dC not yet written, so the backward needs
+    only one small extra buffer; not with a sorted vocabulary), ``chunk_bytes`` (that extra gradient-tile
+    buffer: default 8 MiB with ``scratch_in_dc`` -- 12 MiB where dE + dC < ~0.9 GiB --, else 64 MiB), ``e_grad_fp32`` (accumulate dE in fp32 -- in
+    dC's free rows while they hold it, then in place; a separate Nv x D fp32 scratch without ``scratch_in_dc``;
+    False accumulates in e's dtype throughout),
     ``kernel_config`` ({"forward": {...}, "backward": {...}} block sizes, see forward_config/backward_config;
     "dense_above": kept-tile fraction above which a vocabulary chunk's dE/dC GEMMs go to cuBLAS, default 0.3).
     """
@@ -92,11 +96,11 @@ def linear_cross_entropy(
     _spec.validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
     with torch.autocast(e.device.type, enabled=False):  # fp32 statistics stay fp32 inside
         return _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss,
-                         impl, filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, kernel_config)
+                         impl, filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config)
 
 
 def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss, impl,
-              filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, kernel_config):
+              filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config):
     if impl == "auto":
         impl = "triton" if e.device.type == "cuda" and kernels_available(e.device) else "reference"
     if impl == "reference":
@@ -117,7 +121,10 @@ def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, labe
 
         filter_eps = default_filter_eps(e.dtype)
     kernel_config = kernel_config or {}
-    opts = dict(filter_eps=filter_eps, sort_vocab=sort_vocab, chunk_bytes=int(chunk_bytes), e_grad_fp32=e_grad_fp32,
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
+        raise ValueError(f"chunk_bytes: expected a positive int or None, got {chunk_bytes!r}")
+    opts = dict(filter_eps=filter_eps, sort_vocab=sort_vocab, chunk_bytes=chunk_bytes, e_grad_fp32=e_grad_fp32,
+                scratch_in_dc=bool(scratch_in_dc),
                 config=kernel_config.get("backward"), forward_config=kernel_config.get("forward"),
                 dense_above=kernel_config.get("dense_above", 0.3))
     losses = _TritonLinearCE.apply(
