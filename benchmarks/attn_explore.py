@@ -37,6 +37,32 @@ def timed(fn, sets, budget=0.3, reps=30):
     return t.median_ms
 
 
+def graph_ms(fn):
+    """GPU time alone: the calls captured in a CUDA graph and replayed (no Python/launch overhead)."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed(lambda: g.replay(), None)
+
+
+def sass_histogram(name, D=128, S=2048, causal=False, ovr=None):
+    import collections
+    import re
+    q, k, v = (torch.randn(1, 2, S, D, device=DEV, dtype=BF16) for _ in range(3))
+    prep = quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=ovr)
+    kern = launch(prep, torch.empty_like(q), None, causal=causal, H=2, H_kv=2, Sq=S, Sk=S)
+    sass = kern.asm.get("sass", "")
+    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
+    emit(group="sass", variant=name, D=D, total=sum(ops.values()), regs=kern.n_regs, spills=kern.n_spills,
+         shared=kern.metadata.shared, top=" ".join(f"{o}:{n}" for o, n in ops.most_common(22)))
+
+
 def correctness(variants):
     cases = [(2, 8, 2, 1000, 1000, 64, False), (2, 8, 2, 1000, 1000, 128, True), (1, 8, 4, 333, 1111, 128, True),
              (1, 4, 1, 777, 777, 64, True), (1, 4, 4, 2049, 2049, 128, False), (1, 2, 2, 45, 19, 64, True)]
@@ -107,7 +133,7 @@ def cpu_overhead(tag):
         emit(group="cpu_overhead", tag=tag, fn=name, us_per_call=(time.perf_counter() - t0) / n * 1e6)
 
 
-def grid(tag, dims=(128, 64), seqs=(1024, 2048, 4096, 8192)):
+def grid(tag, dims=(128, 64), seqs=(1024, 2048, 4096, 8192), cfg_by_d=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     B, H = (2, 32) if not SMOKE else (1, 2)
     if SMOKE:
@@ -115,6 +141,7 @@ def grid(tag, dims=(128, 64), seqs=(1024, 2048, 4096, 8192)):
     for D in dims:
         for S in seqs:
             sets = [tuple(torch.randn(B, H, S, D, device=DEV, dtype=BF16) for _ in range(3)) for _ in range(2)]
+            cfg = (cfg_by_d or {}).get(D, GRID_CFG)
             for causal in (False, True):
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 res = {}
@@ -123,12 +150,15 @@ def grid(tag, dims=(128, 64), seqs=(1024, 2048, 4096, 8192)):
                         with sdpa_kernel([be]):
                             res[name] = timed(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal), sets)
                 res["e2e"] = timed(lambda q, k, v: sage_forward_triton(q, k, v, causal=causal, sm_scale=D ** -0.5,
-                                                                       config=GRID_CFG), sets)
+                                                                       config=cfg), sets)
                 q, k, v = sets[0]
-                prep = quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=GRID_CFG)
+                prep = quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=cfg)
                 o = torch.empty_like(q)
                 res["kernel"] = timed(lambda: launch(prep, o, None, causal=causal, H=H, H_kv=H, Sq=S, Sk=S), None)
-                res["prepass"] = timed(lambda q, k, v: quantize_inputs(q, k, v, sm_scale=D ** -0.5), sets)
+                res["prepass"] = timed(lambda q, k, v: quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=cfg), sets)
+                if DEV.type == "cuda" and tag == "new":
+                    res["prepass_gpu"] = graph_ms(lambda: quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=cfg))
+                    res["e2e_gpu"] = graph_ms(lambda: sage_forward_triton(q, k, v, causal=causal, sm_scale=D ** -0.5, config=cfg))
                 emit(group="grid", tag=tag, D=D, S=S, causal=causal,
                      **{f"{n}_ms": t for n, t in res.items()}, **{f"{n}_tops": flops / t / 1e9 for n, t in res.items()},
                      **({"e2e_vs_flash": res["flash"] / res["e2e"], "e2e_vs_cudnn": res["cudnn"] / res["e2e"]} if "flash" in res else {}))
@@ -137,6 +167,8 @@ def grid(tag, dims=(128, 64), seqs=(1024, 2048, 4096, 8192)):
 
 
 def kernel_variants(variants, tiles, S=8192):
+    """Returns {D: fastest tile config (sum over causal and not)}; tiles are tried with the default flags."""
+    best = {}
     B, H = (2, 32) if not SMOKE else (1, 2)
     if SMOKE:
         S = 64
@@ -145,6 +177,7 @@ def kernel_variants(variants, tiles, S=8192):
         todo = [(n, o) for n, o in variants.items()] + [(f"tile {t}", dict(zip(("block_m", "block_n", "num_warps", "num_stages"), t)))
                                                        for t in tiles[D]]
         for name, ovr in todo:
+            total = 0.0
             for causal in (False, True):
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 try:
@@ -152,9 +185,14 @@ def kernel_variants(variants, tiles, S=8192):
                     o = torch.empty_like(q)
                     ms = timed(lambda: launch(prep, o, None, causal=causal, H=H, H_kv=H, Sq=S, Sk=S), None, budget=0.4)
                     emit(group="kernel_variant", D=D, S=S, causal=causal, variant=name, ms=ms, tops=flops / ms / 1e9)
+                    total += ms
                 except Exception as e:
+                    total = float("inf")
                     emit(group="kernel_variant", D=D, S=S, causal=causal, variant=name, error=repr(e)[:300])
+            if name.startswith("tile") and (D not in best or total < best[D][0]):
+                best[D] = (total, ovr)
         del q, k, v
+    return {D: c for D, (t, c) in best.items()}
 
 
 def main():
@@ -162,23 +200,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", default="new")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--parts", default="correct,real,cpu,variants,grid")
+    ap.add_argument("--parts", default="correct,real,sass,cpu,variants,grid")
     args = ap.parse_args()
     SMOKE = args.smoke
     DEV = torch.device("cpu" if SMOKE else "cuda")
     parts = args.parts.split(",")
     t0 = time.time()
-    variants = {"v3": {}, "no_exp16": dict(exp16=False), "base(v2 loop)": dict(fast_cvt=False, exp16=False, reverse=False),
-                "fast_cvt_only": dict(exp16=False, reverse=False), "cvt+exp16": dict(reverse=False),
-                "v3+ws": dict(ws=True)}
-    tiles = {128: [(64, 128, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 4, 3)],
-             64: [(128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 4, 3)]}
+    variants = {"v4 (fold+ftz)": {}, "A cvt only (run-1 best)": dict(fold=False, ftz=False),
+                "B fold": dict(ftz=False), "C ftz": dict(fold=False), "v4 reverse off": dict(reverse=False),
+                "v4 exp16": dict(exp16=True, fold=False), "ws (no fold)": dict(ws=True, fold=False, ftz=False)}
+    tiles = {128: [(64, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2)],
+             64: [(128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3),
+                  (128, 64, 4, 2), (128, 128, 8, 2)]}
     try:
         if args.tag == "new":
             if "correct" in parts:
-                correctness({k: variants[k] for k in ("v3", "no_exp16", "base(v2 loop)")})
+                correctness({k: variants[k] for k in ("v4 (fold+ftz)", "A cvt only (run-1 best)", "B fold")})
             if "real" in parts:
-                real_accuracy({k: variants[k] for k in ("v3", "no_exp16", "base(v2 loop)")})
+                real_accuracy({k: variants[k] for k in ("v4 (fold+ftz)", "A cvt only (run-1 best)", "B fold", "C ftz")})
+            if "sass" in parts and not SMOKE:
+                for name in ("v4 (fold+ftz)", "A cvt only (run-1 best)", "v4 exp16"):
+                    try:
+                        sass_histogram(name, ovr=variants[name])
+                    except Exception as e:
+                        emit(group="sass", variant=name, error=repr(e)[:300])
         if args.tag == "new":
             try:
                 x = torch.randn(1, 2, 256, 128, device=DEV, dtype=BF16)
@@ -188,10 +233,12 @@ def main():
                 GRID_CFG = dict(exp16=False)
         if "cpu" in parts:
             cpu_overhead(args.tag)
+        cfg_by_d = None
         if "variants" in parts and args.tag == "new":
-            kernel_variants(variants, tiles)
+            cfg_by_d = kernel_variants(variants, tiles)
+            print("chosen tiles:", cfg_by_d, flush=True)
         if "grid" in parts:
-            grid(args.tag)
+            grid(args.tag, cfg_by_d=cfg_by_d)
     finally:
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / f"explore_{args.tag}.json").write_text(json.dumps(ROWS, indent=0))

@@ -112,6 +112,17 @@ def test_inner_loop_variants_match_reference(cfg):
     assert (out - ref).abs().max() < 1e-4
 
 
+def test_folded_exponent_matches_reference():
+    """fold: P_SCALE·2^(s·c − m) from one FFMA (bias rounded once per row): p differs from the reference's
+    2^(s·c − m)·P_SCALE by an ulp, which can move a p̃ to the next e4m3 value; same function otherwise."""
+    from thrifty.attention.attn_kernel import sage_forward_triton
+    q, k, v = _inputs(1, 2, 1, 50, 50, 64)
+    out = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125, config=dict(fold=True))
+    ref = sage_attention_reference(q, k, v, causal=True, sm_scale=0.125, **_blocks(64))
+    assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
+    assert accuracy_metrics(out, exact_attention(q, k, v, causal=True, sm_scale=0.125))["cos_sim"] > 0.999
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("D", [64, 128])
 def test_cuda_exp16_and_plain_paths_match_reference(D):
@@ -120,6 +131,7 @@ def test_cuda_exp16_and_plain_paths_match_reference(D):
     from thrifty.attention.attn_kernel import sage_forward_triton
     q, k, v = _inputs(1, 8, 2, 1333, 1333, D, dtype=torch.bfloat16)
     ref = sage_attention_reference(q, k, v, causal=True, **_blocks(D))
-    for cfg in (dict(exp16=True), dict(exp16=False), dict(exp16=False, fast_cvt=False, reverse=False)):
+    for cfg in (dict(), dict(exp16=True, fold=False), dict(fold=False, ftz=False),
+                dict(fold=False, ftz=False, fast_cvt=False, reverse=False)):
         out = sage_forward_triton(q, k, v, causal=True, sm_scale=D ** -0.5, config=cfg)
         assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999, cfg

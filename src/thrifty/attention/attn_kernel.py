@@ -38,10 +38,20 @@ def _exp2_f16x2(x):
 
 
 @triton.jit
+def _exp2(x, FTZ: tl.constexpr):
+    """2^x; FTZ: one MUFU.EX2 (``ex2.approx.ftz.f32``, subnormal results flushed: p̃ loses them anyway)."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.math.exp2(x)
+
+
+@triton.jit
 def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, Sk, Sk_pad, causal_offset,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
            PV_FP8: tl.constexpr, P_SCALE: tl.constexpr, PRE_ROUND: tl.constexpr, FAST_CVT: tl.constexpr,
-           EXP16: tl.constexpr, WS: tl.constexpr):
+           EXP16: tl.constexpr, WS: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr,
+           LOG2_P_SCALE: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
@@ -53,7 +63,8 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
             # int32 → fp32 without I2F (a quarter-rate instruction, like ex2): the bit pattern of 1.5·2^23
             # plus s is the float 1.5·2^23 + s exactly for |s| < 2^22 (D·127² ≤ 2.1M), and subtracting
             # 1.5·2^23 again is exact. Two full-rate integer/FP32 ops instead.
-            t = (s_i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            f = (s_i + 0x4B400000).to(tl.float32, bitcast=True)
+            t = f - 12582912.0
         else:
             t = s_i.to(tl.float32)
         if MASKED:
@@ -68,15 +79,29 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
             m_new = tl.maximum(m_i, tl.max(s_i, axis=1).to(tl.float32) * c)  # c > 0: max commutes with ·c
         else:
             m_new = tl.maximum(m_i, tl.max(t, axis=1) * c)
-        x = tl.fma(t, c[:, None], -m_new[:, None])  # scores − row max, log2 units, one FFMA
         alpha = tl.math.exp2(m_i - m_new)
         v = tl.load(v_base + offs_d[None, :] * Sk_pad + cols[:, None])  # (BLOCK_N, D), tokens contiguous
-        if EXP16:  # l accumulates P_SCALE·p here (the epilogue divides by l alone)
+        if FOLD:
+            # p = P_SCALE·2^(s·c − m) from ONE FFMA on the magic-number float f = 1.5·2^23 + s: the bias
+            # 1.5·2^23·c + m − log2(P_SCALE) is per row; its rounding (≤ 0.75·c, i.e. under one unit of the
+            # int32 dot product) is far below the int8 quantization noise. No multiply by P_SCALE left.
+            if MASKED:
+                x = tl.fma(t, c[:, None], -(m_new - LOG2_P_SCALE)[:, None])
+            else:
+                x = tl.fma(f, c[:, None], -(c * 12582912.0 + (m_new - LOG2_P_SCALE))[:, None])
+            if PRE_ROUND:  # the interpreter's e4m3 conversion does not saturate; the GPU's does
+                x = tl.minimum(x, LOG2_P_SCALE)
+            p = _exp2(x, FTZ)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            partial = tl.dot(to_e4m3(p, PRE_ROUND), v)
+        elif EXP16:  # l accumulates P_SCALE·p here (the epilogue divides by l alone)
+            x = tl.fma(t, c[:, None], -m_new[:, None])  # scores − row max, log2 units, one FFMA
             p = _exp2_f16x2(x)
             l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
             partial = tl.dot(p.to(tl.float8e4nv), v)
         else:
-            p = tl.math.exp2(x)
+            x = tl.fma(t, c[:, None], -m_new[:, None])  # scores − row max, log2 units, one FFMA
+            p = _exp2(x, FTZ)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if PV_FP8:
                 partial = tl.dot(to_e4m3(p * P_SCALE, PRE_ROUND), v)
@@ -95,7 +120,8 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QMAX: tl.constexpr,
                      CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, P_SCALE: tl.constexpr,
                      HAS_VMEAN: tl.constexpr, RETURN_LSE: tl.constexpr, PRE_ROUND: tl.constexpr,
-                     FAST_CVT: tl.constexpr, EXP16: tl.constexpr, REVERSE: tl.constexpr, WS: tl.constexpr):
+                     FAST_CVT: tl.constexpr, EXP16: tl.constexpr, REVERSE: tl.constexpr, WS: tl.constexpr,
+                     FOLD: tl.constexpr, FTZ: tl.constexpr, LOG2_P_SCALE: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -126,13 +152,13 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
         full_end = Sk // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, 0, full_end, Sk,
                            Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, False, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
-                           FAST_CVT, EXP16, WS)
+                           FAST_CVT, EXP16, WS, FOLD, FTZ, LOG2_P_SCALE)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, full_end, hi, Sk,
                            Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, True, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
-                           FAST_CVT, EXP16, False)
+                           FAST_CVT, EXP16, False, FOLD, FTZ, LOG2_P_SCALE)
 
     # Epilogue: 1/(l·P_SCALE) and V's per-channel scale once per row; rows that saw no key output zeros.
-    l_norm = l_i if EXP16 else l_i * P_SCALE  # EXP16's l already holds P_SCALE·Σp
+    l_norm = l_i if (EXP16 or FOLD) else l_i * P_SCALE  # EXP16's and FOLD's l already hold P_SCALE·Σp
     l_safe = tl.where(l_i > 0, l_norm, 1.0)
     out = acc * (tl.load(Stats + (BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :] / l_safe[:, None])
     if HAS_VMEAN:
@@ -151,8 +177,8 @@ def kernel_config(head_dim: int, device: torch.device) -> dict:
     4 warps; D=64: 128x64, 4 warps. ``fast_cvt``/``exp16``/``reverse``/``ws``: see NOTES.md (v3)."""
     if interpreting() and device.type == "cpu":
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=1, fast_cvt=True, exp16=False,
-                    reverse=True, ws=False)
-    variants = dict(fast_cvt=True, exp16=True, reverse=True, ws=False)
+                    reverse=True, ws=False, fold=False, ftz=False)
+    variants = dict(fast_cvt=True, exp16=False, reverse=True, ws=False, fold=True, ftz=True)
     if head_dim <= 64:
         return dict(block_m=128, block_n=64, num_warps=4, num_stages=3, **variants)
     return dict(block_m=64, block_n=128, num_warps=4, num_stages=3, **variants)
@@ -191,15 +217,18 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     B, D = out.shape[0], out.shape[-1]
     block_m = cfg["block_m"]
     exp16 = cfg["exp16"] and p["pv_fp8"] and not interpreting()
+    fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"] and not exp16
+    ftz = cfg["ftz"] and not interpreting()
     grid = (triton.cdiv(max(Sq, 1), block_m), B * H)
-    _sage_fwd_kernel[grid](
+    return _sage_fwd_kernel[grid](
         q, p["k8"], p["k_scale"], p["vt"], p["stats"], out, lse if lse is not None else out,
         *q.stride(), *out.stride(), H, H_kv, B * H_kv, Sq, Sk, p["k8"].shape[1], Sk - Sq,
         p["sm_scale"] * LOG2E,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], QMAX=p["qmax"], CAUSAL=causal,
         PV_FP8=p["pv_fp8"], P_SCALE=FP8_MAX if p["pv_fp8"] else 1.0, HAS_VMEAN=p["smooth_v"],
         RETURN_LSE=lse is not None, PRE_ROUND=interpreting(), FAST_CVT=cfg["fast_cvt"], EXP16=exp16,
-        REVERSE=causal and cfg["reverse"], WS=cfg["ws"],
+        REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
+        LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
