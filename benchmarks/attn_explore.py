@@ -58,7 +58,10 @@ def sass_histogram(name, D=128, S=2048, causal=False, ovr=None):
     prep = quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=ovr)
     kern = launch(prep, torch.empty_like(q), None, causal=causal, H=2, H_kv=2, Sq=S, Sk=S)
     sass = kern.asm.get("sass", "")
-    ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, re.M))
+    print("\n".join(l for l in sass.splitlines() if "MUFU" in l or "GMMA" in l)[:1500])
+    names = ("MUFU", "I2F", "F2FP", "FFMA", "FMUL", "FADD", "FMNMX", "IMNMX", "IADD3", "IMAD", "FSEL", "FSETP",
+             "HGMMA", "IGMMA", "QGMMA", "WARPGROUP", "BAR", "SHFL", "LDS", "LDG", "STS", "LDGSTS", "SYNCS", "UTMALDG", "F2F", "HADD2", "HMUL2")
+    ops = collections.Counter({n: len(re.findall(r"\b" + n + r"\b", sass)) for n in names})
     emit(group="sass", variant=name, D=D, total=sum(ops.values()), regs=kern.n_regs, spills=kern.n_spills,
          shared=kern.metadata.shared, top=" ".join(f"{o}:{n}" for o, n in ops.most_common(22)))
 
@@ -121,7 +124,9 @@ def cpu_overhead(tag):
     if tag == "new":
         fns["sage_attention_api"] = lambda: sage_attention(q, k, v, causal=True)
         fns["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    for name, fn in fns.items():
+    for fast in ("1", "0"):
+      os.environ["THRIFTY_FAST_LAUNCH"] = fast
+      for name, fn in fns.items():
         for _ in range(20):
             fn()
         torch.cuda.synchronize() if DEV.type == "cuda" else None
@@ -130,7 +135,8 @@ def cpu_overhead(tag):
         for _ in range(n):
             fn()
         torch.cuda.synchronize() if DEV.type == "cuda" else None
-        emit(group="cpu_overhead", tag=tag, fn=name, us_per_call=(time.perf_counter() - t0) / n * 1e6)
+        emit(group="cpu_overhead", tag=tag, fast_launch=fast, fn=name, us_per_call=(time.perf_counter() - t0) / n * 1e6)
+    os.environ["THRIFTY_FAST_LAUNCH"] = "1"
 
 
 def grid(tag, dims=(128, 64), seqs=(1024, 2048, 4096, 8192), cfg_by_d=None):
@@ -158,6 +164,8 @@ def grid(tag, dims=(128, 64), seqs=(1024, 2048, 4096, 8192), cfg_by_d=None):
                 res["prepass"] = timed(lambda q, k, v: quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=cfg), sets)
                 if DEV.type == "cuda" and tag == "new":
                     res["prepass_gpu"] = graph_ms(lambda: quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=cfg))
+                    from thrifty.attention.quant_kernel import quantize_kv
+                    res["kv_quant_only_gpu"] = graph_ms(lambda: quantize_kv(k, v, qmax=127.0, block_n=prep["cfg"]["block_n"], smooth_k=False, fp8_v=False, smooth_v=False))
                     res["e2e_gpu"] = graph_ms(lambda: sage_forward_triton(q, k, v, causal=causal, sm_scale=D ** -0.5, config=cfg))
                 emit(group="grid", tag=tag, D=D, S=S, causal=causal,
                      **{f"{n}_ms": t for n, t in res.items()}, **{f"{n}_tops": flops / t / 1e9 for n, t in res.items()},
@@ -219,7 +227,7 @@ def main():
             if "real" in parts:
                 real_accuracy({k: variants[k] for k in ("v4 (fold+ftz)", "A cvt only (run-1 best)", "B fold", "C ftz")})
             if "sass" in parts and not SMOKE:
-                for name in ("v4 (fold+ftz)", "A cvt only (run-1 best)", "v4 exp16"):
+                for name in ("v4 (fold+ftz)", "A cvt only (run-1 best)"):
                     try:
                         sass_histogram(name, ovr=variants[name])
                     except Exception as e:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import interpreting, mma
+from ..triton_utils import FastLauncher, interpreting, mma
 from .quant_kernel import FP8_MAX, LOG2E, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
@@ -170,17 +170,25 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
         tl.store(Lse + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
 
 
+_FWD_LAUNCH = FastLauncher(_sage_fwd_kernel)
+
+
 def kernel_config(head_dim: int, device: torch.device) -> dict:
-    """Tile sizes, launch options and inner-loop variants. Small tiles under the interpreter keep CPU tests
-    fast; the interpreter cannot run inline PTX, so ``exp16`` is off there. On the GPU, tiles: the fastest of
-    a 5-shape sweep at S=8k on an H200 (benchmarks/results/attention_h200.json, config_sweep): D=128: 64x128,
-    4 warps; D=64: 128x64, 4 warps. ``fast_cvt``/``exp16``/``reverse``/``ws``: see NOTES.md (v3)."""
+    """Tile sizes, launch options and inner-loop variants (NOTES.md, v3/v4). Small tiles under the
+    interpreter keep CPU tests fast; there the inner loop is the reference's arithmetic step for step (no
+    inline PTX, no folded exponent). On the GPU (H100 sweeps at S=8k, benchmarks/results/attention_h100.json):
+    D=128: 64x128 tiles, 4 warps, 3 stages; D=64: 64x64, 4 warps, 3 stages (+13% over 128x64).
+    ``fold``: the magic-number offset and P_SCALE folded into one FFMA per score (+7% D=128, +13% D=64);
+    ``fast_cvt``: int32→fp32 without I2F; ``reverse``: causal rows longest first (+4% D=64 causal);
+    ``ftz``: ex2.approx.ftz (no measurable change); ``exp16``: ex2.approx.f16x2 (8–10% slower: not the
+    MUFU pipe but instruction issue limits the loop); ``ws``: tl.range warp_specialize (does not compile
+    for this loop in Triton 3.6 on sm_90)."""
     if interpreting() and device.type == "cpu":
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=1, fast_cvt=True, exp16=False,
                     reverse=True, ws=False, fold=False, ftz=False)
     variants = dict(fast_cvt=True, exp16=False, reverse=True, ws=False, fold=True, ftz=True)
     if head_dim <= 64:
-        return dict(block_m=128, block_n=64, num_warps=4, num_stages=3, **variants)
+        return dict(block_m=64, block_n=64, num_warps=4, num_stages=3, **variants)
     return dict(block_m=64, block_n=128, num_warps=4, num_stages=3, **variants)
 
 
@@ -220,7 +228,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"] and not exp16
     ftz = cfg["ftz"] and not interpreting()
     grid = (triton.cdiv(max(Sq, 1), block_m), B * H)
-    return _sage_fwd_kernel[grid](
+    return _FWD_LAUNCH(grid,
         q, p["k8"], p["k_scale"], p["vt"], p["stats"], out, lse if lse is not None else out,
         *q.stride(), *out.stride(), H, H_kv, B * H_kv, Sq, Sk, p["k8"].shape[1], Sk - Sq,
         p["sm_scale"] * LOG2E,

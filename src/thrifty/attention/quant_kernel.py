@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import interpreting
+from ..triton_utils import FastLauncher, interpreting
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
@@ -142,6 +142,10 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     tl.store(v_out_ptr + (pid_bh * D + cols[None, :]) * S_pad + rows[:, None], v.to(v_out_ptr.dtype.element_ty))
 
 
+_STATS_LAUNCH = FastLauncher(_kv_partial_stats_kernel)
+_QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
+
+
 def _pad(n: int, block: int) -> int:
     return triton.cdiv(max(n, 1), block) * block
 
@@ -163,16 +167,16 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
         per = triton.cdiv(n_blocks, max(1, min(16, 512 // BH)))  # ~512 programs: enough to fill the SMs
         n_split = triton.cdiv(n_blocks, per)
         part = torch.empty(4, BH, n_split, D, dtype=torch.float32, device=dev)
-        _kv_partial_stats_kernel[(BH, n_split)](
+        _STATS_LAUNCH((BH, n_split),
             k, v, part, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
-            D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=4)
+            D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=4, num_stages=3)
     else:
         part, n_split = stats, 0
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
     k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    _quantize_kv_kernel[(S_pad // block_n, BH)](
+    _QUANT_LAUNCH((S_pad // block_n, BH),
         k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
-        HAS_STATS=has_stats, PRE_ROUND=interpreting())
+        HAS_STATS=has_stats, PRE_ROUND=interpreting(), num_warps=4, num_stages=3)
     return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt)
