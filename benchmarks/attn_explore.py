@@ -208,6 +208,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", default="new")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--seqs", default="1024,2048,4096,8192")
     ap.add_argument("--parts", default="correct,real,sass,cpu,variants,grid")
     args = ap.parse_args()
     SMOKE = args.smoke
@@ -216,7 +217,7 @@ def main():
     t0 = time.time()
     variants = {"v4 (fold+ftz)": {}, "A cvt only (run-1 best)": dict(fold=False, ftz=False),
                 "B fold": dict(ftz=False), "C ftz": dict(fold=False), "v4 reverse off": dict(reverse=False),
-                "v4 exp16": dict(exp16=True, fold=False), "ws (no fold)": dict(ws=True, fold=False, ftz=False)}
+                "ws (no fold)": dict(ws=True, fold=False, ftz=False)}
     tiles = {128: [(64, 128, 4, 3), (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 4, 2), (128, 128, 8, 2)],
              64: [(128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 4, 3),
                   (128, 64, 4, 2), (128, 128, 8, 2)]}
@@ -246,7 +247,7 @@ def main():
             cfg_by_d = kernel_variants(variants, tiles)
             print("chosen tiles:", cfg_by_d, flush=True)
         if "grid" in parts:
-            grid(args.tag, cfg_by_d=cfg_by_d)
+            grid(args.tag, cfg_by_d=cfg_by_d, seqs=tuple(int(x) for x in args.seqs.split(",")))
     finally:
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / f"explore_{args.tag}.json").write_text(json.dumps(ROWS, indent=0))
