@@ -57,7 +57,7 @@ def sass_histogram(name, D=128, S=2048, causal=False, ovr=None):
     q, k, v = (torch.randn(1, 2, S, D, device=DEV, dtype=BF16) for _ in range(3))
     prep = quantize_inputs(q, k, v, sm_scale=D ** -0.5, config=ovr)
     kern = launch(prep, torch.empty_like(q), None, causal=causal, H=2, H_kv=2, Sq=S, Sk=S)
-    sass = kern.asm.get("sass", "")
+    sass = kern.asm["sass"]  # computed on first access (a plain .get() returns nothing)
     print("\n".join(l for l in sass.splitlines() if "MUFU" in l or "GMMA" in l)[:1500])
     names = ("MUFU", "I2F", "F2FP", "FFMA", "FMUL", "FADD", "FMNMX", "IMNMX", "IADD3", "IMAD", "FSEL", "FSETP",
              "HGMMA", "IGMMA", "QGMMA", "WARPGROUP", "BAR", "SHFL", "LDS", "LDG", "STS", "LDGSTS", "SYNCS", "UTMALDG", "F2F", "HADD2", "HMUL2")
@@ -238,8 +238,8 @@ def main():
                 x = torch.randn(1, 2, 256, 128, device=DEV, dtype=BF16)
                 sage_forward_triton(x, x, x, causal=True, sm_scale=0.1)
             except Exception as e:
-                print("DEFAULT CONFIG FAILED, grid uses exp16=False:", repr(e)[:1000])
-                GRID_CFG = dict(exp16=False)
+                print("DEFAULT CONFIG FAILED, grid uses fold=False:", repr(e)[:1000])
+                GRID_CFG = dict(fold=False)
         if "cpu" in parts:
             cpu_overhead(args.tag)
         cfg_by_d = None

@@ -1,16 +1,19 @@
 """The Triton forward of SageAttention2 (8-bit): INT8 Q·Kᵀ (int32 accumulation), FP8 e4m3 P̃·V.
 
-One program computes BLOCK_M query rows of one (batch, head) and walks the KV tiles of its kv head
-(GQA by index math: kv head = head // group, K/V are never repeated in memory). Per tile:
+One program quantizes its BLOCK_M query rows (int8, one scale per token, sm_scale·log2e folded in) and walks
+the KV tiles of its kv head (GQA by index math: kv head = head // group, K/V are never repeated in memory).
+Per tile, with c = q_scale·k_scale per row:
 
-    s   = int32 dot(q̂, k̂ᵀ) → fp32 × (q_scale·k_scale)   # q_scale holds sm_scale·log2e: one multiply
-    p   = exp2(s − m)                                    # online softmax in base 2
-    p̃   = e4m3(p·448)                                    # static scale: P̃ = 1 ↦ largest e4m3 value
+    s   = int32 dot(q̂, k̂ᵀ)
+    m   = max(m, rowmax(s)·c)                            # online softmax in base 2
+    p̃   = e4m3(448·2^(s·c − m))                          # static scale: P̃ = 1 ↦ largest e4m3 value
     acc = acc·α + dot(p̃, v̂)                              # fresh fp32 partial per tile (two-level accum.)
 
-and applies 1/(l·448) and V's per-channel scale once, in the epilogue. Tiles that need no mask (interior
-tiles; all tiles left of the diagonal when causal) run a loop without any masking; only the diagonal and the
-ragged last tile run the masked loop. Causal with q_len < kv_len aligns queries to the last positions.
+On the GPU (``fold``) the middle two lines cost one IADD and ONE FFMA per score: s + 0x4B400000 read as a
+float is exactly 1.5·2²³ + s, and 1.5·2²³·c, m and log2 448 go into one per-row bias. The epilogue applies
+1/l and V's per-channel scale once per row. Tiles that need no mask (interior tiles; all tiles left of the
+diagonal when causal) run a loop without any masking; only the diagonal and the ragged last tile run the
+masked loop. Causal with q_len < kv_len aligns queries to the last positions. See NOTES.md.
 """
 
 from __future__ import annotations
@@ -224,7 +227,9 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
 
 
 _PLANS: dict = {}
-PLAN_BUFFER_BYTES = 256 << 20  # intermediates a plan may keep alive (short sequences, where launch cost matters)
+_PLANS_HELD = [0]  # bytes of intermediates all plans keep alive
+PLAN_BUFFER_BYTES = 256 << 20  # intermediates one plan may keep (short sequences, where launch cost matters)
+PLAN_TOTAL_BYTES = 512 << 20  # all plans together; past it (or past 16 plans) the plans are dropped
 
 
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
@@ -260,9 +265,11 @@ def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int 
     if plan_key is not None and LaunchPlan.usable(records):
         held = sum(t.numel() * t.element_size() for t in (prepared["k8"], prepared["vt"]))
         if held <= PLAN_BUFFER_BYTES:
-            if len(_PLANS) >= 16:
+            if len(_PLANS) >= 16 or _PLANS_HELD[0] + held > PLAN_TOTAL_BYTES:
                 _PLANS.clear()
+                _PLANS_HELD[0] = 0
             _PLANS[plan_key] = LaunchPlan(records, (q, k, v, out))
+            _PLANS_HELD[0] += held
     if not return_lse:
         return out
     if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back
