@@ -42,6 +42,18 @@ CASES = [  # B, H, Hkv, Sq, Sk, causal
 PLAIN = dict(fold=False)
 
 
+def _assert_matches_reference(out, ref, atol):
+    """Under the interpreter the plain path is the reference's arithmetic (exact exp2): ``atol``. On the GPU
+    exp2 is ex2.approx, which moves a p̃ that sits on an e4m3 rounding boundary by one step (2^-4 of that
+    weight): measured 3e-4..3e-3 on these inputs, so there the whole tensor is compared by cosine and a
+    one-step bound."""
+    if interpreting():
+        assert (out - ref).abs().max() < atol
+    else:
+        assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
+        assert (out - ref).abs().max() < 1e-2
+
+
 def _kernel(q, k, v, causal, return_lse=False, **opts):
     from thrifty.attention.api import _validate
     from thrifty.attention.attn_kernel import sage_forward_triton
@@ -56,7 +68,7 @@ def test_kernel_matches_reference_int8_fp8(B, H, Hkv, Sq, Sk, causal):
     q, k, v = _inputs(B, H, Hkv, Sq, Sk, 64)
     out, lse = _kernel(q, k, v, causal, return_lse=True)
     ref, ref_lse = sage_attention_reference(q, k, v, causal=causal, return_lse=True, **_blocks(64))
-    assert (out - ref).abs().max() < 1e-4
+    _assert_matches_reference(out, ref, 1e-4)
     finite = ref_lse.isfinite()
     assert torch.equal(finite, lse.isfinite()) and (lse - ref_lse)[finite].abs().max() < 1e-4
     exact = exact_attention(q, k, v, causal=causal)
@@ -75,7 +87,7 @@ def test_kernel_modes(opts):
     if "qk_bits" in ref_opts:
         ref_opts["qk_format"] = "int4" if ref_opts.pop("qk_bits") == 4 else "int8"
     ref = sage_attention_reference(q, k, v, causal=True, **ref_opts, **_blocks(64))
-    assert (out - ref).abs().max() < 1e-3
+    _assert_matches_reference(out, ref, 1e-3)
     assert accuracy_metrics(default, ref)["cos_sim"] > 0.99999
 
 
@@ -158,15 +170,18 @@ def test_cuda_default_and_plain_paths_match_reference(D):
 
 
 @pytest.mark.cuda
-def test_cuda_launch_plan_replay_matches_fresh_launch():
-    """A repeated call replays the recorded launches on new tensors (and reused intermediates): same
-    result, bit for bit, as an unplanned call (config given: no plan), for new data and a bshd view."""
+def test_cuda_fast_launch_matches_triton_launch(monkeypatch):
+    """FastLauncher's cached direct launches (second and later calls) give the same result, bit for bit, as
+    Triton's own launch path (THRIFTY_FAST_LAUNCH=0), for new data and a bshd view."""
     from thrifty.attention.attn_kernel import sage_forward_triton
     for layout in ("bhsd", "bshd"):
         for seed in range(3):
             q, k, v = _inputs(2, 4, 2, 300, 300, 64, dtype=torch.bfloat16, seed=seed)
             if layout == "bshd":
                 q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+            sage_forward_triton(q, k, v, causal=True, sm_scale=0.125)
             out = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125)
-            fresh = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125, config=dict())
-            assert torch.equal(out, fresh) and out.stride() == q.stride()
+            monkeypatch.setenv("THRIFTY_FAST_LAUNCH", "0")
+            slow = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125)
+            monkeypatch.delenv("THRIFTY_FAST_LAUNCH")
+            assert torch.equal(out, slow) and out.stride() == q.stride()

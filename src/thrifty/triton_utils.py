@@ -88,8 +88,6 @@ class FastLauncher:
 
     def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs):
         if not fast_launch_enabled():
-            if _RECORDING is not None:
-                _RECORDING.append(None)  # this launch cannot be replayed
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         from triton.runtime.driver import driver
 
@@ -105,64 +103,14 @@ class FastLauncher:
         else:
             kernel.run(*grid3, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
                        None, None, None, *args, *tail)
-        if _RECORDING is not None:
-            _RECORDING.append((kernel, grid3, args, tail))
         return kernel
 
 
-_RECORDING: list | None = None
-
-
 def fast_launch_enabled() -> bool:
-    """FastLauncher's and LaunchPlan's direct launches: off under the interpreter, with Triton launch hooks
+    """FastLauncher's direct launches: off under the interpreter, with Triton launch hooks
     set (profilers expect them to run) or with THRIFTY_FAST_LAUNCH=0."""
     if interpreting() or os.environ.get("THRIFTY_FAST_LAUNCH", "1") == "0":
         return False
     from triton import knobs
 
     return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
-
-
-class LaunchPlan:
-    """The launches of one call, recorded (``with LaunchPlan.record() as rec: ...``) and replayed on new
-    input/output tensors of the same shapes, strides, dtypes and alignment: no Triton binder, no dict
-    building, and the intermediate buffers of the recorded call are reused (same stream, so in order).
-
-    ``slots``: the tensors of the recorded call that change per call (inputs, output), by position; every
-    other tensor argument (the intermediates) is kept alive by the plan and reused."""
-
-    def __init__(self, records: list, slots: tuple):
-        ids = {id(t): i for i, t in enumerate(slots)}
-        self.launches = []
-        for kernel, grid, args, tail in records:
-            args = list(args)
-            subs = [(i, ids[id(a)]) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and id(a) in ids]
-            for i, _ in subs:
-                args[i] = None  # no reference to the caller's tensors
-            self.launches.append((kernel, grid, args, tail, subs))
-
-    @staticmethod
-    def record():
-        import contextlib
-
-        @contextlib.contextmanager
-        def _rec():
-            global _RECORDING
-            _RECORDING = rec = []
-            try:
-                yield rec
-            finally:
-                _RECORDING = None
-        return _rec()
-
-    @staticmethod
-    def usable(records: list) -> bool:
-        return bool(records) and all(r is not None for r in records)
-
-    def __call__(self, stream: int, *tensors):
-        for kernel, grid, args, tail, subs in self.launches:
-            for i, s in subs:
-                args[i] = tensors[s]
-            kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
-            for i, _ in subs:
-                args[i] = None

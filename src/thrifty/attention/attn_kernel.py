@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import FastLauncher, LaunchPlan, fast_launch_enabled, interpreting, mma
+from ..triton_utils import FastLauncher, interpreting, mma
 from .quant_kernel import FP8_MAX, LOG2E, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
@@ -226,50 +226,21 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-_PLANS: dict = {}
-_PLANS_HELD = [0]  # bytes of intermediates all plans keep alive
-PLAN_BUFFER_BYTES = 256 << 20  # intermediates one plan may keep (short sequences, where launch cost matters)
-PLAN_TOTAL_BYTES = 512 << 20  # all plans together; past it (or past 16 plans) the plans are dropped
-
-
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
                         smooth_k: bool = True, smooth_v: bool = False, return_lse: bool = False,
                         config: dict | None = None):
     """(B, H, Sq, D), (B, Hkv, Sk, D) views of any strides → out like q (same strides order) [, lse fp32].
-    Three launches: K/V statistics, K/V quantization, attention (with Q's quantization).
-
-    Host overhead: a call repeated with the same shapes, strides, dtypes, alignment, options and stream
-    replays the first call's launches (:class:`LaunchPlan`, reusing its intermediates when they total under
-    ``PLAN_BUFFER_BYTES``): ~180 µs of Python per call otherwise, more than the GPU time at S ≤ 2k."""
-    plan_key = None
-    if config is None and not return_lse and q.is_cuda and fast_launch_enabled():
-        from triton.runtime.driver import driver
-
-        stream = driver.active.get_current_stream(q.device.index)
-        plan_key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                    q.device, stream, causal, sm_scale, qk_bits, pv, smooth_k, smooth_v,
-                    q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
-        plan = _PLANS.get(plan_key)
-        if plan is not None:
-            out = torch.empty_like(q)
-            plan(stream, q, k, v, out)
-            return out
+    Three launches: K/V statistics, K/V quantization, attention (with Q's quantization). Host overhead is
+    ~180 µs of Python per call (FastLauncher skips Triton's binder): more than the GPU time at S ≤ 2k.
+    Replaying recorded launches with reused intermediates was tried (NOTES.md v4) and dropped: no gain shown
+    in the box's noisy host timing, and it kept up to 512 MB of buffers alive behind the user's back."""
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
-    with LaunchPlan.record() as records:
-        prepared = quantize_inputs(q, k, v, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
-                                   smooth_v=smooth_v, config=config)
-        out = torch.empty_like(q)  # keeps q's memory layout: a (B, S, H, D) view gets a (B, S, H, D) output
-        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
-        launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk)
-    if plan_key is not None and LaunchPlan.usable(records):
-        held = sum(t.numel() * t.element_size() for t in (prepared["k8"], prepared["vt"]))
-        if held <= PLAN_BUFFER_BYTES:
-            if len(_PLANS) >= 16 or _PLANS_HELD[0] + held > PLAN_TOTAL_BYTES:
-                _PLANS.clear()
-                _PLANS_HELD[0] = 0
-            _PLANS[plan_key] = LaunchPlan(records, (q, k, v, out))
-            _PLANS_HELD[0] += held
+    prepared = quantize_inputs(q, k, v, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
+                               smooth_v=smooth_v, config=config)
+    out = torch.empty_like(q)  # keeps q's memory layout: a (B, S, H, D) view gets a (B, S, H, D) output
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
+    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk)
     if not return_lse:
         return out
     if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back
