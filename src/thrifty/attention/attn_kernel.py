@@ -1,16 +1,19 @@
 """The Triton forward of SageAttention2 (8-bit): INT8 Q·Kᵀ (int32 accumulation), FP8 e4m3 P̃·V.
 
-One program computes BLOCK_M query rows of one (batch, head) and walks the KV tiles of its kv head
-(GQA by index math: kv head = head // group, K/V are never repeated in memory). Per tile:
+One program quantizes its BLOCK_M query rows (int8, one scale per token, sm_scale·log2e folded in) and walks
+the KV tiles of its kv head (GQA by index math: kv head = head // group, K/V are never repeated in memory).
+Per tile, with c = q_scale·k_scale per row:
 
-    s   = int32 dot(q̂, k̂ᵀ) → fp32 × (q_scale·k_scale)   # q_scale holds sm_scale·log2e: one multiply
-    p   = exp2(s − m)                                    # online softmax in base 2
-    p̃   = e4m3(p·448)                                    # static scale: P̃ = 1 ↦ largest e4m3 value
+    s   = int32 dot(q̂, k̂ᵀ)
+    m   = max(m, rowmax(s)·c)                            # online softmax in base 2
+    p̃   = e4m3(448·2^(s·c − m))                          # static scale: P̃ = 1 ↦ largest e4m3 value
     acc = acc·α + dot(p̃, v̂)                              # fresh fp32 partial per tile (two-level accum.)
 
-and applies 1/(l·448) and V's per-channel scale once, in the epilogue. Tiles that need no mask (interior
-tiles; all tiles left of the diagonal when causal) run a loop without any masking; only the diagonal and the
-ragged last tile run the masked loop. Causal with q_len < kv_len aligns queries to the last positions.
+On the GPU (``fold``) the middle two lines cost one IADD and ONE FFMA per score: s + 0x4B400000 read as a
+float is exactly 1.5·2²³ + s, and 1.5·2²³·c, m and log2 448 go into one per-row bias. The epilogue applies
+1/l and V's per-channel scale once per row. Tiles that need no mask (interior tiles; all tiles left of the
+diagonal when causal) run a loop without any masking; only the diagonal and the ragged last tile run the
+masked loop. Causal with q_len < kv_len aligns queries to the last positions. See NOTES.md.
 """
 
 from __future__ import annotations
@@ -21,59 +24,105 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import interpreting, mma
-from .quant_kernel import FP8_MAX, quantize_kv, quantize_q, to_e4m3
+from ..triton_utils import FastLauncher, interpreting, mma
+from .quant_kernel import FP8_MAX, LOG2E, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
 
 
 @triton.jit
+def _exp2(x, FTZ: tl.constexpr):
+    """2^x; FTZ: one MUFU.EX2 (``ex2.approx.ftz.f32``, subnormal results flushed: p̃ loses them anyway)."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.math.exp2(x)
+
+
+@triton.jit
 def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, Sk, Sk_pad, causal_offset,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-           PV_FP8: tl.constexpr, P_SCALE: tl.constexpr, PRE_ROUND: tl.constexpr):
+           PV_FP8: tl.constexpr, P_SCALE: tl.constexpr, PRE_ROUND: tl.constexpr, FAST_CVT: tl.constexpr,
+           WS: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr,
+           LOG2_P_SCALE: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
         k = tl.load(k_base + cols[None, :] * HEAD_DIM + offs_d[:, None])  # (D, BLOCK_N), D contiguous
-        k_scale = tl.load(ks_base + start_n // BLOCK_N)
-        s = tl.dot(q, k).to(tl.float32) * (q_scale * k_scale)[:, None]
+        c = q_scale * tl.load(ks_base + start_n // BLOCK_N)  # per row: dequantization · sm_scale · log2e
+        s_i = tl.dot(q, k)  # int32
+        if FAST_CVT:
+            # int32 → fp32 without I2F (a quarter-rate instruction, like ex2): the bit pattern of 1.5·2^23
+            # plus s is the float 1.5·2^23 + s exactly for |s| < 2^22 (D·127² ≤ 2.1M), and subtracting
+            # 1.5·2^23 again is exact. Two full-rate integer/FP32 ops instead.
+            f = (s_i + 0x4B400000).to(tl.float32, bitcast=True)
+            t = f - 12582912.0
+        else:
+            t = s_i.to(tl.float32)
         if MASKED:
             keep = cols[None, :] < Sk
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if MASKED:  # a row that has seen no key yet keeps m = -inf; exp2(-inf - 0) = 0 instead of nan
+            t = tl.where(keep, t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(t, axis=1) * c)
+            # a row that has seen no key yet keeps m = -inf; exp2(-inf - 0) = 0 instead of nan
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_d[None, :] * Sk_pad + cols[:, None])  # (BLOCK_N, D), tokens contiguous
-        if PV_FP8:
-            p_tilde = to_e4m3(p * P_SCALE, PRE_ROUND)
-            partial = tl.dot(p_tilde, v)
+        elif FAST_CVT:
+            m_new = tl.maximum(m_i, tl.max(s_i, axis=1).to(tl.float32) * c)  # c > 0: max commutes with ·c
         else:
-            partial = mma(p.to(v.dtype), v, tl.zeros_like(acc))
+            m_new = tl.maximum(m_i, tl.max(t, axis=1) * c)
+        alpha = tl.math.exp2(m_i - m_new)
+        v = tl.load(v_base + offs_d[None, :] * Sk_pad + cols[:, None])  # (BLOCK_N, D), tokens contiguous
+        if FOLD:
+            # p = P_SCALE·2^(s·c − m) from ONE FFMA on the magic-number float f = 1.5·2^23 + s: the bias
+            # 1.5·2^23·c + m − log2(P_SCALE) is per row; its rounding (≤ 0.75·c, i.e. under one unit of the
+            # int32 dot product) is far below the int8 quantization noise. No multiply by P_SCALE left.
+            if MASKED:
+                x = tl.fma(t, c[:, None], -(m_new - LOG2_P_SCALE)[:, None])
+            else:
+                x = tl.fma(f, c[:, None], -(c * 12582912.0 + (m_new - LOG2_P_SCALE))[:, None])
+            if PRE_ROUND:  # the interpreter's e4m3 conversion does not saturate; the GPU's does
+                x = tl.minimum(x, LOG2_P_SCALE)
+            p = _exp2(x, FTZ)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            partial = tl.dot(to_e4m3(p, PRE_ROUND), v)
+        else:
+            x = tl.fma(t, c[:, None], -m_new[:, None])  # scores − row max, log2 units, one FFMA
+            p = _exp2(x, FTZ)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if PV_FP8:
+                partial = tl.dot(to_e4m3(p * P_SCALE, PRE_ROUND), v)
+            else:
+                partial = mma(p.to(v.dtype), v, tl.zeros_like(acc))
         acc = acc * alpha[:, None] + partial
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _sage_fwd_kernel(Q, Qs, K, Ks, V, Vs, Vmean, Out, Lse,
+def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
+                     stride_qb, stride_qh, stride_qs, stride_qd,
                      stride_ob, stride_oh, stride_os, stride_od,
-                     H, H_KV, Sq, Sk, Sq_pad, Sk_pad, causal_offset,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     H, H_KV, BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QMAX: tl.constexpr,
                      CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, P_SCALE: tl.constexpr,
-                     HAS_VMEAN: tl.constexpr, RETURN_LSE: tl.constexpr, PRE_ROUND: tl.constexpr):
+                     HAS_VMEAN: tl.constexpr, RETURN_LSE: tl.constexpr, PRE_ROUND: tl.constexpr,
+                     FAST_CVT: tl.constexpr, REVERSE: tl.constexpr, WS: tl.constexpr,
+                     FOLD: tl.constexpr, FTZ: tl.constexpr, LOG2_P_SCALE: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
+        pid_m = tl.num_programs(0) - 1 - pid_m
     b, h = pid_bh // H, pid_bh % H
     bh_kv = b * H_KV + h // (H // H_KV)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (pid_bh.to(tl.int64) * Sq_pad + offs_m[:, None]) * HEAD_DIM + offs_d[None, :])
-    q_scale = tl.load(Qs + pid_bh.to(tl.int64) * Sq_pad + offs_m)
+    row_ok = offs_m < Sq
+    # Q quantized here, per token (no pre-pass for Q); qk_scale = sm_scale·log2e folded into its scale.
+    qf = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
+                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q, q_scale = quantize_rows(qf, QMAX)
+    q_scale = q_scale * qk_scale
     k_base = K + bh_kv.to(tl.int64) * Sk_pad * HEAD_DIM
     v_base = V + bh_kv.to(tl.int64) * HEAD_DIM * Sk_pad
     ks_base = Ks + bh_kv * (Sk_pad // BLOCK_N)
@@ -90,76 +139,111 @@ def _sage_fwd_kernel(Q, Qs, K, Ks, V, Vs, Vmean, Out, Lse,
         hi = Sk
         full_end = Sk // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, 0, full_end, Sk,
-                           Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, False, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND)
+                           Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, False, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
+                           FAST_CVT, WS, FOLD, FTZ, LOG2_P_SCALE)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, full_end, hi, Sk,
-                           Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, True, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND)
+                           Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, True, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
+                           FAST_CVT, False, FOLD, FTZ, LOG2_P_SCALE)
 
     # Epilogue: 1/(l·P_SCALE) and V's per-channel scale once per row; rows that saw no key output zeros.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc * (tl.load(Vs + bh_kv * HEAD_DIM + offs_d)[None, :] / (l_safe * P_SCALE)[:, None])
+    l_norm = l_i if FOLD else l_i * P_SCALE  # FOLD's l already holds P_SCALE·Σp
+    l_safe = tl.where(l_i > 0, l_norm, 1.0)
+    out = acc * (tl.load(Stats + (BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :] / l_safe[:, None])
     if HAS_VMEAN:
-        out = tl.where(l_i[:, None] > 0, out + tl.load(Vmean + bh_kv * HEAD_DIM + offs_d)[None, :], 0.0)
-    row_ok = offs_m < Sq
+        out = tl.where(l_i[:, None] > 0, out + tl.load(Stats + (2 * BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :], 0.0)
     o_ptr = Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
-        lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe / P_SCALE)) * 0.6931471805599453, float("-inf"))
         tl.store(Lse + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
 
 
+_FWD_LAUNCH = FastLauncher(_sage_fwd_kernel)
+
+
 def kernel_config(head_dim: int, device: torch.device) -> dict:
-    """Tile sizes and launch options. Small tiles under the interpreter keep CPU tests fast. On the GPU, the
-    fastest of a 5-shape sweep at S=8k on an H200 (benchmarks/results/attention_h200.json, config_sweep):
-    D=128: 64x128 tiles, 4 warps (728 TOP/s, vs 531 for sageattention-1's 128x64 with 8 warps);
-    D=64: 128x64, 4 warps (411 TOP/s)."""
+    """Tile sizes, launch options and inner-loop variants (NOTES.md, v3/v4). Small tiles under the
+    interpreter keep CPU tests fast; there the inner loop is the reference's arithmetic step for step (no
+    inline PTX, no folded exponent). On the GPU (H100 sweeps at S=8k, benchmarks/results/attention_h100.json):
+    D=128: 64x128 tiles, 4 warps, 3 stages; D=64: 64x64, 4 warps, 3 stages (+13% over 128x64).
+    ``fold``: the magic-number offset and P_SCALE folded into one FFMA per score (+7% D=128, +13% D=64);
+    ``fast_cvt``: int32→fp32 without I2F; ``reverse``: causal rows longest first (+4% D=64 causal);
+    ``ftz``: ex2.approx.ftz (no measurable change); ``ws``: tl.range warp_specialize (does not compile
+    for this loop in Triton 3.6 on sm_90)."""
     if interpreting() and device.type == "cpu":
-        return dict(block_m=32, block_n=16, num_warps=4, num_stages=1)
+        return dict(block_m=32, block_n=16, num_warps=4, num_stages=1, fast_cvt=True,
+                    reverse=True, ws=False, fold=False, ftz=False)
+    variants = dict(fast_cvt=True, reverse=True, ws=False, fold=True, ftz=True)
     if head_dim <= 64:
-        return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+        return dict(block_m=64, block_n=64, num_warps=4, num_stages=3, **variants)
+    return dict(block_m=64, block_n=128, num_warps=4, num_stages=3, **variants)
+
+
+_CONFIGS: dict = {}
+
+
+def _config(head_dim: int, device: torch.device, config: dict | None) -> dict:
+    if config:
+        return dict(kernel_config(head_dim, device), **config)
+    key = (head_dim, device.type)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = kernel_config(head_dim, device)
+    return cfg
 
 
 def quantize_inputs(q, k, v, *, sm_scale: float, qk_bits: int = 8, pv: str = "fp8", smooth_k: bool = True,
                     smooth_v: bool = False, config: dict | None = None) -> dict:
-    """The pre-pass: everything the kernel reads, quantized and laid out (see quant_kernel)."""
-    cfg = dict(kernel_config(q.shape[-1], q.device), **(config or {}))
+    """The pre-pass (K and V: 2 launches; Q is quantized inside the attention kernel): everything the
+    kernel reads, quantized and laid out (see quant_kernel)."""
+    cfg = _config(q.shape[-1], q.device, config)
     qmax = 127.0 if qk_bits == 8 else 7.0
-    q8, q_scale = quantize_q(q, sm_scale=sm_scale, qmax=qmax, block_m=cfg["block_m"])
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=pv == "fp8",
                      smooth_v=smooth_v)
-    return dict(q8=q8, q_scale=q_scale, **kv, pv_fp8=pv == "fp8", cfg=cfg)
+    return dict(q=q, qmax=qmax, sm_scale=sm_scale, **kv, pv_fp8=pv == "fp8", smooth_v=smooth_v, cfg=cfg)
 
 
 def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
            Sq: int, Sk: int) -> None:
-    """The attention kernel alone on prepared inputs (out: (B, H, Sq, D) view of any strides)."""
+    """The attention kernel (with Q's quantization) on prepared K/V (out: (B, H, Sq, D) view of any
+    strides)."""
     p, cfg = prepared, prepared["cfg"]
+    q = p["q"]
     B, D = out.shape[0], out.shape[-1]
-    grid = (p["q8"].shape[1] // cfg["block_m"], B * H)
-    _sage_fwd_kernel[grid](
-        p["q8"], p["q_scale"], p["k8"], p["k_scale"], p["vt"], p["v_scale"],
-        p["v_mean"] if p["v_mean"] is not None else p["v_scale"], out, lse if lse is not None else out,
-        *out.stride(), H, H_kv, Sq, Sk, p["q8"].shape[1], p["k8"].shape[1], Sk - Sq,
-        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], CAUSAL=causal, PV_FP8=p["pv_fp8"],
-        P_SCALE=FP8_MAX if p["pv_fp8"] else 1.0, HAS_VMEAN=p["v_mean"] is not None,
-        RETURN_LSE=lse is not None, PRE_ROUND=interpreting(),
+    block_m = cfg["block_m"]
+    fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"]
+    ftz = cfg["ftz"] and not interpreting()
+    grid = (triton.cdiv(max(Sq, 1), block_m), B * H)
+    return _FWD_LAUNCH(grid,
+        q, p["k8"], p["k_scale"], p["vt"], p["stats"], out, lse if lse is not None else out,
+        *q.stride(), *out.stride(), H, H_kv, B * H_kv, Sq, Sk, p["k8"].shape[1], Sk - Sq,
+        p["sm_scale"] * LOG2E,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], QMAX=p["qmax"], CAUSAL=causal,
+        PV_FP8=p["pv_fp8"], P_SCALE=FP8_MAX if p["pv_fp8"] else 1.0, HAS_VMEAN=p["smooth_v"],
+        RETURN_LSE=lse is not None, PRE_ROUND=interpreting(), FAST_CVT=cfg["fast_cvt"],
+        REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
+        LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
                         smooth_k: bool = True, smooth_v: bool = False, return_lse: bool = False,
                         config: dict | None = None):
-    """(B, H, Sq, D), (B, Hkv, Sk, D) views of any strides → out like q (same strides order) [, lse fp32]."""
+    """(B, H, Sq, D), (B, Hkv, Sk, D) views of any strides → out like q (same strides order) [, lse fp32].
+    Three launches: K/V statistics, K/V quantization, attention (with Q's quantization). Host overhead is
+    ~180 µs of Python per call (FastLauncher skips Triton's binder): more than the GPU time at S ≤ 2k.
+    Replaying recorded launches with reused intermediates was tried (NOTES.md v4) and dropped: no gain shown
+    in the box's noisy host timing, and it kept up to 512 MB of buffers alive behind the user's back."""
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
     prepared = quantize_inputs(q, k, v, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
                                smooth_v=smooth_v, config=config)
-    out = torch.empty_like(q)  # keeps q's memory layout, so a (B, S, H, D) view gets a (B, S, H, D) output
+    out = torch.empty_like(q)  # keeps q's memory layout: a (B, S, H, D) view gets a (B, S, H, D) output
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
     launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk)
     if not return_lse:
         return out
     if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back
-        k_mean_q = prepared["k_mean"].repeat_interleave(H // H_kv, dim=1)  # (B, H, 1, D), tiny
+        k_mean_q = prepared["stats"][0].reshape(B, H_kv, 1, D).repeat_interleave(H // H_kv, dim=1)
         lse = lse + (q.float() @ k_mean_q.transpose(-1, -2)).squeeze(-1) * sm_scale
     return out, lse

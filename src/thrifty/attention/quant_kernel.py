@@ -1,9 +1,9 @@
 """Pre-kernels of the Triton path: smoothing and quantization of Q, K and V into the layouts the attention
 kernel reads without masks or transposes.
 
-* Q → int8 [B·H, S_pad, D], one fp32 scale per token (per-token is free in Triton: the kernel multiplies
-  scores by a per-row vector either way), with ``sm_scale·log2e`` folded into the scale so that
-  dequantization and the softmax scale are one multiply.
+* Q → int8 with one fp32 scale per token, inside the attention kernel (:func:`quantize_rows` on its Q tile):
+  per-token is free in Triton (the kernel multiplies scores by a per-row vector either way), and doing it
+  there saves a launch and a pass over Q.
 * K → mean subtracted (smoothing), int8 [B·Hkv, S_pad, D], one scale per ``block_n`` keys (one scalar per
   KV tile in the kernel).
 * V → optional mean subtracted, FP8 e4m3 with one scale per channel (or 16-bit, scale 1), stored
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import interpreting
+from ..triton_utils import FastLauncher, interpreting
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
@@ -38,84 +38,95 @@ def to_e4m3(x, PRE_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, mean_ptr, out_ptr, scale_ptr,
-                          H, S, S_pad, stride_b, stride_h, stride_s, stride_d, extra_scale,
-                          QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                          PER_ROW: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """One program quantizes BLOCK rows of one (b, h): symmetric, scale per row or per block."""
-    pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    rows = pid_s * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    in_range = rows[:, None] < S
-    x = tl.load(x_ptr + b * stride_b + h * stride_h + rows[:, None] * stride_s + cols[None, :] * stride_d,
-                mask=in_range, other=0.0).to(tl.float32)
-    if HAS_MEAN:
-        x = tl.where(in_range, x - tl.load(mean_ptr + pid_bh * D + cols)[None, :], 0.0)
-    if PER_ROW:
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.maximum(amax / QMAX, 1e-12)
-        xq = x / scale[:, None]
-        tl.store(scale_ptr + pid_bh * S_pad + rows, scale * extra_scale)
-    else:
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        scale = tl.maximum(amax / QMAX, 1e-12)
-        xq = x / scale
-        tl.store(scale_ptr + pid_bh * tl.cdiv(S_pad, BLOCK) + pid_s, scale * extra_scale)
-    xq = tl.where(xq >= 0, xq + 0.5, xq - 0.5).to(tl.int8)  # round half away from zero, then truncate
-    tl.store(out_ptr + (pid_bh * S_pad + rows[:, None]) * D + cols[None, :], xq)
+def quantize_rows(x, QMAX: tl.constexpr):
+    """fp32 rows → (int8 values, per-row scale): symmetric, round half away from zero. Used by the attention
+    kernel on its Q tile (per-token Q scales cost nothing there, and no pre-pass launch is needed for Q)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / QMAX, 1e-12)
+    xq = x / scale[:, None]
+    return tl.where(xq >= 0, xq + 0.5, xq - 0.5).to(tl.int8), scale
 
 
 @triton.jit
-def _kv_stats_kernel(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, v_scale_ptr, H, S,
-                     k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
-                     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                     SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_QMAX: tl.constexpr):
-    """Per (b, h, channel block): K's mean over tokens, V's mean and its per-channel scale, in one pass."""
-    pid_bh, pid_d = tl.program_id(0), tl.program_id(1)
+def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane,
+                             k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
+                             D: tl.constexpr, BLOCK_S: tl.constexpr, SMOOTH_K: tl.constexpr,
+                             V_STATS: tl.constexpr):
+    """Program (b·h, c): sums of K and V, min and max of V over tokens [c·chunk, (c+1)·chunk), per channel,
+    into part[4, B·H, n_split, D]. Splitting the tokens keeps enough programs in flight at short lengths
+    (one program per head would leave most SMs idle); the quantization kernel adds the partials up."""
+    pid_bh, pid_c = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    k_sum = tl.zeros((BLOCK_D,), tl.float32)
-    v_sum = tl.zeros((BLOCK_D,), tl.float32)
-    v_min = tl.full((BLOCK_D,), float("inf"), tl.float32)
-    v_max = tl.full((BLOCK_D,), float("-inf"), tl.float32)
-    for start in range(0, S, BLOCK_S):
+    cols = tl.arange(0, D)
+    lo = pid_c * chunk
+    hi = tl.minimum(lo + chunk, S)
+    k_sum = tl.zeros((D,), tl.float32)
+    v_sum = tl.zeros((D,), tl.float32)
+    v_min = tl.full((D,), float("inf"), tl.float32)
+    v_max = tl.full((D,), float("-inf"), tl.float32)
+    for start in range(lo, hi, BLOCK_S):
         rows = start + tl.arange(0, BLOCK_S)
-        ok = rows[:, None] < S
+        ok = rows[:, None] < hi
         if SMOOTH_K:
             k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
             k_sum += tl.sum(k.to(tl.float32), axis=0)
-        v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
-        v = v.to(tl.float32)
-        v_sum += tl.sum(v, axis=0)
-        v_min = tl.minimum(v_min, tl.min(tl.where(ok, v, float("inf")), axis=0))
-        v_max = tl.maximum(v_max, tl.max(tl.where(ok, v, float("-inf")), axis=0))
-    n = tl.maximum(S, 1).to(tl.float32)
-    if SMOOTH_K:
-        tl.store(k_mean_ptr + pid_bh * D + cols, k_sum / n)
-    center = v_sum / n if SMOOTH_V else tl.zeros((BLOCK_D,), tl.float32)
-    if SMOOTH_V:
-        tl.store(v_mean_ptr + pid_bh * D + cols, center)
-    amax = tl.maximum(v_max - center, center - v_min)  # max |v − center| over tokens
-    tl.store(v_scale_ptr + pid_bh * D + cols, tl.maximum(amax / V_QMAX, 1e-12))
+        if V_STATS:
+            v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
+            v = v.to(tl.float32)
+            v_sum += tl.sum(v, axis=0)
+            v_min = tl.minimum(v_min, tl.min(tl.where(ok, v, float("inf")), axis=0))
+            v_max = tl.maximum(v_max, tl.max(tl.where(ok, v, float("-inf")), axis=0))
+    out = part_ptr + (pid_bh * n_split + pid_c) * D + cols
+    tl.store(out, k_sum)
+    tl.store(out + plane, v_sum)
+    tl.store(out + 2 * plane, v_min)
+    tl.store(out + 3 * plane, v_max)
 
 
 @triton.jit
-def _quantize_kv_kernel(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, v_scale_ptr, k_out_ptr, k_scale_ptr, v_out_ptr,
-                        H, S, S_pad, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd, QMAX: tl.constexpr,
-                        D: tl.constexpr, BLOCK: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr,
-                        V_FP8: tl.constexpr, PRE_ROUND: tl.constexpr):
-    """One program: BLOCK keys of one (b, h): K smoothed and int8 with one scale; V scaled per channel, in
-    e4m3 (or 16-bit), written transposed [D, S_pad]."""
+def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr,
+                        H, S, S_pad, n_split, plane, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
+                        QMAX: tl.constexpr, V_QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                        SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_FP8: tl.constexpr,
+                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr):
+    """One program: BLOCK keys of one (b, h). Adds up the partial statistics (a few KB, from L2), then K
+    smoothed and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed
+    [D, S_pad]. Program 0 of each head also writes stats[3, B·H, D] = K mean, V scale, V mean for the
+    attention kernel's epilogue and the LSE correction."""
     pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     ok = rows[:, None] < S
+    k_mean = tl.zeros((D,), tl.float32)
+    center = tl.zeros((D,), tl.float32)
+    v_scale = tl.full((D,), 1.0, tl.float32)
+    if HAS_STATS:
+        k_sum = tl.zeros((D,), tl.float32)
+        v_sum = tl.zeros((D,), tl.float32)
+        v_min = tl.full((D,), float("inf"), tl.float32)
+        v_max = tl.full((D,), float("-inf"), tl.float32)
+        part = part_ptr + pid_bh * n_split * D + cols
+        for c in range(n_split):
+            k_sum += tl.load(part + c * D)
+            v_sum += tl.load(part + plane + c * D)
+            v_min = tl.minimum(v_min, tl.load(part + 2 * plane + c * D))
+            v_max = tl.maximum(v_max, tl.load(part + 3 * plane + c * D))
+        n = tl.maximum(S, 1).to(tl.float32)
+        k_mean = k_sum / n
+        if SMOOTH_V:
+            center = v_sum / n
+        if V_FP8:
+            amax = tl.maximum(v_max - center, center - v_min)  # max |v − center| over tokens
+            v_scale = tl.maximum(amax / V_QMAX, 1e-12)
+    if pid_s == 0:
+        tl.store(stats_ptr + pid_bh * D + cols, k_mean)
+        tl.store(stats_ptr + (tl.num_programs(1) + pid_bh) * D + cols, v_scale)
+        tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
+
     k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
     k = k.to(tl.float32)
     if SMOOTH_K:
-        k = tl.where(ok, k - tl.load(k_mean_ptr + pid_bh * D + cols)[None, :], 0.0)
+        k = tl.where(ok, k - k_mean[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
     kq = k / scale
     kq = tl.where(kq >= 0, kq + 0.5, kq - 0.5).to(tl.int8)  # round half away from zero, then truncate
@@ -125,57 +136,47 @@ def _quantize_kv_kernel(k_ptr, v_ptr, k_mean_ptr, v_mean_ptr, v_scale_ptr, k_out
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
     v = v.to(tl.float32)
     if SMOOTH_V:
-        v = tl.where(ok, v - tl.load(v_mean_ptr + pid_bh * D + cols)[None, :], 0.0)
+        v = tl.where(ok, v - center[None, :], 0.0)
     if V_FP8:
-        v = to_e4m3(v / tl.load(v_scale_ptr + pid_bh * D + cols)[None, :], PRE_ROUND)
+        v = to_e4m3(v / v_scale[None, :], PRE_ROUND)
     tl.store(v_out_ptr + (pid_bh * D + cols[None, :]) * S_pad + rows[:, None], v.to(v_out_ptr.dtype.element_ty))
+
+
+_STATS_LAUNCH = FastLauncher(_kv_partial_stats_kernel)
+_QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
 
 
 def _pad(n: int, block: int) -> int:
     return triton.cdiv(max(n, 1), block) * block
 
 
-def quantize_q(q: torch.Tensor, *, sm_scale: float, qmax: float, block_m: int):
-    """(B, H, S, D) → int8 [B·H, S_pad, D] and fp32 per-token scales [B·H, S_pad] (× sm_scale·log2e)."""
-    B, H, S, D = q.shape
-    S_pad = _pad(S, block_m)
-    out = torch.empty(B * H, S_pad, D, dtype=torch.int8, device=q.device)
-    scale = torch.empty(B * H, S_pad, dtype=torch.float32, device=q.device)
-    _quantize_rows_kernel[(S_pad // block_m, B * H)](
-        q, q, out, scale, H, S, S_pad, *q.stride(), sm_scale * LOG2E,
-        QMAX=qmax, D=D, BLOCK=block_m, PER_ROW=True, HAS_MEAN=False)
-    return out, scale
-
-
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, smooth_k: bool, fp8_v: bool,
                 smooth_v: bool) -> dict:
     """(B, Hkv, S, D) K and V → dict(k8 [B·Hkv, S_pad, D] int8, k_scale [B·Hkv, S_pad/block_n],
-    k_mean [B, Hkv, 1, D] fp32 or None, vt [B·Hkv, D, S_pad] e4m3 (or v's dtype), v_scale [B·Hkv, D],
-    v_mean [B·Hkv, D] or None). Two launches: statistics over tokens, then quantization."""
+    stats [3, B·Hkv, D] fp32 (K mean, V scale, V mean; zeros/ones where unused), vt [B·Hkv, D, S_pad] e4m3
+    (or v's dtype)). Two launches: partial statistics over token chunks, then quantization."""
     B, H, S, D = k.shape
+    BH = B * H
     S_pad = _pad(S, block_n)
     dev = k.device
-    k_mean = torch.empty(B * H, D, dtype=torch.float32, device=dev) if smooth_k else None
-    v_mean = torch.empty(B * H, D, dtype=torch.float32, device=dev) if smooth_v else None
-    if fp8_v or smooth_v:
-        v_scale = torch.empty(B * H, D, dtype=torch.float32, device=dev)
-        block_d = min(D, 16)
-        _kv_stats_kernel[(B * H, D // block_d)](
-            k, v, k_mean if smooth_k else v_scale, v_mean if smooth_v else v_scale, v_scale, H, S,
-            *k.stride(), *v.stride(), D=D, BLOCK_S=128, BLOCK_D=block_d, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-            V_QMAX=FP8_MAX if fp8_v else 1.0)
-        if not fp8_v:  # 16-bit V keeps scale 1 (the stats pass ran for the V mean only)
-            v_scale.fill_(1.0)
+    has_stats = smooth_k or fp8_v or smooth_v
+    stats = torch.empty(3, BH, D, dtype=torch.float32, device=dev)
+    if has_stats:
+        block_s = 16 if interpreting() else 64
+        n_blocks = triton.cdiv(max(S, 1), block_s)
+        per = triton.cdiv(n_blocks, max(1, min(16, 512 // BH)))  # ~512 programs: enough to fill the SMs
+        n_split = triton.cdiv(n_blocks, per)
+        part = torch.empty(4, BH, n_split, D, dtype=torch.float32, device=dev)
+        _STATS_LAUNCH((BH, n_split),
+            k, v, part, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
+            D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=4, num_stages=3)
     else:
-        v_scale = torch.ones(B * H, D, dtype=torch.float32, device=dev)
-        if smooth_k:
-            k_mean.copy_(k.mean(dim=2, dtype=torch.float32).reshape(B * H, D))
-    k8 = torch.empty(B * H, S_pad, D, dtype=torch.int8, device=dev)
-    k_scale = torch.empty(B * H, S_pad // block_n, dtype=torch.float32, device=dev)
-    vt = torch.empty(B * H, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    _quantize_kv_kernel[(S_pad // block_n, B * H)](
-        k, v, k_mean if smooth_k else v_scale, v_mean if smooth_v else v_scale, v_scale, k8, k_scale, vt,
-        H, S, S_pad, *k.stride(), *v.stride(), QMAX=qmax, D=D, BLOCK=block_n, SMOOTH_K=smooth_k,
-        SMOOTH_V=smooth_v, V_FP8=fp8_v, PRE_ROUND=interpreting())
-    return dict(k8=k8, k_scale=k_scale, k_mean=k_mean.reshape(B, H, 1, D) if smooth_k else None, vt=vt,
-                v_scale=v_scale, v_mean=v_mean)
+        part, n_split = stats, 0
+    k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
+    k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
+    vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
+    _QUANT_LAUNCH((S_pad // block_n, BH),
+        k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
+        QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
+        HAS_STATS=has_stats, PRE_ROUND=interpreting(), num_warps=4, num_stages=3)
+    return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt)
