@@ -35,12 +35,19 @@ def grads(model, loss_fn, x, y, autocast):
 def compare(model, x, y):
     ref_loss, ref = grads(model, functools.partial(lm_loss, impl="reference"), x, y, autocast=False)
     out = {"fp32_reference_loss": ref_loss}
-    for name, fn in (("plain", logits_cross_entropy), ("thrifty", functools.partial(lm_loss, impl="triton"))):
+    variants = (("plain", logits_cross_entropy), ("thrifty", functools.partial(lm_loss, impl="triton")),
+                ("thrifty_fp32_scratch", functools.partial(lm_loss, impl="triton", scratch_in_dc=False,
+                                                           chunk_bytes=64 << 20)),
+                ("thrifty_bf16_de", functools.partial(lm_loss, impl="triton", e_grad_fp32=False)))
+    ref_all = torch.cat([r.flatten() for r in ref.values()])
+    for name, fn in variants:
         loss, g = grads(model, fn, x, y, autocast=True)
         cos = {n: F.cosine_similarity(g[n].flatten(), ref[n].flatten(), dim=0).item() for n in ref}
         norm = {n: (g[n].norm() / ref[n].norm()).item() for n in ref}
         worst = sorted(cos, key=cos.get)[:3]
-        out[name] = dict(loss=loss, min_cos=min(cos.values()), worst={n: round(cos[n], 6) for n in worst},
+        all_cos = F.cosine_similarity(torch.cat([g[n].flatten() for n in ref]), ref_all, dim=0).item()
+        out[name] = dict(loss=loss, all_params_cos=all_cos, final_norm_cos=cos["model.norm.weight"],
+                         min_cos=min(cos.values()), worst={n: round(cos[n], 6) for n in worst},
                          embed_cos=next(v for n, v in cos.items() if "embed" in n),
                          norm_ratio_range=[min(norm.values()), max(norm.values())])
     return out
