@@ -75,7 +75,8 @@ def test_kernel_matches_reference_int8_fp8(B, H, Hkv, Sq, Sk, causal):
     assert accuracy_metrics(out, exact)["cos_sim"] > 0.999
     default, default_lse = sage_attention(q, k, v, causal=causal, impl="triton", return_lse=True)
     assert accuracy_metrics(default, ref)["cos_sim"] > 0.99999
-    assert (default_lse - ref_lse)[finite].abs().max() < 1e-4
+    # GPU default (folded exponent, ex2.approx): measured 1.5e-4 on LSEs of ~5; exact path in the interpreter
+    assert (default_lse - ref_lse)[finite].abs().max() < (1e-4 if interpreting() else 1e-3)
 
 
 @pytest.mark.parametrize("opts", [dict(qk_bits=4), dict(pv="fp16"), dict(smooth_v=True), dict(smooth_k=False)])

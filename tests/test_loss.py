@@ -223,28 +223,43 @@ def test_kernels_filtering_sorting_and_chunking(filter_eps, sort_vocab, e_grad_f
                                                 (8192, 576, 49152, 512, True), (8192, 576, 49152, 512, False)])
 def test_in_place_plan_keeps_scratch_in_free_rows_of_dc(nv, D, V, buf, acc):
     """The schedule that puts gradient tiles (and the fp32 dE accumulator) into dC's rows not yet written:
-    chunks tile [0, V) in order, every scratch region lies after the rows written so far and before the
-    accumulator until it is flushed, and the accumulator's rows are written only after the flush."""
-    from thrifty.loss.backward import ALIGN, plan_chunks
+    "both" chunks tile [0, r) in order; with an accumulator, "de" chunks (separate buffer) then "dc" chunks
+    each tile [r, V), the flush comes right before the first "dc" chunk, so every dE contribution is summed in
+    fp32; every scratch region lies after the rows written so far and, before the flush, before the
+    accumulator."""
+    from thrifty.loss.backward import ALIGN, plan_chunks, recomputed_fraction
 
     step = 32
     plan, acc_off = plan_chunks(V, D, nv, step, buf, 2 * nv * D if acc else 0)
-    assert plan[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(plan, plan[1:]))
-    assert plan[-1][0] + plan[-1][1] == V
-    assert sum(p[3] for p in plan) == (acc_off is not None)
+    modes = [p[4] for p in plan]
+    both = [p for p in plan if p[4] == "both"]
+    r = both[-1][0] + both[-1][1] if both else 0
+    for mode, begin in (("both", 0), ("de", r), ("dc", r)):
+        part = [p for p in plan if p[4] == mode]
+        if mode == "both" or acc_off is not None:
+            assert part and part[0][0] == begin and all(a[0] + a[1] == b[0] for a, b in zip(part, part[1:]))
+            assert part[-1][0] + part[-1][1] == (r if mode == "both" else V)
+        else:
+            assert not part
+    assert modes == sorted(modes, key=["both", "de", "dc"].index)  # all "both", then all "de", then all "dc"
+    assert [p[3] for p in plan] == [p[4] == "dc" and (i == 0 or plan[i - 1][4] != "dc") for i, p in enumerate(plan)]
+    if not acc:
+        assert acc_off is None
     flushed = acc_off is None
-    for s, cur, g_off, flush in plan:
+    for s, cur, g_off, flush, mode in plan:
         flushed = flushed or flush
         assert cur > 0 and (cur % step == 0 or s + cur == V)
         if g_off is None:
             assert cur <= buf
         else:
-            assert g_off % ALIGN == 0 and g_off >= (s + cur) * D
+            assert mode != "de" and g_off % ALIGN == 0 and g_off >= (s + cur) * D
             assert g_off + nv * cur <= (V * D if flushed else acc_off)
         if not flushed:
-            assert (s + cur) * D <= acc_off
+            assert mode == "de" or (s + cur) * D <= acc_off
     if V > 1000:  # the real shapes use dC's rows for most of the vocabulary
         assert sum(p[1] for p in plan if p[2] is not None) > 0.8 * V
+    if (nv, D, V) == (8192, 2304, 256000) and acc:  # the 256k benchmark shape: a small second pass
+        assert 0 < recomputed_fraction(plan, V) < 0.1
 
 
 @needs_kernels
@@ -262,6 +277,33 @@ def test_kernels_scratch_in_dc(N, D, V, ignore_every, filter_eps, e_grad_fp32):
     assert_close(got, oracle(e, c, b, t), 1e-4, 3e-2 if filter_eps else 2e-2)
     sep = loss_and_grads(linear_cross_entropy, e, c, b, t, **dict(kw, scratch_in_dc=False))
     assert_close(got, sep, 1e-6, 1e-2)  # same maths; only the dE rounding schedule differs
+
+
+@needs_kernels
+@pytest.mark.parametrize("ignore_every, bias, dense_above", [(0, True, 0.0), (5, False, 0.0), (0, False, 2.0)])
+def test_kernels_two_pass_ending_sums_all_of_de_in_fp32(ignore_every, bias, dense_above):
+    """Where dC's free rows run out before the accumulator's, the rest of the vocabulary is done as dE only,
+    then (after the flush) recomputed for dC only: dE is the fp32 sum over the whole vocabulary, as with a
+    separate fp32 scratch (only the summation order differs, so at most one bf16 step apart), and dC and the
+    bias gradient are each computed once."""
+    from thrifty.loss.backward import backward_config, plan_chunks, recomputed_fraction
+    N, D, V = 16, 24, 333
+    e, c, b, t = make(N, D, V, dtype=torch.bfloat16, scale=3.0, bias=bias, device=DEVICE, seed=7,
+                      ignore_every=ignore_every)
+    nv = int((t != -100).sum())
+    cfg = backward_config(True)
+    step = cfg["BLOCK_V"] * cfg["SPLIT"]
+    plan, acc_off = plan_chunks(V, D, nv, step, 32, 2 * nv * D)
+    assert acc_off is not None and 0 < recomputed_fraction(plan, V) <= 0.25  # this case takes the two passes
+    kw = dict(impl="triton", chunk_bytes=nv * 32 * 2, kernel_config=dict(dense_above=dense_above))
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, **kw)
+    sep = loss_and_grads(linear_cross_entropy, e, c, b, t, **dict(kw, scratch_in_dc=False))
+    assert_close(got, oracle(e, c, b, t), 1e-4, 2e-2)
+    (_, (de, dc, db)), (_, (de_s, dc_s, db_s)) = got, sep
+    assert ((de - de_s).abs() <= de_s.abs() * 2 ** -7 + 1e-12).all()  # one bf16 rounding of the same fp32 sum
+    assert rel(dc, dc_s) < 1e-6
+    if bias:
+        assert rel(db, db_s) < 1e-6
 
 
 @needs_kernels

@@ -231,36 +231,65 @@ def _fit(s, V, D, nv, step, limit, align=ALIGN):
 
 
 def plan_chunks(V, D, nv, step, buf_cols, acc_elems, align=ALIGN):
-    """The vocabulary chunks of the in-place schedule: [(start, cur, g_off or None, flush_before)].
+    """The vocabulary chunks of the in-place schedule: [(start, cur, g_off or None, flush_before, mode)], and the
+    accumulator's flat offset in dC (None when there is none).
 
     dC (V x D, contiguous) is written chunk by chunk in vocabulary order, so its rows after the current chunk
-    are free: the chunk's gradient tiles live there (g_off: flat element offset), and, while ``acc_elems`` > 0,
+    are free: the chunk's gradient tiles live there (g_off: flat element offset) and, when ``acc_elems`` > 0,
     the fp32 dE accumulator too, at the very end of dC (it needs 2*nv rows of a 16-bit dC). Chunks shrink as
-    the free region does (cur ~ (free rows) * D / (nv + D)); once the accumulator's room ahead is too small for
-    ``buf_cols`` columns, it is flushed into dE (flush_before=True on that chunk: one rounding, dE then
-    accumulates in place), and once dC's whole free region is smaller than ``buf_cols`` columns, the rest
-    goes through a separate buffer of buf_cols columns (g_off None)."""
+    the free region does (cur ~ (free rows) * D / (nv + D)); mode "both" computes dC and dE of the chunk.
+    Once the room ahead of the accumulator is too small for ``buf_cols`` columns, the rest of the vocabulary
+    is done twice so that all of dE is summed in fp32: first dE only (mode "de", tiles in the separate buffer
+    of buf_cols columns, g_off None), then the accumulator is rounded into dE once (flush_before on the next
+    chunk) and the logit tiles of the rest are recomputed for dC only (mode "dc", tiles in the rows the
+    accumulator freed). Accumulating those last chunks into bf16 dE instead biases the gradient (small
+    contributions are rounded away: 2.8% error on a sum over tokens of dE for a 7% bf16 tail, measured on a
+    trained model; NOTES.md v7). Without an accumulator every chunk is "both"; when dC's whole free region is
+    smaller than ``buf_cols`` columns, the rest goes through the separate buffer."""
     total = V * D
     acc_off = (total - acc_elems) // align * align if acc_elems else total
-    # (the accumulator's rows are written last, so a plan that uses it always flushes it)
     accumulating = acc_elems > 0 and acc_off > 0 and _fit(0, V, D, nv, step, acc_off, align) >= min(buf_cols, V)
-    plan, s, flush = [], 0, False
+    plan, s = [], 0
     while s < V:
         if accumulating:
             cur = _fit(s, V, D, nv, step, acc_off, align)
-            if cur < buf_cols:  # room ahead of the accumulator too small: round it into dE, free its rows
-                accumulating, flush = False, True
-                continue
+            if cur < buf_cols:  # room ahead of the accumulator too small: dE of the rest, flush, dC of the rest
+                rest = s
+                while s < V:
+                    cur = min(buf_cols, V - s)
+                    plan.append((s, cur, None, False, "de"))
+                    s += cur
+                s, first = rest, True
+                while s < V:
+                    cur = _fit(s, V, D, nv, step, total, align)
+                    if cur >= min(buf_cols, V - s) and cur > 0:
+                        plan.append((s, cur, -(-(s + cur) * D // align) * align, first, "dc"))
+                    else:
+                        cur = min(buf_cols, V - s)
+                        plan.append((s, cur, None, first, "dc"))
+                    s, first = s + cur, False
+                return plan, acc_off
         else:
             cur = _fit(s, V, D, nv, step, total, align)
         if cur >= min(buf_cols, V - s) and cur > 0:
-            plan.append((s, cur, -(-(s + cur) * D // align) * align, flush))
+            plan.append((s, cur, -(-(s + cur) * D // align) * align, False, "both"))
         else:
             cur = min(buf_cols, V - s)
-            plan.append((s, cur, None, flush))
-        flush = False
+            plan.append((s, cur, None, False, "both"))
         s += cur
-    return plan, (acc_off if any(p[3] for p in plan) else None)
+    # an accumulator that covered the whole vocabulary still holds dC's last rows: not possible (it sits in
+    # them), so a plan that accumulates always ends with the "de"/"dc" pass above; none placed: no accumulator
+    return plan, None
+
+
+def recomputed_fraction(plan, V) -> float:
+    """Share of the vocabulary whose logit tiles the plan computes twice (the "de" chunks)."""
+    return sum(cur for _, cur, _, _, mode in plan if mode == "de") / max(V, 1)
+
+
+# The two-pass ending of plan_chunks costs a second logit pass over its share of the vocabulary (in small
+# chunks); above this share a separate nv x D fp32 accumulator is cheaper (large token counts, small V).
+MAX_RECOMPUTED = 0.25
 
 
 def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional[float], label_smoothing: float,
@@ -313,8 +342,10 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     fp32_acc = need_e and e_grad_fp32 and e2d.dtype != torch.float32
     if in_dc:
         plan, acc_off = plan_chunks(V, D, nv, step, buf_cols, 2 * nv * D if fp32_acc else 0)
+        if fp32_acc and (acc_off is None or recomputed_fraction(plan, V) > MAX_RECOMPUTED):
+            plan, acc_off = plan_chunks(V, D, nv, step, buf_cols, 0)  # tiles in dC, accumulator separate
     else:
-        plan = [(s, min(buf_cols, V - s), None, False) for s in range(0, V, buf_cols)]
+        plan = [(s, min(buf_cols, V - s), None, False, "both") for s in range(0, V, buf_cols)]
         acc_off = None
     vc = max(p[1] for p in plan)
     buf = None
@@ -327,9 +358,9 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     if fp32_acc and acc_off is not None:
         de_acc = dc.view(-1)[acc_off:acc_off + 2 * nv * D].view(torch.float32).view(nv, D)
         de_acc.zero_()
-    elif fp32_acc and not in_dc:
+    elif fp32_acc:  # a separate fp32 accumulator: no dC, a sorted vocabulary, or dC too small to host it
         de_acc = torch.zeros(nv, D, dtype=torch.float32, device=e2d.device)
-    else:  # in place in e's dtype (also when dC is too small to host the fp32 accumulator: memory first)
+    else:  # e_grad_fp32=False: in place in e's dtype (one rounding per chunk; biased when chunks are many)
         de_acc = de_c
     order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
     # work lists only for the sparse GEMMs: with filtering, or when cuBLAS cannot take the tiles (fp16 inputs)
@@ -338,10 +369,11 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     cnt_dc = cnt_de = cnt_all = counts  # placeholders when no lists are kept
     e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)
     progress = _KeptTiles(n_chunks, e2d.device)
-    for chunk, (start, cur, g_off, flush) in enumerate(plan):
+    for chunk, (start, cur, g_off, flush, mode) in enumerate(plan):
         if flush and fp32_acc and de_acc is not de_c:  # its rows of dC come next: round it into dE (once)
             de_c.copy_(de_acc)
             de_acc = de_c
+        do_c, do_e = need_c and mode != "de", need_e and mode != "dc"
         if g_off is not None:
             g_buf = dc_flat.as_strided((nv, cur), (cur, 1), g_off)
         else:
@@ -356,14 +388,15 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
             nv, D, e2d.stride(0), c.stride(0), g_buf.stride(0), start, cur, n_vb, n_nb,
             float(softcap or 1.0), float(z_loss), 1.0 - label_smoothing, label_smoothing / V,
             float(filter_eps or 0.0), HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b, SPLIT=split, LISTS=lists,
+            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b and mode != "dc", SPLIT=split,
+            LISTS=lists,
             BLOCK_N=bn, BLOCK_V=step,
             BLOCK_D=bd_tile, **cfg)
         n_tiles = n_nb * triton.cdiv(cur, bv)
         kept = progress.kept(chunk, cnt_all, n_tiles) if filtering else n_tiles
         vocab_chunk = order[start:start + cur].long() if order is not None else None
         if kept == 0:  # nothing above the filter in the whole chunk: dC rows are zero, dE unchanged
-            if need_c:
+            if do_c:
                 if vocab_chunk is None:
                     dc[start:start + cur].zero_()
                 else:
@@ -371,23 +404,23 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
             continue
         if kept > dense_above * n_tiles and g_dtype == e2d.dtype:
             g = g_buf
-            if need_c:
+            if do_c:
                 if e_valid is None:
                     e_valid = e2d if nv == N else e2d.index_select(0, rows)
                 if vocab_chunk is None:
                     torch.mm(g.T, e_valid, out=dc[start:start + cur])
                 else:
                     dc.index_copy_(0, vocab_chunk, torch.mm(g.T, e_valid))
-            if need_e:
+            if do_e:
                 c_chunk = c[start:start + cur] if vocab_chunk is None else c.index_select(0, vocab_chunk)
                 _dense_de_update(de_acc, g, c_chunk)
             continue
-        if need_c:
+        if do_c:
             _dc_kernel[(triton.cdiv(cur, bv), triton.cdiv(D, bd_dc))](
                 g_buf, cnt_dc, list_dc, e2d, rows, order_arg, dc, nv, D, e2d.stride(0),
                 g_buf.stride(0), dc.stride(0), start, cur, n_nb, HAS_ORDER=order is not None,
                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_dc, **cfg)
-        if need_e:
+        if do_e:
             _de_kernel[(n_nb, triton.cdiv(D, bd_de))](
                 g_buf, cnt_de, list_de, c, order_arg, rows, de_acc, nv, D, c.stride(0), g_buf.stride(0),
                 de_acc.stride(0), start, cur, n_vb, HAS_ORDER=order is not None, DE_BY_ROW=False,
