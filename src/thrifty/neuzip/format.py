@@ -145,7 +145,8 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
     steps = m.get("steps")
     if type(steps) is not int or steps not in lane_steps:
         raise ValueError(f"{where}: lane length steps={steps!r}, this file version allows {list(lane_steps)}")
-    # version 3 names the lane-length unit (1: a tensor read from a version 1/2 file); before it was 1
+    # version 3 states each tensor's lane-length unit (1: the uint16 bit lengths of versions 1 and 2, which
+    # a re-saved old tensor keeps); versions 1 and 2 have unit 1 only
     unit = m.get("lane_unit") if units else m.get("lane_unit", R.LEGACY_UNIT)
     allowed = (R.LEGACY_UNIT, R.lane_unit(steps)) if units else (R.LEGACY_UNIT,)
     if type(unit) is not int or unit not in allowed:
