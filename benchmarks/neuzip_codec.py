@@ -1,10 +1,11 @@
 """NeuZip codec on the GPU: ratio (lossless, k = 0/1/3/7; lane lengths 64/128/256), bits per exponent vs
-entropy, decode GB/s vs DFloat11 0.5.0 and vs the HBM copy bandwidth, on real weights (SmolLM2-135M layers,
-carried in .neuzip_tensors/) and a Llama-shaped random init made here. Every decode is checked bit for bit
+entropy, decode GB/s vs DFloat11 0.5.0 and vs the HBM copy bandwidth, on two real sets carried in
+.neuzip_tensors/ (SmolLM2-135M layers 0/14/29, Q4_1-dequantized; 42 matrices of a 30m model trained in this
+project, genuine bf16) and a Llama-shaped random init made here. Every decode is checked bit for bit
 against the original first. Decode variants: the v3 kernel per lane length and launch config (asm funnel
 shifts on/off, int32/int16 table), and v2 (the previous kernel) on 256-symbol lanes as the baseline.
 
-    python benchmarks/neuzip_codec.py [--tensors .neuzip_tensors/smollm2_layers.safetensors] [--quick]
+    python benchmarks/neuzip_codec.py [--tensors FILE ...] [--quick] [--smoke]
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ V3_LAUNCHES = [(1, 2, True, False, True), (2, 4, True, False, True), (4, 4, True
                (4, 4, True, False, False)]  # the last: the plain-tl path (what the interpreter runs)
 # v2 baseline (NOTES.md): 256-symbol lanes, 2 groups per program, 4 warps, full / first-level table
 V2_LAUNCHES = [(2, 4, False), (2, 4, True)]
+
+
+REAL_FILES = (".neuzip_tensors/smollm2_layers.safetensors", ".neuzip_tensors/trained30m_layers.safetensors")
+
+
+def real_set_name(path) -> str:
+    """smollm2_layers.safetensors -> "smollm2", trained30m_layers... -> "trained30m"."""
+    return os.path.basename(path).split(".")[0].removesuffix("_layers")
 
 
 def load_real(path):
@@ -102,7 +111,8 @@ def dfloat11_decoder(kernel, parts, shared, n, threads=512, bytes_per_thread=8):
 # ----------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--tensors", default=".neuzip_tensors/smollm2_layers.safetensors")
+    p.add_argument("--tensors", nargs="+", default=list(REAL_FILES),
+                   help="real weight sets (safetensors); the first is the headline set")
     p.add_argument("--quick", action="store_true", help="fewer launch configs and reps")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under TRITON_INTERPRET=1")
     args = p.parse_args(argv)
@@ -121,29 +131,33 @@ def main(argv=None) -> int:
     print(f"HBM copy: {copy_gbps:.0f} GB/s read+write", flush=True)
     del src, dst
 
-    real = load_real(args.tensors)
-    if args.smoke:
-        real = {k: v.reshape(-1)[:3000] for k, v in list(real.items())[:2]}
-        init = {k: v[:2] for k, v in llama_init().items()}
-    else:
-        init = llama_init()
-    sets = {}
-    if real:
-        sets["smollm2_layers_concat"] = [torch.cat([w.reshape(-1) for w in real.values()])]
+    reals = {}  # set name -> {matrix name: bf16 tensor}
+    for path in args.tensors:
+        real = load_real(path)
+        if not real:
+            print(f"missing or empty: {path}", flush=True)
+            continue
+        if args.smoke:
+            real = {k: v.reshape(-1)[:3000] for k, v in list(real.items())[:2]}
+        reals[real_set_name(path)] = real
+    init = {k: v[:2] for k, v in llama_init().items()} if args.smoke else llama_init()
+    sets = {f"{name}_layers_concat": [torch.cat([w.reshape(-1) for w in real.values()])] for name, real in reals.items()}
     sets.update({k: [v] for k, v in init.items()})  # made here, not carried
     df11 = dfloat11_module() if importlib.util.find_spec("dfloat11") else None
-    print(f"sets: {list(sets)}; real tensors: {len(real)}; dfloat11: {df11 is not None}", flush=True)
+    print(f"sets: {list(sets)}; real tensors: { {k: len(v) for k, v in reals.items()} }; dfloat11: {df11 is not None}",
+          flush=True)
 
     # ---- ratios (lossless and lossy) on the real matrices, per matrix as stored, and on the init
     ratio_rows = []
-    for set_name, tensors in (("smollm2_layers", list(real.values())), ("llama_init", [init["q_proj_4096x4096"]])):
+    ratio_sets = [(f"{name}_layers", list(real.values())) for name, real in reals.items()]
+    for set_name_, tensors in ratio_sets + [("llama_init", [init["q_proj_4096x4096"]])]:
         if not tensors:
             continue
         orig = sum(t.numel() * 2 for t in tensors)
         for k in (None, 0, 1, 3, 7):
             for steps in (R.LANE_STEPS if k is None else (R.STEPS,)):
                 cs = [compress(t, k, steps=steps) for t in tensors]
-                row = {"set": set_name, "codec": "neuzip", "mantissa_bits": "lossless" if k is None else k,
+                row = {"set": set_name_, "codec": "neuzip", "mantissa_bits": "lossless" if k is None else k,
                        "steps": steps, "ratio": sum(c.nbytes for c in cs) / orig}
                 if k is None:
                     counts = sum(np.bincount(R.split_symbols(R._uint_view(t), t.dtype)[0], minlength=256)
@@ -184,7 +198,7 @@ def main(argv=None) -> int:
                 kw = dict(kernel="v2", small_table=small_tab if small else None)
                 name = f"v2 s{steps} g{g}w{w}{' small' if small else ''}"
             out.fill_(0)
-            run = lambda: decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], table, out, 7,
+            run = lambda: decode_into(s["words"], s[c.lane_key], s["group_offsets"], s["raw"], table, out, 7,
                                       steps=steps, groups_per_prog=g, num_warps=w, **kw)
             run()
             exact = torch.equal(out.view(torch.int16), x_gpu.view(torch.int16))
@@ -236,7 +250,7 @@ def main(argv=None) -> int:
     ref3 = c3.decompress(impl="reference").to(DEV)
     out = torch.empty_like(ref3)
     s3, tab3, v3tab3 = c3.streams, c3._table(DEV), c3._table(DEV, "v3_16")
-    run = lambda: decode_into(s3["words"], s3["lane_bits"], s3["group_offsets"], s3["raw"], tab3, out, 3,
+    run = lambda: decode_into(s3["words"], s3[c3.lane_key], s3["group_offsets"], s3["raw"], tab3, out, 3,
                               steps=c3.steps, v3_table=v3tab3, asm=not args.smoke)  # default launch
     run()
     exact = torch.equal(out.view(torch.int16), ref3.view(torch.int16))
@@ -248,11 +262,12 @@ def main(argv=None) -> int:
 
     bests = {r["set"]: r for r in rows if r.get("codec") == "neuzip (best launch)"}
     dfs = {r["set"]: r for r in rows if r.get("codec") == "dfloat11 0.5.0"}
-    head = "smollm2_layers_concat" if "smollm2_layers_concat" in bests else "q_proj_4096x4096"
-    lossless_real = [r for r in ratio_rows if r["set"] == "smollm2_layers" and r["mantissa_bits"] == "lossless"
-                     and r["steps"] == R.STEPS]
+    real_concat = [f"{name}_layers_concat" for name in reals]
+    head = real_concat[0] if real_concat else "q_proj_4096x4096"  # smollm2 by default, as before
+    lossless_real = {r["set"]: r["ratio"] for r in ratio_rows if r["set"] != "llama_init"
+                     and r["mantissa_bits"] == "lossless" and r["steps"] == R.STEPS}
     summary.update({
-        "lossless_ratio_real": lossless_real[0]["ratio"] if lossless_real else None,
+        "lossless_ratio_real": max(lossless_real.values()) if lossless_real else None,  # the worse real set
         "lossless_ratio_llama_init": [r for r in ratio_rows if r["set"] == "llama_init"
                                       and r["mantissa_bits"] == "lossless" and r["steps"] == R.STEPS][0]["ratio"],
         "decode_launch": bests[head]["launch"],
@@ -272,6 +287,13 @@ def main(argv=None) -> int:
             summary[f"decode_gbps_{r['set']}_{r['kernel']}_steps{r['steps']}"] = r["decode_gbps"]
     for name, r in bests.items():
         summary[f"decode_gbps_{name}"] = r["decode_gbps"]
+        if name in real_concat:  # short per-set keys: decode_gbps_trained30m, decode_ratio_vs_dfloat11_trained30m
+            short = name.removesuffix("_layers_concat")
+            summary[f"decode_gbps_{short}"] = r["decode_gbps"]
+            summary[f"decode_of_copy_rw_{short}"] = r["decode_gbps"] / copy_gbps
+            summary[f"decode_ratio_vs_dfloat11_{short}"] = (r["decode_gbps"] / dfs[name]["decode_gbps"]
+                                                            if name in dfs else None)
+            summary[f"lossless_ratio_{short}"] = lossless_real.get(f"{short}_layers")
         if name in dfs:
             summary[f"dfloat11_gbps_{name}"] = dfs[name]["decode_gbps"]
             summary[f"dfloat11_ratio_{name}"] = dfs[name]["ratio"]
@@ -280,9 +302,16 @@ def main(argv=None) -> int:
                  or r["codec"] in ("dfloat11 0.5.0", "torch.copy_", "neuzip k=3")]
     path = bench.write_result("neuzip_codec", rows + ratio_rows, summary, device="smoke" if args.smoke else None,
                               extra={"dfloat11": "0.5.0", "copy": "1 GiB bf16 copy_, read+write bytes",
-                                     "decode_gbps": "bytes of bf16 output per second, L2 flushed before each call",
-                                     "real_weights": "SmolLM2-135M layers 0/14/29 (Q4_1-dequantized GGUF -> "
-                                                     "fp32 -> bf16: exponent statistics are distorted)"})
+                                     "real_weights": {
+                                         "smollm2": "SmolLM2-135M layers 0/14/29 (Q4_1-dequantized GGUF -> fp32 -> "
+                                                    "bf16: exponent statistics are distorted)",
+                                         "trained30m": "42 matrices of a 30m model trained in this project (bf16)"},
+                                     "lossless_ratio_real": "the worse (larger) lossless ratio of the real sets, "
+                                                            "per matrix, default lane length",
+                                     "decode_gbps": "headline: the first real set (SmolLM2 concat), default "
+                                                    "lane length, best launch; per-set keys decode_gbps_<set>; "
+                                                    "decode speed is bytes of bf16 output per second, L2 "
+                                                    "flushed before each call"})
     try:
         bench.plot_rows(plot_rows, x="set", y="decode_gbps", hue="codec", path=path.with_suffix(".png"),
                         title="decode, GB/s of bf16 output (copy_: half the read+write copy rate)")

@@ -11,9 +11,15 @@ import torch
 from thrifty.neuzip import CompressedTensor, compress, load, save
 from thrifty.neuzip import reference as R
 from thrifty.neuzip.cli import compress_main, decompress_main
+from thrifty.neuzip.tensor import _from_streams
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SMOLLM2 = os.path.join(os.path.dirname(__file__), "..", "data", "smollm2-135m", "model.safetensors")
+
+
+def legacy(x: torch.Tensor, steps: int, mantissa_bits=None) -> CompressedTensor:
+    """x in the format 1/2 layout (uint16 lane bit lengths, no padding), as read from an old file."""
+    return _from_streams(R.encode(x, mantissa_bits, steps, unit=1), x, mantissa_bits)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +192,9 @@ def test_triton_interpreter_lane_lengths():
         for gpp in (1, 2):
             assert_same_bits(c.decompress(impl="triton", groups_per_prog=gpp), x)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1, small=True), x)
+        old = legacy(x, steps)  # a tensor read from a format 1/2 file: uint16 lane bit lengths
+        for launch in ({"groups_per_prog": 1}, {"kernel": "v2"}):
+            assert_same_bits(old.decompress(impl="triton", **launch), x)
         n = R.GROUP * steps * 2  # exact multiple: the last program is full but must still run masked
         c = compress(x[:n], steps=steps)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x[:n])
@@ -197,11 +206,45 @@ def test_lane_lengths_round_trip(steps, trained_weights):
         for name, x in cases(dtype, trained_weights):
             if name in ("random", "specials", "one", "multi-group", "empty", "wide-range"):
                 c = compress(x, steps=steps)
-                assert c.streams["lane_bits"].numel() == R.GROUP * -(-x.numel() // (R.GROUP * steps))
+                lanes = R.GROUP * -(-x.numel() // (R.GROUP * steps))
+                assert c.streams["lane_units"].dtype == torch.uint8 and c.streams["lane_units"].numel() == lanes
                 assert_same_bits(c.decompress(impl="reference"), x)
-    x = (torch.randn(R.GROUP * 256 * 4) * 0.02).bfloat16()  # metadata: 16 bits per lane
-    extra = compress(x, steps=steps).nbytes - compress(x, steps=256).nbytes
-    assert extra == 2 * x.numel() // steps - 2 * x.numel() // 256 + 8 * (x.numel() // (R.GROUP * steps) - 4)
+                old = legacy(x, steps)
+                assert old.streams["lane_bits"].numel() == lanes and old.unit == 1
+                assert_same_bits(old.decompress(impl="reference"), x)
+    x = (torch.randn(R.GROUP * 256 * 4) * 0.02).bfloat16()
+    c, old = compress(x, steps=steps), legacy(x, steps)
+    lanes, groups, unit = x.numel() // steps, x.numel() // (R.GROUP * steps), R.lane_unit(steps)
+    # metadata: 1 byte per lane, an int64 per group; lanes padded to whole units of steps / 16 bits
+    exact = c.streams["lengths"].numpy().astype(np.int64)[R.split_symbols(R._uint_view(x), x.dtype)[0]].sum()
+    padding = int(c._lane_bits().sum()) - exact
+    assert 0 <= padding <= (unit - 1) * lanes and c.symbol_bits * x.numel() == exact == old._lane_bits().sum()
+    assert c.nbytes == 4 * c.streams["words"].numel() + lanes + 8 * groups + x.numel() + 256
+    assert c.nbytes - old.nbytes <= -lanes + 4 * -(-(unit - 1) * lanes // 32)
+    assert (c._lane_bits() % unit == 0).all()
+
+
+@pytest.mark.parametrize("steps", R.LANE_STEPS)
+def test_worst_case_lane_lengths(steps):
+    """Lanes of only 12-bit codes (192 units, the most a uint8 must hold) and of only 1-bit codes."""
+    lengths = np.zeros(256, np.uint8)
+    lengths[:13] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12]  # a complete prefix code
+    g = np.random.default_rng(steps)
+    n = R.GROUP * steps * 2 + 100
+    sym = np.full(n, 12, np.uint8)
+    sym[R.GROUP * steps:] = g.choice([0, 11, 12], n - R.GROUP * steps)  # second group: mixed
+    sym[-100:] = 0
+    for unit in (R.lane_unit(steps), 1):
+        words, lane_len, offs = R.encode_symbols(sym, lengths, steps, unit)
+        if unit > 1:
+            assert lane_len.dtype == np.uint8 and lane_len[:R.GROUP].tolist() == [192] * R.GROUP
+        assert (R.decode_symbols(words, lane_len, offs, lengths, n, steps, unit) == sym).all()
+        s = R.Streams(words, lane_len, offs, np.zeros(n, np.uint8), lengths, np.zeros(256, np.int64), steps, unit)
+        x = torch.from_numpy((sym.astype(np.int16) << 7)).view(torch.bfloat16)  # sign 0, mantissa 0
+        c = _from_streams(s, x, None)
+        assert_same_bits(c.decompress(impl="reference"), x)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x)
 
 
 def test_bad_input():
@@ -239,7 +282,7 @@ def test_bad_input():
 def saved(tmp_path, trained_weights):
     entries = {"w": compress(trained_weights.bfloat16()), "h": compress(trained_weights[:999].half(), steps=128),
                "lossy": compress(trained_weights.bfloat16(), 1), "old": compress(trained_weights.float(), steps=256),
-               "ids": torch.arange(7)}
+               "v2": legacy(trained_weights[:5000].bfloat16(), 128), "ids": torch.arange(7)}
     path = tmp_path / "m.nz"
     save(path, entries)
     return path, entries
@@ -305,26 +348,92 @@ def test_file_wrong_version_and_foreign(saved, tmp_path):
         load(plain)
 
 
-def test_file_version_1_and_lane_lengths(tmp_path, trained_weights):
-    """Version 1 files (256-symbol lanes, no other choice) still load; other lane lengths need version 2."""
-    old = {"w": compress(trained_weights.bfloat16(), steps=256), "ids": torch.arange(3)}
+def _edit_meta(h, name, **kw):
+    meta = json.loads(h["__metadata__"]["thrifty.neuzip.tensors"])
+    for k, v in kw.items():
+        if v is None:
+            meta[name].pop(k, None)
+        else:
+            meta[name][k] = v
+    h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(meta)
+
+
+def _as_version(h, version):
+    """Rewrites a header as an older version would have written it (no lane_unit)."""
+    h["__metadata__"]["thrifty.neuzip.format"] = version
+    meta = json.loads(h["__metadata__"]["thrifty.neuzip.tensors"])
+    for m in meta.values():
+        m.pop("lane_unit", None)
+    h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(meta)
+
+
+def test_file_versions_1_2_and_lane_lengths(tmp_path, trained_weights):
+    """Version 1 (256-symbol lanes only) and 2 files (uint16 lane_bits) still load; other lane lengths need
+    version 2; uint8 lane units need version 3."""
+    x = trained_weights.bfloat16()
+    old = {"w": legacy(x, 256), "ids": torch.arange(3)}
     path = tmp_path / "v1.nz"
     save(path, old)
-    _set_header(path, lambda h: h["__metadata__"].update({"thrifty.neuzip.format": "1"}))
-    assert _same_entries(load(path), old)
-    save(path, {"w": compress(trained_weights.bfloat16(), steps=64)})
-    _set_header(path, lambda h: h["__metadata__"].update({"thrifty.neuzip.format": "1"}))
+    _set_header(path, lambda h: _as_version(h, "1"))
+    got = load(path)
+    assert _same_entries(got, old) and got["w"].unit == 1 and "lane_bits" in got["w"].streams
+    v2 = {"a": legacy(x, 64), "b": legacy(trained_weights[:999].half(), 128), "c": legacy(x, 256, 3)}
+    save(path, v2)
+    _set_header(path, lambda h: _as_version(h, "2"))
+    got = load(path)
+    assert _same_entries(got, v2)
+    save(path, got)  # re-saved as version 3, tensors keep their layout
+    assert _same_entries(load(path), v2)
+    save(path, {"w": legacy(x, 64)})
+    _set_header(path, lambda h: _as_version(h, "1"))
     with pytest.raises(ValueError, match="steps"):
         load(path)
+    for version in ("1", "2"):  # uint8 lane units in an old-version file
+        save(path, {"w": compress(x, steps=256)})
+        _set_header(path, lambda h: _as_version(h, version))
+        with pytest.raises(ValueError, match="lane_bits"):
+            load(path)
+        _set_header(path, lambda h: _edit_meta(h, "w", lane_unit=16))
+        with pytest.raises(ValueError, match="lane_unit"):
+            load(path)
 
-    def edit_steps(h):
-        meta = json.loads(h["__metadata__"]["thrifty.neuzip.tensors"])
-        meta["w"]["steps"] = 128
-        h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(meta)
-    save(path, {"w": compress(trained_weights.bfloat16(), steps=64)})
-    _set_header(path, edit_steps)  # a forged lane length: the sizes or the checksum no longer fit
-    with pytest.raises(ValueError, match=str(path.name)):
-        load(path)
+    # forged headers: the sizes, the checksum or the lane-unit check no longer fit
+    for edit in (dict(steps=128), dict(lane_unit=1), dict(lane_unit=8), dict(lane_unit=None), dict(lane_unit="4"),
+                 dict(lane_unit=True)):
+        save(path, {"w": compress(x, steps=64)})
+        _set_header(path, lambda h: _edit_meta(h, "w", **edit))
+        with pytest.raises(ValueError, match=str(path.name)):
+            load(path)
+
+
+def test_file_forged_lane_lengths(tmp_path, trained_weights):
+    """Streams changed together with their checksum (a forgery, not a bit flip) are still rejected."""
+    x = torch.cat([trained_weights, trained_weights[:5000]]).bfloat16()  # 2 groups at 64 steps
+    path = tmp_path / "f.nz"
+
+    def forged(change, lane_key="lane_units", make=lambda: compress(x)):
+        c = make()
+        change(c.streams, lane_key)
+        save(path, {"w": c})  # the checksum is computed over the forged streams
+        with pytest.raises(ValueError, match="inconsistent streams"):
+            load(path)
+
+    def bump(i, d):
+        def change(s, key):
+            s[key][i] += d
+        return change
+
+    # (not caught without decoding: two lanes of one group with lengths moved between them, same sum)
+    def offsets(s, key):
+        s["group_offsets"][1] += 4
+
+    def overlong(s, key):  # more than 12 bits per symbol, total kept by the last lane
+        s[key][:2] = s[key][:2] + 200 if key == "lane_units" else 768 + 1
+        s[key][-1] = 0
+
+    for lane_key, make in (("lane_units", lambda: compress(x)), ("lane_bits", lambda: legacy(x, 64))):
+        for change in (bump(0, 1), bump(-1, -40), offsets, overlong):
+            forged(change, lane_key, make)
 
 
 def test_cli_round_trip(tmp_path, capsys, trained_weights):

@@ -1,5 +1,6 @@
 """NeuZip on the GPU: the Triton decoder equals the CPU reference bit for bit (run on the GPU box)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,27 +14,70 @@ def _bits(x):
     return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n", [1, 1000, R.GROUP * 256 * 3 + 17, R.GROUP * 64 * 16, 4096 * 1024])
-@pytest.mark.parametrize("steps", R.LANE_STEPS)
-def test_triton_gpu_equals_reference(dtype, n, steps):
+def _data(n, dtype):
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g) * 0.02).to(dtype)
     x[n // 2:] = torch.exp(torch.randn(n - n // 2, generator=g) * 8).to(dtype)  # long codes too
     if n > 4:
         x[:4] = float("nan")  # NaN bits must survive too
-    c = compress(x, steps=steps)
+    return x
+
+
+def _check(c, x, launches):
     ref = c.decompress(impl="reference")
     assert torch.equal(_bits(ref), _bits(x))
     gpu = c.to("cuda")
-    launches = [{}, {"groups_per_prog": 1, "num_warps": 1}, {"groups_per_prog": 4, "num_warps": 4},
-                {"groups_per_prog": 1, "num_warps": 2}, {"asm": False}, {"asm": False, "groups_per_prog": 1},
-                {"kernel": "v2", "small_table": gpu._table("cuda", "small")}, {"kernel": "v1"}]
-    launches += [{"small": True}, {"small": True, "asm": False, "groups_per_prog": 1}, {"table16": False}]
     for launch in launches:
-        out = torch.empty(x.shape, dtype=dtype, device="cuda")
+        if launch.get("kernel") == "v2":
+            launch = dict(launch, small_table=gpu._table("cuda", "small"))
+        out = torch.empty(x.shape, dtype=x.dtype, device="cuda")
         assert gpu.decompress(out=out, impl="triton", **launch) is out
-        assert torch.equal(_bits(out.cpu()), _bits(ref))
+        assert torch.equal(_bits(out.cpu()), _bits(ref)), launch
+
+
+# every launch variant on bf16; the core ones on the other dtypes (each variant x dtype x lane length compiles)
+ALL_LAUNCHES = [{}, {"groups_per_prog": 1, "num_warps": 1}, {"groups_per_prog": 4, "num_warps": 4},
+                {"groups_per_prog": 1, "num_warps": 2}, {"asm": False}, {"asm": False, "groups_per_prog": 1},
+                {"kernel": "v2"}, {"kernel": "v1"}, {"small": True},
+                {"small": True, "asm": False, "groups_per_prog": 1}, {"table16": False}]
+CORE_LAUNCHES = [{}, {"groups_per_prog": 1, "num_warps": 2}, {"asm": False}, {"kernel": "v2"}, {"kernel": "v1"},
+                 {"small": True}]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 1000, R.GROUP * 256 * 3 + 17, R.GROUP * 64 * 16])
+@pytest.mark.parametrize("steps", R.LANE_STEPS)
+def test_triton_gpu_equals_reference(dtype, n, steps):
+    x = _data(n, dtype)
+    _check(compress(x, steps=steps), x, ALL_LAUNCHES if dtype == torch.bfloat16 else CORE_LAUNCHES)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_gpu_large(dtype):
+    """4M elements (many full programs), default lane length."""
+    x = _data(4096 * 1024, dtype)
+    _check(compress(x), x, [{}, {"asm": False}, {"kernel": "v2"}])
+
+
+@pytest.mark.parametrize("steps", R.LANE_STEPS)
+def test_triton_gpu_legacy_layout_and_worst_case(steps):
+    """Tensors of format 1/2 files (uint16 lane bit lengths), and lanes of only 12-bit codes (192 units)."""
+    from thrifty.neuzip.tensor import _from_streams
+
+    x = _data(R.GROUP * steps * 3 + 17, torch.bfloat16)
+    old = _from_streams(R.encode(x, None, steps, unit=1), x, None)
+    assert "lane_bits" in old.streams
+    _check(old, x, [{}, {"asm": False, "groups_per_prog": 1}, {"kernel": "v2"}, {"kernel": "v1"}])
+    lengths = np.zeros(256, np.uint8)
+    lengths[:13] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12]  # a complete prefix code
+    n = R.GROUP * steps * 2 + 100
+    sym = np.full(n, 12, np.uint8)
+    sym[R.GROUP * steps:] = np.random.default_rng(steps).choice([0, 11, 12], n - R.GROUP * steps)
+    for unit in (R.lane_unit(steps), 1):
+        words, lane_len, offs = R.encode_symbols(sym, lengths, steps, unit)
+        s = R.Streams(words, lane_len, offs, np.zeros(n, np.uint8), lengths, np.zeros(256, np.int64), steps, unit)
+        y = torch.from_numpy(sym.astype(np.int16) << 7).view(torch.bfloat16)
+        _check(_from_streams(s, y, None), y, [{}, {"groups_per_prog": 1}, {"kernel": "v2"}])
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])

@@ -25,12 +25,14 @@ from . import reference as R
 def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, small_ptr, out_ptr, n, n_lanes,
                    STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                    FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
-                   SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr):
+                   SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr,
+                   LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    bits = tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & 0xFFFF
+    # lane lengths: uint8 units of 2^LANE_SHIFT bits (format 3) or uint16 bits (LANE_SHIFT 0, formats 1-2)
+    bits = (tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & LANE_MASK) << LANE_SHIFT
     base = tl.load(group_off_ptr + pid * GROUPS_PER_PROG)  # int64: first bit of this program's lanes
     start = base + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
     word = (start >> 5).to(tl.int32)
@@ -138,7 +140,8 @@ def _decode_kernel_pipelined(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, t
                              n, n_lanes, n_words,
                              STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                              FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
-                             SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr):
+                             SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr,
+                             LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
     """v2: the same decode, with every memory latency taken off the per-step chain. Raw fields are loaded
     4 steps ahead (the loop body is unrolled by 4), the next word one step ahead, and each lane's whole word
     stream (~84 B) is pulled into L1 at the start (one wait instead of a miss every few steps)."""
@@ -146,7 +149,8 @@ def _decode_kernel_pipelined(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, t
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    bits = tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & 0xFFFF
+    # lane lengths: uint8 units of 2^LANE_SHIFT bits (format 3) or uint16 bits (LANE_SHIFT 0, formats 1-2)
+    bits = (tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & LANE_MASK) << LANE_SHIFT
     base = tl.load(group_off_ptr + pid * GROUPS_PER_PROG)
     start = base + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
     word = (start >> 5).to(tl.int32)
@@ -349,7 +353,8 @@ def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_pt
                       n, n_lanes, n_words, n_full_progs,
                       STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                       FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
-                      SIGN_SHIFT: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr):
+                      SIGN_SHIFT: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr,
+                      LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
     """v3: 32-bit word pair + funnel shift instead of a uint64 buffer, two symbols per refill check, a
     table entry that holds the symbol at its place in the output, and no masks outside the last program.
     Same bits as v1/v2 and the reference."""
@@ -357,7 +362,8 @@ def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_pt
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    bits = tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & 0xFFFF
+    # lane lengths: uint8 units of 2^LANE_SHIFT bits (format 3) or uint16 bits (LANE_SHIFT 0, formats 1-2)
+    bits = (tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & LANE_MASK) << LANE_SHIFT
     base = tl.load(group_off_ptr + pid * GROUPS_PER_PROG)  # int64: first bit of this program's lanes
     start = base + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
     word = (start >> 5).to(tl.int32)
@@ -409,7 +415,8 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
                 pipelined: bool | None = None) -> torch.Tensor:
     """Launches the decoder; ``out`` (contiguous, dtype bf16/fp16/fp32) receives the tensor's elements.
 
-    words: int32 (the uint32 stream); lane_bits: int16 (uint16 lengths); group_offsets: int64; raw: uint8;
+    words: int32 (the uint32 stream); lane_bits: each lane's length, uint8 units of ``steps // 16`` bits
+    (format 3) or int16 (the uint16 bit lengths of formats 1 and 2); group_offsets: int64; raw: uint8;
     table: int32[4096] from :func:`reference.decode_table`; steps: symbols per lane (the tensor's layout).
     kernel: "v3" (default), "v2" (pipelined uint64 buffer) or "v1" (plain loop); ``pipelined`` (old flag):
     True = v2, False = v1. v1/v2: small_table, an optional int16[256] from :func:`small_table`. v3:
@@ -428,6 +435,12 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
     if n == 0:
         return out
     bits, shift, _ = R.DTYPES[out.dtype]
+    if lane_bits.dtype == torch.uint8:
+        lane_mask, lane_shift = 0xFF, (R.lane_unit(steps)).bit_length() - 1
+    elif lane_bits.dtype == torch.int16:
+        lane_mask, lane_shift = 0xFFFF, 0
+    else:
+        raise TypeError(f"lane_bits: expected uint8 (units) or int16 (bits), got {lane_bits.dtype}")
     n_lanes = lane_bits.numel()
     n_groups = group_offsets.numel()
     if n_groups != R.n_groups(n, steps) or n_lanes != n_groups * R.GROUP:
@@ -450,7 +463,7 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
                                 words.numel(), n_full, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog,
                                 FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm,
                                 TSIZE=v3_table.element_size(), SMALL=v3_small is not None,
-                                num_warps=num_warps)
+                                LANE_MASK=lane_mask, LANE_SHIFT=lane_shift, num_warps=num_warps)
         return out
     kern, extra = (_decode_kernel_pipelined, (words.numel(),)) if kernel == "v2" else (_decode_kernel, ())
     kern[grid](words, lane_bits, group_offsets, raw, table,
@@ -458,7 +471,8 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
                out_bits, n, n_lanes, *extra,
                STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog,
                FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1,
-               TABLE_BITS=R.MAX_CODE_BITS, SMALL_TABLE=small_table is not None, num_warps=num_warps)
+               TABLE_BITS=R.MAX_CODE_BITS, SMALL_TABLE=small_table is not None, LANE_MASK=lane_mask,
+               LANE_SHIFT=lane_shift, num_warps=num_warps)
     return out
 
 

@@ -1,11 +1,14 @@
 """On-disk format: a safetensors file of uint8 streams + header metadata; checked before anything is used.
 
-Layout: for tensor NAME, the safetensors entries ``NAME::words``, ``::lane_bits``, ``::group_offsets``,
+Layout: for tensor NAME, the safetensors entries ``NAME::words``, ``::lane_units``, ``::group_offsets``,
 ``::raw``, ``::lengths`` (NeuZip codec) or ``NAME::data`` (codec "plain": dtypes NeuZip does not code, e.g.
 int64), each stored as flat uint8 (little-endian bytes). The header's ``__metadata__`` holds
 ``thrifty.neuzip.format`` = FORMAT_VERSION and ``thrifty.neuzip.tensors`` = JSON {NAME: {codec, dtype,
 shape, mantissa_bits, steps, crc32, ...}}. Version 2 added the lane length ``steps`` as a per-tensor
-parameter (64, 128 or 256); version 1 files (always 256) are still read. ``load`` parses the header, checks the version, every tensor's streams,
+parameter (64, 128 or 256). Version 3 stores each lane's length as ``lane_units`` (uint8, units of
+steps // 16 bits, lanes zero-padded to a whole unit; meta ``"lane_unit"``) instead of ``lane_bits``
+(uint16 bits); version 1 (always 256) and 2 files are still read, and their tensors keep ``lane_bits``
+(a version 3 file may hold such tensors too: meta ``"lane_unit": 1``). ``load`` parses the header, checks the version, every tensor's streams,
 sizes and CRC32, and only then returns tensors: a corrupted, truncated or foreign file raises ValueError
 naming the file (and the tensor). No pickle anywhere.
 """
@@ -24,12 +27,19 @@ import torch
 from . import reference as R
 from .tensor import CompressedTensor
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = {"1": (R.LEGACY_STEPS,), "2": R.LANE_STEPS}  # version -> the lane lengths it allows
+FORMAT_VERSION = 3
+READABLE_VERSIONS = {"1": (R.LEGACY_STEPS,), "2": R.LANE_STEPS, "3": R.LANE_STEPS}  # -> the lane lengths it allows
+UNIT_VERSIONS = ("3",)  # versions with uint8 lane units (else only uint16 lane_bits)
 VERSION_KEY = "thrifty.neuzip.format"
 TENSORS_KEY = "thrifty.neuzip.tensors"
-STREAMS = {"words": torch.int32, "lane_bits": torch.int16, "group_offsets": torch.int64, "raw": torch.uint8,
+STREAMS = {"words": torch.int32, "lane_units": torch.uint8, "group_offsets": torch.int64, "raw": torch.uint8,
            "lengths": torch.uint8}
+LEGACY_STREAMS = {"words": torch.int32, "lane_bits": torch.int16, "group_offsets": torch.int64,
+                  "raw": torch.uint8, "lengths": torch.uint8}
+
+
+def _streams_of(unit: int) -> dict:
+    return LEGACY_STREAMS if unit == R.LEGACY_UNIT else STREAMS
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
     torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
@@ -50,10 +60,10 @@ def save(path, entries: dict) -> None:
         if "::" in name:
             raise ValueError(f"entries: tensor name {name!r} must not contain '::'")
         if isinstance(e, CompressedTensor):
-            for key in STREAMS:
+            for key in _streams_of(e.unit):
                 arrays[f"{name}::{key}"] = _bytes(e.streams[key])
             meta[name] = {"codec": "neuzip", "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
-                          "mantissa_bits": e.mantissa_bits, "steps": e.steps, "group": R.GROUP,
+                          "mantissa_bits": e.mantissa_bits, "steps": e.steps, "lane_unit": e.unit, "group": R.GROUP,
                           "max_code_bits": R.MAX_CODE_BITS, "crc32": e.crc32()}
         elif isinstance(e, torch.Tensor):
             data = _bytes(e)
@@ -103,15 +113,15 @@ def load(path, device="cpu") -> dict:
         raise ValueError(f"{path}: corrupted tensor table in the header")
     out = {}
     for name, m in tensors_meta.items():  # check everything first, build tensors only when all are good
-        out[name] = _check_entry(path, name, m, arrays, READABLE_VERSIONS[version])
-    expected = {f"{n}::{k}" for n, m in tensors_meta.items()
-                for k in (STREAMS if m.get("codec") == "neuzip" else ("data",))}
+        out[name] = _check_entry(path, name, m, arrays, READABLE_VERSIONS[version], version in UNIT_VERSIONS)
+    expected = {f"{n}::{k}" for n, e in out.items()
+                for k in (_streams_of(e.unit) if isinstance(e, CompressedTensor) else ("data",))}
     if set(arrays) != expected:
         raise ValueError(f"{path}: streams {sorted(set(arrays) ^ expected)[:4]} do not match the tensor table")
     return {k: (v.to(device) if device is not None else v) for k, v in out.items()}
 
 
-def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps) -> Entry:
+def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool) -> Entry:
     where = f"{path}: tensor {name!r}"
     try:
         codec, dtype, shape = m["codec"], _DTYPE_NAMES[m["dtype"]], [int(d) for d in m["shape"]]
@@ -135,6 +145,12 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps) -> Entry:
     steps = m.get("steps")
     if type(steps) is not int or steps not in lane_steps:
         raise ValueError(f"{where}: lane length steps={steps!r}, this file version allows {list(lane_steps)}")
+    # version 3 states each tensor's lane-length unit (1: the uint16 bit lengths of versions 1 and 2, which
+    # a re-saved old tensor keeps); versions 1 and 2 have unit 1 only
+    unit = m.get("lane_unit") if units else m.get("lane_unit", R.LEGACY_UNIT)
+    allowed = (R.LEGACY_UNIT, R.lane_unit(steps)) if units else (R.LEGACY_UNIT,)
+    if type(unit) is not int or unit not in allowed:
+        raise ValueError(f"{where}: lane_unit={unit!r}, steps={steps} allows {list(allowed)} in this file version")
     params = (m.get("group"), m.get("max_code_bits"))
     if params != (R.GROUP, R.MAX_CODE_BITS):
         raise ValueError(f"{where}: codec parameters (group, max_code_bits) = {params} differ from this "
@@ -143,7 +159,7 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps) -> Entry:
     if k is not None and (dtype != torch.bfloat16 or k not in (0, 1, 3)):
         raise ValueError(f"{where}: bad mantissa_bits {k!r}")
     streams = {}
-    for key, sdtype in STREAMS.items():
+    for key, sdtype in _streams_of(unit).items():
         a = arrays.get(f"{name}::{key}")
         size = torch.empty((), dtype=sdtype).element_size()
         if a is None or a.ndim != 1 or a.size % size:
@@ -152,7 +168,8 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps) -> Entry:
     # sizes implied by the element count: a mismatch means truncation or a forged header
     groups = R.n_groups(numel, steps)
     kept, field_bits = R.field_layout(dtype, k)
-    want = {"lane_bits": groups * R.GROUP, "group_offsets": groups, "lengths": 256,
+    lane_key = "lane_bits" if unit == R.LEGACY_UNIT else "lane_units"
+    want = {lane_key: groups * R.GROUP, "group_offsets": groups, "lengths": 256,
             "raw": -(-numel * field_bits // 8)}
     for key, n in want.items():
         if streams[key].numel() != n:
@@ -160,8 +177,21 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps) -> Entry:
     ct = CompressedTensor(streams, dtype, shape, k, steps=steps)
     if ct.crc32() != crc:
         raise ValueError(f"{where}: checksum mismatch (file corrupted)")
-    total_bits = int(streams["lane_bits"].numpy().view(np.uint16).astype(np.int64).sum())
-    if (streams["words"].numel() != -(-total_bits // 32) + R.WORD_PAD
-            or int(streams["lengths"].max()) > R.MAX_CODE_BITS):
+    # a forged header or streams (with a matching checksum) must be rejected here, never reach a decoder:
+    # each lane's length within what its symbols can take, group offsets = the prefix sums, word count
+    lane_bits = ct._lane_bits()
+    symbols = np.clip(-(-(numel - _lane_first(groups, steps)) // R.GROUP), 0, steps)
+    total = int(lane_bits.sum())
+    starts = np.cumsum(lane_bits) - lane_bits
+    if (streams["words"].numel() != -(-total // 32) + R.WORD_PAD
+            or int(streams["lengths"].max()) > R.MAX_CODE_BITS
+            or (lane_bits > -(-symbols * R.MAX_CODE_BITS // ct.unit) * ct.unit).any()
+            or not np.array_equal(streams["group_offsets"].numpy(), starts[::R.GROUP])):
         raise ValueError(f"{where}: inconsistent streams")
     return ct
+
+
+def _lane_first(groups: int, steps: int) -> np.ndarray:
+    """Element index of each lane's first symbol; the lane holds min(steps, ceil((n - first) / 64)) symbols."""
+    lane = np.arange(groups * R.GROUP, dtype=np.int64)
+    return (lane // R.GROUP) * R.GROUP * steps + lane % R.GROUP

@@ -15,11 +15,16 @@ Layout of one compressed tensor of N elements (bf16, fp16 or fp32, read as raw b
   codec parameter, a power of two in ``LANE_STEPS`` (64, 128 or 256; files of format version 1 always use
   256); shorter lanes give a GPU decoder more, shorter dependency chains. So at every step the 64 lanes of a group
   read/write 64 *consecutive* elements (coalesced on a GPU) while each lane has its own bit stream. Lane
-  streams are concatenated MSB-first into 32-bit words; ``lane_bits`` (uint16) holds each lane's length and
-  ``group_offsets`` (int64) each group's first bit, so every lane starts at
-  group_offset + (exclusive prefix sum of the lane lengths within its group) and decodes independently.
-  Metadata cost: 16 bits / ``steps`` symbols = 0.25 / 0.125 / 0.0625 bits per weight for 64 / 128 / 256
-  (+ 64 bits per group of 64 * steps elements).
+  streams are concatenated MSB-first into 32-bit words, each lane padded with zero bits to a multiple of
+  its **unit** of ``steps // 16`` bits (4 / 8 / 16 for 64 / 128 / 256); ``lane_units`` (uint8) holds each
+  lane's padded length in units and ``group_offsets`` (int64) each group's first bit, so every lane starts
+  at group_offset + unit * (exclusive prefix sum of the lane units within its group) and decodes
+  independently. Exact for every input: a lane has at most 12 * steps bits = 192 units < 256.
+  Metadata cost: 8 bits per lane + (unit - 1) / 2 padding bits on average (code lengths spread the lane
+  ends evenly), i.e. (8 + 1.5) / 64 = 0.148, (8 + 3.5) / 128 = 0.090, (8 + 7.5) / 256 = 0.061 bits per
+  weight for 64 / 128 / 256 (+ 64 bits per group of 64 * steps elements).
+* Format versions 1 and 2 stored ``lane_bits`` (uint16, exact bit lengths, no padding: 16 / steps bits per
+  weight); such tensors still decode (``Streams.unit == 1``).
 
 The decoder below is the same lane-parallel algorithm as the Triton kernel (a Python loop over the
 ``steps`` steps, NumPy over all lanes), so both give the same bits by construction.
@@ -35,9 +40,10 @@ import torch
 
 MAX_CODE_BITS = 12  # one 4096-entry decode table; costs ~0.003 bits/symbol vs unlimited Huffman
 GROUP = 64  # lanes per group: 64 consecutive elements per step (128 B of bf16)
-LANE_STEPS = (64, 128, 256)  # allowed symbols per lane; 256 * 12 bits < 2^16, so a lane's length fits uint16
-STEPS = 128  # default lane length (GPU decode speed vs metadata, NOTES.md): 0.0625 bits/weight more than 256
+LANE_STEPS = (64, 128, 256)  # allowed symbols per lane; 256 * 12 bits < 2^16, so a legacy uint16 length fits
+STEPS = 64  # default lane length (GPU decode speed vs metadata, NOTES.md): 0.087 bits/weight more than 256
 LEGACY_STEPS = 256  # the only lane length of format version 1
+LEGACY_UNIT = 1  # format versions 1 and 2: lane lengths in bits (uint16)
 WORD_PAD = 4  # zero words after the stream so a decoder's look-ahead never reads past the end
 
 # dtype -> (bits per element, position of the symbol's lowest bit, raw bits kept below the symbol)
@@ -215,22 +221,41 @@ def lane_order(n: int, steps: int = STEPS) -> np.ndarray:
     return np.where(idx < n, idx, -1)
 
 
+def lane_unit(steps: int) -> int:
+    """Bits per unit of a stored lane length (format 3): steps / 16, so that the longest lane (12 bits per
+    symbol) is 192 units and fits a uint8."""
+    return check_steps(steps) // 16
+
+
+def lane_bit_lengths(lane_len: np.ndarray, unit: int) -> np.ndarray:
+    """Each lane's (padded) length in bits, int64, from the stored lengths: uint8 units or (unit 1) uint16 bits."""
+    mask = 0xFF if unit > 1 else 0xFFFF
+    return (np.asarray(lane_len).astype(np.int64) & mask) * unit
+
+
 @dataclass
 class Streams:
     """The encoded parts of one tensor (all NumPy, as stored on disk)."""
 
     words: np.ndarray  # uint32, MSB-first bit stream of all lanes, + WORD_PAD zero words
-    lane_bits: np.ndarray  # uint16 per lane
+    lane_len: np.ndarray  # per lane: uint8 units of ``unit`` bits (format 3) or uint16 bits (unit 1, formats 1-2)
     group_offsets: np.ndarray  # int64 per group: first bit of the group's first lane
     raw: np.ndarray  # uint8: raw fields (1 or 3 bytes per element, or packed (k+1)-bit fields)
     lengths: np.ndarray  # uint8[256] code lengths
     counts: np.ndarray  # int64[256] symbol histogram (not stored; for reports)
     steps: int = LEGACY_STEPS  # symbols per lane
+    unit: int = LEGACY_UNIT  # bits per lane-length unit: lane_unit(steps), or 1 for uint16 bit lengths
 
 
-def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS
+def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS, unit: int | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Huffman-encodes uint8 symbols into (words, lane_bits, group_offsets), lanes of ``steps`` symbols."""
+    """Huffman-encodes uint8 symbols into (words, lane_len, group_offsets), lanes of ``steps`` symbols.
+
+    unit: bits per stored lane-length unit; None = :func:`lane_unit` (uint8 units, lanes zero-padded to a
+    multiple of the unit); 1 = the format 1/2 layout (uint16 exact bit lengths)."""
+    unit = lane_unit(steps) if unit is None else unit
+    if unit not in (1, lane_unit(steps)):
+        raise ValueError(f"unit: expected 1 or {lane_unit(steps)} for steps={steps}, got {unit!r}")
     n = len(symbol)
     codes = canonical_codes(lengths).astype(np.uint64)
     slot = lane_order(n, steps)
@@ -240,9 +265,11 @@ def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS
     code = np.where(valid, codes[sym], 0).astype(np.uint64)
     lanes = len(slot) // steps
     lane_bits = nbits.reshape(lanes, steps).sum(axis=1)
-    end = np.cumsum(nbits)
-    pos = end - nbits  # first bit of each code
-    total = int(end[-1]) if len(end) else 0
+    padded = -(-lane_bits // unit) * unit
+    # first bit of each code: its place in the unpadded concatenation + the padding of the lanes before it
+    pad_before = np.cumsum(padded - lane_bits) - (padded - lane_bits)
+    pos = np.cumsum(nbits) - nbits + np.repeat(pad_before, steps)
+    total = int(padded.sum())
     n_words = -(-total // 32) + WORD_PAD
     # Left-justify each code in a 64-bit window starting at its word: high half -> word, low half -> word+1.
     # Codes never overlap, so summing the pieces per word (exactly, in float64: each sum < 2^32) ORs them.
@@ -252,18 +279,22 @@ def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS
     lo = (window & np.uint64(0xFFFFFFFF)).astype(np.float64)
     words = np.bincount(word, weights=hi, minlength=n_words) + np.bincount(word + 1, weights=lo, minlength=n_words)
     words = words[:n_words].astype(np.uint64).astype(np.uint32)
-    lane_start = np.concatenate([[0], np.cumsum(lane_bits)])[:-1]
+    lane_start = np.cumsum(padded) - padded
     group_offsets = lane_start[::GROUP].astype(np.int64)
-    return words, lane_bits.astype(np.uint16), group_offsets
+    lane_len = (padded // unit).astype(np.uint16 if unit == 1 else np.uint8)
+    return words, lane_len, group_offsets
 
 
-def decode_symbols(words: np.ndarray, lane_bits: np.ndarray, group_offsets: np.ndarray, lengths: np.ndarray,
-                   n: int, steps: int = STEPS) -> np.ndarray:
+def decode_symbols(words: np.ndarray, lane_len: np.ndarray, group_offsets: np.ndarray, lengths: np.ndarray,
+                   n: int, steps: int = STEPS, unit: int = LEGACY_UNIT) -> np.ndarray:
     """Lane-parallel decoder: one Python step per symbol position, NumPy across all lanes."""
-    lanes = len(lane_bits)
+    lanes = len(lane_len)
     table = decode_table(lengths)
-    w64 = np.asarray(words, dtype=np.uint64)
-    lane_bits = np.asarray(lane_bits, dtype=np.int64)
+    # zero words past the end: a lane whose stored length understates its codes (forged) reads zeros, not
+    # past the array (a lane reads at most 12 * steps bits from its start)
+    w64 = np.concatenate([np.asarray(words, dtype=np.uint64),
+                          np.zeros(MAX_CODE_BITS * steps // 32 + 2, np.uint64)])
+    lane_bits = lane_bit_lengths(lane_len, unit)
     within = np.cumsum(lane_bits.reshape(-1, GROUP), axis=1) - lane_bits.reshape(-1, GROUP)
     pos = (np.asarray(group_offsets, dtype=np.int64)[:, None] + within).reshape(-1)
     lane = np.arange(lanes, dtype=np.int64)
@@ -319,9 +350,9 @@ def field_layout(dtype: torch.dtype, mantissa_bits) -> tuple[int, int]:
     return kept, kept + 1
 
 
-def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS) -> Streams:
+def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, unit: int | None = None) -> Streams:
     """Encodes a bf16/fp16/fp32 tensor (lossless, or bf16 rounded to ``mantissa_bits``) in lanes of ``steps``
-    symbols; no validation here."""
+    symbols; unit: see :func:`encode_symbols` (None: the format 3 layout). No validation here."""
     if mantissa_bits is not None and mantissa_bits < 7:
         x = round_mantissa(x, mantissa_bits)
     elif mantissa_bits == 7:
@@ -333,14 +364,15 @@ def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS) -> Streams:
     raw = ((raw >> full) << kept) | ((raw & ((1 << full) - 1)) >> (full - kept))  # keep the top `kept` bits
     counts = np.bincount(symbol, minlength=256).astype(np.int64)
     lengths = code_lengths(counts)
-    words, lane_bits, group_offsets = encode_symbols(symbol, lengths, steps)
-    return Streams(words, lane_bits, group_offsets, pack_fields(raw, field_bits), lengths, counts, steps)
+    unit = lane_unit(steps) if unit is None else unit
+    words, lane_len, group_offsets = encode_symbols(symbol, lengths, steps, unit)
+    return Streams(words, lane_len, group_offsets, pack_fields(raw, field_bits), lengths, counts, steps, unit)
 
 
 def decode(s: Streams, dtype: torch.dtype, shape, mantissa_bits=None) -> torch.Tensor:
     """CPU decoder: the spec the Triton kernel must match bit for bit."""
     n = int(np.prod(shape, dtype=np.int64))
     kept, field_bits = field_layout(dtype, None if mantissa_bits == 7 else mantissa_bits)
-    symbol = decode_symbols(s.words, s.lane_bits, s.group_offsets, s.lengths, n, s.steps)
+    symbol = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, n, s.steps, s.unit)
     raw = unpack_fields(s.raw, field_bits, n)
     return _from_uint(merge_symbols(symbol, raw, dtype, kept), dtype, shape)

@@ -30,8 +30,10 @@ def _check_mantissa_bits(mantissa_bits, dtype: torch.dtype):
 class CompressedTensor:
     """A NeuZip-compressed float tensor: streams (torch tensors on one device) + metadata.
 
-    Streams: ``words`` int32 (uint32 bit stream), ``lane_bits`` int16 (uint16), ``group_offsets`` int64,
-    ``raw`` uint8, ``lengths`` uint8[256] (the code). ``steps``: symbols per lane (the lane layout).
+    Streams: ``words`` int32 (uint32 bit stream), ``lane_units`` uint8 (each lane's padded length in units of
+    ``steps // 16`` bits; tensors read from format 1/2 files have ``lane_bits`` int16 (uint16 bit lengths)
+    instead), ``group_offsets`` int64, ``raw`` uint8, ``lengths`` uint8[256] (the code). ``steps``: symbols
+    per lane (the lane layout).
     ``decompress`` rebuilds the exact original bits (lossless) or the rounded tensor (``mantissa_bits`` = k).
     """
 
@@ -44,11 +46,27 @@ class CompressedTensor:
         self.steps = R.check_steps(steps)
         self.symbol_entropy = symbol_entropy  # Shannon entropy of the symbols (bits), when known
         self._tables: dict = {}
+        self._coded_bits: Optional[int] = None  # sum of the code lengths, when known (set by compress)
 
     # ---- sizes
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def lane_key(self) -> str:
+        """The stream holding the lane lengths: "lane_units" (format 3) or "lane_bits" (formats 1 and 2)."""
+        return "lane_bits" if "lane_bits" in self.streams else "lane_units"
+
+    @property
+    def unit(self) -> int:
+        """Bits per stored lane-length unit (1 for the uint16 bit lengths of formats 1 and 2)."""
+        return R.LEGACY_UNIT if self.lane_key == "lane_bits" else R.lane_unit(self.steps)
+
+    def _lane_bits(self) -> np.ndarray:
+        """Each lane's (padded) bit length, int64."""
+        a = self.streams[self.lane_key].cpu().numpy()
+        return R.lane_bit_lengths(a.view(np.uint16) if self.unit == 1 else a, self.unit)
 
     @property
     def device(self) -> torch.device:
@@ -70,8 +88,10 @@ class CompressedTensor:
 
     @property
     def symbol_bits(self) -> float:
-        """Achieved bits per coded symbol (exponent), lane metadata excluded."""
-        total = int(self.streams["lane_bits"].cpu().numpy().view(np.uint16).astype(np.int64).sum())
+        """Achieved bits per coded symbol (exponent), lane metadata excluded: exact for a tensor made by
+        :func:`compress`; for one read from a file, lanes padded to whole units (format 3) count their padding
+        (at most unit - 1 bits per lane: < 0.05 bits per symbol)."""
+        total = self._coded_bits if self._coded_bits is not None else int(self._lane_bits().sum())
         return total / max(self.numel, 1)
 
     def crc32(self) -> int:
@@ -79,6 +99,8 @@ class CompressedTensor:
         meta = (str(self.dtype), tuple(self.shape), self.mantissa_bits)
         if self.steps != R.LEGACY_STEPS:  # so that the checksums of 256-step (version 1) files stay valid
             meta += (self.steps,)
+        if self.unit != R.LEGACY_UNIT:  # format 3 layout (uint8 units): a different meaning of the same bytes
+            meta += ("units", self.unit)
         crc = zlib.crc32(repr(meta).encode())
         for key in sorted(self.streams):
             crc = zlib.crc32(self.streams[key].cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
@@ -87,6 +109,7 @@ class CompressedTensor:
     def to(self, device) -> "CompressedTensor":
         out = CompressedTensor({k: v.to(device) for k, v in self.streams.items()}, self.dtype, self.shape,
                                self.mantissa_bits, self.symbol_entropy, self.steps)
+        out._coded_bits = self._coded_bits
         return out
 
     def __repr__(self) -> str:
@@ -100,8 +123,9 @@ class CompressedTensor:
 
     def _numpy_streams(self) -> R.Streams:
         s = {k: v.cpu().numpy() for k, v in self.streams.items()}
-        return R.Streams(s["words"].view(np.uint32), s["lane_bits"].view(np.uint16), s["group_offsets"],
-                         s["raw"], s["lengths"], np.zeros(256, np.int64), self.steps)
+        lane = s[self.lane_key]
+        return R.Streams(s["words"].view(np.uint32), lane.view(np.uint16) if self.unit == 1 else lane,
+                         s["group_offsets"], s["raw"], s["lengths"], np.zeros(256, np.int64), self.steps, self.unit)
 
     def decompress(self, out: Optional[torch.Tensor] = None, impl: str = "auto", **launch) -> torch.Tensor:
         """The decoded tensor, on ``self.device`` (or written into ``out``, any device, same dtype/numel).
@@ -142,7 +166,7 @@ class CompressedTensor:
             launch.setdefault("v3_table", src._table(target, "v3_16" if table16 else "v3"))
             if small:
                 launch.setdefault("v3_small", src._table(target, "v3_small16" if table16 else "v3_small"))
-        decode_into(s["words"], s["lane_bits"], s["group_offsets"], s["raw"], src._table(target), out,
+        decode_into(s["words"], s[self.lane_key], s["group_offsets"], s["raw"], src._table(target), out,
                     self._kept(), steps=self.steps, **launch)
         return out
 
@@ -170,19 +194,26 @@ class CompressedTensor:
 def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None, steps: int = R.STEPS) -> CompressedTensor:
     """Compresses a bf16/fp16/fp32 tensor; lossless unless ``mantissa_bits`` (bf16: 0, 1, 3; 7 = lossless).
 
-    steps: symbols per lane, one of ``reference.LANE_STEPS`` (shorter lanes: faster GPU decode, 16 bits of
-    metadata per lane). Encoding runs on the CPU; the result's streams live on ``tensor``'s device.
+    steps: symbols per lane, one of ``reference.LANE_STEPS`` (shorter lanes: faster GPU decode, 8 bits of
+    metadata per lane + padding to ``steps // 16`` bits). Encoding runs on the CPU; the result's streams live
+    on ``tensor``'s device.
     """
     check_tensor("tensor", tensor, dtypes=tuple(R.DTYPES))
     mantissa_bits = _check_mantissa_bits(mantissa_bits, tensor.dtype)
     steps = R.check_steps(steps)
-    s = R.encode(tensor, mantissa_bits, steps)
+    return _from_streams(R.encode(tensor, mantissa_bits, steps), tensor, mantissa_bits)
+
+
+def _from_streams(s: "R.Streams", tensor: torch.Tensor, mantissa_bits) -> CompressedTensor:
+    """A CompressedTensor of ``tensor``'s encoded streams (unit 1: the format 1/2 layout, for tests)."""
+    lane = ("lane_bits", s.lane_len.view(np.int16)) if s.unit == R.LEGACY_UNIT else ("lane_units", s.lane_len)
     streams = {
         "words": torch.from_numpy(s.words.view(np.int32).copy()),
-        "lane_bits": torch.from_numpy(s.lane_bits.view(np.int16).copy()),
+        lane[0]: torch.from_numpy(lane[1].copy()),
         "group_offsets": torch.from_numpy(s.group_offsets.astype(np.int64)),
         "raw": torch.from_numpy(s.raw.copy()),
         "lengths": torch.from_numpy(s.lengths.copy()),
     }
-    ct = CompressedTensor(streams, tensor.dtype, tensor.shape, mantissa_bits, R.entropy_bits(s.counts), steps)
+    ct = CompressedTensor(streams, tensor.dtype, tensor.shape, mantissa_bits, R.entropy_bits(s.counts), s.steps)
+    ct._coded_bits = int((s.counts * s.lengths.astype(np.int64)).sum())
     return ct if tensor.device.type == "cpu" else ct.to(tensor.device)
