@@ -49,10 +49,14 @@ def detect_device(device: Optional[torch.device | str] = None) -> str:
 
 
 def git_commit() -> Optional[str]:
-    """HEAD of the checkout (``-dirty`` appended when tracked files differ); else ``$THRIFTY_COMMIT``.
+    """``$THRIFTY_COMMIT`` when set (explicit wins), else HEAD of the checkout (``-dirty`` appended when tracked
+    files differ).
 
-    The tree copied to the GPU box has no ``.git``, so ``benchmarks/run_on_gpu.sh`` is given the commit.
+    The tree copied to the GPU box has no ``.git`` of its own (a stale one was seen there once, which named the
+    wrong commit), so ``benchmarks/run_on_gpu.sh`` is given the commit.
     """
+    if os.environ.get("THRIFTY_COMMIT"):
+        return os.environ["THRIFTY_COMMIT"]
     root = repo_root()
     if root is not None and (root / ".git").exists():
         try:
@@ -63,7 +67,7 @@ def git_commit() -> Optional[str]:
             return sha + ("-dirty" if dirty else "")
         except (OSError, subprocess.SubprocessError):
             pass
-    return os.environ.get("THRIFTY_COMMIT") or None
+    return None
 
 
 def _version(module: str) -> Optional[str]:
