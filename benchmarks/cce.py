@@ -2,10 +2,12 @@
 (cut-cross-entropy 25.1.1), Liger FLCE (liger-kernel 0.8.5) and thrifty; time, peak memory, accuracy vs float64.
 
     python benchmarks/cce.py --stage            # CPU, once: real SmolLM2 E and C into .stage/cce (carried)
+    python benchmarks/cce.py --stage-trained data/trained-30m   # CPU: a model trained here -> .stage/cce_trained
     python benchmarks/cce.py --shapes 576x49152,2304x256000 --regimes random,realistic --out DIR
 
 Regimes: "random" = near-uniform logits (apple's best case); "realistic" = real SmolLM2-135M final hidden
-states and lm_head on real text (D=576, V=49152) or, for the large shapes, synthetic E, C whose logits have the
+states and lm_head on real text (D=576, V=49152), the 30m model trained in this project (`thrifty pretrain`,
+D=384, V=49152, tied embedding) on the corpus validation split, or, for the large shapes, synthetic E, C whose logits have the
 real entropy and top-1 probability (a Zipf-like per-token bias plus Gaussian per-row noise, two scales fitted;
 targets sampled from the softmax itself, so the loss ~ the entropy, as with a trained model).
 """
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE = ROOT / ".stage" / "cce"
+STAGE_TRAINED = ROOT / ".stage" / "cce_trained"
 N_TOKENS = 8192
 
 
@@ -55,19 +58,52 @@ def stage():
     e = torch.cat(hs)[:N_TOKENS].bfloat16()
     t = torch.cat(tg)[:N_TOKENS]
     c = model.lm_head.weight.detach().bfloat16()
-    STAGE.mkdir(parents=True, exist_ok=True)
-    # bf16 C is 56.6 MB: store the two byte planes, the high one (sign+exponent) compressed, to fit the 64 MiB
-    # the device tool carries.
-    import numpy as np
+    save_staged(STAGE, e, t, c)  # bf16 C is 56.6 MB: byte planes, to fit the 64 MiB the device tool carries
+    stage_train_tokens()
+    z = e.float() @ c.float().T
+    print("staged", e.shape, c.shape, "stats", logit_stats(z), "loss", F.cross_entropy(z, t).item())
 
-    raw = c.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
-    np.savez_compressed(STAGE / "c_hi.npz", hi=raw[:, 1])
-    np.save(STAGE / "c_lo.npy", raw[:, 0])
+
+def save_staged(folder, e, t, c):
+    """bf16 E + targets as safetensors; C as its two byte planes, the high one (sign+exponent) compressed, so that
+    a staged folder fits the 64 MiB the device tool carries."""
+    import numpy as np
     from safetensors.torch import save_file  # never pickle, even for staging
 
-    save_file({"e": e.contiguous(), "targets": t.contiguous()}, str(STAGE / "e_targets.safetensors"),
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = c.view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
+    np.savez_compressed(folder / "c_hi.npz", hi=raw[:, 1])
+    np.save(folder / "c_lo.npy", raw[:, 0])
+    save_file({"e": e.contiguous(), "targets": t.contiguous()}, str(folder / "e_targets.safetensors"),
               metadata={"c_shape": json.dumps(list(c.shape))})
-    stage_train_tokens()
+
+
+def stage_trained(checkpoint):
+    """Final (post-norm) hidden states of a model trained here (`thrifty pretrain` folder) on N_TOKENS of the
+    corpus validation split (text it was not trained on) + its classifier, bf16, into .stage/cce_trained."""
+    from thrifty.data import TokenDataset
+    from thrifty.models import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    seq = min(512, model.config.max_position_embeddings)
+    ds = TokenDataset(prepare_corpus_dir(), "validation")
+    captured = {}
+
+    def capture(hidden, weight, labels):  # the loss seam sees exactly what a fused loss would
+        captured.setdefault("h", []).append(hidden.detach().reshape(-1, hidden.shape[-1]))
+        captured.setdefault("t", []).append(labels.reshape(-1))
+        captured["c"] = weight.detach()
+        return hidden.sum() * 0
+
+    model.set_loss(capture)
+    with torch.no_grad():
+        for i in range(N_TOKENS // seq):
+            x, y = ds.batch(1, seq, seed=10_000 + i)
+            model(x, labels=y)
+    e = torch.cat(captured["h"])[:N_TOKENS].bfloat16()
+    t = torch.cat(captured["t"])[:N_TOKENS]
+    c = captured["c"].bfloat16()
+    save_staged(STAGE_TRAINED, e, t, c)
     z = e.float() @ c.float().T
     print("staged", e.shape, c.shape, "stats", logit_stats(z), "loss", F.cross_entropy(z, t).item())
 
@@ -88,16 +124,16 @@ def prepare_corpus_dir():
     return prepare_corpus(progress=False)
 
 
-def load_staged():
+def load_staged(folder=STAGE):
     import numpy as np
 
     from safetensors import safe_open
 
-    with safe_open(str(STAGE / "e_targets.safetensors"), framework="pt") as f:
+    with safe_open(str(folder / "e_targets.safetensors"), framework="pt") as f:
         e, targets = f.get_tensor("e"), f.get_tensor("targets")
         shape = json.loads(f.metadata()["c_shape"])
-    hi = np.load(STAGE / "c_hi.npz")["hi"]
-    lo = np.load(STAGE / "c_lo.npy")
+    hi = np.load(folder / "c_hi.npz")["hi"]
+    lo = np.load(folder / "c_lo.npy")
     raw = np.stack([lo, hi], axis=1).reshape(-1).view(np.int16).copy()
     c = torch.from_numpy(raw).view(torch.bfloat16).view(*shape)
     return e, c, targets
@@ -371,6 +407,7 @@ def train_compare(steps, preset_name, out, batch=16, seq=512):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", action="store_true")
+    ap.add_argument("--stage-trained", default="", help="a `thrifty pretrain` checkpoint folder to stage (CPU)")
     ap.add_argument("--shapes", default="576x49152,2304x256000,4096x128256,3584x152064")
     ap.add_argument("--regimes", default="realistic,random")
     ap.add_argument("--random-shapes", default="", help="run the random regime only for these shapes (default all)")
@@ -384,6 +421,8 @@ def main():
     args = ap.parse_args()
     if args.stage:
         return stage()
+    if args.stage_trained:
+        return stage_trained(args.stage_trained)
 
     torch.manual_seed(0)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -406,6 +445,10 @@ def main():
         e_real, c_real, t_real = load_staged()
         real = logit_stats((e_real[:512].float() @ c_real.float().T))
         print("real SmolLM2 logits:", real, flush=True)
+    if "384x49152" in args.shapes.split(",") and "realistic" in args.regimes.split(","):
+        e_tr, c_tr, t_tr = load_staged(STAGE_TRAINED)  # benchmarks/cce.py --stage-trained data/trained-30m
+        trained = logit_stats((e_tr[:512].float() @ c_tr.float().T))
+        print("trained-30m logits:", trained, flush=True)
     fns = impls()
     if args.impls:
         fns = {k: v for k, v in fns.items() if k in args.impls.split(",")}
@@ -420,6 +463,8 @@ def main():
                 e, c, t, st = random_inputs(D, V)
             elif D == 576 and V == 49152:
                 e, c, t, st = e_real.cuda(), c_real.cuda(), t_real.cuda(), dict(real)
+            elif D == 384 and V == 49152:
+                e, c, t, st = e_tr.cuda(), c_tr.cuda(), t_tr.cuda(), dict(trained)
             else:
                 e, c, t, st = synthetic(D, V, args.entropy, args.top1)
             ref = float64_reference(e, c, t)
@@ -460,7 +505,7 @@ def finalize(rows, rate, args):
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    big, small = "D=2304 V=256000", "D=576 V=49152"
+    big, small, trained = "D=2304 V=256000", "D=576 V=49152", "D=384 V=49152"
     summary = dict(
         loss_grad_time_ratio_vs_apple_cce=ratio(get(big, "realistic", "thrifty", "loss_grad_ms"),
                                                 get(big, "realistic", "apple_cce", "loss_grad_ms")),
@@ -479,6 +524,11 @@ def finalize(rows, rate, args):
                                                         get(small, "realistic", "apple_cce", "loss_grad_ms")),
         smollm2_real_loss_grad_ratio_vs_torch_compile=ratio(get(small, "realistic", "thrifty", "loss_grad_ms"),
                                                             get(small, "realistic", "torch.compile", "loss_grad_ms")),
+        trained30m_real_loss_grad_ratio_vs_apple_cce=ratio(get(trained, "realistic", "thrifty", "loss_grad_ms"),
+                                                           get(trained, "realistic", "apple_cce", "loss_grad_ms")),
+        trained30m_real_loss_grad_ratio_vs_torch_compile=ratio(get(trained, "realistic", "thrifty", "loss_grad_ms"),
+                                                               get(trained, "realistic", "torch.compile",
+                                                                   "loss_grad_ms")),
         random_256k_loss_grad_ratio_vs_apple_cce=ratio(get(big, "random", "thrifty", "loss_grad_ms"),
                                                        get(big, "random", "apple_cce", "loss_grad_ms")),
         random_256k_filtered_loss_grad_ratio_vs_apple_cce=ratio(get(big, "random", "thrifty_filter", "loss_grad_ms"),
@@ -489,7 +539,8 @@ def finalize(rows, rate, args):
     path = write_result("cce", rows, summary, device=dev, results_dir=args.out,
                         extra=dict(n_tokens=N_TOKENS, dtype="bfloat16",
                                    regimes="random: N(0,1) logits, uniform targets; realistic: real SmolLM2-135M "
-                                           "hidden states/lm_head on Python docs text (D=576), else synthetic "
+                                           "hidden states/lm_head on Python docs text (D=576), the 30m model "
+                                           "trained here on corpus validation text (D=384), else synthetic "
                                            "Zipf bias + Gaussian noise fitted to entropy/top-1, targets sampled"))
     plotted = [r for r in rows if r["regime"] == "realistic" and "loss_grad_ms" in r]
     if plotted:  # a random-only run has nothing for this chart
