@@ -126,7 +126,6 @@ def prepare_corpus_dir():
 
 def load_staged(folder=STAGE):
     import numpy as np
-
     from safetensors import safe_open
 
     with safe_open(str(folder / "e_targets.safetensors"), framework="pt") as f:
