@@ -126,3 +126,22 @@ def test_detect_device_cpu():
 def test_argument_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.cuda
+def test_cuda_gpu_only_timing_hides_host_overhead():
+    """A call that spends 300 µs on the host before a tiny kernel: plain event timing sees the host time,
+    gpu_only (a spin kernel ahead of each call) sees the kernel."""
+    import time as _time
+
+    from thrifty.bench import time_fn
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host():
+        _time.sleep(3e-4)
+        x.add_(1)
+
+    plain = time_fn(slow_host, warmup=2, reps=20)
+    gpu = time_fn(slow_host, warmup=2, reps=20, gpu_only=True)
+    assert plain.median_ms > 0.25
+    assert gpu.median_ms < 0.1 and gpu.backend == "cuda-events, gpu-only"

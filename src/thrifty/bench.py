@@ -106,7 +106,7 @@ class Timing:
     """Per-call times in milliseconds; ``median_ms`` is the headline."""
 
     times_ms: list = field(repr=False)
-    backend: str  # "cuda-events" or "perf_counter"
+    backend: str  # "cuda-events", "cuda-events, gpu-only" or "perf_counter"
 
     @property
     def reps(self) -> int:
@@ -176,6 +176,7 @@ def time_fn(
     min_reps: int = 3,
     budget_s: Optional[float] = None,
     flush_l2: bool = False,
+    gpu_only: bool = False,
     device: Optional[torch.device | str] = None,
 ) -> Timing:
     """Times ``fn(*args)`` cycling over input sets; returns per-call times (median is the headline).
@@ -186,6 +187,10 @@ def time_fn(
     reps: timed calls; with ``budget_s`` fewer are made (never under ``min_reps``) when the warm-up shows
         that ``reps`` calls would take longer than the budget (large problems).
     flush_l2: on CUDA, overwrite L2 before each timed call (outside the timed region).
+    gpu_only: on CUDA, keep the GPU busy (a spin kernel, about twice the host time of one call) before each
+        timed call, so that the host's Python and launch overhead happens while the GPU spins and the events
+        measure GPU time only. Without it a call whose host path is longer than its kernels is timed as host
+        time (small problems); report both where that matters.
     device: where ``fn`` runs; default CUDA when available. Only CUDA uses events; others use perf_counter.
     """
     if not callable(fn):
@@ -212,17 +217,21 @@ def time_fn(
         reps = max(min(reps, int(budget_s / max(per_call, 1e-9))), min(min_reps, reps))
 
     flush = _l2_flusher(dev) if (flush_l2 and cuda) else None
+    spin = _spin_cycles(fn, sets) if (gpu_only and cuda) else 0
     times = []
     if cuda:
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for i, (start, end) in enumerate(ev):
             if flush is not None:
                 flush()
+            if spin:
+                torch.cuda._sleep(spin)
             start.record()
             fn(*sets[i % len(sets)])
             end.record()
         torch.cuda.synchronize()
         times = [s.elapsed_time(e) for s, e in ev]
+        return Timing(times, "cuda-events, gpu-only" if spin else "cuda-events")
     else:
         for i in range(reps):
             args = sets[i % len(sets)]
@@ -230,6 +239,19 @@ def time_fn(
             fn(*args)
             times.append((time.perf_counter() - t) * 1e3)
     return Timing(times, "cuda-events" if cuda else "perf_counter")
+
+
+def _spin_cycles(fn, sets, clock_ghz: float = 2.0) -> int:
+    """GPU clock cycles to spin before a timed call: twice the host time of enqueueing one call (measured here,
+    the GPU idle), at least 20 µs and at most 5 ms."""
+    torch.cuda.synchronize()
+    host = []
+    for i in range(3):
+        t = time.perf_counter()
+        fn(*sets[i % len(sets)])
+        host.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    return int(min(max(2 * sorted(host)[1], 20e-6), 5e-3) * clock_ghz * 1e9)
 
 
 def peak_memory(fn: Callable, *args, device: Optional[torch.device | str] = None, **kwargs) -> Optional[int]:
