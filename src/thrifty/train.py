@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -128,7 +129,9 @@ class Trainer:
 
     def fit(self, progress: bool = True) -> list[dict]:
         cfg = self.cfg
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc="train", unit="step")
+        # redrawn ~10 times a second on a terminal; every 30 s in a log file (a redraw there is a new line)
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc="train", unit="step",
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
         start, start_tokens = time.perf_counter(), self.tokens_seen
         while self.step < cfg.steps:
             row = self.train_step()
