@@ -22,11 +22,9 @@ from . import reference as R
 
 
 @triton.jit
-def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, small_ptr, out_ptr, n, n_lanes,
-                   STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                   FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
-                   SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr,
-                   LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
+def _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                 LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
+    """This program's lanes: (lane index, in range, bit length, first 32-bit word, bit offset in it)."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
@@ -35,8 +33,17 @@ def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, 
     bits = (tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & LANE_MASK) << LANE_SHIFT
     base = tl.load(group_off_ptr + pid * GROUPS_PER_PROG)  # int64: first bit of this program's lanes
     start = base + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
-    word = (start >> 5).to(tl.int32)
-    off = (start & 31).to(tl.int32)
+    return lane, lane_ok, bits, (start >> 5).to(tl.int32), (start & 31).to(tl.int32)
+
+
+@triton.jit
+def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, small_ptr, out_ptr, n, n_lanes,
+                   STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                   FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
+                   SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr,
+                   LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
+    lane, lane_ok, bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
+                                                  LANE_MASK, LANE_SHIFT)
     w0 = tl.load(words_ptr + word, mask=lane_ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     w1 = tl.load(words_ptr + word + 1, mask=lane_ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     buf = ((w0 << 32) | w1) << off.to(tl.uint64)
@@ -146,15 +153,8 @@ def _decode_kernel_pipelined(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, t
     4 steps ahead (the loop body is unrolled by 4), the next word one step ahead, and each lane's whole word
     stream (~84 B) is pulled into L1 at the start (one wait instead of a miss every few steps)."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
-    pid = tl.program_id(0)
-    lane = pid * LANES + tl.arange(0, LANES)
-    lane_ok = lane < n_lanes
-    # lane lengths: uint8 units of 2^LANE_SHIFT bits (format 3) or uint16 bits (LANE_SHIFT 0, formats 1-2)
-    bits = (tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & LANE_MASK) << LANE_SHIFT
-    base = tl.load(group_off_ptr + pid * GROUPS_PER_PROG)
-    start = base + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
-    word = (start >> 5).to(tl.int32)
-    off = (start & 31).to(tl.int32)
+    lane, lane_ok, bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
+                                                  LANE_MASK, LANE_SHIFT)
     last_word = word + ((off + bits) >> 5) + 2
     # touch every 32-byte sector of the lane's stream now; `junk` is always 0 but the compiler cannot know
     junk = tl.zeros([LANES], dtype=tl.int32)
@@ -360,14 +360,8 @@ def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_pt
     Same bits as v1/v2 and the reference."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     pid = tl.program_id(0)
-    lane = pid * LANES + tl.arange(0, LANES)
-    lane_ok = lane < n_lanes
-    # lane lengths: uint8 units of 2^LANE_SHIFT bits (format 3) or uint16 bits (LANE_SHIFT 0, formats 1-2)
-    bits = (tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & LANE_MASK) << LANE_SHIFT
-    base = tl.load(group_off_ptr + pid * GROUPS_PER_PROG)  # int64: first bit of this program's lanes
-    start = base + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
-    word = (start >> 5).to(tl.int32)
-    off = (start & 31).to(tl.int32)
+    lane, lane_ok, bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
+                                                  LANE_MASK, LANE_SHIFT)
     last_word = word + ((off + bits) >> 5) + 2
     # touch every 32-byte sector of the lane's stream now (one wait); `junk` is 0, the compiler cannot know
     junk = tl.zeros([LANES], dtype=tl.int32)
