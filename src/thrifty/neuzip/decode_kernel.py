@@ -42,7 +42,7 @@ def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, 
                    FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
                    SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr,
                    LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
-    lane, lane_ok, bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
+    lane, lane_ok, _bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
                                                   LANE_MASK, LANE_SHIFT)
     w0 = tl.load(words_ptr + word, mask=lane_ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     w1 = tl.load(words_ptr + word + 1, mask=lane_ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
