@@ -113,6 +113,8 @@ def test_detect_device_cpu():
         (lambda: bench.time_fn(print, reps=0, device="cpu"), ValueError, "reps"),
         (lambda: bench.time_fn(print, warmup=-1, device="cpu"), ValueError, "warmup"),
         (lambda: bench.time_fn(print, budget_s=0, device="cpu"), ValueError, "budget_s"),
+        (lambda: bench.time_fn(print, gpu_only="yes", device="cpu"), TypeError, "gpu_only"),
+        (lambda: bench.time_fn(print, flush_l2=1, device="cpu"), TypeError, "flush_l2"),
         (lambda: bench.write_result("bad name", [], {}, device="cpu"), ValueError, "name"),
         (lambda: bench.write_result("ok", {"a": 1}, {}, device="cpu"), TypeError, "rows"),
         (lambda: bench.write_result("ok", [1], {}, device="cpu"), TypeError, r"rows\[0\]"),

@@ -199,6 +199,9 @@ def time_fn(
     check_positive_int("warmup", warmup, allow_zero=True)
     check_positive_int("reps", reps)
     check_positive_int("min_reps", min_reps)
+    for name, flag in (("flush_l2", flush_l2), ("gpu_only", gpu_only)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected True or False, got {flag!r}")
     if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s <= 0):
         raise ValueError(f"budget_s: expected a positive number of seconds or None, got {budget_s!r}")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
