@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from thrifty.attention import accuracy_metrics, apply_plan, calibrate, exact_attention, sage_seam, save_plan
+from thrifty.attention import (accuracy_metrics, apply_plan, calibrate, exact_attention, plan_from_scores,
+                               sage_seam, save_plan)
 from thrifty.attention.reference import sage_attention_reference
 from thrifty.models import LlamaForCausalLM, sdpa_attention
 from thrifty.pretrained import ensure_converted
@@ -131,7 +132,7 @@ def end_to_end(model, args, device):
     _, scores = calibrate(model, calib, threshold=0.0, return_scores=True, **plan_opts)
     plans = {}
     for threshold in args.thresholds:
-        plan = {i: (4 if s >= threshold else 8) for i, s in scores.items()}
+        plan = plan_from_scores(scores, threshold)
         apply_plan(model, plan, **plan_opts)
         n4 = sum(b == 4 for b in plan.values())
         ppl[f"adaptive, threshold {threshold} ({n4}/{len(plan)} layers 4-bit)"] = perplexity(model, evals)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from thrifty.attention import (accuracy_metrics, apply_plan, calibrate, disable_hf, enable_hf, exact_attention,
+from thrifty.attention import (accuracy_metrics, apply_plan, calibrate, disable_hf, plan_from_scores, enable_hf, exact_attention,
                                load_plan, sage_attention, sage_attention_reference, sage_seam, save_plan)
 from thrifty.attention.reference import QMAX, quantize_channels, quantize_tokens, round_to_format, token_groups
 
@@ -216,6 +216,12 @@ def test_calibrate_plan_round_trip(tmp_path):
     plan, scores = calibrate(model, batches, threshold=0.5, return_scores=True)
     assert set(plan) == {0, 1, 2} and set(plan.values()) <= {4, 8} and all(0 < s <= 1 for s in scores.values())
     assert calibrate(model, batches, threshold=1.0) == {0: 8, 1: 8, 2: 8}  # nothing is perfect at 4 bits
+    # one calibration, plans for any threshold: the same rule calibrate applies
+    assert plan_from_scores(scores, 0.5) == plan and plan_from_scores(scores, 0.0) == {0: 4, 1: 4, 2: 4}
+    with pytest.raises(ValueError, match="threshold"):
+        plan_from_scores(scores, 1.5)
+    with pytest.raises(TypeError, match="scores"):
+        plan_from_scores([0.9], 0.5)
     path = save_plan(plan, tmp_path / "plan.json", scores=scores, model="tiny")
     assert json.loads(path.read_text())["format"].startswith("thrifty.sage_plan")
     assert load_plan(path) == plan

@@ -8,9 +8,10 @@ Models: ``model.set_attention(sage_seam())`` (reference Llama), ``enable_hf(mode
 ``apply_plan(model, calibrate(model, batches))`` (per-layer 4/8 bits). See NOTES.md for the kernel's numbers.
 """
 
-from .api import apply_plan, calibrate, load_plan, sage_attention, sage_seam, save_plan
+from .api import (apply_plan, calibrate, load_plan, plan_from_scores, sage_attention, sage_seam,
+                  save_plan)
 from .hf import disable_hf, enable_hf
 from .reference import accuracy_metrics, exact_attention, sage_attention_reference
 
-__all__ = ["sage_attention", "sage_seam", "calibrate", "save_plan", "load_plan", "apply_plan", "enable_hf",
-           "disable_hf", "sage_attention_reference", "exact_attention", "accuracy_metrics"]
+__all__ = ["sage_attention", "sage_seam", "calibrate", "plan_from_scores", "save_plan", "load_plan",
+           "apply_plan", "enable_hf", "disable_hf", "sage_attention_reference", "exact_attention", "accuracy_metrics"]

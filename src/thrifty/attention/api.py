@@ -205,8 +205,18 @@ def calibrate(model, batches: Iterable, *, threshold: float = 0.99, low_bits: in
     finally:
         for a, original in zip(attns, originals):
             a.attention = original
-    plan = {i: (low_bits if s >= threshold else 8) for i, s in enumerate(worst)}
+    plan = plan_from_scores(dict(enumerate(worst)), threshold, low_bits=low_bits)
     return (plan, dict(enumerate(worst))) if return_scores else plan
+
+
+def plan_from_scores(scores: dict, threshold: float, *, low_bits: int = 4) -> dict:
+    """{layer: bits}: ``low_bits`` where the layer's calibration score reaches ``threshold``, else 8. Lets one
+    :func:`calibrate` run (``return_scores=True``) give the plans of several thresholds."""
+    check_range("threshold", threshold, 0.0, 1.0)
+    check_choice("low_bits", low_bits, (4, 8))
+    if not isinstance(scores, dict):
+        raise TypeError(f"scores: expected a dict {{layer: score}}, got {type(scores).__name__}")
+    return {i: (low_bits if s >= threshold else 8) for i, s in scores.items()}
 
 
 def save_plan(plan: dict, path, *, scores: Optional[dict] = None, **meta) -> Path:
