@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import reference as R
+from ..triton_utils import FastLauncher
 
 
 @triton.jit
@@ -382,6 +383,11 @@ def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_pt
                   FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, True, ASM, TSIZE, SMALL)
 
 
+# Triton's launch path (argument binding, specialization lookup) costs ~30 µs per call, as long as decoding a
+# 10M-weight tensor; the cached launcher skips it on repeated calls (layer-by-layer decompression).
+_V3_LAUNCH = FastLauncher(_decode_kernel_v3)
+
+
 def kernel_table(table: torch.Tensor, dtype: torch.dtype, table16: bool = False, small: bool = False) -> torch.Tensor:
     """The v3 table from the reference one ((symbol << 4) | length): (symbol << SYM_SHIFT) | length, so the
     symbol sits at its place in the output element. table16: int16 entries (16-bit dtypes only; 8 KB).
@@ -452,12 +458,12 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
         n_full = min(n // (groups_per_prog * R.GROUP * steps), grid[0] - 1)
         if v3_small is not None and v3_small.dtype != v3_table.dtype:
             raise ValueError(f"v3_small: entries must have v3_table's dtype {v3_table.dtype}, got {v3_small.dtype}")
-        _decode_kernel_v3[grid](words, lane_bits, group_offsets, raw, v3_table,
-                                v3_small if v3_small is not None else v3_table, out_bits, n, n_lanes,
-                                words.numel(), n_full, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog,
-                                FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm,
-                                TSIZE=v3_table.element_size(), SMALL=v3_small is not None,
-                                LANE_MASK=lane_mask, LANE_SHIFT=lane_shift, num_warps=num_warps)
+        _V3_LAUNCH(grid, words, lane_bits, group_offsets, raw, v3_table,
+                   v3_small if v3_small is not None else v3_table, out_bits, n, n_lanes,
+                   words.numel(), n_full, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog,
+                   FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm,
+                   TSIZE=v3_table.element_size(), SMALL=v3_small is not None,
+                   LANE_MASK=lane_mask, LANE_SHIFT=lane_shift, num_warps=num_warps, num_stages=3)
         return out
     kern, extra = (_decode_kernel_pipelined, (words.numel(),)) if kernel == "v2" else (_decode_kernel, ())
     kern[grid](words, lane_bits, group_offsets, raw, table,
