@@ -414,6 +414,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--entropy", type=float, default=5.35, help="synthetic regime target (anchors' SmolLM2 figure)")
     ap.add_argument("--top1", type=float, default=0.17)
+    ap.add_argument("--merge-rows", default="", help="cce_rows.json of an earlier call (same commit, same box "
+                    "kind) whose rows this run extends: one result file from calls split by the carry limit")
     ap.add_argument("--budget", type=float, default=3.0, help="seconds of timing per implementation and mode")
     ap.add_argument("--train", default="", help="preset:steps, e.g. 30m:300 (the end effect in the model)")
     ap.add_argument("--profile", default="", help="e.g. 2304x256000:realistic,2304x256000:random")
@@ -451,7 +453,9 @@ def main():
     fns = impls()
     if args.impls:
         fns = {k: v for k, v in fns.items() if k in args.impls.split(",")}
-    rows = []
+    rows = json.loads(Path(args.merge_rows).read_text()) if args.merge_rows else []
+    if rows:
+        print(f"extending {len(rows)} rows of {args.merge_rows}", flush=True)
     for shape in args.shapes.split(","):
         D, V = map(int, shape.split("x"))
         for regime in args.regimes.split(","):

@@ -74,27 +74,38 @@ def train_curve(args, loss: str, corpus, seed: int = 0):
     return history, final, tokens_per_s, peak
 
 
+def fits(args, loss: str, data, batch: int) -> bool:
+    """Whether one full training step (fwd, bwd, AdamW) at this batch (x seq_len) fits on the device."""
+    model = trainer = None
+    try:
+        model = make_model(args.preset, loss, args.device)
+        cfg = TrainConfig(steps=1, batch_size=batch, seq_len=args.seq_len, warmup_steps=0)
+        trainer = Trainer(model, data, None, cfg)
+        trainer.train_step()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        del model, trainer
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def max_batch(args, loss: str, corpus) -> int:
-    """Largest power-of-two batch (at seq_len) whose full training step (fwd, bwd, AdamW) fits."""
+    """Largest batch (at seq_len) whose training step fits: doubling from 8, then bisection to a step of 2
+    (power-of-two steps would hide the logits' share of memory)."""
     data = TokenDataset(corpus, "train")
     best, batch = 0, 8
-    while batch <= args.max_batch_limit:
-        model = trainer = None
-        try:
-            model = make_model(args.preset, loss, args.device)
-            cfg = TrainConfig(steps=1, batch_size=batch, seq_len=args.seq_len, warmup_steps=0)
-            trainer = Trainer(model, data, None, cfg)
-            trainer.train_step()
-            best = batch
-        except torch.OutOfMemoryError:
-            break
-        finally:
-            del model, trainer
-            gc.collect()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-        batch *= 2
-    return best
+    while batch <= args.max_batch_limit and fits(args, loss, data, batch):
+        best, batch = batch, batch * 2
+    if best == 0 or batch > args.max_batch_limit:
+        return best
+    lo, hi = best, batch  # lo fits, hi does not
+    while hi - lo > 2:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(args, loss, data, mid) else (lo, mid)
+    return lo
 
 
 def main():
@@ -112,16 +123,19 @@ def main():
     ap.add_argument("--check-loss", action="store_true", help="also the naive loss of each batch (kernel arms)")
     args = ap.parse_args()
     corpus = data_dir() / "corpus"  # staged: the box has no apt to build it
-    rows, curves = [], {}
+    rows, curves, max_batches = [], {}, {}
     seeds = [int(x) for x in args.init_seeds.split(",")]
     arms = [(loss, seed) for loss in args.losses.split(",") for seed in seeds]
     for loss, seed in arms:
         name = loss if len(seeds) == 1 else f"{loss}_s{seed}"
         history, final, tps, peak = train_curve(args, loss, corpus, seed)
         curves[name] = [h["loss"] for h in history]
-        fits = None if args.no_max_batch else max_batch(args, loss, corpus)
+        if not args.no_max_batch and loss not in max_batches:  # memory does not depend on the init seed
+            max_batches[loss] = max_batch(args, loss, corpus)
+        fits = max_batches.get(loss)
         rows.append({"loss": name, "tokens_per_s": tps, "peak_gib": peak, "final_train_loss": history[-1]["loss"],
                      "val_loss": final["val_loss"], "val_ppl": final["val_ppl"], "max_batch": fits,
+                     "train_loss_last50": sum(curves[name][-50:]) / len(curves[name][-50:]),
                      "seq_len": args.seq_len})
         for h in history:
             rows.append({"curve": name, "step": h["step"], "train_loss": h["loss"], "step_ms": h["step_ms"],
@@ -133,7 +147,13 @@ def main():
     summary_rows = [r for r in rows if "tokens_per_s" in r]
     print_table(summary_rows)
     summary = {f"{r['loss']}_{k}": r[k] for r in summary_rows for k in ("tokens_per_s", "peak_gib", "max_batch",
-                                                                       "val_loss", "spikes")}
+                                                                       "val_loss", "spikes",
+                                                                       "train_loss_last50")}
+    losses = args.losses.split(",")
+    if len(losses) == 2 and len(seeds) > 1:  # same init seed and data order: the gap each seed shows
+        for seed in seeds:
+            a, b = (summary.get(f"{lo}_s{seed}_train_loss_last50") for lo in losses)
+            summary[f"{losses[1]}_minus_{losses[0]}_last50_s{seed}"] = b - a if a is not None and b is not None else None
     checks = [r["loss_check_abs_diff"] for r in rows if "loss_check_abs_diff" in r]
     if checks:
         summary["loss_check_max_abs_diff"] = max(checks)
