@@ -186,3 +186,18 @@ def test_cuda_fast_launch_matches_triton_launch(monkeypatch):
             slow = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125)
             monkeypatch.delenv("THRIFTY_FAST_LAUNCH")
             assert torch.equal(out, slow) and out.stride() == q.stride()
+
+
+@pytest.mark.parametrize("programs", [512, 2])  # one step per program / every step of a head in one program
+@pytest.mark.parametrize("S", [77, 16, 5])
+def test_kv_statistics_against_float64(monkeypatch, programs, S):
+    """The pre-pass's K mean, V mean and per-channel V scale (over ragged token chunks) vs float64."""
+    from thrifty.attention import quant_kernel
+    monkeypatch.setitem(quant_kernel.STATS_CONFIG, "programs", programs)
+    _, k, v = _inputs(2, 1, 3, 1, S, 64, seed=S)
+    kv = quant_kernel.quantize_kv(k, v, qmax=127.0, block_n=16, smooth_k=True, fp8_v=True, smooth_v=True)
+    k64, v64 = k.double().flatten(0, 1), v.double().flatten(0, 1)
+    center = v64.mean(1)
+    amax = (v64 - center[:, None]).abs().amax(1)
+    for got, want in ((kv["stats"][0], k64.mean(1)), (kv["stats"][2], center), (kv["stats"][1], amax / 448.0)):
+        assert torch.allclose(got.double().cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
