@@ -148,7 +148,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
 _STATS_LAUNCH = FastLauncher(_kv_partial_stats_kernel)
 # Statistics-pass launch shape on the GPU: token rows per step (4 fp32 (rows, D) accumulators live in
 # registers), warps, and the number of programs to aim for (token chunks per head follow from it).
-STATS_CONFIG = dict(block_s=32, num_warps=4, programs=512)
+STATS_CONFIG = dict(block_s=16, num_warps=4, programs=512)  # H100 sweep: attention_prepass_h100.json
 _QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
 
 
