@@ -174,7 +174,12 @@ def test_cuda_default_and_plain_paths_match_reference(D):
 def test_cuda_fast_launch_matches_triton_launch(monkeypatch):
     """FastLauncher's cached direct launches (second and later calls) give the same result, bit for bit, as
     Triton's own launch path (THRIFTY_FAST_LAUNCH=0), for new data and a bshd view."""
+    from thrifty.attention import attn_kernel, quant_kernel
     from thrifty.attention.attn_kernel import sage_forward_triton
+    from thrifty.triton_utils import fast_launch_enabled
+    assert fast_launch_enabled(), "fast launches are off on the GPU without THRIFTY_FAST_LAUNCH=0 or a hook"
+    for launcher in (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH):
+        launcher.cache.clear()
     for layout in ("bhsd", "bshd"):
         for seed in range(3):
             q, k, v = _inputs(2, 4, 2, 300, 300, 64, dtype=torch.bfloat16, seed=seed)
@@ -186,6 +191,8 @@ def test_cuda_fast_launch_matches_triton_launch(monkeypatch):
             slow = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125)
             monkeypatch.delenv("THRIFTY_FAST_LAUNCH")
             assert torch.equal(out, slow) and out.stride() == q.stride()
+    for launcher in (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH):
+        assert launcher.cache, "the direct-launch path was never taken"
 
 
 @pytest.mark.parametrize("programs", [512, 2])  # one step per program / every step of a head in one program

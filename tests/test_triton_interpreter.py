@@ -71,3 +71,15 @@ def test_plain_bf16_dot_is_wrong_in_interpreter():
 def test_kernels_available_names_devices():
     assert kernels_available("cuda") or not torch.cuda.is_available()
     assert kernels_available("cpu") == interpreting()
+
+
+def test_launch_hook_detection():
+    """Triton 3.6's launch hooks are a HookChain, never None: only a chain with calls counts as a hook
+    (FastLauncher steps aside for profilers then, and only then)."""
+    from triton.knobs import HookChain
+
+    from thrifty.triton_utils import _hook_set
+    chain = HookChain()
+    assert not _hook_set(None) and not _hook_set(chain)
+    chain.add(print)
+    assert _hook_set(chain) and _hook_set(print)

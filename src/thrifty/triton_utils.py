@@ -113,4 +113,13 @@ def fast_launch_enabled() -> bool:
         return False
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+    return not (_hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook))
+
+
+def _hook_set(hook) -> bool:
+    """Triton 3.6 keeps its launch hooks in a ``HookChain`` that is never None, empty by default (comparing
+    it with None, as thrifty first did, turned every fast launch off on the GPU box without a sign)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True

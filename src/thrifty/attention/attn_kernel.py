@@ -230,8 +230,8 @@ def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int 
                         smooth_k: bool = True, smooth_v: bool = False, return_lse: bool = False,
                         config: dict | None = None):
     """(B, H, Sq, D), (B, Hkv, Sk, D) views of any strides → out like q (same strides order) [, lse fp32].
-    Three launches: K/V statistics, K/V quantization, attention (with Q's quantization). Host overhead is
-    ~180 µs of Python per call (FastLauncher skips Triton's binder): more than the GPU time at S ≤ 2k.
+    Three launches: K/V statistics, K/V quantization, attention (with Q's quantization). The host cost
+    is in NOTES.md (FastLauncher skips Triton's binder on repeated calls).
     Replaying recorded launches with reused intermediates was tried (NOTES.md v4) and dropped: no gain shown
     in the box's noisy host timing, and it kept up to 512 MB of buffers alive behind the user's back."""
     B, H, Sq, D = q.shape
