@@ -75,6 +75,7 @@ class FastLauncher:
         self.fn = fn
         self.cache: dict = {}
         self.names = list(fn.arg_names)
+        self.interpreted = interpreting()  # fixed when ``fn`` was jitted (at import), like the kernel itself
 
     @staticmethod
     def _spec(a):
@@ -87,7 +88,7 @@ class FastLauncher:
         return (type(a),)
 
     def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs):
-        if not fast_launch_enabled():
+        if self.interpreted or not _direct_launch_allowed():
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         from triton.runtime.driver import driver
 
@@ -109,7 +110,12 @@ class FastLauncher:
 def fast_launch_enabled() -> bool:
     """FastLauncher's direct launches: off under the interpreter, with Triton launch hooks
     set (profilers expect them to run) or with THRIFTY_FAST_LAUNCH=0."""
-    if interpreting() or os.environ.get("THRIFTY_FAST_LAUNCH", "1") == "0":
+    return not interpreting() and _direct_launch_allowed()
+
+
+def _direct_launch_allowed() -> bool:
+    """No THRIFTY_FAST_LAUNCH=0 and no Triton launch hook (the per-launch part of the check)."""
+    if os.environ.get("THRIFTY_FAST_LAUNCH", "1") == "0":
         return False
     from triton import knobs
 

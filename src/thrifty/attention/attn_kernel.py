@@ -25,6 +25,10 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher, interpreting, mma
+
+# The kernels below are jitted for the interpreter or the GPU when this module is imported; the launch
+# options that must match (PRE_ROUND, FTZ, tile sizes) follow the same import-time choice.
+INTERPRET = interpreting()
 from .quant_kernel import FP8_MAX, LOG2E, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
@@ -170,7 +174,7 @@ def kernel_config(head_dim: int, device: torch.device) -> dict:
     ``fast_cvt``: int32→fp32 without I2F; ``reverse``: causal rows longest first (+4% D=64 causal);
     ``ftz``: ex2.approx.ftz (no measurable change); ``ws``: tl.range warp_specialize (does not compile
     for this loop in Triton 3.6 on sm_90)."""
-    if interpreting() and device.type == "cpu":
+    if INTERPRET and device.type == "cpu":
         return dict(block_m=32, block_n=16, num_warps=4, num_stages=1, fast_cvt=True,
                     reverse=True, ws=False, fold=False, ftz=False)
     variants = dict(fast_cvt=True, reverse=True, ws=False, fold=True, ftz=True)
@@ -212,7 +216,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     B, D = out.shape[0], out.shape[-1]
     block_m = cfg["block_m"]
     fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"]
-    ftz = cfg["ftz"] and not interpreting()
+    ftz = cfg["ftz"] and not INTERPRET
     grid = (triton.cdiv(max(Sq, 1), block_m), B * H)
     return _FWD_LAUNCH(grid,
         q, p["k8"], p["k_scale"], p["vt"], p["stats"], out, lse if lse is not None else out,
@@ -220,7 +224,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         p["sm_scale"] * LOG2E,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], QMAX=p["qmax"], CAUSAL=causal,
         PV_FP8=p["pv_fp8"], P_SCALE=FP8_MAX if p["pv_fp8"] else 1.0, HAS_VMEAN=p["smooth_v"],
-        RETURN_LSE=lse is not None, PRE_ROUND=interpreting(), FAST_CVT=cfg["fast_cvt"],
+        RETURN_LSE=lse is not None, PRE_ROUND=INTERPRET, FAST_CVT=cfg["fast_cvt"],
         REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
         LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

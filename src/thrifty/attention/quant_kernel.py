@@ -21,6 +21,9 @@ import triton.language as tl
 
 from ..triton_utils import FastLauncher, interpreting
 
+# Jitted for the interpreter or the GPU at import; the launch options that must match follow the same choice.
+INTERPRET = interpreting()
+
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
 
@@ -169,7 +172,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     stats = torch.empty(3, BH, D, dtype=torch.float32, device=dev)
     if has_stats:
         sc = STATS_CONFIG
-        block_s = 16 if interpreting() else sc["block_s"]
+        block_s = 16 if INTERPRET else sc["block_s"]
         n_blocks = triton.cdiv(max(S, 1), block_s)
         # enough programs to fill the SMs; at most 16 partials per head (every quantize program sums them all)
         per = triton.cdiv(n_blocks, max(1, min(16, sc["programs"] // BH)))
@@ -186,5 +189,5 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     _QUANT_LAUNCH((S_pad // block_n, BH),
         k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
-        HAS_STATS=has_stats, PRE_ROUND=interpreting(), num_warps=4, num_stages=3)
+        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, num_warps=4, num_stages=3)
     return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt)
