@@ -83,3 +83,14 @@ def test_launch_hook_detection():
     assert not _hook_set(None) and not _hook_set(chain)
     chain.add(print)
     assert _hook_set(chain) and _hook_set(print)
+
+
+def test_fast_launcher_key_separates_what_triton_specializes_on():
+    """Arguments that Triton compiles differently for must give different keys (else a cached kernel of
+    another specialization would be launched)."""
+    from thrifty.triton_utils import FastLauncher
+    spec = FastLauncher._spec
+    assert len({spec(1), spec(2), spec(16), spec(2 ** 31), spec(True), spec(False), spec(1.0)}) == 7
+    x = torch.zeros(8, dtype=torch.float32)
+    assert spec(x) != spec(x.to(torch.float16)) and spec(x) != spec(x[1:])  # dtype, 16-byte alignment
+    assert spec(torch.nn.Parameter(x)) == spec(x)
