@@ -19,7 +19,7 @@ import triton.language as tl
 
 from thrifty import bench
 from thrifty.attention import quant_kernel
-from thrifty.attention.quant_kernel import quantize_kv
+from thrifty.attention.quant_kernel import quantize_kv, stats_split
 
 
 @triton.jit
@@ -52,15 +52,9 @@ def _stats_v1_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane,
     tl.store(out + 3 * plane, v_max)
 
 
-def _split(S, BH, block_s, programs):
-    n_blocks = triton.cdiv(S, block_s)
-    per = triton.cdiv(n_blocks, max(1, min(16, programs // BH)))
-    return per, triton.cdiv(n_blocks, per)
-
-
 def stats_v1(k, v, block_s=64, programs=512, num_warps=4):
     B, H, S, D = k.shape
-    per, n_split = _split(S, B * H, block_s, programs)
+    per, n_split = stats_split(S, B * H, block_s, programs)
     part = torch.empty(4, B * H, n_split, D, dtype=torch.float32, device=k.device)
     _stats_v1_kernel[(B * H, n_split)](k, v, part, H, S, per * block_s, n_split, B * H * n_split * D,
                                        *k.stride(), *v.stride(), D=D, BLOCK_S=block_s, num_warps=num_warps)
@@ -69,7 +63,7 @@ def stats_v1(k, v, block_s=64, programs=512, num_warps=4):
 
 def stats_v2(k, v, block_s=32, programs=512, num_warps=4):
     B, H, S, D = k.shape
-    per, n_split = _split(S, B * H, block_s, programs)
+    per, n_split = stats_split(S, B * H, block_s, programs)
     part = torch.empty(4, B * H, n_split, D, dtype=torch.float32, device=k.device)
     quant_kernel._kv_partial_stats_kernel[(B * H, n_split)](
         k, v, part, H, S, per * block_s, n_split, B * H * n_split * D, *k.stride(), *v.stride(),

@@ -178,7 +178,8 @@ def test_cuda_fast_launch_matches_triton_launch(monkeypatch):
     from thrifty.attention.attn_kernel import sage_forward_triton
     from thrifty.triton_utils import fast_launch_enabled
     assert fast_launch_enabled(), "fast launches are off on the GPU without THRIFTY_FAST_LAUNCH=0 or a hook"
-    for launcher in (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH):
+    launchers = (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH)
+    for launcher in launchers:
         launcher.cache.clear()
     for layout in ("bhsd", "bshd"):
         for seed in range(3):
@@ -191,7 +192,7 @@ def test_cuda_fast_launch_matches_triton_launch(monkeypatch):
             slow = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125)
             monkeypatch.delenv("THRIFTY_FAST_LAUNCH")
             assert torch.equal(out, slow) and out.stride() == q.stride()
-    for launcher in (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH):
+    for launcher in launchers:
         assert launcher.cache, "the direct-launch path was never taken"
 
 

@@ -97,13 +97,13 @@ class FastLauncher:
         device = driver.active.get_current_device()
         key = (device, num_warps, num_stages, tuple(constexprs.items()), tuple(map(self._spec, args)))
         hit = self.cache.get(key)
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         if hit is None:
             kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             if len(self.cache) < 256:  # the constexprs, in signature order, follow the runtime arguments
                 self.cache[key] = (kernel, tuple(constexprs[n] for n in self.names[len(args):]))
             return kernel
         kernel, tail = hit
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         kernel.run(*grid3, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
                    None, None, None, *args, *tail)
         return kernel

@@ -24,12 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import FastLauncher, interpreting, mma
-
-# The kernels below are jitted for the interpreter or the GPU when this module is imported; the launch
-# options that must match (PRE_ROUND, FTZ, tile sizes) follow the same import-time choice.
-INTERPRET = interpreting()
-from .quant_kernel import FP8_MAX, LOG2E, quantize_kv, quantize_rows, to_e4m3
+from ..triton_utils import FastLauncher, mma
+from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
 

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from ..triton_utils import FastLauncher, interpreting
 
-# Jitted for the interpreter or the GPU at import; the launch options that must match follow the same choice.
+# The kernels here and in attn_kernel are jitted for the interpreter or the GPU when imported; the launch
+# options that must match (PRE_ROUND, FTZ, tile sizes) follow the same import-time choice.
 INTERPRET = interpreting()
 
 LOG2E = 1.4426950408889634
@@ -155,6 +156,14 @@ STATS_CONFIG = dict(block_s=16, num_warps=4, programs=512)  # H100 sweep: attent
 _QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
 
 
+def stats_split(S: int, BH: int, block_s: int, programs: int) -> tuple[int, int]:
+    """(steps of ``block_s`` tokens per program, programs per head) for the statistics pass: enough programs
+    to fill the SMs, at most 16 partials per head (every quantize program sums them all)."""
+    n_blocks = triton.cdiv(max(S, 1), block_s)
+    per = triton.cdiv(n_blocks, max(1, min(16, programs // BH)))
+    return per, triton.cdiv(n_blocks, per)
+
+
 def _pad(n: int, block: int) -> int:
     return triton.cdiv(max(n, 1), block) * block
 
@@ -173,10 +182,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     if has_stats:
         sc = STATS_CONFIG
         block_s = 16 if INTERPRET else sc["block_s"]
-        n_blocks = triton.cdiv(max(S, 1), block_s)
-        # enough programs to fill the SMs; at most 16 partials per head (every quantize program sums them all)
-        per = triton.cdiv(n_blocks, max(1, min(16, sc["programs"] // BH)))
-        n_split = triton.cdiv(n_blocks, per)
+        per, n_split = stats_split(S, BH, block_s, sc["programs"])
         part = torch.empty(4, BH, n_split, D, dtype=torch.float32, device=dev)
         _STATS_LAUNCH((BH, n_split),
             k, v, part, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
