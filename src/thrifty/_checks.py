@@ -7,6 +7,8 @@ boundary and never deep inside a kernel.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -69,13 +71,41 @@ def check_choice(name: str, value, choices: Sequence) -> None:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
 
 
-def check_range(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def check_number(name: str, value, *, finite: bool = True) -> float:
+    """Checks that ``value`` is a real number (not a bool); NaN is always refused, and infinities too unless
+    ``finite=False``. Returns it unchanged."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if math.isnan(value):
+        raise ValueError(f"{name}: expected a number, got NaN")
+    if finite and math.isinf(value):
+        raise ValueError(f"{name}: expected a finite number, got {value}")
+    return value
+
+
+def check_finite(name: str, value) -> float:
+    """Checks that ``value`` is a finite real number (NaN and ±inf refused by name); returns it."""
+    return check_number(name, value, finite=True)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def check_range(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+                finite: bool = True) -> float:
+    """Checks ``lo <= value <= hi`` (``lo_open``/``hi_open``: strict). NaN never passes (it compares false with
+    everything, so a plain ``<`` test would let it through); an infinity passes only with ``finite=False`` and
+    a closed infinite bound."""
+    check_number(name, value, finite=False)
     bad_lo = value <= lo if lo_open else value < lo
     bad_hi = value >= hi if hi_open else value > hi
+    lb = "(" if lo_open else "["
+    hb = ")" if hi_open else "]"
     if bad_lo or bad_hi:
-        lb = "(" if lo_open else "["
-        hb = ")" if hi_open else "]"
         raise ValueError(f"{name}: expected a value in {lb}{lo}, {hi}{hb}, got {value}")
+    if finite and math.isinf(value):
+        raise ValueError(f"{name}: expected a finite value in {lb}{lo}, {hi}{hb}, got {value}")
     return value

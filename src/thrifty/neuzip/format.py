@@ -16,6 +16,7 @@ naming the file (and the tensor). No pickle anywhere.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from pathlib import Path
@@ -40,23 +41,54 @@ LEGACY_STREAMS = {"words": torch.int32, "lane_bits": torch.int16, "group_offsets
 
 def _streams_of(unit: int) -> dict:
     return LEGACY_STREAMS if unit == R.LEGACY_UNIT else STREAMS
-_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in (
-    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool)}
+def _plain_dtypes() -> tuple:
+    """Every dtype safetensors can hold (stored raw by the "plain" codec, bit for bit)."""
+    names = ("bfloat16", "float16", "float32", "float64", "int64", "int32", "int16", "int8", "uint64", "uint32",
+             "uint16", "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+             "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    return tuple(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _plain_dtypes()}
+MAX_NDIM = 64  # more dimensions than torch allows: a forged header
+MAX_NUMEL = 1 << 62  # element counts above this are forged (and would overflow int64 byte counts)
+
 
 Entry = Union[CompressedTensor, torch.Tensor]  # a plain tensor is stored uncompressed ("plain" codec)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    t = t.detach().cpu().contiguous().reshape(-1)
+    if t.numel() == 0:  # an empty tensor's stride may not allow a view to bytes
+        return np.zeros(0, np.uint8)
+    return t.view(torch.uint8).numpy()
+
+
+def _from_bytes(data: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    if data.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
 
 
 def save(path, entries: dict) -> None:
-    """Writes {name: CompressedTensor or plain tensor} to ``path`` (safetensors)."""
+    """Writes {name: CompressedTensor or plain tensor} to ``path`` (safetensors).
+
+    Any dtype safetensors holds is stored ("plain" codec, raw bytes), empty and 0-d tensors included. The file
+    is written under a temporary name in the same folder, read back with :func:`load` and compared with
+    ``entries`` (streams and bytes), and only then renamed onto ``path``: a failed write never leaves a
+    partial file, and a file that would not restore exactly is never written.
+    """
     from safetensors.numpy import save_file
 
+    from .._io import atomic_path, check_output_path
+
+    if not isinstance(entries, dict):
+        raise TypeError(f"entries: expected a dict {{name: tensor}}, got {type(entries).__name__}")
+    path = check_output_path("path", path)
     arrays, meta = {}, {}
     for name, e in entries.items():
+        if not isinstance(name, str):
+            raise TypeError(f"entries: tensor names must be str, got {type(name).__name__} {name!r}")
         if "::" in name:
             raise ValueError(f"entries: tensor name {name!r} must not contain '::'")
         if isinstance(e, CompressedTensor):
@@ -66,13 +98,36 @@ def save(path, entries: dict) -> None:
                           "mantissa_bits": e.mantissa_bits, "steps": e.steps, "lane_unit": e.unit, "group": R.GROUP,
                           "max_code_bits": R.MAX_CODE_BITS, "crc32": e.crc32()}
         elif isinstance(e, torch.Tensor):
+            dtype = str(e.dtype).removeprefix("torch.")
+            if dtype not in _DTYPE_NAMES:
+                raise TypeError(f"entries[{name!r}]: dtype {e.dtype} cannot be stored (safetensors holds "
+                                f"{sorted(_DTYPE_NAMES)})")
             data = _bytes(e)
             arrays[f"{name}::data"] = data
-            meta[name] = {"codec": "plain", "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
+            meta[name] = {"codec": "plain", "dtype": dtype, "shape": list(e.shape),
                           "crc32": zlib.crc32(data.tobytes())}
         else:
             raise TypeError(f"entries[{name!r}]: expected a CompressedTensor or a torch.Tensor, got {type(e).__name__}")
-    save_file(arrays, str(path), metadata={VERSION_KEY: str(FORMAT_VERSION), TENSORS_KEY: json.dumps(meta)})
+    with atomic_path(path) as tmp:
+        save_file(arrays, str(tmp), metadata={VERSION_KEY: str(FORMAT_VERSION), TENSORS_KEY: json.dumps(meta)})
+        _verify_written(tmp, path, entries)
+
+
+def _verify_written(tmp: Path, path: Path, entries: dict) -> None:
+    """Reads the just-written file back; raises if any entry differs from what was meant to be written."""
+    back = load(tmp, device=None)
+    if set(back) != set(entries):
+        raise RuntimeError(f"{path}: the written file holds {sorted(back)[:4]}..., not the tensors given; "
+                           "nothing was written")
+    for name, e in entries.items():
+        b = back[name]
+        if isinstance(e, CompressedTensor):
+            same = isinstance(b, CompressedTensor) and b.crc32() == e.crc32()
+        else:
+            same = isinstance(b, torch.Tensor) and b.dtype == e.dtype and b.shape == e.shape and \
+                np.array_equal(_bytes(b), _bytes(e))
+        if not same:
+            raise RuntimeError(f"{path}: tensor {name!r} does not read back as written; nothing was written")
 
 
 def _header(path: Path, data: bytes) -> dict:
@@ -95,9 +150,14 @@ def load(path, device="cpu") -> dict:
     from safetensors.numpy import load as st_load
 
     path = Path(path)
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
     header = _header(path, data)
     meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: corrupted header (__metadata__ is not an object)")
     version = meta.get(VERSION_KEY)
     if version is None:
         raise ValueError(f"{path}: not a thrifty neuzip file (no {VERSION_KEY!r} in the header)")
@@ -105,7 +165,7 @@ def load(path, device="cpu") -> dict:
         raise ValueError(f"{path}: neuzip format version {version!r}, this thrifty reads versions "
                          f"{sorted(READABLE_VERSIONS)}")
     try:
-        tensors_meta = json.loads(meta.get(TENSORS_KEY, ""))
+        tensors_meta = json.loads(meta.get(TENSORS_KEY) or "")
         arrays = st_load(data)
     except Exception as err:  # safetensors raises its own error type for bad offsets / sizes
         raise ValueError(f"{path}: corrupted or truncated file ({type(err).__name__}: {err})") from None
@@ -124,20 +184,25 @@ def load(path, device="cpu") -> dict:
 def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool) -> Entry:
     where = f"{path}: tensor {name!r}"
     try:
-        codec, dtype, shape = m["codec"], _DTYPE_NAMES[m["dtype"]], [int(d) for d in m["shape"]]
-        crc = int(m["crc32"])
+        codec, dtype, shape = m["codec"], _DTYPE_NAMES[m["dtype"]], list(m["shape"])
+        crc = m["crc32"]
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{where}: corrupted metadata {m!r}") from None
-    if any(d < 0 for d in shape):
-        raise ValueError(f"{where}: bad shape {shape}")
-    numel = int(np.prod(shape, dtype=np.int64))
+        raise ValueError(f"{where}: corrupted metadata {str(m)[:200]}") from None
+    if type(crc) is not int or not 0 <= crc < 1 << 32:
+        raise ValueError(f"{where}: bad checksum field {crc!r}")
+    # Python ints: a forged shape cannot overflow the products below (NumPy's int64 would wrap silently)
+    if len(shape) > MAX_NDIM or any(type(d) is not int or d < 0 for d in shape):
+        raise ValueError(f"{where}: bad shape {str(shape)[:200]}")
+    numel = math.prod(shape)
+    if numel > MAX_NUMEL:
+        raise ValueError(f"{where}: shape {shape} has {numel} elements, more than any file can hold")
     if codec == "plain":
         data = arrays.get(f"{name}::data")
-        if data is None or data.size != numel * torch.empty((), dtype=dtype).element_size():
+        if data is None or data.ndim != 1 or data.size != numel * torch.empty((), dtype=dtype).element_size():
             raise ValueError(f"{where}: missing or truncated data")
         if zlib.crc32(data.tobytes()) != crc:
             raise ValueError(f"{where}: checksum mismatch (file corrupted)")
-        return torch.from_numpy(data.copy()).view(dtype).reshape(shape)
+        return _from_bytes(data, dtype, shape)
     if codec != "neuzip":
         raise ValueError(f"{where}: unknown codec {codec!r}")
     if dtype not in R.DTYPES:
@@ -156,7 +221,7 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
         raise ValueError(f"{where}: codec parameters (group, max_code_bits) = {params} differ from this "
                          f"version's {(R.GROUP, R.MAX_CODE_BITS)}")
     k = m.get("mantissa_bits")
-    if k is not None and (dtype != torch.bfloat16 or k not in (0, 1, 3)):
+    if k is not None and (dtype != torch.bfloat16 or type(k) is not int or k not in (0, 1, 3)):
         raise ValueError(f"{where}: bad mantissa_bits {k!r}")
     streams = {}
     for key, sdtype in _streams_of(unit).items():
@@ -164,7 +229,7 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
         size = torch.empty((), dtype=sdtype).element_size()
         if a is None or a.ndim != 1 or a.size % size:
             raise ValueError(f"{where}: stream {key!r} missing or truncated")
-        streams[key] = torch.from_numpy(a.copy()).view(sdtype)
+        streams[key] = _from_bytes(a, sdtype, (a.size // size,))
     # sizes implied by the element count: a mismatch means truncation or a forged header
     groups = R.n_groups(numel, steps)
     kept, field_bits = R.field_layout(dtype, k)
@@ -174,6 +239,11 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
     for key, n in want.items():
         if streams[key].numel() != n:
             raise ValueError(f"{where}: stream {key!r} has {streams[key].numel()} entries, expected {n}")
+    lengths = streams["lengths"].numpy().astype(np.int64)
+    present = lengths[lengths > 0]
+    if (lengths > R.MAX_CODE_BITS).any() or \
+            (len(present) > 1 and sum(1 << (R.MAX_CODE_BITS - int(n)) for n in present) > 1 << R.MAX_CODE_BITS):
+        raise ValueError(f"{where}: the code lengths do not form a prefix code")
     ct = CompressedTensor(streams, dtype, shape, k, steps=steps)
     if ct.crc32() != crc:
         raise ValueError(f"{where}: checksum mismatch (file corrupted)")

@@ -103,7 +103,8 @@ class CompressedTensor:
             meta += ("units", self.unit)
         crc = zlib.crc32(repr(meta).encode())
         for key in sorted(self.streams):
-            crc = zlib.crc32(self.streams[key].cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+            if self.streams[key].numel():  # (an empty stream adds no bytes; its stride may not allow the view)
+                crc = zlib.crc32(self.streams[key].cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
         return crc
 
     def to(self, device) -> "CompressedTensor":
