@@ -16,7 +16,15 @@ def _device(name: str):
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
 
 
 def _corpus(corpus_dir, max_mb=None, reuse=False):
@@ -207,7 +215,11 @@ def main(argv=None) -> int:
         return getattr(neuzip_cli, f"{args.cmd}_main")(rest)
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain}[args.cmd](args)
+    try:
+        return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain}[args.cmd](args)
+    except (ValueError, FileNotFoundError) as err:  # bad input (thrifty's checks raise these): one line, exit 2
+        print(f"thrifty {args.cmd}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
