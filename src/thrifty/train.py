@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,20 @@ class TrainConfig:
         check_range("weight_decay", self.weight_decay, 0.0, 10.0)
         check_range("grad_clip", self.grad_clip, 0.0, 1e9)
         check_choice("autocast", self.autocast, ("auto", "bf16", "none"))
+        _check_config_extras(self)
+
+
+def _check_config_extras(cfg: "TrainConfig") -> None:
+    """The fields the first checks do not cover: AdamW's betas, the seed, the folder, ``extra``."""
+    if not isinstance(cfg.betas, (tuple, list)) or len(cfg.betas) != 2:
+        raise ValueError(f"betas: expected a pair (beta1, beta2), got {cfg.betas!r}")
+    for i, b in enumerate(cfg.betas):
+        check_range(f"betas[{i}]", b, 0.0, 1.0, hi_open=True)
+    check_positive_int("seed", cfg.seed, allow_zero=True)
+    if cfg.checkpoint_dir is not None and not isinstance(cfg.checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir: expected None or a path, got {type(cfg.checkpoint_dir).__name__}")
+    if not isinstance(cfg.extra, dict):
+        raise TypeError(f"extra: expected a dict, got {type(cfg.extra).__name__}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .._checks import check_choice, check_range, check_tensor
 from ..triton_utils import kernels_available
-from .reference import accuracy_metrics, causal_mask, sage_attention_reference
+from .reference import accuracy_metrics, causal_mask, empty_attention, nonfinite_rows, sage_attention_reference
 
 KERNEL_HEAD_DIMS = (64, 128)
 PLAN_FORMAT = "thrifty.sage_plan/1"
@@ -38,6 +38,10 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
     if sm_scale is not None:
         check_range("sm_scale", sm_scale, 0.0, float("inf"), lo_open=True)
     B, H, _, D = q.shape
+    if H == 0 or k.shape[1] == 0:
+        raise ValueError(f"q, k: expected at least one head, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if D == 0:
+        raise ValueError(f"q: expected head_dim > 0, got shape {tuple(q.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k, v: expected equal shapes, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != B or k.shape[3] != D:
@@ -63,13 +67,20 @@ def _choose_impl(impl, q, smooth_q):
 def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse):
     """(B, H, S, D) tensors, validated; no autograd."""
     if impl == "triton":
+        # NaN in -> NaN out: the kernels compute non-finite inputs as zeros; the rows that depend on one are
+        # set to NaN here (the reference does the same inside)
+        bad_rows = nonfinite_rows(q, k, v, causal)
         if q.shape[-1] not in KERNEL_HEAD_DIMS:
             warnings.warn(f"sage_attention: head_dim {q.shape[-1]} has no kernel (only {KERNEL_HEAD_DIMS}); "
                           "falling back to exact SDPA", stacklevel=3)
-            return _exact_sdpa(q, k, v, causal, sm_scale, return_lse)
-        from .attn_kernel import sage_forward_triton  # compiled kernels are imported on first use only
-        return sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
-                                   smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
+            result = _exact_sdpa(q, k, v, causal, sm_scale, return_lse)
+        else:
+            from .attn_kernel import sage_forward_triton  # compiled kernels are imported on first use only
+            result = sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
+                                         smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
+        if return_lse:
+            return result[0].masked_fill(bad_rows[..., None], float("nan")), result[1].masked_fill(bad_rows, float("nan"))
+        return result.masked_fill(bad_rows[..., None], float("nan"))
     return sage_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, qk_format="int8" if qk_bits == 8 else "int4",
         pv="fp8" if pv == "fp8" else "fp16", smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v,
@@ -132,6 +143,11 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "reference"
     (readable PyTorch, any device and head_dim), "auto" (triton on CUDA, else reference).
     ``return_lse``: also return the fp32 log-sum-exp of the scaled scores per query, (B, H, Sq).
+    NaN/±inf in q, k or v: every output row that depends on one (its own query row, or a key/value row it
+    attends to) is NaN, LSE too; the other rows are computed as if those elements were zero (so one bad key
+    never spreads through K smoothing to the whole head). ``sm_scale`` must be finite and > 0.
+    Degenerate sizes: zero heads or head_dim 0 raise ValueError; zero batch or queries give an empty output;
+    zero keys give zeros (no key to attend to) with LSE −inf.
     Gradients, when inputs require them, are those of exact attention (see
     :class:`_QuantizedForwardExactBackward`).
     """
@@ -140,6 +156,11 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     opts = dict(causal=bool(causal), sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
                 smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q, smooth_q),
                 return_lse=return_lse)
+    if min(q.shape[0], q.shape[2], k.shape[2]) == 0:  # no batch, queries or keys: the documented empty result
+        result = empty_attention(q, k, bool(causal), return_lse)
+        if layout == "bshd":
+            return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
+        return result
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     result = _QuantizedForwardExactBackward.apply(q, k, v, opts) if needs_grad else _forward(q, k, v, **opts)
     if layout == "bshd":

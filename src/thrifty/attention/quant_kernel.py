@@ -51,6 +51,14 @@ def quantize_rows(x, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _finite_or_zero(x):
+    """NaN and ±inf → 0: a non-finite key or value must not reach the per-head statistics (one bad key would
+    make the K mean, and so every key of the head, NaN) nor a block's scale. The rows that attend to it are
+    set to NaN by the caller (``reference.nonfinite_rows``), so nothing turns it into a plausible number."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
 def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane,
                              k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                              D: tl.constexpr, BLOCK_S: tl.constexpr, SMOOTH_K: tl.constexpr,
@@ -76,9 +84,9 @@ def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane
         rows = start + tl.arange(0, BLOCK_S)
         ok = rows[:, None] < hi
         if SMOOTH_K:
-            k_sum += tl.load(k_tile + rows[:, None] * k_ss, mask=ok, other=0.0).to(tl.float32)
+            k_sum += _finite_or_zero(tl.load(k_tile + rows[:, None] * k_ss, mask=ok, other=0.0).to(tl.float32))
         if V_STATS:
-            v = tl.load(v_tile + rows[:, None] * v_ss, mask=ok, other=0.0).to(tl.float32)
+            v = _finite_or_zero(tl.load(v_tile + rows[:, None] * v_ss, mask=ok, other=0.0).to(tl.float32))
             v_sum += v
             v_min = tl.minimum(v_min, tl.where(ok, v, float("inf")))
             v_max = tl.maximum(v_max, tl.where(ok, v, float("-inf")))
@@ -131,7 +139,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
         tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
 
     k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
-    k = k.to(tl.float32)
+    k = _finite_or_zero(k.to(tl.float32))
     if SMOOTH_K:
         k = tl.where(ok, k - k_mean[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
@@ -141,7 +149,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
 
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
-    v = v.to(tl.float32)
+    v = _finite_or_zero(v.to(tl.float32))
     if SMOOTH_V:
         v = tl.where(ok, v - center[None, :], 0.0)
     if V_FP8:

@@ -154,7 +154,12 @@ def sage_attention_reference(
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
     sm_scale = D ** -0.5 if sm_scale is None else sm_scale
-    qf, kf, vf = q.float(), _expand_kv(k, H).float(), _expand_kv(v, H).float()
+    if min(B, H, Sq, Sk, D) == 0:
+        return empty_attention(q, k, causal, return_lse)
+    # Non-finite inputs: computed as zeros (so that one bad key cannot spread through K's mean or a block's
+    # scale), and every output row that attends to one is set to NaN at the end (see nonfinite_rows).
+    bad_rows = nonfinite_rows(q, k, v, causal)
+    qf, kf, vf = (_finite_or_zero(x.float()) for x in (q, _expand_kv(k, H), _expand_kv(v, H)))
 
     # 1. K smoothing: exact for O; the per-row shift q·mean(K)·sm_scale is added back to the LSE only.
     k_mean = kf.mean(dim=2, keepdim=True) if smooth_k else torch.zeros_like(kf[:, :, :1])
@@ -210,12 +215,47 @@ def sage_attention_reference(
         m = m_new
     out = acc * v_scale / (l * p_scale)
     out = torch.where(l > 0, out + v_mean, torch.zeros_like(out))  # rows that see no key output zeros
-    out = out.to(q.dtype)
+    out = out.masked_fill(bad_rows[..., None], float("nan")).to(q.dtype)
     if not return_lse:
         return out
     lse = (m + torch.log2(l)) / LOG2E  # natural log of Σ exp(sm_scale·s_smoothed)
     lse = lse.squeeze(-1) + (qf @ k_mean.transpose(-1, -2)).squeeze(-1) * sm_scale
-    return out, lse
+    return out, lse.masked_fill(bad_rows, float("nan"))
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def nonfinite_rows(q, k, v, causal: bool) -> torch.Tensor:
+    """(B, H, Sq) bool: the output rows that depend on a NaN or ±inf of the inputs — the query row itself, or
+    a key or value row the query attends to (with ``causal``, key j is seen by the queries i with
+    j ≤ i + Sk − Sq). The contract of every path: these rows are NaN (LSE too), the others are computed as if
+    the bad elements were zeros, so they are unaffected (exact attention would also spread a NaN value row to
+    the rows that do not see it, through 0·NaN)."""
+    H, Sq, Sk = q.shape[1], q.shape[2], k.shape[2]
+    bad_q = ~torch.isfinite(q).all(dim=-1)
+    bad_kv = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (B, Hkv, Sk)
+    if causal:
+        keys = torch.arange(Sk, device=k.device)
+        first_bad = torch.where(bad_kv, keys, Sk).amin(dim=-1, keepdim=True) if Sk else \
+            torch.full(bad_kv.shape[:2] + (1,), Sk, device=k.device)
+        sees_bad = first_bad <= torch.arange(Sq, device=q.device) + (Sk - Sq)  # (B, Hkv, Sq)
+    else:
+        sees_bad = bad_kv.any(dim=-1, keepdim=True).expand(-1, -1, Sq)
+    return bad_q | _expand_kv(sees_bad, H)
+
+
+def empty_attention(q, k, causal: bool, return_lse: bool):
+    """The result of a degenerate size: no batch, heads, queries or head_dim give an empty output; no keys give
+    zeros (each row sees no key) with LSE −inf; a row whose query holds NaN/inf is NaN either way."""
+    B, H, Sq, D = q.shape
+    out = torch.zeros(B, H, Sq, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, Sq), float("-inf"), device=q.device)
+    if out.numel() or lse.numel():
+        bad = ~torch.isfinite(q).all(dim=-1) if D else torch.zeros_like(lse, dtype=torch.bool)
+        out, lse = out.masked_fill(bad[..., None], float("nan")), lse.masked_fill(bad, float("nan"))
+    return (out, lse) if return_lse else out
 
 
 def _block_mean(x, block):
@@ -252,4 +292,4 @@ def lse_shift_for_smoothing(q, k_mean, sm_scale):
 
 __all__ = ["QMAX", "GRANULARITIES", "PV_FORMATS", "round_to_format", "token_groups", "quantize_tokens",
            "quantize_channels", "exact_attention", "causal_mask", "sage_attention_reference",
-           "accuracy_metrics", "lse_shift_for_smoothing"]
+           "accuracy_metrics", "lse_shift_for_smoothing", "nonfinite_rows", "empty_attention"]

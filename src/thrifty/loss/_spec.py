@@ -64,6 +64,11 @@ def validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label
         raise ValueError(f"bias: expected shape ({c.shape[0]},), got {tuple(bias.shape)}")
     if tuple(targets.shape) != tuple(e.shape[:-1]):
         raise ValueError(f"targets: expected shape {tuple(e.shape[:-1])} (e without its last dim), got {tuple(targets.shape)}")
+    validate_options(ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
+
+
+def validate_options(ignore_index, reduction, softcap, shift, label_smoothing, z_loss) -> None:
+    """The scalar options (also checked when a LinearCrossEntropy module is built)."""
     check_choice("reduction", reduction, REDUCTIONS)
     if softcap is not None:
         check_range("softcap", softcap, 0.0, float("inf"), lo_open=True)

@@ -139,6 +139,8 @@ class LinearCrossEntropy(torch.nn.Module):
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean", softcap: Optional[float] = None,
                  shift: bool = False, label_smoothing: float = 0.0, z_loss: float = 0.0, impl: str = "auto", **kernel_opts):
         super().__init__()
+        _spec.validate_options(ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
+        _spec.check_choice("impl", impl, IMPLS)
         self.kw = dict(ignore_index=ignore_index, reduction=reduction, softcap=softcap, shift=shift,
                        label_smoothing=label_smoothing, z_loss=z_loss, impl=impl, **kernel_opts)
 

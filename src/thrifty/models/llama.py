@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_positive_int, check_tensor
+from .._checks import check_bool, check_positive_int, check_range, check_tensor
 
 
 @dataclass
@@ -48,6 +48,11 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             check_positive_int(name, getattr(self, name))
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
+        check_range("rope_theta", self.rope_theta, 0.0, float("inf"), lo_open=True)
+        check_range("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, lo_open=True)
+        if self.head_dim is not None:
+            check_positive_int("head_dim", self.head_dim)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -292,6 +297,8 @@ class LlamaForCausalLM(nn.Module):
         -100 ignored) are given, else the logits of the last ``logits_to_keep`` positions (0 = all)."""
         check_tensor("input_ids", input_ids, ndim=2, integer=True)
         B, T = input_ids.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"input_ids: expected at least one sequence of at least one token, got shape {(B, T)}")
         lo, hi = int(input_ids.min()), int(input_ids.max())  # one sync; an out-of-range id would crash in a kernel
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"input_ids: expected ids in [0, {self.config.vocab_size}), got min {lo} max {hi}")
