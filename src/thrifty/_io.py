@@ -46,3 +46,48 @@ def atomic_path(path):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# ---------------------------------------------------------------------------------------------- checked reads
+def read_json(path, what: str = "JSON file"):
+    """Parsed JSON of ``path``; ValueError naming the file when it is missing, unreadable or not JSON."""
+    import json
+
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing {what}") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: corrupted {what} ({err})") from None
+
+
+def read_safetensors(path, device="cpu") -> dict:
+    """{name: tensor} of a safetensors file; ValueError naming the file when it is missing, unreadable,
+    truncated or not safetensors (safetensors' own errors do not say which file)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: missing (expected a .safetensors file)")
+    try:
+        return load_file(str(path), device=str(device))
+    except Exception as err:  # SafetensorError, OSError, RuntimeError: all mean "this file is unusable"
+        raise ValueError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+
+
+def check_state_matches(source, state: dict, expected: dict, *, optional=()) -> None:
+    """Every tensor of ``expected`` ({name: tensor}) is in ``state`` with the same shape and dtype (names in
+    ``optional`` may be absent), and ``state`` holds nothing else. ValueError naming ``source`` otherwise."""
+    missing = [n for n in expected if n not in state and n not in optional]
+    unexpected = [n for n in state if n not in expected]
+    if missing or unexpected:
+        raise ValueError(f"{source}: tensors do not match the model: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    for name, t in state.items():
+        want = expected[name]
+        if t.shape != want.shape or t.dtype != want.dtype:
+            raise ValueError(f"{source}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, the model expects "
+                             f"{want.dtype} {tuple(want.shape)}")

@@ -168,45 +168,83 @@ class Trainer:
         """model.safetensors (+config.json), optimizer.safetensors, trainer_state.json."""
         from safetensors.torch import save_file
 
+        from ._io import atomic_path
+
         path = Path(path)
         if hasattr(self.model, "save_pretrained"):
             self.model.save_pretrained(path)
         else:
             path.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
-                      str(path / "model.safetensors"))
+            with atomic_path(path / "model.safetensors") as tmp:
+                save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
+                          str(tmp))
         names = {id(p): n for n, p in self.model.named_parameters()}
         opt = {}
         for p, state in self.optimizer.state.items():
             for key, value in state.items():
                 opt[f"{names[id(p)]}::{key}"] = value.detach().contiguous().cpu().reshape(value.shape)
-        save_file(opt, str(path / "optimizer.safetensors"))
+        with atomic_path(path / "optimizer.safetensors") as tmp:
+            save_file(opt, str(tmp))
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "config": asdict(self.cfg),
                  "generator_state": self.generator.get_state().tolist(), "history": self.history}
-        (path / "trainer_state.json").write_text(json.dumps(state))
+        with atomic_path(path / "trainer_state.json") as tmp:
+            tmp.write_text(json.dumps(state, default=str))  # default=str: a Path in the config
         return path
 
     def load_checkpoint(self, path) -> None:
-        """Restores model weights, optimizer moments and the step counter from :meth:`save_checkpoint`."""
-        from safetensors.torch import load_file
+        """Restores model weights, optimizer moments and the step counter from :meth:`save_checkpoint`.
 
-        path = Path(path)
-        for name in ("model.safetensors", "optimizer.safetensors", "trainer_state.json"):
-            if not (path / name).is_file():
-                raise ValueError(f"path: {path} has no {name}; not a thrifty checkpoint")
-        weights = load_file(str(path / "model.safetensors"), device=str(self.device))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        tied = getattr(getattr(self.model, "config", None), "tie_word_embeddings", False)
-        missing = [m for m in missing if not (tied and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        opt = load_file(str(path / "optimizer.safetensors"), device=str(self.device))
+        Every file is read and checked first (present, parseable, names, shapes and dtypes matching this
+        model and optimizer); only then is anything changed, so a damaged checkpoint leaves the trainer as it
+        was. Errors are ValueError naming the file."""
+        weights, opt, meta, gen_state = self._read_checkpoint(Path(path))
+        self.model.load_state_dict(weights, strict=False)
         params = dict(self.model.named_parameters())
         for key, value in opt.items():
             name, field_name = key.split("::")
             state = self.optimizer.state[params[name]]
             state[field_name] = value.cpu() if field_name == "step" and not self.optimizer.defaults.get("fused") \
                 else value
-        meta = json.loads((path / "trainer_state.json").read_text())
         self.step, self.tokens_seen, self.history = meta["step"], meta["tokens_seen"], meta["history"]
-        self.generator.set_state(torch.tensor(meta["generator_state"], dtype=torch.uint8))
+        self.generator.set_state(gen_state)
+
+    def _read_checkpoint(self, path: Path):
+        """(weights, optimizer state, trainer state, generator state), all checked; touches nothing."""
+        from ._io import check_state_matches, read_json, read_safetensors
+
+        if not path.is_dir():
+            raise ValueError(f"path: {path} is not a folder; not a thrifty checkpoint")
+        for name in ("model.safetensors", "optimizer.safetensors", "trainer_state.json"):
+            if not (path / name).is_file():
+                raise ValueError(f"path: {path} has no {name}; not a thrifty checkpoint")
+        meta = read_json(path / "trainer_state.json", "trainer state")
+        where = path / "trainer_state.json"
+        if not isinstance(meta, dict):
+            raise ValueError(f"{where}: corrupted trainer state (not a JSON object)")
+        for key, kind in (("step", int), ("tokens_seen", int), ("history", list), ("generator_state", list)):
+            if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+                raise ValueError(f"{where}: corrupted trainer state ({key!r} missing or not a {kind.__name__})")
+        if meta["step"] < 0 or meta["tokens_seen"] < 0:
+            raise ValueError(f"{where}: corrupted trainer state (negative step or token count)")
+        try:
+            gen_state = torch.tensor(meta["generator_state"], dtype=torch.uint8)
+            torch.Generator().set_state(gen_state)  # on a scratch generator: is the state usable?
+        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+            raise ValueError(f"{where}: corrupted generator state ({err})") from None
+        expected = {k: v for k, v in self.model.state_dict().items()}
+        weights = read_safetensors(path / "model.safetensors", self.device)
+        tied = getattr(getattr(self.model, "config", None), "tie_word_embeddings", False)
+        check_state_matches(path / "model.safetensors", weights, expected,
+                            optional=("lm_head.weight",) if tied else ())
+        opt = read_safetensors(path / "optimizer.safetensors", self.device)
+        params = dict(self.model.named_parameters())
+        for key, value in opt.items():
+            name, _, field_name = key.partition("::")
+            p = params.get(name)
+            ok = p is not None and (value.ndim == 0 if field_name == "step" else
+                                    field_name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+                                    and value.shape == p.shape and value.dtype == p.dtype)
+            if not ok:
+                raise ValueError(f"{path / 'optimizer.safetensors'}: entry {key!r} "
+                                 f"({value.dtype} {tuple(value.shape)}) does not match this model's optimizer")
+        return weights, opt, meta, gen_state

@@ -326,38 +326,62 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device="cpu", **seams):
-        """Loads a HF Llama-family checkpoint folder (config.json + *.safetensors)."""
-        from safetensors.torch import load_file
+        """Loads a HF Llama-family checkpoint folder (config.json + *.safetensors).
+
+        Every file is read and checked (parseable, no tensor twice, names and shapes matching the config,
+        floating-point weights) before the model is filled; errors are ValueError naming the file."""
+        from .._io import read_json, read_safetensors
 
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"path: expected a folder with config.json, got {path}")
-        config = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+        hf = read_json(path / "config.json", "model config")
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path / 'config.json'}: corrupted model config (not a JSON object)")
+        try:
+            config = LlamaConfig.from_hf(hf)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path / 'config.json'}: {err}") from None
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"path: no .safetensors files in {path}")
-        state = {}
+        state, source = {}, {}
         for f in files:
-            state.update(load_file(str(f)))
-        with torch.device(device):
+            for name, t in read_safetensors(f).items():
+                if name in state:
+                    raise ValueError(f"{f}: tensor {name!r} is also in {source[name]}")
+                state[name], source[name] = t, f
+        with torch.device(device):  # a new model: nothing the caller holds is touched before the checks pass
             model = cls(config, **seams)
+        expected = dict(model.state_dict())
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+            expected.pop("lm_head.weight", None)
+        missing = [n for n in expected if n not in state]
+        unexpected = [n for n in state if n not in expected]
         if missing or unexpected:
             raise ValueError(f"checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, t in state.items():
+            if t.shape != expected[name].shape or not t.is_floating_point():
+                raise ValueError(f"{source[name]}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, the config in "
+                                 f"{path / 'config.json'} expects a float tensor of shape "
+                                 f"{tuple(expected[name].shape)}")
+        model.load_state_dict(state, strict=False)
         return model.to(dtype)
 
     def save_pretrained(self, path) -> Path:
         """Writes config.json + model.safetensors in HF layout (loadable by transformers too)."""
         from safetensors.torch import save_file
 
+        from .._io import atomic_path
+
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps(self.config.to_hf(), indent=1))
+        with atomic_path(path / "model.safetensors") as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt"})
+        with atomic_path(path / "config.json") as tmp:
+            tmp.write_text(json.dumps(self.config.to_hf(), indent=1))
         return path
