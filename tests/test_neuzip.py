@@ -406,8 +406,10 @@ def test_file_versions_1_2_and_lane_lengths(tmp_path, trained_weights):
             load(path)
 
 
-def test_file_forged_lane_lengths(tmp_path, trained_weights):
+def test_file_forged_lane_lengths(tmp_path, trained_weights, monkeypatch):
     """Streams changed together with their checksum (a forgery, not a bit flip) are still rejected."""
+    # save() itself refuses to write such streams (it reads its output back); a forger skips that check
+    monkeypatch.setattr("thrifty.neuzip.format._verify_written", lambda *a: None)
     x = torch.cat([trained_weights, trained_weights[:5000]]).bfloat16()  # 2 groups at 64 steps
     path = tmp_path / "f.nz"
 

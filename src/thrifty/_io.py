@@ -5,6 +5,7 @@ the caller's input) was."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -51,8 +52,6 @@ def atomic_path(path):
 # ---------------------------------------------------------------------------------------------- checked reads
 def read_json(path, what: str = "JSON file"):
     """Parsed JSON of ``path``; ValueError naming the file when it is missing, unreadable or not JSON."""
-    import json
-
     path = Path(path)
     try:
         return json.loads(path.read_text())
@@ -72,10 +71,42 @@ def read_safetensors(path, device="cpu") -> dict:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: missing (expected a .safetensors file)")
+    from safetensors import safe_open
+
     try:
-        return load_file(str(path), device=str(device))
+        tensors = load_file(str(path), device="cpu")
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
     except Exception as err:  # SafetensorError, OSError, RuntimeError: all mean "this file is unusable"
         raise ValueError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+    if CRC_KEY in meta:  # written by thrifty: every tensor's bytes are checked (safetensors has no checksum)
+        try:
+            want = json.loads(meta[CRC_KEY])
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}: corrupted checksum table in the header") from None
+        if not isinstance(want, dict) or set(want) != set(tensors):
+            raise ValueError(f"{path}: the checksum table does not list the file's tensors (file corrupted)")
+        for name, t in tensors.items():
+            if tensor_crc32(t) != want[name]:
+                raise ValueError(f"{path}: tensor {name!r}: checksum mismatch (file corrupted)")
+    return {k: v.to(device) for k, v in tensors.items()} if str(device) != "cpu" else tensors
+
+
+CRC_KEY = "thrifty.crc32"
+
+
+def tensor_crc32(t) -> int:
+    import zlib
+
+    import torch
+
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return zlib.crc32(t.view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+
+
+def crc_metadata(state: dict) -> dict:
+    """safetensors metadata holding each tensor's CRC32, checked by :func:`read_safetensors`."""
+    return {CRC_KEY: json.dumps({k: tensor_crc32(v) for k, v in state.items()})}
 
 
 def check_state_matches(source, state: dict, expected: dict, *, optional=()) -> None:

@@ -168,23 +168,23 @@ class Trainer:
         """model.safetensors (+config.json), optimizer.safetensors, trainer_state.json."""
         from safetensors.torch import save_file
 
-        from ._io import atomic_path
+        from ._io import atomic_path, crc_metadata
 
         path = Path(path)
         if hasattr(self.model, "save_pretrained"):
             self.model.save_pretrained(path)
         else:
             path.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
             with atomic_path(path / "model.safetensors") as tmp:
-                save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
-                          str(tmp))
+                save_file(state, str(tmp), metadata=crc_metadata(state))
         names = {id(p): n for n, p in self.model.named_parameters()}
         opt = {}
         for p, state in self.optimizer.state.items():
             for key, value in state.items():
                 opt[f"{names[id(p)]}::{key}"] = value.detach().contiguous().cpu().reshape(value.shape)
         with atomic_path(path / "optimizer.safetensors") as tmp:
-            save_file(opt, str(tmp))
+            save_file(opt, str(tmp), metadata=crc_metadata(opt))
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "config": asdict(self.cfg),
                  "generator_state": self.generator.get_state().tolist(), "history": self.history}
         with atomic_path(path / "trainer_state.json") as tmp:

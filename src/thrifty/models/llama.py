@@ -373,7 +373,7 @@ class LlamaForCausalLM(nn.Module):
         """Writes config.json + model.safetensors in HF layout (loadable by transformers too)."""
         from safetensors.torch import save_file
 
-        from .._io import atomic_path
+        from .._io import atomic_path, crc_metadata
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -381,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         with atomic_path(path / "model.safetensors") as tmp:
-            save_file(state, str(tmp), metadata={"format": "pt"})
+            save_file(state, str(tmp), metadata={"format": "pt", **crc_metadata(state)})
         with atomic_path(path / "config.json") as tmp:
             tmp.write_text(json.dumps(self.config.to_hf(), indent=1))
         return path

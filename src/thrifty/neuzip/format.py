@@ -115,7 +115,11 @@ def save(path, entries: dict) -> None:
 
 def _verify_written(tmp: Path, path: Path, entries: dict) -> None:
     """Reads the just-written file back; raises if any entry differs from what was meant to be written."""
-    back = load(tmp, device=None)
+    try:
+        back = load(tmp, device=None)
+    except ValueError as err:  # e.g. streams that are not a valid encoding (built by hand)
+        raise ValueError(f"{path}: not written, the file would not read back: "
+                         f"{str(err).replace(str(tmp), str(path))}") from None
     if set(back) != set(entries):
         raise RuntimeError(f"{path}: the written file holds {sorted(back)[:4]}..., not the tensors given; "
                            "nothing was written")
