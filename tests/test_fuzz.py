@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from fuzz_registry import ArgSpec, FileSpec, NumericSpec
+pytest.importorskip("hypothesis")  # pinned in requirements.txt; the GPU box may lack it (scripts/fetch_wheels.sh)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fuzz_registry import ArgSpec, FileSpec, NumericSpec  # noqa: E402
 
 EXAMPLES = int(os.environ.get("THRIFTY_FUZZ_EXAMPLES", "25"))
 settings.register_profile(

@@ -251,3 +251,29 @@ def test_model_refuses_empty_input_ids():
     model = LlamaForCausalLM(LlamaConfig(**TINY))
     with pytest.raises(ValueError, match="input_ids"):
         model(torch.zeros(1, 0, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------ transformers integration
+def _hf_model():
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFLlama
+
+    return HFLlama(HFConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1))
+
+
+def test_hf_integrations_check_options_when_enabled():
+    from thrifty.attention import enable_hf
+    from thrifty.loss.hf import patch_causal_lm
+
+    with pytest.raises(ValueError, match="qk_bits"):
+        enable_hf(_hf_model(), qk_bits=5)
+    with pytest.raises(TypeError, match="foo"):
+        enable_hf(_hf_model(), foo=1)
+    with pytest.raises(TypeError, match="model"):
+        enable_hf(LlamaForCausalLM(LlamaConfig(**TINY)))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        patch_causal_lm(_hf_model(), label_smoothing=NAN)
+    model = patch_causal_lm(_hf_model()).train()
+    ids = torch.randint(0, 64, (1, 5))
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        model(ids, labels=ids, num_items_in_batch=0)

@@ -14,7 +14,11 @@ import types
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import _spec
 from .cce import linear_cross_entropy
+
+_LOSS_OPTIONS = {"ignore_index", "softcap", "label_smoothing", "z_loss", "impl", "filter_eps", "sort_vocab",
+                 "chunk_bytes", "e_grad_fp32", "scratch_in_dc", "kernel_config"}  # (shift, reduction: set here)
 
 
 def patch_causal_lm(model, **loss_kwargs):
@@ -28,6 +32,13 @@ def patch_causal_lm(model, **loss_kwargs):
     """
     if not (hasattr(model, "model") and hasattr(model, "lm_head")):
         raise TypeError(f"model: expected a *ForCausalLM with .model and .lm_head, got {type(model).__name__}")
+    unknown = sorted(set(loss_kwargs) - _LOSS_OPTIONS)
+    if unknown:
+        raise TypeError(f"loss_kwargs: unknown linear_cross_entropy option(s) {unknown}")
+    opts = {"ignore_index": -100, "reduction": "mean", "softcap": None, "shift": True, "label_smoothing": 0.0,
+            "z_loss": 0.0}
+    opts.update({k: v for k, v in loss_kwargs.items() if k in opts})
+    _spec.validate_options(**opts)  # checked now, not at the first training step
     stock_forward = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -55,6 +66,8 @@ def patch_causal_lm(model, **loss_kwargs):
         kw = dict(ignore_index=-100, shift=shift, bias=getattr(self.lm_head, "bias", None))
         kw.update(loss_kwargs)
         if num_items_in_batch is not None:
+            if not torch.is_tensor(num_items_in_batch) and not num_items_in_batch > 0:
+                raise ValueError(f"num_items_in_batch: expected a count > 0, got {num_items_in_batch!r}")
             loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), reduction="sum", **kw)
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
