@@ -69,6 +69,9 @@ class FileSpec:
     same: Callable[[Any, Any], bool]
     errors: tuple = (ValueError,)  # what a damaged file may raise
     max_examples: Optional[int] = None
+    # the files under ``path`` the damage test may change (default: all). Leave out only files that are
+    # hand-editable by design (no checksum), e.g. a HF config.json, and say so.
+    targets: Optional[Callable[[Any], list]] = None
 
 
 # ------------------------------------------------------------------------------------------------- strategies

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from fuzz_registry import (FLOAT_DTYPES, ArgSpec, FileSpec, NumericSpec, assert_matches, raw_bits, same_bits,
                            special_values, tensors)
-from thrifty.attention import exact_attention, sage_attention
+from thrifty.attention import exact_attention, load_plan, sage_attention, sage_seam
 from thrifty.loss import LinearCrossEntropy, linear_cross_entropy
 from thrifty.models import LlamaForCausalLM, generate
 from thrifty.models.llama import LlamaConfig
@@ -46,6 +46,25 @@ ATTENTION_ARGS = ArgSpec(
                                                     torch.randn(1, 0, 4, 8), torch.randn(1, 2, 4, 0)],
          "k": [torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 4)], "v": [torch.randn(1, 2, 5, 8)]},
     mention={"q": "q"})
+
+
+SEAM_ARGS = ArgSpec("attention.sage_seam", lambda **kw: sage_seam(**kw), valid=dict,
+                    bad={"qk_bits": [5], "pv": ["fp4"], "impl": ["gpu"], "foo": [1]}, mention={"foo": "foo"})
+
+
+def _plan_file(content) -> Path:
+    path = _tmpdir() / "plan.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+PLAN_ARGS = ArgSpec(
+    "attention.load_plan", lambda path: load_plan(path),
+    valid=lambda: dict(path=_plan_file({"format": "thrifty.sage_plan/1", "layers": {"0": 4}})),
+    bad={"path": [_plan_file("{bad"), _plan_file({"format": "thrifty.sage_plan/1"}), _plan_file([1]),
+                  _plan_file({"format": "thrifty.sage_plan/1", "layers": {"a": 4}}), _tmpdir() / "missing.json",
+                  _plan_file({"format": "thrifty.sage_plan/1", "layers": {"0": 5}})]},
+    mention={"path": ".json"})  # the message names the file
 
 
 def _bad_rows(q, k, v, causal):
@@ -324,10 +343,16 @@ MODEL_ARGS = ArgSpec(
     bad={"input_ids": [torch.zeros(0, 3, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long),
                        torch.full((1, 3), 64), torch.full((1, 3), -1), torch.zeros(1, 3), torch.zeros(3, dtype=torch.long)],
          "labels": [torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3)]})
+MODEL_POSITION_ARGS = ArgSpec(
+    "models.forward.positions", lambda model=None, **kw: (model or _model())(torch.zeros(1, 3, dtype=torch.long), **kw),
+    valid=lambda: dict(positions=torch.arange(3)),
+    bad={"positions": [torch.arange(5), torch.arange(3.0), torch.tensor([-1, 0, 1]), torch.zeros(2, 3, dtype=torch.long)],
+         "logits_to_keep": [-1, 1.5]})
 GENERATE_ARGS = ArgSpec(
     "models.generate", lambda **kw: generate(_model(), **kw),
     valid=lambda: dict(input_ids=torch.zeros(1, 2, dtype=torch.long), max_new_tokens=1),
-    bad={"temperature": [NAN, INF, -1.0], "max_new_tokens": [0, 1.5], "input_ids": [torch.zeros(2, dtype=torch.long)]})
+    bad={"temperature": [NAN, INF, -1.0], "max_new_tokens": [0, 1.5], "input_ids": [torch.zeros(2, dtype=torch.long)],
+         "eos_token_id": [-5, 1.5]})
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
@@ -377,7 +402,9 @@ def _checkpoint_same(seed, state):
 
 
 CHECKPOINT = FileSpec("train.checkpoint", st.integers(0, 3), _checkpoint_write, _checkpoint_read,
-                      _checkpoint_same, max_examples=12)
+                      _checkpoint_same, max_examples=12,
+                      targets=lambda path: [path / n for n in ("model.safetensors", "optimizer.safetensors",
+                                                               "trainer_state.json")])
 
 
 def _pretrained_write(seed, path):
@@ -389,11 +416,13 @@ def _pretrained_same(seed, model):
     return all(torch.equal(ref[k], v) for k, v in model.state_dict().items())
 
 
+# config.json is HF's hand-editable file (no checksum; parsed and range-checked): only the weights are damaged
 PRETRAINED = FileSpec("models.from_pretrained", st.integers(0, 3), _pretrained_write,
-                      LlamaForCausalLM.from_pretrained, _pretrained_same, max_examples=12)
+                      LlamaForCausalLM.from_pretrained, _pretrained_same, max_examples=12,
+                      targets=lambda path: [path / "model.safetensors"])
 
 
-SPECS = [ATTENTION_ARGS, ATTENTION_REFERENCE, ATTENTION_KERNEL, LOSS_ARGS, LOSS_MODULE_ARGS, LOSS, NEUZIP_ARGS,
+SPECS = [SEAM_ARGS, PLAN_ARGS, MODEL_POSITION_ARGS, ATTENTION_ARGS, ATTENTION_REFERENCE, ATTENTION_KERNEL, LOSS_ARGS, LOSS_MODULE_ARGS, LOSS, NEUZIP_ARGS,
          NEUZIP_SAVE_ARGS, NEUZIP_ROUND_TRIP, NEUZIP_KERNEL, NEUZIP_LOSSY, NEUZIP_FILE, NEUZIP_CLI,
          LLAMA_CONFIG_ARGS, TRAIN_CONFIG_ARGS, MODEL_ARGS, GENERATE_ARGS, CHECKPOINT, PRETRAINED]
 if not (interpreting() or torch.cuda.is_available()):

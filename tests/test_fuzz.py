@@ -105,7 +105,7 @@ def test_damaged_file_is_refused_or_read_unchanged(spec: FileSpec, tmp_path_fact
     @given(spec.objects, st.data())
     def run(obj, data):
         path = _write(spec, obj, tmp_path_factory.mktemp("damage"))
-        target = data.draw(st.sampled_from(_files(path)), label="file")
+        target = data.draw(st.sampled_from(spec.targets(path) if spec.targets else _files(path)), label="file")
         raw = bytearray(target.read_bytes())
         how = data.draw(DAMAGE, label="damage")
         n = len(raw)

@@ -277,3 +277,54 @@ def test_hf_integrations_check_options_when_enabled():
     ids = torch.randint(0, 64, (1, 5))
     with pytest.raises(ValueError, match="num_items_in_batch"):
         model(ids, labels=ids, num_items_in_batch=0)
+
+
+# ---------------------------------------------------------------------------- second round of edge cases
+def test_positions_cache_and_plans_fail_clearly(tmp_path):
+    from thrifty.attention import load_plan, plan_from_scores, save_plan, sage_seam
+    from thrifty.models.llama import KVCache
+
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="positions"):  # wrapped around the RoPE table silently before
+        model(ids, positions=torch.tensor([-1, 0, 1]))
+    cache = KVCache()
+    model(ids, cache=cache)
+    with pytest.raises(ValueError, match="cache"):
+        model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="qk_bits"):
+        sage_seam(qk_bits=5)
+    with pytest.raises(ValueError, match="scores"):
+        plan_from_scores({0: NAN}, 0.5)
+    (tmp_path / "p.json").write_text('{"format": "thrifty.sage_plan/1"}')
+    with pytest.raises(ValueError, match="p.json"):
+        load_plan(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="does not exist"):
+        save_plan({0: 4}, tmp_path / "missing" / "p.json")
+
+
+def test_trainer_edge_cases_fail_clearly(tmp_path):
+    class NoEval(_Data):
+        def iter_eval_batches(self, b, s, n):
+            return iter([])
+
+    with pytest.raises(TypeError, match="config"):
+        Trainer(LlamaForCausalLM(LlamaConfig(**TINY)), _Data(), config={"steps": 1})
+    with pytest.raises(ValueError, match="model"):
+        Trainer(torch.nn.ReLU(), _Data())
+    t = Trainer(LlamaForCausalLM(LlamaConfig(**TINY)), _Data(), NoEval(), TrainConfig(steps=1, batch_size=1, seq_len=4))
+    with pytest.raises(ValueError, match="no batch"):  # ZeroDivisionError before
+        t.evaluate()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        t.save_checkpoint(tmp_path / "f")
+
+
+def test_trainer_state_carries_a_checksum(tmp_path):
+    t = _trainer()
+    t.train_step()
+    t.save_checkpoint(tmp_path)
+    state = (tmp_path / "trainer_state.json").read_text()
+    (tmp_path / "trainer_state.json").write_text(state.replace('"step": 1', '"step": 7'))  # still valid JSON
+    with pytest.raises(ValueError, match="checksum"):
+        _trainer(seed=1).load_checkpoint(tmp_path)

@@ -69,6 +69,13 @@ def _check_config_extras(cfg: "TrainConfig") -> None:
         raise TypeError(f"extra: expected a dict, got {type(cfg.extra).__name__}")
 
 
+def _state_crc(state: dict) -> int:
+    """CRC32 of the trainer state's canonical JSON (a flipped digit in "step" would otherwise load silently)."""
+    import zlib
+
+    return zlib.crc32(json.dumps(state, sort_keys=True).encode())
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
     if step < cfg.warmup_steps:
@@ -85,6 +92,10 @@ class Trainer:
         if not hasattr(train_data, "batch"):
             raise TypeError(f"train_data: expected an object with .batch(batch_size, seq_len, generator), "
                             f"got {type(train_data).__name__}")
+        if config is not None and not isinstance(config, TrainConfig):
+            raise TypeError(f"config: expected a TrainConfig, got {type(config).__name__}")
+        if next(model.parameters(), None) is None:
+            raise ValueError("model: has no parameters to train")
         self.model, self.train_data, self.val_data = model, train_data, val_data
         self.cfg = config or TrainConfig()
         self.device = next(model.parameters()).device
@@ -139,6 +150,8 @@ class Trainer:
                                                     max_batches or self.cfg.eval_batches):
             with self._autocast():
                 losses.append(float(self.model(inputs.to(self.device), labels=labels.to(self.device))))
+        if not losses:
+            raise ValueError("data: iter_eval_batches yielded no batch (validation split too short?)")
         loss = sum(losses) / len(losses)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_batches": len(losses)}
 
@@ -171,6 +184,8 @@ class Trainer:
         from ._io import atomic_path, crc_metadata
 
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"path: {path} is a file; a checkpoint is a folder")
         if hasattr(self.model, "save_pretrained"):
             self.model.save_pretrained(path)
         else:
@@ -187,8 +202,10 @@ class Trainer:
             save_file(opt, str(tmp), metadata=crc_metadata(opt))
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "config": asdict(self.cfg),
                  "generator_state": self.generator.get_state().tolist(), "history": self.history}
+        state = json.loads(json.dumps(state, default=str))  # default=str: a Path in the config
+        state["crc32"] = _state_crc(state)
         with atomic_path(path / "trainer_state.json") as tmp:
-            tmp.write_text(json.dumps(state, default=str))  # default=str: a Path in the config
+            tmp.write_text(json.dumps(state))
         return path
 
     def load_checkpoint(self, path) -> None:
@@ -221,6 +238,8 @@ class Trainer:
         where = path / "trainer_state.json"
         if not isinstance(meta, dict):
             raise ValueError(f"{where}: corrupted trainer state (not a JSON object)")
+        if "crc32" in meta and meta["crc32"] != _state_crc({k: v for k, v in meta.items() if k != "crc32"}):
+            raise ValueError(f"{where}: checksum mismatch (file corrupted)")
         for key, kind in (("step", int), ("tokens_seen", int), ("history", list), ("generator_state", list)):
             if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
                 raise ValueError(f"{where}: corrupted trainer state ({key!r} missing or not a {kind.__name__})")

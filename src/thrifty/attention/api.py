@@ -172,9 +172,22 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
 def sage_seam(**options) -> Callable:
     """An attention function with the reference model's seam signature ``fn(q, k, v, *, causal, scale)``:
     ``model.set_attention(sage_seam(qk_bits=8))``. ``options`` are :func:`sage_attention`'s keywords."""
+    check_sage_options(options)
     fn = functools.partial(_seam_call, options=options)
     fn.options = options
     return fn
+
+
+def check_sage_options(options: dict) -> None:
+    """sage_attention keywords (qk_bits, pv, smooth_*, impl), checked by name when a seam or a transformers
+    model is set up rather than at its first forward."""
+    allowed = {"qk_bits", "pv", "smooth_k", "smooth_q", "smooth_v", "impl"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"options: unknown sage_attention option(s) {unknown}; expected some of {sorted(allowed)}")
+    x = torch.zeros(1, 1, 1, 8)  # a dry run on the CPU reference path checks every value by name
+    sage_attention(x, x, x, **{**options, "impl": "reference"})
+    check_choice("impl", options.get("impl", "auto"), ("auto", "triton", "reference"))
 
 
 def _seam_call(q, k, v, *, causal, scale, options):
@@ -237,6 +250,8 @@ def plan_from_scores(scores: dict, threshold: float, *, low_bits: int = 4) -> di
     check_choice("low_bits", low_bits, (4, 8))
     if not isinstance(scores, dict):
         raise TypeError(f"scores: expected a dict {{layer: score}}, got {type(scores).__name__}")
+    for i, s in scores.items():
+        check_range(f"scores[{i!r}]", s, -1.0, 1.0)
     return {i: (low_bits if s >= threshold else 8) for i, s in scores.items()}
 
 
@@ -248,18 +263,30 @@ def save_plan(plan: dict, path, *, scores: Optional[dict] = None, **meta) -> Pat
         doc["scores"] = {str(i): float(s) for i, s in sorted(scores.items())}
     if meta:
         doc["meta"] = meta
-    path = Path(path)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    from .._io import atomic_path, check_output_path
+
+    path = check_output_path("path", path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
     return path
 
 
 def load_plan(path) -> dict:
     """Reads a plan written by :func:`save_plan`: {layer index: bits}."""
-    doc = json.loads(Path(path).read_text())
+    from .._io import read_json
+
+    doc = read_json(path, "sage plan")
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         raise ValueError(f"{path}: not a thrifty sage plan (expected format {PLAN_FORMAT!r})")
-    plan = {int(i): int(b) for i, b in doc["layers"].items()}
-    _check_plan(plan)
+    layers = doc.get("layers")
+    if not isinstance(layers, dict) or not all(isinstance(i, str) and i.isdigit() and type(b) is int
+                                               for i, b in layers.items()):
+        raise ValueError(f"{path}: corrupted plan (expected \"layers\": {{\"0\": 4 or 8, ...}})")
+    plan = {int(i): b for i, b in layers.items()}
+    try:
+        _check_plan(plan)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     return plan
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .api import _check_plan, sage_attention
+from .api import _check_plan, check_sage_options, sage_attention
 
 NAME = "thrifty_sage"
 _OPTIONS: dict = {}  # the registry is global: the options of the last enable_hf call apply to every model
@@ -53,29 +53,13 @@ def enable_hf(model, *, plan: Optional[dict] = None, **options) -> None:
                         "(thrifty's own model takes model.set_attention(sage_seam(...)))")
     if plan is not None:
         _check_plan(plan)
-    _check_options(options)
+    check_sage_options(options)
     register()
     _OPTIONS.clear()
     _OPTIONS.update(options=options, plan=plan)
     if not hasattr(model, "_thrifty_previous_attn"):
         model._thrifty_previous_attn = model.config._attn_implementation
     _set_implementation(model, NAME)
-
-
-def _check_options(options: dict) -> None:
-    """The sage_attention keywords, checked now rather than at the model's first forward."""
-    import torch
-
-    allowed = {"qk_bits", "pv", "smooth_k", "smooth_q", "smooth_v", "impl"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise TypeError(f"options: unknown sage_attention option(s) {unknown}; expected some of {sorted(allowed)}")
-    x = torch.zeros(1, 1, 1, 8)  # a dry run on the CPU reference path checks every value by name
-    sage_attention(x, x, x, **{**options, "impl": "reference"})
-    if "impl" in options:
-        from .._checks import check_choice
-
-        check_choice("impl", options["impl"], ("auto", "triton", "reference"))
 
 
 def disable_hf(model) -> None:

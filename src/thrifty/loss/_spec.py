@@ -58,6 +58,8 @@ def validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label
         raise TypeError(f"c: expected the dtype of e ({e.dtype}), got {c.dtype}")
     if bias is not None and bias.dtype != e.dtype:
         raise TypeError(f"bias: expected the dtype of e ({e.dtype}), got {bias.dtype}")
+    if e.shape[-1] == 0:
+        raise ValueError(f"e: expected a hidden size > 0, got shape {tuple(e.shape)}")
     if c.shape[1] != e.shape[-1]:
         raise ValueError(f"c: expected shape (V, {e.shape[-1]}) to match e's last dim, got {tuple(c.shape)}")
     if bias is not None and bias.shape[0] != c.shape[0]:

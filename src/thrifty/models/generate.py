@@ -19,6 +19,8 @@ def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: i
     check_tensor("input_ids", input_ids, ndim=2, integer=True)
     check_positive_int("max_new_tokens", max_new_tokens)
     check_range("temperature", temperature, 0.0, 100.0)
+    if eos_token_id is not None:
+        check_positive_int("eos_token_id", eos_token_id, allow_zero=True)
     cache = cache_factory()
     logits = model(input_ids, cache=cache, logits_to_keep=1)
     out = [input_ids]

@@ -246,6 +246,9 @@ class KVCache:
 
     def update(self, layer_idx, k, v, positions, rope):
         k = rope(k, positions)
+        if layer_idx in self.keys and self.keys[layer_idx].shape[0] != k.shape[0]:
+            raise ValueError(f"input_ids: batch {k.shape[0]} does not match the cache's batch "
+                             f"{self.keys[layer_idx].shape[0]}; use a new cache for a new batch")
         if layer_idx in self.keys:
             k = torch.cat((self.keys[layer_idx], k), dim=2)
             v = torch.cat((self.values[layer_idx], v), dim=2)
@@ -257,6 +260,14 @@ class KVCache:
 
 
 # ----------------------------------------------------------------------------------------------- the LM
+def _check_positions(positions, B: int, T: int) -> None:
+    check_tensor("positions", positions, ndim=(1, 2), integer=True)
+    if positions.shape[-1] != T or (positions.ndim == 2 and positions.shape[0] != B):
+        raise ValueError(f"positions: expected shape ({T},) or ({B}, {T}) like input_ids, got {tuple(positions.shape)}")
+    if int(positions.min()) < 0:  # a negative index would wrap around the RoPE table silently
+        raise ValueError(f"positions: expected positions >= 0, got min {int(positions.min())}")
+
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, *, linear: Callable = default_linear,
@@ -302,9 +313,12 @@ class LlamaForCausalLM(nn.Module):
         lo, hi = int(input_ids.min()), int(input_ids.max())  # one sync; an out-of-range id would crash in a kernel
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"input_ids: expected ids in [0, {self.config.vocab_size}), got min {lo} max {hi}")
+        check_positive_int("logits_to_keep", logits_to_keep, allow_zero=True)
         if positions is None:
             start = len(cache) if cache is not None else 0
             positions = torch.arange(start, start + T, device=input_ids.device)
+        else:
+            _check_positions(positions, B, T)
         hidden = self.model(input_ids, positions, cache)
         if labels is not None:
             check_tensor("labels", labels, ndim=2, integer=True)

@@ -154,6 +154,13 @@ def load(path, device="cpu") -> dict:
     from safetensors.numpy import load as st_load
 
     path = Path(path)
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device: expected a torch device, got {device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device} requested but no CUDA GPU is available")
     try:
         data = path.read_bytes()
     except OSError as err:

@@ -200,6 +200,8 @@ def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None, steps: i
     on ``tensor``'s device.
     """
     check_tensor("tensor", tensor, dtypes=tuple(R.DTYPES))
+    if tensor.device.type == "meta":
+        raise ValueError("tensor: a meta tensor has no values to compress")
     mantissa_bits = _check_mantissa_bits(mantissa_bits, tensor.dtype)
     steps = R.check_steps(steps)
     return _from_streams(R.encode(tensor, mantissa_bits, steps), tensor, mantissa_bits)
