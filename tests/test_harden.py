@@ -328,3 +328,13 @@ def test_trainer_state_carries_a_checksum(tmp_path):
     (tmp_path / "trainer_state.json").write_text(state.replace('"step": 1', '"step": 7'))  # still valid JSON
     with pytest.raises(ValueError, match="checksum"):
         _trainer(seed=1).load_checkpoint(tmp_path)
+
+
+def test_calibrate_refuses_nan_instead_of_choosing_4_bits():
+    from thrifty.attention import calibrate
+
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).init_weights(seed=0)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] = NAN
+    with pytest.raises(ValueError, match="NaN"):  # min(1.0, nan) kept 1.0: "4 bits is fine" before
+        calibrate(model, [torch.randint(0, 64, (1, 8))], threshold=0.99)

@@ -82,4 +82,8 @@ def load_tokenizer():
     """The SmolLM2 tokenizer (vocab 49152) as a ``tokenizers.Tokenizer``; the corpus is tokenized with it."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(ensure_converted() / "tokenizer.json"))
+    path = ensure_converted() / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library's error does not name the file
+        raise ValueError(f"{path}: not a readable tokenizer ({err}); delete {path.parent} and run thrifty setup") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -11,7 +12,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_range, check_tensor
+from .._checks import check_choice, check_number, check_range, check_tensor
 from ..triton_utils import kernels_available
 from .reference import accuracy_metrics, causal_mask, empty_attention, nonfinite_rows, sage_attention_reference
 
@@ -222,7 +223,11 @@ def calibrate(model, batches: Iterable, *, threshold: float = 0.99, low_bits: in
         def fn(q, k, v, *, causal, scale):
             exact = original(q, k, v, causal=causal, scale=scale)
             quant = sage_attention(q, k, v, causal=causal, sm_scale=scale, qk_bits=low_bits, **options)
-            worst[i] = min(worst[i], accuracy_metrics(quant, exact)["score"])
+            score = accuracy_metrics(quant, exact)["score"]
+            if math.isnan(score):  # min() would skip a NaN and keep the layer's 1.0: a silent "4 bits is fine"
+                raise ValueError(f"batches: layer {i}'s attention is NaN on this batch (NaN weights or inputs); "
+                                 "cannot calibrate")
+            worst[i] = min(worst[i], score)
             return exact
         return fn
 
@@ -251,7 +256,7 @@ def plan_from_scores(scores: dict, threshold: float, *, low_bits: int = 4) -> di
     if not isinstance(scores, dict):
         raise TypeError(f"scores: expected a dict {{layer: score}}, got {type(scores).__name__}")
     for i, s in scores.items():
-        check_range(f"scores[{i!r}]", s, -1.0, 1.0)
+        check_number(f"scores[{i!r}]", s, finite=False)
     return {i: (low_bits if s >= threshold else 8) for i, s in scores.items()}
 
 
