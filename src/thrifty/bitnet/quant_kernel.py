@@ -8,7 +8,8 @@ it needs no kernel at all: :class:`FusedQuantizeSTE` hands the incoming gradient
 
 TopK without sorting: the threshold is the k-th largest |x|. Non-negative fp32 values order like their int32 bit
 patterns, so the threshold is built bit by bit from the top (31 steps of "are there ≥ k entries with bits ≥
-candidate?"): exact, deterministic, on the row already in registers.
+candidate?"): exact, deterministic, on the row already in registers. Entries tied at the threshold are kept in
+index order (a prefix sum) until exactly k are kept, as the reference does.
 
 Rounding is half to even, as ``torch.round``: adding and subtracting 1.5·2^23 rounds an fp32 of magnitude < 2^22 to
 an integer in the current (nearest-even) mode; the values are clipped to the code range before, so they are small.
@@ -55,7 +56,11 @@ def _quantize_rows_kernel(x_ptr, y_ptr, D, stride_x, stride_y, k_keep, beta_scal
                 candidate = threshold | (1 << b)
                 enough = tl.sum((bits >= candidate).to(tl.int32), axis=0) >= k_keep
                 threshold = tl.where(enough, candidate, threshold)
-            x = tl.where(bits >= threshold, x, 0.0)
+            # exactly k kept: all above the threshold, then the tied entries in index order
+            tied = bits == threshold
+            room = k_keep - tl.sum((bits > threshold).to(tl.int32), axis=0)
+            keep = (bits > threshold) | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))
+            x = tl.where(keep, x, 0.0)
         # INT8 absmax: (γ/127)·RoundClip(127·x/(γ+ε), −128, 127)
         gamma = tl.max(tl.abs(x), axis=0)
         q = _round_half_even(tl.minimum(tl.maximum(x * (127.0 / (gamma + EPS_)), -128.0), 127.0))

@@ -10,8 +10,8 @@ and ``round`` half-to-even (``torch.round``; the kernels round the same way):
   (``beta_scale`` multiplies β: the paper's all-INT4 ablation uses β = 2·mean|x| for the FFN-down input)
 * FP4 E2M1, per-token MinMax: ``γ = max|x|``, ``s = γ / 6``, ``Q(x) = s · RoundE2M1(x / (s + ε))`` on the grid
   {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6} (round to nearest, ties to the even mantissa, as hardware converts)
-* TopK + INT8 (attention-output input, Eq. 1): keep the entries with ``|x| ≥ t``, ``t`` the k-th largest ``|x|`` of
-  the token (``k = ceil(ratio · D)``; ties at ``t`` are all kept), zero the rest, then INT8 of the kept values.
+* TopK + INT8 (attention-output input, Eq. 1): keep the ``k = ceil(ratio · D)`` largest ``|x|`` of each token
+  (among entries tied at the k-th value, the lowest indices), zero the rest, then INT8 of the kept values.
 
 Every quantizer is applied with the straight-through estimator: forward ``Q(x)``, backward the identity (also
 through the TopK mask, as Q-Sparse and the a4.8 paper do). The arithmetic is fp32 whatever the input dtype (the
@@ -93,16 +93,21 @@ def topk_count(dim: int, ratio: float) -> int:
 
 
 def topk_mask(x: torch.Tensor, ratio: float = 0.5) -> torch.Tensor:
-    """Boolean mask of the entries with |x| ≥ the k-th largest |x| of their token."""
+    """Boolean mask of exactly k = ceil(ratio·D) entries per token: those with |x| above the k-th largest |x|,
+    then the entries equal to it in index order until k are kept (ties do happen: GQA heads sharing a KV head
+    give identical attention outputs at the first position)."""
     k = topk_count(x.shape[-1], ratio)
     mag = x.float().abs()
     threshold = mag.topk(k, dim=-1).values[..., -1:]
-    return mag >= threshold
+    above = mag > threshold
+    tied = mag == threshold
+    room = k - above.sum(-1, keepdim=True)
+    return above | (tied & (tied.cumsum(-1) <= room))
 
 
 def quantize_topk_int8(x: torch.Tensor, ratio: float = 0.5) -> torch.Tensor:
     """TopK sparsification per token, then per-token absmax INT8 of what is kept (a4.8 Eq. 1)."""
-    return quantize_int8(torch.where(topk_mask(x, ratio), x, torch.zeros_like(x)))
+    return _nan_rows(x.float(), quantize_int8(torch.where(topk_mask(x, ratio), x, torch.zeros_like(x))).float()).to(x.dtype)
 
 
 def quantize_activation(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_ratio: float = 0.5):
