@@ -36,6 +36,13 @@ def _round_half_even(v):
 
 
 @triton.jit
+def _div_rn(numerator, denominator):
+    """Correctly rounded fp32 division (Triton's ``/`` is ``div.full.f32``, 2 ulp): the per-token scale then equals
+    the reference's bit for bit, and no code moves across a rounding half because of it."""
+    return tl.math.div_rn(tl.full([], numerator, tl.float32), denominator)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, y_ptr, D, stride_x, stride_y, k_keep, beta_scale,
                           KIND: tl.constexpr, BLOCK_D: tl.constexpr, EPS_: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -45,13 +52,13 @@ def _quantize_rows_kernel(x_ptr, y_ptr, D, stride_x, stride_y, k_keep, beta_scal
     mag = tl.abs(x)
     has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
     if KIND == 1:  # INT4 absmean: (β/√7)·RoundClip(√7·x/(β+ε), −8, 7)
-        beta = tl.sum(mag, axis=0) / D * beta_scale
-        q = _round_half_even(tl.minimum(tl.maximum(x * (2.6457513110645907 / (beta + EPS_)), -8.0), 7.0))
-        y = q * (beta / 2.6457513110645907)
+        beta = tl.math.div_rn(tl.sum(mag, axis=0), tl.sum(inside.to(tl.float32), axis=0)) * beta_scale
+        q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(2.6457513110645907, beta + EPS_), -8.0), 7.0))
+        y = q * tl.math.div_rn(beta, tl.full([], 2.6457513110645907, tl.float32))
     else:
         if KIND == 2:  # TopK: keep |x| >= the k-th largest |x|, found on the bit patterns
             bits = tl.where(inside, mag.to(tl.int32, bitcast=True), -1)
-            threshold = tl.zeros((), tl.int32)
+            threshold = tl.full([], 0, tl.int32)
             for b in tl.static_range(30, -1, -1):
                 candidate = threshold | (1 << b)
                 enough = tl.sum((bits >= candidate).to(tl.int32), axis=0) >= k_keep
@@ -63,8 +70,8 @@ def _quantize_rows_kernel(x_ptr, y_ptr, D, stride_x, stride_y, k_keep, beta_scal
             x = tl.where(keep, x, 0.0)
         # INT8 absmax: (γ/127)·RoundClip(127·x/(γ+ε), −128, 127)
         gamma = tl.max(tl.abs(x), axis=0)
-        q = _round_half_even(tl.minimum(tl.maximum(x * (127.0 / (gamma + EPS_)), -128.0), 127.0))
-        y = q * (gamma / 127.0)
+        q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(127.0, gamma + EPS_), -128.0), 127.0))
+        y = q * tl.math.div_rn(gamma, tl.full([], 127.0, tl.float32))
     y = tl.where(has_nan, float("nan"), y)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
 
