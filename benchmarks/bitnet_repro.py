@@ -263,12 +263,13 @@ def main(argv=None) -> int:
     summary["epochs_of_train_split"] = summary.get("tokens_per_run_m", 0) * 1e6 / train.num_tokens
     extra = {"args": vars(args), "runs": runs, "step_ms_controlled": timings,
              "train_tokens": train.num_tokens, "val_tokens": val.num_tokens,
-             "sparsity_table": bitnet.format_table({r: run["sparsity"] for r, run in runs.items() if "sparsity" in run}),
+             "sparsity_table": bitnet.format_table({r: run["sparsity"] for r, run in runs.items()
+                                                    if "sparsity" in run}),
              "note": ("smoke run: tiny sizes, measures nothing" if args.smoke else
                       "not the issue's scale" if args.preset == "tiny" else "issue #17 reproduction")}
     path = write_result("bitnet_repro", rows, summary, device=label, extra=extra, results_dir=results_dir)
-    plot(runs, path.with_suffix(".png"), f"BitNet on the corpus: {args.preset}, {summary.get('tokens_per_run_m', 0):.1f}M "
-                                         f"tokens/run, {label}")
+    tokens_m = summary.get("tokens_per_run_m", 0)
+    plot(runs, path.with_suffix(".png"), f"BitNet on the corpus: {args.preset}, {tokens_m:.1f}M tokens/run, {label}")
     print_table([r for r in rows if r["what"] != "quantizer"],
                 ["what", "recipe", "val_ppl", "step_ms", "tokens_per_s", "vs_fp", "sparsity_overall"])
     quant = [r for r in rows if r["what"] == "quantizer"]

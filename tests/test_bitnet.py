@@ -237,6 +237,20 @@ def test_bitlinear_runs_the_fused_kernel_on_cuda():
         assert layer.last_path == "reference"
 
 
+@pytest.mark.cuda
+def test_a48_model_step_on_cuda_runs_every_quantizer_fused():
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("cuda"):
+        model = bitnet.convert(LlamaForCausalLM(cfg).init_weights(seed=0), "a4.8")
+    ids = torch.randint(0, 128, (2, 33), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids)
+    loss.backward()
+    paths = {m.last_path for m in model.modules() if isinstance(m, BitLinear)}
+    assert paths == {"triton"} and torch.isfinite(loss)
+
+
 # ------------------------------------------------------------------------------------------ recipes and models
 
 @needs_corpus

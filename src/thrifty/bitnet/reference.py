@@ -75,7 +75,8 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Nearest FP4 E2M1 value (ties to even mantissa), magnitudes clipped to 6. Steps are 0.5 below 2, 1 in
     [2, 4) and 2 in [4, 6]; ``torch.round`` (half to even) on the scaled value gives the even-mantissa tie."""
     a = v.abs().clamp(max=6.0)
-    r = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5, torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0))
+    r = torch.where(a < 2.0, torch.round(a * 2.0) * 0.5,
+                    torch.where(a < 4.0, torch.round(a), torch.round(a * 0.5) * 2.0))
     return torch.copysign(r, v)
 
 
@@ -107,7 +108,8 @@ def topk_mask(x: torch.Tensor, ratio: float = 0.5) -> torch.Tensor:
 
 def quantize_topk_int8(x: torch.Tensor, ratio: float = 0.5) -> torch.Tensor:
     """TopK sparsification per token, then per-token absmax INT8 of what is kept (a4.8 Eq. 1)."""
-    return _nan_rows(x.float(), quantize_int8(torch.where(topk_mask(x, ratio), x, torch.zeros_like(x))).float()).to(x.dtype)
+    kept = quantize_int8(torch.where(topk_mask(x, ratio), x, torch.zeros_like(x)))
+    return _nan_rows(x.float(), kept.float()).to(x.dtype)
 
 
 def quantize_activation(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_ratio: float = 0.5):

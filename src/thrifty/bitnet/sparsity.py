@@ -102,5 +102,6 @@ def format_table(results: dict[str, dict]) -> str:
     lines = ["| model | QKV | Out | Up | Gate | Down | overall | activated params |", "|---" * 8 + "|"]
     for name, r in results.items():
         cells = " | ".join(f"{100 * r[k]:.1f}" for k in TABLE_ROLES + ("overall",))
-        lines.append(f"| {name} | {cells} | {r['activated_params'] / 1e6:.2f}M of {r['projection_params'] / 1e6:.2f}M |")
+        active, total = r["activated_params"] / 1e6, r["projection_params"] / 1e6
+        lines.append(f"| {name} | {cells} | {active:.2f}M of {total:.2f}M |")
     return "\n".join(lines)
