@@ -9,9 +9,12 @@ with the fused Triton quantizers and, as a second row, with the plain PyTorch on
 and the sparsity.
 
 GPU box (30m preset, 3052 steps × 32 × 512 = 50M tokens per run, ~4.4 epochs of the 11.5M-token train split);
-one call per pair of recipes fits the 10-minute command limit, ``--merge`` folds them into one result file:
+one call per pair of recipes fits the 10-minute command limit, ``--merge`` folds them into one result file. The
+corpus token files travel with the call (24 MB): here ``mkdir -p data/corpus && cp
+/work/main/data/corpus/{manifest.json,train.bin,validation.bin} data/corpus/``, then ``carry: ["data/corpus"]``:
 
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_repro.py --recipes fp,b1.58
+    # copy the returned bitnet_repro_h100.json into benchmarks/results/ here, then (it travels with the tree):
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_repro.py --recipes a4.8,int4-all --merge
 
 ``--smoke``: tiny sizes on the CPU into a temporary folder (checks the script, measures nothing).
