@@ -52,7 +52,7 @@ def quantize_weight_ternary(w: torch.Tensor, splits: Optional[Sequence[int]] = N
     for part in parts:
         alpha = part.abs().mean()
         out.append(alpha * round_clip(part * (1.0 / (alpha + EPS)), -1, 1))
-    return torch.cat(out, dim=0).to(w.dtype)
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=0)).to(w.dtype)
 
 
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
