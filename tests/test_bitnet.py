@@ -335,6 +335,30 @@ def test_sparsity_table_shape():
     assert "| a4.8 |" in bitnet.format_table({"a4.8": s})
 
 
+def test_sparsity_counts_match_a_manual_count():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4)
+    model = bitnet.convert(LlamaForCausalLM(cfg).init_weights(seed=3), "a4.8")
+    seen = {}
+    mlp, attn = model.model.layers[0].mlp, model.model.layers[0].self_attn
+    hooks = [mod.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, (i[0], o)))
+             for k, mod in (("o", attn.o_proj), ("gate", mlp.gate_proj), ("down", mlp.down_proj))]
+    ids = torch.randint(0, 64, (1, 23))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    s = bitnet.measure_sparsity(model, [ids])
+    o_in = ref.quantize_topk_int8(attn.o_proj.norm(seen["o"][0]))
+    down_in = ref.quantize_int8(mlp.down_proj.norm(seen["down"][0]))
+    gate_in = ref.quantize_int4(seen["gate"][0])
+    gate_nz = (torch.relu(seen["gate"][1]) ** 2 != 0).float().mean(-1)
+    assert s["out"] == pytest.approx(float((o_in == 0).float().mean()))
+    assert s["down"] == pytest.approx(float((down_in == 0).float().mean()))
+    assert s["gate"] == pytest.approx(float((gate_in == 0).float().mean()))
+    assert s["up"] == pytest.approx(float((1 - (gate_in != 0).float().mean(-1) * gate_nz).mean()))
+
+
 # ------------------------------------------------------------------------------------------ two-stage training
 
 class TokenWindows:

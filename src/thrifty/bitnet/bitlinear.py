@@ -109,8 +109,7 @@ class BitLinear(nn.Module):
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is None:
             return x
-        n = self.norm(x).to(x.dtype)
-        return n if self.strength == 1.0 else x + self.strength * (n - x)
+        return _blend(x, self.norm(x).to(x.dtype), self.strength)
 
     def _use_kernel(self, x: torch.Tensor) -> bool:
         if not (self.fused and x.is_cuda and self.activation in FUSED_KINDS):
