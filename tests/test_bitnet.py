@@ -263,11 +263,11 @@ def test_each_recipe_trains_on_real_text(recipe):
     torch.manual_seed(0)
     model = LlamaForCausalLM(preset("tiny")).init_weights(seed=0)
     schedule = bitnet.build_for_pretraining(model, recipe, stage1_share=0.5)
-    cfg = TrainConfig(steps=12, batch_size=4, seq_len=32, lr=4e-3 if schedule else 2e-3, warmup_steps=2)
+    cfg = TrainConfig(steps=10, batch_size=2, seq_len=32, lr=4e-3, warmup_steps=2)
     trainer = Trainer(model, train, None, cfg, schedule=schedule)
     history = trainer.fit(progress=False)
     first, last = sum(h["loss"] for h in history[:3]) / 3, sum(h["loss"] for h in history[-3:]) / 3
-    assert last < first - 1.0, (recipe, first, last)
+    assert last < first - 0.8, (recipe, first, last)  # ~10.7 -> ~9.5 nats in 10 steps
     assert bitnet.current_recipe(model) == recipe
 
 
