@@ -117,13 +117,18 @@ def cmd_pretrain(args) -> int:
         from .loss import lm_loss
 
         model.set_loss(functools.partial(lm_loss, impl=args.loss))
+    schedule = None
+    if args.recipe != "fp":  # BitNet: ternary weights, quantized activations; a4.8 trains two-stage from b1.58
+        from .bitnet import build_for_pretraining
+
+        schedule = build_for_pretraining(model, args.recipe, stage1_share=args.stage1_share)
     if args.compile:
         model.model.compile()
     out = Path(args.out)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=max(1, args.steps // 20), eval_every=args.eval_every, eval_batches=8,
                       checkpoint_dir=str(out), seed=args.seed)
-    trainer = Trainer(model, train, val, cfg)
+    trainer = Trainer(model, train, val, cfg, schedule=schedule)
     history = trainer.fit(progress=True)
     (out / "history.json").write_text(json.dumps(history))
     _plot_history(history, out / "loss.png", title=f"{args.preset} ({args.loss} loss) on {device}")
@@ -197,6 +202,9 @@ def main(argv=None) -> int:
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--loss", default="torch", help="torch (logits + F.cross_entropy) or a thrifty.loss impl")
     t.add_argument("--compile", action="store_true")
+    t.add_argument("--recipe", default="fp", help="fp, b1.58, a4.8, a4.8-fp4 or int4-all (thrifty.bitnet)")
+    t.add_argument("--stage1-share", type=float, default=0.95,
+                   help="BitNet: share of the steps in stage 1 (W1.58A8) before the recipe's own quantizers")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default="runs/pretrain")
     sub.add_parser("stage", help="stage model + corpus onto the GPU box in parts (see thrifty stage -h)",

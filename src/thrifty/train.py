@@ -86,7 +86,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, train_data, val_data=None, config: Optional[TrainConfig] = None):
+    def __init__(self, model: torch.nn.Module, train_data, val_data=None, config: Optional[TrainConfig] = None,
+                 schedule=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not hasattr(train_data, "batch"):
@@ -104,6 +105,9 @@ class Trainer:
         self.tokens_seen = 0
         self.history: list[dict] = []
         self.generator = torch.Generator().manual_seed(self.cfg.seed)
+        # optional: an object whose apply(trainer) sets the model/optimizer state of self.step and returns the LR
+        # (thrifty.bitnet.TwoStageSchedule: recipe switch and weight decay per stage)
+        self.schedule = schedule
 
     def _make_optimizer(self):
         # decay matrices only; norms (1-D) keep their scale
@@ -121,8 +125,9 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         self.model.train()
+        lr = self.schedule.apply(self) if self.schedule is not None else lr_at(self.step, cfg)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, cfg)
+            group["lr"] = lr
         total = 0.0
         for _ in range(cfg.grad_accum):
             inputs, labels = self.train_data.batch(cfg.batch_size, cfg.seq_len, generator=self.generator)
@@ -136,7 +141,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += cfg.grad_accum * cfg.batch_size * cfg.seq_len
-        return {"step": self.step, "loss": float(total), "grad_norm": float(norm), "lr": lr_at(self.step - 1, cfg)}
+        return {"step": self.step, "loss": float(total), "grad_norm": float(norm), "lr": lr}
 
     @torch.no_grad()
     def evaluate(self, data=None, max_batches: Optional[int] = None) -> dict:

@@ -1,12 +1,14 @@
 """A readable Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU, tied or untied embeddings).
 
 Parameter names follow HF transformers' ``LlamaForCausalLM`` so a HF safetensors checkpoint loads as is.
-Four seams are explicit, so the techniques of thrifty slot in without copying the model:
+Five seams are explicit, so the techniques of thrifty slot in without copying the model:
 
 * ``attention``: ``fn(q, k, v, *, causal, scale) -> out`` on (B, H, T, Dh) queries and (B, Hkv, S, Dh) keys and
   values (grouped-query: H is a multiple of Hkv). Default :func:`sdpa_attention`.
 * ``linear``: ``factory(in_features, out_features, *, name) -> nn.Module`` builds every projection inside the
   blocks (q/k/v/o, gate/up/down). Default :func:`default_linear` (``nn.Linear`` without bias).
+* ``activation``: ``fn(gate) -> tensor``, the GLU gate activation of every MLP (``mlp.act_fn``, HF's name).
+  Default ``F.silu`` (SwiGLU); BitNet uses ReLU².
 * ``loss``: ``fn(hidden (B, T, D), classifier_weight (V, D), labels (B, T)) -> scalar`` with labels already
   aligned to the hidden positions and ``-100`` ignored; a fused linear cross-entropy never needs the logits.
   Default :func:`logits_cross_entropy`.
@@ -197,24 +199,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, linear: Callable):
+    def __init__(self, config: LlamaConfig, layer_idx: int, linear: Callable, activation: Callable = F.silu):
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
+        self.act_fn = activation  # the GLU's gate activation (HF's name): SiLU for SwiGLU, ReLU² for BitNet
         self.gate_proj = linear(d, f, name=f"layers.{layer_idx}.mlp.gate_proj")
         self.up_proj = linear(d, f, name=f"layers.{layer_idx}.mlp.up_proj")
         self.down_proj = linear(f, d, name=f"layers.{layer_idx}.mlp.down_proj")
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, linear: Callable, attention: Callable):
+    def __init__(self, config: LlamaConfig, layer_idx: int, linear: Callable, attention: Callable,
+                 activation: Callable = F.silu):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, linear, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_idx, linear)
+        self.mlp = MLP(config, layer_idx, linear, activation)
 
     def forward(self, x, positions, rope, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache)
@@ -222,10 +226,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, linear: Callable, attention: Callable):
+    def __init__(self, config: LlamaConfig, linear: Callable, attention: Callable, activation: Callable = F.silu):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, linear, attention)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, linear, attention, activation)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
@@ -271,12 +275,13 @@ def _check_positions(positions, B: int, T: int) -> None:
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, *, linear: Callable = default_linear,
-                 attention: Callable = sdpa_attention, loss: Callable = logits_cross_entropy):
+                 attention: Callable = sdpa_attention, loss: Callable = logits_cross_entropy,
+                 activation: Callable = F.silu):
         super().__init__()
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
         self.config = config
-        self.model = LlamaModel(config, linear, attention)
+        self.model = LlamaModel(config, linear, attention, activation)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

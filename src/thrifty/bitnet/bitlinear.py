@@ -1,0 +1,154 @@
+"""BitLinear: ternary weights, quantized activations, optional sub-layer RMSNorm, straight-through estimator."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .._checks import check_choice, check_positive_int, check_range
+from ..models.llama import RMSNorm
+from . import reference as ref
+
+FUSED_KINDS = ("int8", "int4", "topk_int8")
+
+
+def _blend(x: torch.Tensor, q: torch.Tensor, strength: float) -> torch.Tensor:
+    """x + λ(q − x), exactly q at λ = 1 and exactly x at λ = 0."""
+    if strength == 1.0:
+        return q
+    if strength == 0.0:
+        return x
+    return x + strength * (q - x)
+
+
+class BitLinear(nn.Module):
+    """``y = Q_a(norm(x)) · Q_w(W)ᵀ (+ b)``: a drop-in for ``nn.Linear`` in BitNet b1.58 / a4.8.
+
+    * ``W`` is the fp32 latent weight; every forward re-quantizes it to absmean ternary (one α per tensor, or per
+      sub-matrix given by ``weight_splits`` for a fused projection such as q|k|v).
+    * ``activation``: the input quantizer, ``"int8"`` (absmax), ``"int4"`` (absmean), ``"fp4"`` (E2M1 MinMax),
+      ``"topk_int8"`` (TopK-``topk_ratio`` per token, then INT8) or ``"none"``.
+    * ``sub_norm``: an RMSNorm (with weight) on the input before it is quantized. BitNet needs every quantized
+      input normalized; in the Llama block the pre-attention/pre-MLP norms already normalize the q/k/v and
+      gate/up inputs, so only the attention-output and FFN-down projections carry their own (the placement of
+      the paper's Figure 1, microsoft/BitNet's ``attn_sub_norm``/``ffn_sub_norm`` and HF's BitNet model).
+    * ``strength`` λ in [0, 1] blends every change into the plain linear: input ``x + λ(Q(x) − x)``, weight
+      ``W + λ(Q(W) − W)``, sub-norm ``x + λ(norm(x) − x)``. 1 is BitNet; ramp it from 0 when converting a
+      pretrained full-precision model (see :func:`thrifty.bitnet.convert`).
+    * ``fused``: on CUDA, the INT8/INT4/TopK quantizers run as one Triton kernel per call (forward; the STE
+      backward is the identity and costs nothing); elsewhere, or with ``fused=False``, the reference runs.
+      ``last_path`` records which one the last forward took ("triton", "reference" or "none").
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, activation: str = "int8", bias: bool = False,
+                 sub_norm: bool = False, norm_eps: float = 1e-5, weight_splits: Optional[Sequence[int]] = None,
+                 beta_scale: float = 1.0, topk_ratio: float = 0.5, strength: float = 1.0, fused: bool = True,
+                 device=None):
+        super().__init__()
+        check_positive_int("in_features", in_features)
+        check_positive_int("out_features", out_features)
+        if weight_splits is not None:
+            weight_splits = tuple(weight_splits)
+            for s in weight_splits:
+                check_positive_int("weight_splits", s)
+            if sum(weight_splits) != out_features:
+                raise ValueError(f"weight_splits: expected sizes adding up to out_features={out_features}, "
+                                 f"got {list(weight_splits)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.norm = RMSNorm(in_features, norm_eps).to(device) if sub_norm else None
+        self.weight_splits = weight_splits
+        self.configure(activation=activation, beta_scale=beta_scale, topk_ratio=topk_ratio, strength=strength,
+                       fused=fused)
+        self.last_path: Optional[str] = None
+        nn.init.normal_(self.weight, std=0.02)
+
+    def configure(self, *, activation: Optional[str] = None, beta_scale: Optional[float] = None,
+                  topk_ratio: Optional[float] = None, strength: Optional[float] = None,
+                  fused: Optional[bool] = None) -> "BitLinear":
+        """Changes the quantization settings in place (parameters untouched: the optimizer state stays valid)."""
+        if activation is not None:
+            check_choice("activation", activation, ref.ACTIVATIONS)
+            self.activation = activation
+        if beta_scale is not None:
+            check_range("beta_scale", beta_scale, 0.0, 1e3, lo_open=True)
+            self.beta_scale = float(beta_scale)
+        if topk_ratio is not None:
+            check_range("topk_ratio", topk_ratio, 0.0, 1.0, lo_open=True)
+            self.topk_ratio = float(topk_ratio)
+        if strength is not None:
+            check_range("strength", strength, 0.0, 1.0)
+            self.strength = float(strength)
+        if fused is not None:
+            if not isinstance(fused, bool):
+                raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
+            self.fused = fused
+        return self
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "BitLinear":
+        """A BitLinear holding a copy of ``linear``'s weight (and bias) as the fp32 latent weight."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  device=linear.weight.device, **kwargs)
+        with torch.no_grad():
+            new.weight.copy_(linear.weight.float())
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias.float())
+        return new
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation!r}, "
+                f"sub_norm={self.norm is not None}, strength={self.strength}")
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:
+            return x
+        return _blend(x, self.norm(x).to(x.dtype), self.strength)
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        if not (self.fused and x.is_cuda and self.activation in FUSED_KINDS):
+            return False
+        from .quant_kernel import supports
+
+        return supports(self.activation, x.shape[-1])
+
+    def _quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The quantized input with the STE gradient (and the λ blend)."""
+        if self.activation == "none":
+            self.last_path = "none"
+            return x
+        if self._use_kernel(x):
+            from .quant_kernel import FusedQuantizeSTE
+
+            self.last_path = "triton"
+            q = FusedQuantizeSTE.apply(x, self.activation, self.beta_scale, self.topk_ratio)
+            return q if self.strength == 1.0 else ref.ste(x, _blend(x.detach(), q.detach(), self.strength))
+        self.last_path = "reference"
+        q = ref.quantize_activation(x.detach(), self.activation, beta_scale=self.beta_scale,
+                                    topk_ratio=self.topk_ratio)
+        return ref.ste(x, _blend(x.detach(), q, self.strength))
+
+    def quantized_weight(self) -> torch.Tensor:
+        w = self.weight
+        q = ref.quantize_weight_ternary(w.detach(), self.weight_splits)
+        return ref.ste(w, _blend(w.detach(), q, self.strength))
+
+    @torch.no_grad()
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the matmul sees for input ``x`` (sub-norm and quantizer applied), without gradients; used by the
+        sparsity measurement."""
+        return self._quantized_input(self._normed(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = self._quantized_input(self._normed(x))
+        w = self.quantized_weight()
+        if not torch.is_autocast_enabled(x.device.type):
+            w = w.to(xq.dtype)
+        bias = None if self.bias is None else self.bias.to(w.dtype)
+        return F.linear(xq, w, bias)
