@@ -144,7 +144,7 @@ class CompressedWeights:
         self.packs: list[BlockPack] = packs
         self.names: list[list[str]] = names  # parameter name of each slot, per block
         self.optimizer = None
-        self.stats = {"decodes": 0, "prefetches": 0, "reencodes": 0}
+        self.stats = {"block_runs": 0, "decodes": 0, "prefetches": 0, "reencodes": 0}
         self._model = weakref.ref(model)
         self.device = packs[0].device
         self.dtype = packs[0].dtype
@@ -211,6 +211,7 @@ class CompressedWeights:
     def before_block(self, block: int) -> None:
         """Forward pre-hook: the block decoded now, its neighbour ahead (the previous one when called from
         backward, i.e. an activation-checkpoint recompute)."""
+        self.stats["block_runs"] += 1
         self.acquire(block)
         backward = torch._C._current_graph_task_id() != -1
         self.prefetch(block - 1 if backward else block + 1)
