@@ -172,6 +172,8 @@ class CompressedWeights:
         """A buffer to decode into: one not in use (the current block's is kept); re-encodes its updates first."""
         choices = [b for b in range(N_BUFFERS) if b != exclude]
         b = next((c for c in choices if self.owner[c] == -1), choices[0])
+        if self.ready[b] is not None:  # a decode ahead into it may still run on the side stream
+            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
         if self.dirty[b]:
             self._reencode(self.owner[b], b)
         self.owner[b], self.ready[b] = -1, None
@@ -253,6 +255,9 @@ class CompressedWeights:
         streams = [encode_lossless(buf[o: o + n].view(shape), pack.steps)
                    for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
         pack.replace(streams)
+        if self._impl() == "triton":  # the launch tables now, on this stream, not inside the next decode
+            pack.kernel_tables(pack.device)
+            pack.launch_table(pack.device)
         self.dirty[b] = False
         self.updated.pop(block, None)
         self.stats["reencodes"] += 1
