@@ -170,10 +170,11 @@ def test_model_runs_block_kernel_once_per_block():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_torch_encoder_matches_reference(dtype):
     g = torch.Generator().manual_seed(5)
-    for n, steps in ((1, 64), (1000, 64), (R.GROUP * 128 * 2 + 77, 128)):
+    cases = ((1, 64, 1 << 20), (1000, 64, 1 << 20), (R.GROUP * 128 * 5 + 77, 128, R.GROUP * 128 * 2))  # 3 chunks
+    for n, steps, chunk in cases:
         x = (torch.randn(n, generator=g) * 0.02).to(dtype)
         x[: n // 3] = torch.exp(torch.randn(n // 3, generator=g) * 8).to(dtype)
-        s, t = R.encode(x, None, steps), encode_lossless(x, steps)
+        s, t = R.encode(x, None, steps), encode_lossless(x, steps, chunk_elements=chunk)
         assert np.array_equal(s.words.view(np.int32), t["words"].numpy())
         assert np.array_equal(s.lane_len, t["lane_units"].numpy())
         assert np.array_equal(s.group_offsets, t["group_offsets"].numpy())
