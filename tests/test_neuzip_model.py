@@ -259,3 +259,25 @@ def test_bad_arguments():
         LomoConfig(state_dtype=torch.float16)
     with pytest.raises(ValueError, match="betas"):
         LomoConfig(betas=(0.9, 1.0))
+
+
+def test_eval_cli_compressed_and_plain(tmp_path, capsys):
+    from thrifty.cli import main
+    from thrifty.paths import data_dir
+
+    if not (data_dir() / "corpus" / "manifest.json").is_file():
+        pytest.skip("needs the corpus built by `thrifty setup`")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).init_weights(seed=0)
+    model.save_pretrained(tmp_path / "plain")
+    save_compressed(compress_model(model), tmp_path / "packed")
+    args = ["--batches", "1", "--batch-size", "1", "--seq-len", "16", "--device", "cpu"]
+    ppl = []
+    for path in ("plain", "packed"):
+        assert main(["eval", str(tmp_path / path), *args]) == 0
+        out = capsys.readouterr().out
+        assert ("NeuZip lossless" in out) == (path == "packed")
+        ppl.append(out.split("perplexity ")[1].split()[0])
+    assert ppl[0] == ppl[1]  # lossless: the same perplexity to the last digit
+    assert main(["eval", str(tmp_path / "missing"), *args]) == 2
