@@ -12,7 +12,7 @@ from thrifty.models import LlamaConfig, LlamaForCausalLM
 from thrifty.neuzip import (LomoConfig, NeuZipConfig, compress_model, load_compressed, lomo, save_compressed)
 from thrifty.neuzip import reference as R
 from thrifty.neuzip.block_decode import pack_tensors
-from thrifty.neuzip.encode import encode_lossless
+from thrifty.neuzip.encode import encode_lossless, encode_on_device
 
 VOCAB = 97
 
@@ -174,11 +174,7 @@ def test_torch_encoder_matches_reference(dtype):
     for n, steps, chunk in cases:
         x = (torch.randn(n, generator=g) * 0.02).to(dtype)
         x[: n // 3] = torch.exp(torch.randn(n // 3, generator=g) * 8).to(dtype)
-        s, t = R.encode(x, None, steps), encode_lossless(x, steps, chunk_elements=chunk)
-        assert np.array_equal(s.words.view(np.int32), t["words"].numpy())
-        assert np.array_equal(s.lane_len, t["lane_units"].numpy())
-        assert np.array_equal(s.group_offsets, t["group_offsets"].numpy())
-        assert np.array_equal(s.raw, t["raw"].numpy()) and np.array_equal(s.lengths, t["lengths"].numpy())
+        _same_streams(R.encode(x, None, steps), encode_lossless(x, steps, chunk_elements=chunk))
 
 
 def test_memory_accounting():
@@ -281,3 +277,38 @@ def test_eval_cli_compressed_and_plain(tmp_path, capsys):
         ppl.append(out.split("perplexity ")[1].split()[0])
     assert ppl[0] == ppl[1]  # lossless: the same perplexity to the last digit
     assert main(["eval", str(tmp_path / "missing"), *args]) == 2
+
+
+def _same_streams(s, t):
+    assert np.array_equal(s.words.view(np.int32), t["words"].numpy())
+    assert np.array_equal(s.lane_len, t["lane_units"].numpy())
+    assert np.array_equal(s.group_offsets, t["group_offsets"].numpy())
+    assert np.array_equal(s.raw, t["raw"].numpy()) and np.array_equal(s.lengths, t["lengths"].numpy())
+
+
+def test_triton_encoder_interpreter_matches_reference():
+    """The encoder kernels (LOMO's GPU re-encode) under the interpreter: same streams as the reference."""
+    g = torch.Generator().manual_seed(6)
+    for dtype, n in ((torch.bfloat16, R.GROUP * R.STEPS + 17), (torch.float32, 300)):
+        x = (torch.randn(n, generator=g) * 0.02).to(dtype)
+        x[:40] = torch.exp(torch.randn(40, generator=g) * 8).to(dtype)  # long codes
+        x[0], x[1] = float("nan"), -0.0
+        _same_streams(R.encode(x, None, R.STEPS), encode_on_device(x, R.STEPS, impl="triton"))
+
+
+def test_lomo_reencode_with_triton_kernels():
+    """LOMO with impl='triton' (decode and re-encode kernels, interpreter): bit-identical to the plain model."""
+    cfg = LomoConfig(optimizer="sgd", lr=1e-2)
+    plain = tiny(torch.bfloat16, layers=1)
+    packed = compress_model(copy.deepcopy(plain), config=NeuZipConfig(impl="triton"), train=cfg)
+    opt = lomo(plain, cfg)
+    x, y = batch(t=4, b=1)
+    la, lb = plain(x, labels=y), packed(x, labels=y)
+    la.backward()
+    lb.backward()
+    assert torch.equal(la, lb)
+    assert packed.neuzip.stats["reencodes"] == 1
+    with torch.no_grad():  # the updated, re-encoded weights give the same loss
+        assert torch.equal(plain(x, labels=y), packed(x, labels=y))
+    weights = packed.neuzip.decoded_weights()
+    assert all(torch.equal(int_bits(w), int_bits(plain.get_parameter(n))) for n, w in weights.items())

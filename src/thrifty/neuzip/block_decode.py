@@ -213,14 +213,15 @@ class BlockPack:
 
 def pack_tensors(tensors: Sequence[torch.Tensor], mantissa_bits: Optional[int] = None,
                  steps: int = R.STEPS) -> BlockPack:
-    """Compresses ``tensors`` (lossless: the torch encoder on their device; lossy: the reference) into a pack."""
-    from .encode import encode_lossless
+    """Compresses ``tensors`` (lossless: the encoder of their device, :func:`encode.encode_on_device`; lossy:
+    the NumPy reference) into a pack."""
+    from .encode import encode_on_device
     from .tensor import compress
 
     cts = []
     for t in tensors:
         if mantissa_bits is None:
-            cts.append(CompressedTensor(encode_lossless(t, steps), t.dtype, t.shape, None, steps=steps))
+            cts.append(CompressedTensor(encode_on_device(t, steps), t.dtype, t.shape, None, steps=steps))
         else:
             cts.append(compress(t, mantissa_bits, steps=steps).to(t.device))
     return BlockPack(cts)

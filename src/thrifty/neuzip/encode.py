@@ -118,3 +118,17 @@ def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int =
         "raw": raw_out,
         "lengths": torch.from_numpy(lengths_np.copy()).to(dev),
     }
+
+
+def encode_on_device(x: torch.Tensor, steps: int = R.STEPS, impl: str = "auto") -> dict:
+    """The encoder for ``x``'s device: the Triton kernels (:mod:`encode_kernel`) on CUDA, these torch ops
+    elsewhere ("auto"); "triton" forces the kernels (the interpreter on CPU), "torch" the torch ops."""
+    if impl == "auto":
+        impl = "triton" if x.is_cuda else "torch"
+    if impl == "triton":
+        from .encode_kernel import encode_lossless_triton
+
+        return encode_lossless_triton(x, steps)
+    if impl != "torch":
+        raise ValueError(f"impl: expected 'auto', 'triton' or 'torch', got {impl!r}")
+    return encode_lossless(x, steps)

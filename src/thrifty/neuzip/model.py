@@ -15,7 +15,8 @@ How it runs (NOTES.md has the arithmetic):
   the input gradient and the weight gradient with the same matrix products as autograd's ``F.linear`` (so a
   plain model and a lossless compressed one give the same bits) and hands the weight gradient to the fused
   optimizer (:mod:`thrifty.neuzip.lomo`) at once. When every weight of a block has been updated in the buffer,
-  the block is re-encoded on its device (:func:`thrifty.neuzip.encode.encode_lossless`).
+  the block is re-encoded on its device (:func:`thrifty.neuzip.encode.encode_on_device`: the Triton encoder
+  kernels with ``impl="triton"`` / on CUDA, torch ops on the CPU).
 * ``model.neuzip`` (:class:`CompressedWeights`) holds the packs, the buffers, ``memory()`` and ``stats``.
 """
 
@@ -248,11 +249,12 @@ class CompressedWeights:
             self._reencode(block, b)
 
     def _reencode(self, block: int, b: int) -> None:
-        from .encode import encode_lossless
+        from .encode import encode_on_device
 
         pack = self.packs[block]
         buf = self.buffers[b]
-        streams = [encode_lossless(buf[o: o + n].view(shape), pack.steps)
+        encoder = "triton" if self._impl() == "triton" else "torch"
+        streams = [encode_on_device(buf[o: o + n].view(shape), pack.steps, encoder)
                    for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
         pack.replace(streams)
         if self._impl() == "triton":  # the launch tables now, on this stream, not inside the next decode
