@@ -41,14 +41,17 @@ def test_lomo_bit_identical_cuda(optimizer):
     cfg = LomoConfig(optimizer=optimizer, lr=1e-3)
     plain = _model(layers=3, dtype=torch.float32)
     packed = compress_model(copy.deepcopy(plain), train=cfg)
-    opt = lomo(plain, cfg)
+    lomo(plain, cfg)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     for s in range(3):
         g = torch.Generator(device="cuda").manual_seed(s)
         x = torch.randint(0, 512, (2, 32), device="cuda", generator=g)
-        la = plain(x, labels=x)
-        la.backward()
-        lb = packed(x, labels=x)
-        lb.backward()
+        with sdpa_kernel(SDPBackend.MATH):  # a deterministic attention backward on both sides
+            la = plain(x, labels=x)
+            la.backward()
+            lb = packed(x, labels=x)
+            lb.backward()
         assert torch.equal(la, lb), s
     weights = packed.neuzip.decoded_weights()
     assert all(torch.equal(w, plain.get_parameter(n).cpu()) for n, w in weights.items())

@@ -103,7 +103,8 @@ class _CompressedLinearFn(torch.autograd.Function):
             grad_x = g2.mm(w if w.dtype == g2.dtype else w.to(g2.dtype))
             grad_x = grad_x.view(*grad.shape[:-1], w.shape[1])
         if state.optimizer is not None:
-            grad_w = x.reshape(-1, x.shape[-1]).t().mm(g2).t()
+            # autograd's mm backward for the column-major W.t(): (gᵀx), no transposes of the result
+            grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
             state.apply_update(m.block, m.slot, grad_w)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
