@@ -326,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         if not (path / "config.json").is_file():
             raise ValueError(f"path: expected a folder with config.json, got {path}")
         config = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(f for f in path.glob("*.safetensors") if f.name != "optimizer.safetensors")  # Trainer's
         if not files:
             raise ValueError(f"path: no .safetensors files in {path}")
         state = {}
