@@ -29,6 +29,7 @@ from .._checks import check_choice, check_range
 
 OPTIMIZERS = ("sgd", "adamw")
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+CHUNK = 1 << 22  # elements per update pass (fp32 temporaries of 16 MB)
 
 
 @dataclass
@@ -79,15 +80,12 @@ class FusedOptimizer:
 
     @torch.no_grad()
     def update(self, key: str, weight: torch.Tensor, grad: torch.Tensor) -> None:
+        """One step for one parameter, in place. Large tensors go in flat chunks of ``CHUNK`` elements, so the
+        fp32 temporaries stay ~4 x 16 MB (an embedding's would be GBs); elementwise, so the bits are the same."""
         cfg = self.config
         decay = cfg.weight_decay if weight.dim() >= 2 else 0.0
-        w = weight.float()  # the weight itself when it is float32
-        g = grad.float()
-        if decay:
-            w.mul_(1.0 - self.lr * decay)
-        if cfg.optimizer == "sgd":
-            w.add_(g, alpha=-self.lr)
-        else:
+        st = None
+        if cfg.optimizer == "adamw":
             st = self.state.get(key)
             if st is None:
                 st = self.state[key] = {"step": 0,
@@ -95,19 +93,36 @@ class FusedOptimizer:
                                         "exp_avg_sq": torch.zeros(weight.shape, dtype=cfg.state_dtype,
                                                                   device=weight.device)}
             st["step"] += 1
+        flat_w, flat_g = weight.view(-1), grad.contiguous().view(-1)
+        flat_m = st["exp_avg"].view(-1) if st else None
+        flat_v = st["exp_avg_sq"].view(-1) if st else None
+        for a in range(0, flat_w.numel(), CHUNK):
+            b = a + CHUNK
+            self._update_chunk(flat_w[a:b], flat_g[a:b], decay, st and st["step"],
+                               flat_m[a:b] if st else None, flat_v[a:b] if st else None)
+        self.updates += 1
+
+    def _update_chunk(self, weight, grad, decay, step, exp_avg, exp_avg_sq) -> None:
+        cfg = self.config
+        w = weight.float()  # the weight itself when it is float32
+        g = grad.float()
+        if decay:
+            w.mul_(1.0 - self.lr * decay)
+        if cfg.optimizer == "sgd":
+            w.add_(g, alpha=-self.lr)
+        else:
             b1, b2 = cfg.betas
-            m = st["exp_avg"].float().lerp_(g, 1.0 - b1)
-            v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            bc1 = 1.0 - b1 ** st["step"]
-            bc2 = 1.0 - b2 ** st["step"]
+            m = exp_avg.float().lerp_(g, 1.0 - b1)
+            v = exp_avg_sq.float().mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            bc1 = 1.0 - b1 ** step
+            bc2 = 1.0 - b2 ** step
             denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
             w.addcdiv_(m, denom, value=-self.lr / bc1)
-            if m.data_ptr() != st["exp_avg"].data_ptr():
-                st["exp_avg"].copy_(m)
-                st["exp_avg_sq"].copy_(v)
+            if m.data_ptr() != exp_avg.data_ptr():
+                exp_avg.copy_(m)
+                exp_avg_sq.copy_(v)
         if w.data_ptr() != weight.data_ptr():
             weight.copy_(w)
-        self.updates += 1
 
     def remove(self) -> None:
         """Removes the hooks (the model trains no more through this optimizer)."""
