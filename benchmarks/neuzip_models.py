@@ -253,7 +253,14 @@ def block_decode_rows(args, device, base):
         cp = bench.time_fn(lambda: dst.copy_(src), reps=100, flush_l2=True, gpu_only=True, device=device)
         row.update(block_decode_gpu_us=dec.median_ms * 1e3, block_copy_gpu_us=cp.median_ms * 1e3,
                    block_decode_vs_copy=dec.median_ms / cp.median_ms)
-        # the block decode overlapped with a block's compute: a forward with and without prefetch
+        # the next block's decode overlapping this block's compute: one forward with and without the side stream
+        from thrifty.neuzip import NeuZipConfig
+
+        x = torch.randint(0, base.config.vocab_size, (args.speed_batch, args.eval_seq), device=device)
+        serial = compress_model(copy.deepcopy(base), config=NeuZipConfig(prefetch=False))
+        with torch.no_grad():
+            for name, m in (("forward_ms_prefetch", model), ("forward_ms_no_prefetch", serial)):
+                row[name] = bench.time_fn(lambda: m(x, logits_to_keep=1), warmup=2, reps=20, device=device).median_ms
     print(row, flush=True)
     return [row]
 
