@@ -187,9 +187,10 @@ def eval_main(argv=None) -> int:
     t0 = time.perf_counter()
     r = validation_perplexity(model, val, args.batch_size, args.seq_len, args.batches, device)
     state = getattr(model, "neuzip", None)
-    weights = (f"NeuZip {state.config.mode}"
-               + (f" k={state.config.mantissa_bits}" if state.config.mode == "lossy" else "")
-               + f", block weights {state.memory()['ratio_vs_bf16']:.3f}x bf16") if state is not None else "uncompressed"
+    weights = "uncompressed"
+    if state is not None:
+        lossy = f" k={state.config.mantissa_bits}" if state.config.mode == "lossy" else ""
+        weights = f"NeuZip {state.config.mode}{lossy}, block weights {state.memory()['ratio_vs_bf16']:.3f}x bf16"
     print(f"model: {args.model} ({weights}, {next(model.parameters()).dtype}, {device})")
     print(f"validation: {r['val_tokens']:,} tokens  loss {r['val_loss']:.4f}  perplexity {r['val_ppl']:.3f}  "
           f"({time.perf_counter() - t0:.1f} s)")

@@ -88,10 +88,8 @@ class FusedOptimizer:
         if cfg.optimizer == "adamw":
             st = self.state.get(key)
             if st is None:
-                st = self.state[key] = {"step": 0,
-                                        "exp_avg": torch.zeros(weight.shape, dtype=cfg.state_dtype, device=weight.device),
-                                        "exp_avg_sq": torch.zeros(weight.shape, dtype=cfg.state_dtype,
-                                                                  device=weight.device)}
+                zeros = lambda: torch.zeros(weight.shape, dtype=cfg.state_dtype, device=weight.device)  # noqa: E731
+                st = self.state[key] = {"step": 0, "exp_avg": zeros(), "exp_avg_sq": zeros()}
             st["step"] += 1
         flat_w, flat_g = weight.view(-1), grad.contiguous().view(-1)
         flat_m = st["exp_avg"].view(-1) if st else None
