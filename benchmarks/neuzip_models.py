@@ -224,6 +224,26 @@ def infer_rows(args, device, base, val, measure_speed=True):
     return rows
 
 
+def fp32_rows(args, device, val):
+    """The checkpoint's fp32 weights, plain and NeuZip lossless (same perplexity by construction; the ratio)."""
+    from thrifty.neuzip.cli import validation_perplexity
+
+    seq, bsz, batches = (64, 2, 2) if args.smoke else (args.eval_seq, args.eval_batch, args.eval_batches)
+    rows = []
+    for name, packed in (("fp32", False), ("NeuZip lossless (fp32 weights)", True)):
+        model = LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, device=device)
+        row = {"part": "infer", "variant": name, "weight_mib": _param_bytes(model) / 2**20}
+        if packed:
+            compress_model(model)
+            mem = model.neuzip.memory()
+            row["weight_mib"] = (mem["compressed_bytes"] + mem["uncompressed_param_bytes"]) / 2**20
+            row["block_weights_ratio_vs_fp32"] = mem["ratio_vs_original"]
+        row.update(validation_perplexity(model, val, bsz, seq, batches, device))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def block_decode_rows(args, device, base):
     """Host µs per block decode call; GPU µs of the one launch vs copying the same bf16 bytes."""
     model = compress_model(copy.deepcopy(base))
@@ -319,11 +339,13 @@ def main(argv=None) -> int:
         args.checkpoint = args.cpu_accuracy
         base, val, what = trained_model(args, device)
         rows = infer_rows(args, device, base, val, measure_speed=False)
+        rows += fp32_rows(args, device, val)
         summary = _summary([], {}, rows, [])
         path = bench.write_result("neuzip_models", rows, summary, device="cpu-accuracy",
                                   extra={"model": what, "note": "CPU run: accuracy and weight memory only; no "
                                          "speed, no training columns", "eval": vars(args)})
-        bench.print_table(rows, ["variant", "val_ppl", "weight_mib", "block_weights_ratio_vs_bf16"])
+        bench.print_table(rows, ["variant", "val_ppl", "weight_mib", "block_weights_ratio_vs_bf16",
+                                 "block_weights_ratio_vs_fp32"])
         print("SUMMARY", summary)
         print("wrote", path)
         return 0

@@ -291,6 +291,7 @@ class CompressedWeights:
                            "ratio_vs_bf16": p.nbytes / (2 * p.total_numel)})
         comp = sum(b["compressed_bytes"] for b in blocks)
         bf16 = sum(b["bf16_bytes"] for b in blocks)
+        original = sum(p.total_numel for p in self.packs) * R.DTYPES[self.dtype][0] // 8  # in the weights' dtype
         model = self._model()
         seen, other = set(), 0
         for prm in (model.parameters() if model is not None else ()):
@@ -300,6 +301,7 @@ class CompressedWeights:
         tables = sum(p.launch_table(p.device)[0].numel() * 8 for p in self.packs) if self._impl() == "triton" else 0
         buffers = sum(b.numel() * b.element_size() for b in self.buffers)
         return {"blocks": blocks, "compressed_bytes": comp, "bf16_bytes": bf16, "ratio_vs_bf16": comp / max(bf16, 1),
+                "original_bytes": original, "ratio_vs_original": comp / max(original, 1),
                 "buffer_bytes": buffers, "launch_table_bytes": tables, "uncompressed_param_bytes": other,
                 "total_weight_bytes": comp + buffers + tables + other}
 
