@@ -157,8 +157,10 @@ class CompressedWeights:
         self.current = 0  # buffer of the block running now (never taken by a prefetch)
         self.ready: list = [None] * N_BUFFERS  # CUDA event: the side-stream decode into the buffer finished
         self.updated: dict[int, set] = {}  # block -> slots updated in this backward
+        self._view_cache: dict = {}  # (buffer, block) -> the block's weight views into that buffer
         self.cuda = self.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(self.device) if self.cuda and config.prefetch else None
+        self._events = [torch.cuda.Event() for _ in range(N_BUFFERS)] if self.side_stream is not None else []
 
     # ---------------------------------------------------------------------------------------- decoding
     def _impl(self) -> str:
@@ -207,8 +209,8 @@ class CompressedWeights:
         self.side_stream.wait_stream(main)  # the buffer's last readers (enqueued on main) finish first
         with torch.cuda.stream(self.side_stream):
             self._decode(block, b)
-            event = torch.cuda.Event()
-            event.record(self.side_stream)
+        event = self._events[b]  # reused: a wait enqueued earlier keeps the record it saw
+        event.record(self.side_stream)
         self.ready[b] = event
         self.stats["prefetches"] += 1
 
@@ -221,12 +223,19 @@ class CompressedWeights:
         self.prefetch(block - 1 if backward else block + 1)
 
     def weight(self, block: int, slot: int, backward: bool = False) -> torch.Tensor:
-        pack = self.packs[block]
-        buf = self.acquire(block)
+        """Weight ``slot`` of ``block``: a view into the buffer holding the block (views cached per buffer)."""
+        self.acquire(block)
         if backward:
             self.prefetch(block - 1)
-        o = pack.offsets[slot]
-        return buf[o: o + pack.numels[slot]].view(pack.shapes[slot])
+        return self._views(self.current, block)[slot]
+
+    def _views(self, b: int, block: int) -> list:
+        views = self._view_cache.get((b, block))
+        if views is None:
+            pack, buf = self.packs[block], self.buffers[b]
+            views = [buf[o: o + n].view(shape) for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
+            self._view_cache[(b, block)] = views
+        return views
 
     # ---------------------------------------------------------------------------------------- training
     def attach_optimizer(self, optimizer) -> None:
@@ -238,10 +247,9 @@ class CompressedWeights:
     def apply_update(self, block: int, slot: int, grad_w: torch.Tensor) -> None:
         """The fused optimizer step for one weight, in the block buffer; the block is re-encoded once all its
         weights are updated."""
-        pack = self.packs[block]
-        buf = self.acquire(block)
+        self.acquire(block)
         b = self.current
-        w = buf[pack.offsets[slot]: pack.offsets[slot] + pack.numels[slot]].view(pack.shapes[slot])
+        w = self._views(b, block)[slot]
         self.optimizer.update(self.names[block][slot], w, grad_w)
         self.dirty[b] = True
         done = self.updated.setdefault(block, set())
