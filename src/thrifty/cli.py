@@ -212,12 +212,14 @@ def main(argv=None) -> int:
     sub.add_parser("compress", help="NeuZip-compress a .safetensors file (see thrifty compress -h)", add_help=False)
     sub.add_parser("decompress", help="restore a NeuZip file to .safetensors (see thrifty decompress -h)",
                    add_help=False)
+    sub.add_parser("eval", help="validation perplexity of a model, NeuZip-compressed or not (see thrifty eval -h)",
+                   add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "stage":
         from .stage import main as stage_main
 
         return stage_main(rest)
-    if args.cmd in ("compress", "decompress"):
+    if args.cmd in ("compress", "decompress", "eval"):
         from .neuzip import cli as neuzip_cli
 
         return getattr(neuzip_cli, f"{args.cmd}_main")(rest)

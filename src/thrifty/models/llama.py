@@ -361,7 +361,7 @@ class LlamaForCausalLM(nn.Module):
             config = LlamaConfig.from_hf(hf)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path / 'config.json'}: {err}") from None
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(f for f in path.glob("*.safetensors") if f.name != "optimizer.safetensors")  # Trainer's
         if not files:
             raise ValueError(f"path: no .safetensors files in {path}")
         state, source = {}, {}

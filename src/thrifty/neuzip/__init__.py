@@ -1,10 +1,16 @@
 """NeuZip weight compression (arXiv 2410.20650): entropy-coded exponents, raw sign+mantissa, lossy bf16 mode.
 
-``compress(tensor, mantissa_bits=None)`` -> :class:`CompressedTensor` (``.decompress()``, ``.nbytes``,
+Tensors: ``compress(tensor, mantissa_bits=None)`` -> :class:`CompressedTensor` (``.decompress()``, ``.nbytes``,
 ``.ratio``); ``save``/``load`` for the checked on-disk format; ``reference`` holds the spec (CPU path).
+Models: ``compress_model(model, mode="lossless" | "lossy", mantissa_bits=k)`` keeps every block's linear weights
+compressed (one decode launch per block); ``lomo(model, LomoConfig(...))`` trains with a fused per-layer update;
+``save_compressed`` / ``load_compressed`` for whole models.
 """
 
 from .format import FORMAT_VERSION, load, save
+from .lomo import LomoConfig, lomo
+from .model import NeuZipConfig, compress_model, load_compressed, save_compressed
 from .tensor import CompressedTensor, compress
 
-__all__ = ["CompressedTensor", "compress", "save", "load", "FORMAT_VERSION"]
+__all__ = ["CompressedTensor", "compress", "save", "load", "FORMAT_VERSION", "compress_model", "NeuZipConfig",
+           "LomoConfig", "lomo", "save_compressed", "load_compressed"]

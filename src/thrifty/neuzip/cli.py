@@ -1,7 +1,8 @@
-"""``thrifty compress MODEL.safetensors OUT [--mantissa-bits k]`` and ``thrifty decompress IN OUT.safetensors``.
+"""``thrifty compress MODEL.safetensors OUT [--mantissa-bits k]``, ``thrifty decompress IN OUT.safetensors`` and
+``thrifty eval MODEL_OR_CHECKPOINT`` (validation perplexity of any model, NeuZip-compressed or not).
 
-Entry points: :func:`compress_main` and :func:`decompress_main` (argv lists, return an exit code); :func:`main`
-dispatches ``compress ...`` / ``decompress ...`` for ``python -m thrifty.neuzip.cli``.
+Entry points: :func:`compress_main`, :func:`decompress_main` and :func:`eval_main` (argv lists, return an exit
+code); :func:`main` dispatches them for ``python -m thrifty.neuzip.cli``.
 """
 
 from __future__ import annotations
@@ -156,12 +157,103 @@ def decompress_main(argv=None) -> int:
     return 0
 
 
+def validation_perplexity(model, dataset, batch_size: int, seq_len: int, max_batches: int, device) -> dict:
+    """Mean token loss and perplexity over the first ``max_batches`` validation windows (deterministic), for
+    thrifty's LlamaForCausalLM (``labels=``) or any transformers causal LM (logits; labels already shifted)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from ..models import LlamaForCausalLM
+
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for inputs, labels in dataset.iter_eval_batches(batch_size, seq_len, max_batches):
+            inputs, labels = inputs.to(device), labels.to(device)
+            if isinstance(model, LlamaForCausalLM):
+                loss = model(inputs, labels=labels)
+            else:
+                logits = model(input_ids=inputs).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            n = int((labels != -100).sum())
+            total, tokens = total + float(loss) * n, tokens + n
+    loss = total / max(tokens, 1)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_tokens": tokens}
+
+
+def load_any_model(path: Path, device, dtype=None):
+    """A NeuZip checkpoint (``save_compressed``), a HF/thrifty checkpoint folder (config.json + safetensors), or
+    ``smollm2`` (the real pretrained model; Q4_1-dequantized, so its weight statistics are not a bf16 model's)."""
+    import torch
+
+    from ..models import LlamaForCausalLM
+    from .model import is_compressed_checkpoint, load_compressed
+
+    if str(path) == "smollm2":
+        from .. import pretrained
+
+        path = pretrained.ensure_converted()
+    if is_compressed_checkpoint(path):
+        return load_compressed(path, device=device)
+    return LlamaForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, device=device)
+
+
+def eval_main(argv=None) -> int:
+    import torch
+
+    from ..cli import _corpus, _device
+    from ..data import TokenDataset
+    from .model import compress_model
+
+    p = argparse.ArgumentParser(prog="thrifty eval", description="Validation perplexity of a model on the corpus")
+    p.add_argument("model", help="checkpoint folder (NeuZip, thrifty or HF Llama layout) or 'smollm2'")
+    p.add_argument("--corpus", default=None, help="a folder of text files instead of the Debian corpus")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="weights of an uncompressed model (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--neuzip", default=None, choices=("lossless", "0", "1", "3", "7"),
+                   help="compress an uncompressed model first: lossless, or lossy k mantissa bits (bf16)")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    args = p.parse_args(argv)
+    device = _device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" or args.neuzip not in (None, "lossless") else torch.float32
+    try:
+        model = load_any_model(Path(args.model), device, dtype)
+        if args.neuzip is not None:
+            if getattr(model, "neuzip", None) is not None:
+                raise ValueError("--neuzip: the checkpoint is already compressed")
+            mode = "lossless" if args.neuzip == "lossless" else "lossy"
+            compress_model(model, mode, None if mode == "lossless" else int(args.neuzip))
+    except (OSError, ValueError) as err:
+        print(f"thrifty eval: {err}", file=sys.stderr)
+        return 2
+    val = TokenDataset(_corpus(args.corpus, reuse=True), "validation")
+    t0 = time.perf_counter()
+    r = validation_perplexity(model, val, args.batch_size, args.seq_len, args.batches, device)
+    state = getattr(model, "neuzip", None)
+    weights = "uncompressed"
+    if state is not None:
+        lossy = f" k={state.config.mantissa_bits}" if state.config.mode == "lossy" else ""
+        weights = f"NeuZip {state.config.mode}{lossy}, block weights {state.memory()['ratio_vs_bf16']:.3f}x bf16"
+    print(f"model: {args.model} ({weights}, {next(model.parameters()).dtype}, {device})")
+    print(f"validation: {r['val_tokens']:,} tokens  loss {r['val_loss']:.4f}  perplexity {r['val_ppl']:.3f}  "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("compress", "decompress"):
-        print("usage: python -m thrifty.neuzip.cli {compress,decompress} ...", file=sys.stderr)
+    mains = {"compress": compress_main, "decompress": decompress_main, "eval": eval_main}
+    if not argv or argv[0] not in mains:
+        print("usage: python -m thrifty.neuzip.cli {compress,decompress,eval} ...", file=sys.stderr)
         return 2
-    return (compress_main if argv[0] == "compress" else decompress_main)(argv[1:])
+    return mains[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,397 @@
+"""NeuZip inside models, in the shape of the paper's Tables 1 and 3 (arXiv 2410.20650).
+
+(1) Training (Table 1): a Llama-shaped model of ~1.1B parameters (TinyLlama shape, SmolLM2 vocabulary), **random
+    init** (honest for memory and speed, not for loss values), bf16 weights, activation checkpointing on every
+    block (as in the paper), sequence 1024. Rows: vanilla AdamW (torch fused, bf16 states as torch keeps them
+    for bf16 weights), LOMO-style AdamW (thrifty.neuzip.lomo, bf16 states), LOMO-style AdamW + NeuZip lossless,
+    and the paper's SGD pair (LOMO SGD, LOMO SGD + NeuZip). Peak memory, iterations/s, the loss of every step.
+(2) Inference (Table 3): a model trained here (``--checkpoint`` = a ``thrifty pretrain`` folder; without one a
+    30m model is pre-trained here first, ``--train-steps``), bf16. Rows: bf16, NeuZip 7 (lossless) / 3 / 1 / 0
+    bits, and per-block (64 weights along the input) INT8 and INT4 round-to-nearest (absmax scale) as reference
+    points (weights fake-quantized: their perplexity is real, their memory is counted, their speed is not
+    measured — no integer kernel here). Weight memory, tokens/s of a forward over a batch, validation perplexity.
+(3) Per-block decode: host time of one block decode call (``block_decode_host_us``), GPU time of the one launch
+    against a copy of the same bf16 bytes.
+
+    python benchmarks/neuzip_models.py [--checkpoint DIR] [--skip-train] [--skip-infer] [--smoke]
+    python benchmarks/neuzip_models.py --cpu-accuracy DIR   # CPU: perplexity + memory only (no speed)
+
+``--smoke``: tiny sizes on the CPU (writes ``neuzip_models_smoke.json``; not a result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+import torch
+
+from thrifty import bench
+from thrifty.models import LlamaConfig, LlamaForCausalLM, preset
+from thrifty.neuzip import LomoConfig, compress_model, lomo
+
+TRAIN_SHAPE = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                   num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                   tie_word_embeddings=True, rope_theta=10000.0)
+SMOKE_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                   tie_word_embeddings=True, rope_theta=10000.0)
+INT_BLOCK = 64
+
+
+# ---------------------------------------------------------------------------------------------- training
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing of one block (non-reentrant, so hooks and the NeuZip decode compose)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def _train_model(shape, device, seed=0):
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    model.init_weights(seed=seed)
+    return model.to(torch.bfloat16)
+
+
+def _checkpoint_blocks(model):
+    for i, block in enumerate(model.model.layers):
+        model.model.layers[i] = Checkpointed(block)
+
+
+def train_rows(args, device):
+    shape = SMOKE_SHAPE if args.smoke else TRAIN_SHAPE
+    steps, warm = (3, 1) if args.smoke else (args.train_iters, 2)
+    seq, bsz = (32, 2) if args.smoke else (1024, args.train_batch)
+    variants = [("vanilla AdamW", "adamw", False, False), ("LOMO AdamW", "adamw", True, False),
+                ("LOMO AdamW + NeuZip lossless", "adamw", True, True), ("LOMO SGD", "sgd", True, False),
+                ("LOMO SGD + NeuZip lossless", "sgd", True, True)]
+    rows, losses = [], {}
+    for name, opt_name, use_lomo, neuzip in variants:
+        row = {"part": "train", "variant": name, "params_m": None}
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            model = _train_model(shape, device)
+            row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+            cfg = LomoConfig(optimizer=opt_name, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0,
+                             state_dtype=torch.bfloat16)
+            if neuzip:
+                compress_model(model)
+                row["weights_ratio_vs_bf16"] = model.neuzip.memory()["ratio_vs_bf16"]
+            _checkpoint_blocks(model)
+            adam = None if use_lomo else torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                                           weight_decay=0.0, fused=device.type == "cuda")
+            opt = lomo(model, cfg) if use_lomo else None
+
+            def step_fn(x, y):
+                loss = model(x, labels=y)
+                loss.backward()  # LOMO: every update happens in here
+                if adam is not None:
+                    adam.step()
+                    adam.zero_grad(set_to_none=True)
+                return loss.detach()
+            g = torch.Generator().manual_seed(0)
+            batches = [torch.randint(0, shape["vocab_size"], (bsz, seq + 1), generator=g) for _ in range(steps)]
+            step_losses, t0 = [], None
+            for i, b in enumerate(batches):
+                if i == warm:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                x, y = b[:, :-1].to(device), b[:, 1:].to(device)
+                step_losses.append(step_fn(x, y))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            row["it_per_s"] = (steps - warm) / (time.perf_counter() - t0)
+            step_losses = [float(v) for v in step_losses]
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            row["loss_first"], row["loss_last"] = step_losses[0], step_losses[-1]
+            losses[name] = step_losses
+            if use_lomo:
+                row["optimizer_state_gib"] = opt.state_bytes / 2**30
+            del model
+        except Exception as err:  # a failing variant (OOM) keeps its row
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows, losses
+
+
+# --------------------------------------------------------------------------------------------- inference
+def _int_rtn(model, bits):
+    """Fake-quantizes every block linear weight: per block of 64 input weights, absmax scale, round to nearest."""
+    qmax = 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        for block in model.model.layers:
+            for m in block.modules():
+                if isinstance(m, torch.nn.Linear):
+                    w = m.weight.float().reshape(m.out_features, -1, INT_BLOCK)
+                    scale = w.abs().amax(-1, keepdim=True).clamp_min(1e-12) / qmax
+                    m.weight.copy_(((w / scale).round().clamp(-qmax - 1, qmax) * scale).reshape(m.weight.shape))
+    return model
+
+
+def _block_params(model):
+    return sum(m.weight.numel() for b in model.model.layers for m in b.modules() if isinstance(m, torch.nn.Linear))
+
+
+def _param_bytes(model, skip_blocks=False):
+    block_ids = {id(m.weight) for b in model.model.layers for m in b.modules() if isinstance(m, torch.nn.Linear)}
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen or (skip_blocks and id(p) in block_ids):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def trained_model(args, device):
+    """(model in bf16, dataset, description): the checkpoint given, or a 30m model pre-trained here now."""
+    from thrifty.data import TokenDataset
+    from thrifty.paths import data_dir
+
+    corpus = data_dir() / "corpus"
+    val = TokenDataset(corpus, "validation")
+    if args.checkpoint:
+        model = LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device)
+        return model, val, f"checkpoint {args.checkpoint} (trained here with thrifty pretrain)"
+    from thrifty.train import TrainConfig, Trainer
+
+    train = TokenDataset(corpus, "train")
+    name = "tiny" if args.smoke else "30m"
+    with torch.device(device):
+        model = LlamaForCausalLM(preset(name)).init_weights(seed=0)
+    steps = 4 if args.smoke else args.train_steps
+    cfg = TrainConfig(steps=steps, batch_size=4 if args.smoke else 32, seq_len=64 if args.smoke else 512, lr=1e-3,
+                      warmup_steps=max(1, steps // 20), eval_batches=2)
+    Trainer(model, train, val, cfg).fit(progress=True)
+    return model.to(torch.bfloat16), val, f"{name} pre-trained here for {steps} steps (fp32 master, bf16 eval)"
+
+
+def infer_rows(args, device, base, val, measure_speed=True):
+    from thrifty.neuzip.cli import validation_perplexity
+
+    seq, bsz, batches = (64, 2, 2) if args.smoke else (args.eval_seq, args.eval_batch, args.eval_batches)
+    x = torch.randint(0, base.config.vocab_size, (args.speed_batch if not args.smoke else 2, seq), device=device)
+    variants = [("bf16", None), ("NeuZip 7-bit (lossless)", 7), ("NeuZip 3-bit", 3), ("NeuZip 1-bit", 1),
+                ("NeuZip 0-bit", 0), ("INT8 RTN per-block", "int8"), ("INT4 RTN per-block", "int4")]
+    rows = []
+    bf16_bytes = _param_bytes(base)
+    block_params = _block_params(base)
+    for name, k in variants:
+        row = {"part": "infer", "variant": name}
+        try:
+            model = copy.deepcopy(base)
+            if isinstance(k, int):
+                compress_model(model, "lossy", k)
+                mem = model.neuzip.memory()
+                row["weight_mib"] = (mem["compressed_bytes"] + mem["launch_table_bytes"]
+                                     + mem["uncompressed_param_bytes"]) / 2**20
+                row["buffer_mib"] = mem["buffer_bytes"] / 2**20
+                row["block_weights_ratio_vs_bf16"] = mem["ratio_vs_bf16"]
+            elif k in ("int8", "int4"):
+                bits = 8 if k == "int8" else 4
+                _int_rtn(model, bits)
+                q = block_params * bits / 8 + block_params / INT_BLOCK * 2  # codes + one bf16 scale per block
+                row["weight_mib"] = (q + _param_bytes(model, skip_blocks=True)) / 2**20
+                row["block_weights_ratio_vs_bf16"] = q / (2 * block_params)
+            else:
+                row["weight_mib"] = bf16_bytes / 2**20
+                row["block_weights_ratio_vs_bf16"] = 1.0
+            row.update(validation_perplexity(model, val, bsz, seq, batches, device))
+            if measure_speed and not (isinstance(k, str)):
+                with torch.no_grad():
+                    t = bench.time_fn(lambda: model(x, logits_to_keep=1), warmup=2, reps=3 if args.smoke else 20,
+                                      device=device)
+                row["tokens_per_s"] = x.numel() / (t.median_ms / 1e3)
+                row["forward_ms"] = t.median_ms
+            del model
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def fp32_rows(args, device, val):
+    """The checkpoint's fp32 weights, plain and NeuZip lossless (same perplexity by construction; the ratio)."""
+    from thrifty.neuzip.cli import validation_perplexity
+
+    seq, bsz, batches = (64, 2, 2) if args.smoke else (args.eval_seq, args.eval_batch, args.eval_batches)
+    rows = []
+    for name, packed in (("fp32", False), ("NeuZip lossless (fp32 weights)", True)):
+        model = LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, device=device)
+        row = {"part": "infer", "variant": name, "weight_mib": _param_bytes(model) / 2**20}
+        if packed:
+            compress_model(model)
+            mem = model.neuzip.memory()
+            row["weight_mib"] = (mem["compressed_bytes"] + mem["uncompressed_param_bytes"]) / 2**20
+            row["block_weights_ratio_vs_fp32"] = mem["ratio_vs_original"]
+        row.update(validation_perplexity(model, val, bsz, seq, batches, device))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def block_decode_rows(args, device, base):
+    """Host µs per block decode call; GPU µs of the one launch vs copying the same bf16 bytes."""
+    model = compress_model(copy.deepcopy(base))
+    st = model.neuzip
+    pack = st.packs[len(st.packs) // 2]
+    buf = st.buffers[0]
+    impl = st._impl()
+    for _ in range(3):
+        pack.decode_into(buf, impl)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    reps = 3 if args.smoke else 200
+    t = time.perf_counter()
+    for _ in range(reps):
+        pack.decode_into(buf, impl)
+    host_us = (time.perf_counter() - t) / reps * 1e6
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    row = {"part": "block", "variant": "block decode (middle block)", "tensors": len(pack.numels),
+           "params": pack.total_numel, "block_decode_host_us": host_us, "impl": impl}
+    if device.type == "cuda":
+        src = torch.empty_like(buf[: pack.total_numel])
+        dst = torch.empty_like(src)
+        dec = bench.time_fn(lambda: pack.decode_into(buf, impl), reps=100, flush_l2=True, gpu_only=True,
+                            device=device)
+        cp = bench.time_fn(lambda: dst.copy_(src), reps=100, flush_l2=True, gpu_only=True, device=device)
+        row.update(block_decode_gpu_us=dec.median_ms * 1e3, block_copy_gpu_us=cp.median_ms * 1e3,
+                   block_decode_vs_copy=dec.median_ms / cp.median_ms)
+        # the next block's decode overlapping this block's compute: one forward with and without the side stream
+        from thrifty.neuzip import NeuZipConfig
+
+        x = torch.randint(0, base.config.vocab_size, (args.speed_batch, args.eval_seq), device=device)
+        serial = compress_model(copy.deepcopy(base), config=NeuZipConfig(prefetch=False))
+        with torch.no_grad():
+            for name, m in (("forward_ms_prefetch", model), ("forward_ms_no_prefetch", serial)):
+                row[name] = bench.time_fn(lambda: m(x, logits_to_keep=1), warmup=2, reps=20, device=device).median_ms
+    print(row, flush=True)
+    return [row]
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _summary(train, losses, infer, block):
+    s = {}
+    by = {r["variant"]: r for r in train if "error" not in r}
+    van, nz = by.get("vanilla AdamW"), by.get("LOMO AdamW + NeuZip lossless")
+    if van and nz:
+        s["train_mem_ratio_vs_vanilla"] = (nz["peak_gib"] / van["peak_gib"]) if van.get("peak_gib") else None
+        s["train_speed_ratio_vs_vanilla"] = nz["it_per_s"] / van["it_per_s"]
+    if "LOMO AdamW" in losses and "LOMO AdamW + NeuZip lossless" in losses:
+        s["train_loss_identical"] = int(losses["LOMO AdamW"] == losses["LOMO AdamW + NeuZip lossless"])
+    if "LOMO SGD" in losses and "LOMO SGD + NeuZip lossless" in losses:
+        s["train_loss_identical_sgd"] = int(losses["LOMO SGD"] == losses["LOMO SGD + NeuZip lossless"])
+    sgd = by.get("LOMO SGD + NeuZip lossless")
+    if van and sgd and van.get("peak_gib"):
+        s["train_mem_ratio_sgd_neuzip_vs_vanilla"] = sgd["peak_gib"] / van["peak_gib"]
+        s["train_speed_ratio_sgd_neuzip_vs_vanilla"] = sgd["it_per_s"] / van["it_per_s"]
+    ib = {r["variant"]: r for r in infer if "error" not in r}
+    bf, k3 = ib.get("bf16"), ib.get("NeuZip 3-bit")
+    if bf and k3:
+        s["ppl_delta_3bit_pct"] = 100 * (k3["val_ppl"] / bf["val_ppl"] - 1)
+        s["mem_ratio_3bit"] = k3["weight_mib"] / bf["weight_mib"]
+        s["mem_ratio_3bit_block_weights"] = k3["block_weights_ratio_vs_bf16"]
+        if bf.get("tokens_per_s") and k3.get("tokens_per_s"):
+            s["infer_speed_ratio_3bit"] = k3["tokens_per_s"] / bf["tokens_per_s"]
+    for r in infer:
+        if "val_ppl" in r:
+            s["ppl_" + r["variant"].split(" (")[0].replace(" ", "_").replace("-", "").lower()] = r["val_ppl"]
+    if block and "error" not in block[0]:
+        s["block_decode_host_us"] = block[0]["block_decode_host_us"]
+        if "block_decode_vs_copy" in block[0]:
+            s["block_decode_vs_copy"] = block[0]["block_decode_vs_copy"]
+    return s
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--checkpoint", default=None, help="a thrifty pretrain folder (real trained weights)")
+    p.add_argument("--train-steps", type=int, default=1000, help="pre-training steps when no checkpoint is given")
+    p.add_argument("--train-iters", type=int, default=8, help="timed training iterations per variant (part 1)")
+    p.add_argument("--train-batch", type=int, default=4)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--eval-batch", type=int, default=8)
+    p.add_argument("--eval-seq", type=int, default=512)
+    p.add_argument("--speed-batch", type=int, default=8)
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--skip-infer", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    p.add_argument("--cpu-accuracy", default=None, metavar="DIR",
+                   help="CPU: perplexity and weight memory of every variant for the checkpoint DIR (no speed)")
+    args = p.parse_args(argv)
+    if args.cpu_accuracy:
+        device = torch.device("cpu")
+        args.checkpoint = args.cpu_accuracy
+        base, val, what = trained_model(args, device)
+        rows = infer_rows(args, device, base, val, measure_speed=False)
+        rows += fp32_rows(args, device, val)
+        summary = _summary([], {}, rows, [])
+        path = bench.write_result("neuzip_models", rows, summary, device="cpu-accuracy",
+                                  extra={"model": what, "note": "CPU run: accuracy and weight memory only; no "
+                                         "speed, no training columns", "eval": vars(args)})
+        bench.print_table(rows, ["variant", "val_ppl", "weight_mib", "block_weights_ratio_vs_bf16",
+                                 "block_weights_ratio_vs_fp32"])
+        print("SUMMARY", summary)
+        print("wrote", path)
+        return 0
+    device = torch.device("cpu" if args.smoke else "cuda")
+    assert args.smoke or torch.cuda.is_available(), "needs CUDA (or --smoke)"
+    t0 = time.time()
+    train, losses = ([], {}) if args.skip_train else train_rows(args, device)
+    infer, block, what = [], [], None
+    if not args.skip_infer:
+        try:
+            base, val, what = trained_model(args, device)
+            infer = infer_rows(args, device, base, val)
+        except Exception as err:  # e.g. no corpus on the box: keep the training rows
+            infer = [{"part": "infer", "variant": "trained model", "error": f"{type(err).__name__}: {err}"}]
+            base = None
+        if base is not None:
+            try:
+                block = block_decode_rows(args, device, base)
+            except Exception as err:
+                block = [{"part": "block", "variant": "block decode", "error": f"{type(err).__name__}: {err}"}]
+    summary = _summary(train, losses, infer, block)
+    rows = train + infer + block
+    extra = {"train_model": f"Llama-shaped {SMOKE_SHAPE if args.smoke else TRAIN_SHAPE}, RANDOM INIT (memory and "
+                            "speed are honest, loss values are not a trained model's), activation checkpointing, "
+                            "bf16 weights", "train_losses": losses, "infer_model": what,
+             "int_rtn": f"per-block absmax RTN, block {INT_BLOCK} along the input, fake-quantized (ppl real, "
+                        "memory counted as codes + one bf16 scale per block, speed not measured)",
+             "args": vars(args), "wall_s": time.time() - t0}
+    results_dir = None
+    if args.smoke:  # a smoke run is no result: keep it out of benchmarks/results
+        import tempfile
+
+        results_dir = tempfile.mkdtemp(prefix="neuzip_models_smoke_")
+    path = bench.write_result("neuzip_models", rows, summary, device="smoke" if args.smoke else None, extra=extra,
+                              results_dir=results_dir)
+    try:
+        bench.plot_rows([r for r in infer if "error" not in r], x="variant", y="val_ppl",
+                        path=path.with_suffix(".png"), title="validation perplexity by weight format")
+    except Exception as err:  # a plot failure must not lose the numbers
+        print("plot failed:", err)
+    bench.print_table(train, ["variant", "params_m", "peak_gib", "it_per_s", "loss_first", "loss_last"])
+    bench.print_table(infer, ["variant", "val_ppl", "weight_mib", "tokens_per_s", "block_weights_ratio_vs_bf16"])
+    print("SUMMARY", summary)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

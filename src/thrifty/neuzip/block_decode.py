@@ -1,0 +1,239 @@
+"""All weights of one transformer block in ONE decode launch: a :class:`BlockPack` and its multi-tensor kernel.
+
+A pack holds the streams of T compressed tensors (one dtype, one lossy setting, one lane length) concatenated:
+``words``, ``lane_units``, ``group_offsets``, ``raw`` and the T code tables. The decoded tensors lie one after
+the other in one flat output buffer. The kernel's grid covers the programs of every tensor (a program decodes
+``GROUPS_PER_PROG`` groups of 64 lanes of one tensor); a per-program row of the ``meta`` table (int64, built
+once per pack on the host) gives the program its tensor's stream bases, element count and whether it may run
+unmasked. The per-lane work is v3's (:mod:`decode_kernel`): same helpers, same bits as the reference.
+
+Why one launch: decoding the 7 matrices of a Llama block one ``decompress()`` at a time costs 7 host paths
+(~40 µs each, measured on the H100) and 7 under-filled grids; one launch pays one host path and fills the GPU
+with the programs of all 7.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as R
+from .decode_kernel import _lanes_v3, kernel_table
+from .tensor import CompressedTensor
+from ..triton_utils import FastLauncher
+
+META = 12  # int64 fields per program row (11 used, padded)
+GROUPS_PER_PROG = 4  # v3's default launch (H100 sweep, NOTES.md)
+NUM_WARPS = 4
+PACK_STREAMS = ("words", "lane_units", "group_offsets", "raw", "lengths")
+
+
+@triton.jit
+def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tables_ptr, out_ptr,
+                         STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                         FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
+                         SIGN_SHIFT: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr,
+                         LANE_SHIFT: tl.constexpr, META_W: tl.constexpr):
+    """One program = GROUPS_PER_PROG groups of one tensor of the pack; its meta row says which."""
+    LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
+    row = meta_ptr + tl.program_id(0) * META_W
+    local = tl.load(row)  # program index within its tensor
+    words = words_ptr + tl.load(row + 1)
+    lanes_base = tl.load(row + 2)
+    goff = goff_ptr + tl.load(row + 3)
+    raw = raw_ptr + tl.load(row + 4)
+    table = tables_ptr + tl.load(row + 5)
+    out = out_ptr + tl.load(row + 6)
+    n = tl.load(row + 7)
+    n_lanes = tl.load(row + 8)
+    n_words = tl.load(row + 9)
+    full = tl.load(row + 10)
+    lane = local.to(tl.int32) * LANES + tl.arange(0, LANES)
+    lane_ok = lane < n_lanes
+    bits = (tl.load(lanes_ptr + lanes_base + lane, mask=lane_ok, other=0).to(tl.int32) & 0xFF) << LANE_SHIFT
+    start = tl.load(goff + local * GROUPS_PER_PROG) + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
+    word = (start >> 5).to(tl.int32)
+    off = (start & 31).to(tl.int32)
+    last_word = word + ((off + bits) >> 5) + 2
+    # touch every 32-byte sector of each lane's stream now (one wait); `junk` is 0, the compiler cannot know
+    junk = tl.zeros([LANES], dtype=tl.int32)
+    for k in tl.static_range(1, (STEPS * 12 + 255) // 256 + 1):
+        pw = word + 8 * k
+        junk |= tl.load(words + pw, mask=lane_ok & (pw <= last_word) & (pw < n_words), other=0) & (lane < 0)
+    hi = tl.load(words + word, mask=lane_ok, other=0)
+    lo = tl.load(words + word + 1, mask=lane_ok, other=0)
+    w = tl.load(words + word + 2, mask=lane_ok, other=0)  # WORD_PAD >= 3 keeps these in bounds
+    off = off + junk
+    nw = word + 2
+    elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+    if full != 0:
+        _lanes_v3(hi, lo, w, off, nw, elem, n, words, raw, table, table, out, STEPS, GROUP,
+                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, False, ASM, TSIZE, False)
+    else:
+        _lanes_v3(hi, lo, w, off, nw, elem, n, words, raw, table, table, out, STEPS, GROUP,
+                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, True, ASM, TSIZE, False)
+
+
+_LAUNCH = FastLauncher(_block_decode_kernel)
+
+
+class BlockPack:
+    """The compressed tensors of one block, streams concatenated on one device (see the module docstring).
+
+    ``shapes[i]``, ``numels[i]``: tensor i; it decodes to ``out[offsets[i]: offsets[i] + numels[i]]`` of a flat
+    buffer of ``total_numel`` elements. ``launches`` counts Triton launches (the one-launch-per-block test).
+    """
+
+    def __init__(self, tensors: Sequence[CompressedTensor]):
+        if not tensors:
+            raise ValueError("tensors: a block pack needs at least one tensor")
+        first = tensors[0]
+        for t in tensors:
+            if not isinstance(t, CompressedTensor):
+                raise TypeError(f"tensors: expected CompressedTensor entries, got {type(t).__name__}")
+            if (t.dtype, t.mantissa_bits, t.steps, t.lane_key) != (first.dtype, first.mantissa_bits, first.steps,
+                                                                    "lane_units"):
+                raise ValueError("tensors: a pack needs one dtype, one mantissa_bits, one lane length and the "
+                                 f"format 3 layout; got {t!r} beside {first!r}")
+            if t.device != first.device:
+                raise ValueError(f"tensors: all on one device, got {t.device} and {first.device}")
+        self.dtype, self.mantissa_bits, self.steps = first.dtype, first.mantissa_bits, first.steps
+        self.shapes = [t.shape for t in tensors]
+        self.numels = [t.numel for t in tensors]
+        self.offsets = [0] + list(np.cumsum(self.numels)[:-1].tolist())
+        self.total_numel = int(sum(self.numels))
+        self.launches = 0
+        self._set_streams([t.streams for t in tensors])
+
+    # ------------------------------------------------------------------------------------------ streams
+    def _set_streams(self, streams: Sequence[dict]) -> None:
+        """Concatenates per-tensor streams; remembers each tensor's base in every stream."""
+        self.bases = {k: [0] + np.cumsum([s[k].numel() for s in streams])[:-1].tolist() for k in PACK_STREAMS}
+        self.sizes = {k: [s[k].numel() for s in streams] for k in PACK_STREAMS}
+        self.streams = {k: torch.cat([s[k].reshape(-1) for s in streams]) for k in PACK_STREAMS}
+        self._tables: dict = {}
+        self._meta: dict = {}
+        self._launches: dict = {}  # (buffer address, size, dtype) -> the checked launch arguments
+
+    def replace(self, streams: Sequence[dict]) -> None:
+        """New streams for every tensor (after a LOMO update re-encoded them); shapes and dtype unchanged."""
+        if len(streams) != len(self.shapes):
+            raise ValueError(f"streams: expected {len(self.shapes)} tensors, got {len(streams)}")
+        self._set_streams(streams)
+
+    def tensor(self, i: int) -> CompressedTensor:
+        """Tensor i as a CompressedTensor whose streams are views into the pack (no copy)."""
+        s = {k: self.streams[k][self.bases[k][i]: self.bases[k][i] + self.sizes[k][i]] for k in PACK_STREAMS}
+        return CompressedTensor(s, self.dtype, self.shapes[i], self.mantissa_bits, steps=self.steps)
+
+    @property
+    def device(self) -> torch.device:
+        return self.streams["words"].device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stream (code tables included); the per-program launch table is counted apart."""
+        return sum(t.numel() * t.element_size() for t in self.streams.values())
+
+    def to(self, device) -> "BlockPack":
+        out = BlockPack.__new__(BlockPack)
+        out.__dict__.update(self.__dict__)
+        out.streams = {k: v.to(device) for k, v in self.streams.items()}
+        out._tables, out._meta, out._launches, out.launches = {}, {}, {}, 0
+        return out
+
+    # ------------------------------------------------------------------------------------------ decode
+    def decode_into(self, out: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """Decodes every tensor into the flat buffer ``out`` (>= total_numel elements of the pack's dtype).
+        impl: "triton" (one launch; CUDA, or the interpreter on CPU), "reference" (NumPy, per tensor), "auto".
+
+        The checks and the launch arguments are kept per output buffer, so a repeated decode into the same
+        buffer (every block, every step) costs one dict lookup on the host before the cached launcher."""
+        if impl == "triton":
+            cached = self._launches.get((out.data_ptr(), out.numel(), out.dtype))
+            if cached is not None:
+                _LAUNCH(*cached[0], **cached[1])
+                self.launches += 1
+                return out
+        if out.dtype != self.dtype or out.dim() != 1 or out.numel() < self.total_numel or not out.is_contiguous():
+            raise ValueError(f"out: expected a flat contiguous {self.dtype} buffer of >= {self.total_numel} elements, "
+                             f"got {out.dtype} shape {tuple(out.shape)}")
+        if impl == "auto":
+            impl = "triton" if out.is_cuda else "reference"
+        if impl == "reference":
+            for i, (o, n) in enumerate(zip(self.offsets, self.numels)):
+                self.tensor(i).decompress(out=out[o: o + n], impl="reference")
+            return out
+        if impl != "triton":
+            raise ValueError(f"impl: expected 'auto', 'triton' or 'reference', got {impl!r}")
+        from ..triton_utils import kernels_available
+
+        if not kernels_available(out.device):
+            raise ValueError(f"impl: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {out.device}")
+        if self.device != out.device:
+            raise ValueError(f"out: expected a buffer on the pack's device {self.device}, got {out.device}")
+        meta, grid = self.launch_table(out.device)
+        bits, shift, _ = R.DTYPES[self.dtype]
+        kept = R.field_layout(self.dtype, self.mantissa_bits)[0]
+        tables = self.kernel_tables(out.device)
+        asm = out.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+        args = ((grid,), meta, self.streams["words"], self.streams["lane_units"], self.streams["group_offsets"],
+                self.streams["raw"], tables, out.view(torch.int16 if bits == 16 else torch.int32))
+        kwargs = dict(STEPS=self.steps, GROUP=R.GROUP, GROUPS_PER_PROG=GROUPS_PER_PROG, FIELD_BITS=kept + 1,
+                      KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm, TSIZE=tables.element_size(),
+                      LANE_SHIFT=R.lane_unit(self.steps).bit_length() - 1, META_W=META, num_warps=NUM_WARPS,
+                      num_stages=3)
+        self._launches[(out.data_ptr(), out.numel(), out.dtype)] = (args, kwargs)  # holds `out`: no address reuse
+        _LAUNCH(*args, **kwargs)
+        self.launches += 1
+        return out
+
+    def kernel_tables(self, device) -> torch.Tensor:
+        """The v3 decode tables of every tensor, concatenated (T x 4096 entries; int16 for 16-bit dtypes)."""
+        key = str(device)
+        if key not in self._tables:
+            lengths = self.streams["lengths"].cpu().numpy().reshape(-1, 256)
+            table16 = R.DTYPES[self.dtype][0] == 16
+            parts = [kernel_table(torch.from_numpy(R.decode_table(L)), self.dtype, table16=table16) for L in lengths]
+            self._tables[key] = torch.cat(parts).to(device)
+        return self._tables[key]
+
+    def launch_table(self, device) -> tuple[torch.Tensor, int]:
+        """(meta int64[programs, META], programs): one row per program of every tensor (module docstring)."""
+        key = str(device)
+        if key not in self._meta:
+            rows = []
+            per_prog = GROUPS_PER_PROG * R.GROUP * self.steps
+            for i, n in enumerate(self.numels):
+                groups = R.n_groups(n, self.steps)
+                progs = math.ceil(groups / GROUPS_PER_PROG)
+                n_full = min(n // per_prog, progs - 1)
+                for p in range(progs):
+                    rows.append([p, self.bases["words"][i], self.bases["lane_units"][i],
+                                 self.bases["group_offsets"][i], self.bases["raw"][i], i * (1 << R.MAX_CODE_BITS),
+                                 self.offsets[i], n, groups * R.GROUP, self.sizes["words"][i], int(p < n_full), 0])
+            meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META)
+            self._meta[key] = (meta.to(device), meta.shape[0])
+        return self._meta[key]
+
+
+def pack_tensors(tensors: Sequence[torch.Tensor], mantissa_bits: Optional[int] = None,
+                 steps: int = R.STEPS) -> BlockPack:
+    """Compresses ``tensors`` (lossless: the encoder of their device, :func:`encode.encode_on_device`; lossy:
+    the NumPy reference) into a pack."""
+    from .encode import encode_on_device
+    from .tensor import compress
+
+    cts = []
+    for t in tensors:
+        if mantissa_bits is None:
+            cts.append(CompressedTensor(encode_on_device(t, steps), t.dtype, t.shape, None, steps=steps))
+        else:
+            cts.append(compress(t, mantissa_bits, steps=steps).to(t.device))
+    return BlockPack(cts)

@@ -1,0 +1,116 @@
+"""The lossless encoder as Triton kernels (GPU path of LOMO re-encoding): same bits as :func:`reference.encode`.
+
+Steps for one tensor: (1) symbols' histogram (``torch.bincount`` on the exponent bytes: 2 cheap passes) and the
+canonical code on the host (256 symbols; the one device-to-host read); (2) ``_lane_bits_kernel``: every lane sums
+its code lengths (one vectorized pass over the elements, lane j of a group reads elements j, j+64, ... as the
+decoder does); (3) lane starts by a prefix sum of the padded lengths (torch, one value per 64·steps/64 elements,
+plus one read of the total for the word count); (4) ``_pack_kernel``: every lane appends its codes MSB-first to a
+64-bit buffer in registers and ORs each full 32-bit word into the zeroed stream (``atomic_or``: a lane's first and
+last word are shared with its neighbours; ~0.08 atomics per weight), and writes the raw sign+mantissa field of
+each element. Memory traffic ≈ 2 B read (×2 kernels) + 1 B raw + 0.33 B words per bf16 weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as R
+
+GROUPS_PER_PROG = 2
+_INT_VIEW = {16: torch.int16, 32: torch.int32}
+
+
+@triton.jit
+def _lane_bits_kernel(x_ptr, len_ptr, out_ptr, n, n_lanes, STEPS: tl.constexpr, GROUP: tl.constexpr,
+                      GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
+    LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    lane_ok = lane < n_lanes
+    elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+    total = tl.zeros([LANES], dtype=tl.int32)
+    for _ in range(STEPS):
+        ok = lane_ok & (elem < n)
+        u = tl.load(x_ptr + elem, mask=ok, other=0).to(tl.int32)
+        sym = (u >> SHIFT) & 0xFF
+        total += tl.where(ok, tl.load(len_ptr + sym), 0)
+        elem += GROUP
+    tl.store(out_ptr + lane, total, mask=lane_ok)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, len_ptr, code_ptr, start_ptr, words_ptr, raw_ptr, n, n_lanes, STEPS: tl.constexpr,
+                 GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr,
+                 KEPT: tl.constexpr, RAW_BYTES: tl.constexpr):
+    LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    lane_ok = lane < n_lanes
+    elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+    start = tl.load(start_ptr + lane, mask=lane_ok, other=0)  # int64: the lane's first bit
+    word = start >> 5
+    nb = (start & 31).to(tl.int32)  # bits already in the buffer (the word's part before the lane: zeros)
+    buf = tl.zeros([LANES], dtype=tl.uint64)  # valid bits left-aligned
+    for _ in range(STEPS):
+        ok = lane_ok & (elem < n)
+        u = tl.load(x_ptr + elem, mask=ok, other=0).to(tl.int32)
+        if BITS == 16:
+            u = u & 0xFFFF
+        sym = (u >> SHIFT) & 0xFF
+        length = tl.where(ok, tl.load(len_ptr + sym), 0)
+        code = tl.where(ok, tl.load(code_ptr + sym), 0).to(tl.uint64)
+        buf = buf | (code << (64 - nb - length).to(tl.uint64))
+        nb += length
+        full = ok & (nb >= 32)
+        tl.atomic_or(words_ptr + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=full)
+        buf = tl.where(full, buf << 32, buf)
+        nb = tl.where(full, nb - 32, nb)
+        word = tl.where(full, word + 1, word)
+        # raw field: sign above the KEPT low mantissa bits
+        raw = (((u >> (BITS - 1)) & 1) << KEPT) | (u & ((1 << KEPT) - 1))
+        if RAW_BYTES == 1:
+            tl.store(raw_ptr + elem, raw.to(tl.uint8), mask=ok)
+        else:
+            b = raw_ptr + 3 * elem.to(tl.int64)
+            tl.store(b, (raw & 0xFF).to(tl.uint8), mask=ok)
+            tl.store(b + 1, ((raw >> 8) & 0xFF).to(tl.uint8), mask=ok)
+            tl.store(b + 2, ((raw >> 16) & 0xFF).to(tl.uint8), mask=ok)
+        elem += GROUP
+    tl.atomic_or(words_ptr + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=lane_ok & (nb > 0))
+
+
+def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
+    """Streams of ``x`` (bf16 / fp16 / fp32, CUDA or the interpreter), as :func:`encode.encode_lossless`."""
+    steps = R.check_steps(steps)
+    dev = x.device
+    n = x.numel()
+    bits, shift, kept = R.DTYPES[x.dtype]
+    flat = x.detach().contiguous().reshape(-1).view(_INT_VIEW[bits])
+    sym = (flat >> shift).to(torch.uint8) if bits == 16 else ((flat >> shift) & 0xFF).to(torch.uint8)
+    counts = torch.bincount(sym, minlength=256)
+    lengths_np = R.code_lengths(counts.cpu().numpy())
+    lengths = torch.from_numpy(lengths_np.astype(np.int32)).to(dev)
+    codes = torch.from_numpy(R.canonical_codes(lengths_np).astype(np.int32)).to(dev)
+    unit = R.lane_unit(steps)
+    groups = R.n_groups(n, steps)
+    n_lanes = groups * R.GROUP
+    grid = (triton.cdiv(max(groups, 1), GROUPS_PER_PROG),)
+    lane_bits = torch.zeros(n_lanes, dtype=torch.int32, device=dev)
+    if n:
+        _lane_bits_kernel[grid](flat, lengths, lane_bits, n, n_lanes, STEPS=steps, GROUP=R.GROUP,
+                                GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift)
+    padded = (lane_bits.to(torch.int64) + unit - 1) // unit * unit
+    start = torch.cumsum(padded, 0) - padded
+    total = int(padded.sum()) if n else 0
+    n_words = -(-total // 32) + R.WORD_PAD
+    words = torch.zeros(n_words, dtype=torch.int32, device=dev)
+    _, field_bits = R.field_layout(x.dtype, None)
+    raw = torch.empty(n * field_bits // 8, dtype=torch.uint8, device=dev)
+    if n:
+        _pack_kernel[grid](flat, lengths, codes, start, words, raw, n, n_lanes, STEPS=steps, GROUP=R.GROUP,
+                           GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift, KEPT=kept,
+                           RAW_BYTES=field_bits // 8)
+    return {"words": words, "lane_units": (padded // unit).to(torch.uint8),
+            "group_offsets": start[:: R.GROUP].contiguous(), "raw": raw,
+            "lengths": torch.from_numpy(lengths_np.copy()).to(dev)}

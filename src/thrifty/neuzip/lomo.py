@@ -1,0 +1,150 @@
+"""LOMO-style fused update: each parameter's gradient is applied the moment backward produces it, then freed.
+
+``lomo(model, LomoConfig(...))`` works on any model. Plain parameters get a post-accumulate-grad hook (the
+update runs when autograd has finished that parameter's gradient, tied weights after both uses; ``p.grad`` is
+then set to None). Weights kept compressed by :func:`thrifty.neuzip.compress_model` are updated inside their
+linear's backward, in the decoded block buffer, and the whole block is re-encoded once its last weight is
+updated (:mod:`thrifty.neuzip.model`). So at most one parameter's gradient exists at a time and no full
+gradient set ever coexists with the weights.
+
+Optimizer states (AdamW): ``exp_avg`` and ``exp_avg_sq`` per parameter, on the parameter's device, in
+``state_dtype`` (float32 default: 8 B per parameter; bfloat16: 4 B), never compressed. The update math runs
+in float32 and is rounded once to the weight's dtype. SGD keeps no state. There is no global gradient-norm
+clipping (it needs every gradient before the first update; LOMO's paper runs a second backward for it) and no
+gradient accumulation (each backward is a step).
+
+The same function updates a compressed weight and a plain one, so lossless NeuZip training is bit-identical
+to this optimizer on the uncompressed model (tested step by step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .._checks import check_choice, check_range
+
+OPTIMIZERS = ("sgd", "adamw")
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+CHUNK = 1 << 22  # elements per update pass (fp32 temporaries of 16 MB)
+
+
+@dataclass
+class LomoConfig:
+    """The fused optimizer. ``weight_decay`` applies to parameters with >= 2 dimensions (matrices) only."""
+
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    state_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_range("lr", self.lr, 0.0, 10.0, lo_open=True)
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise ValueError(f"betas: expected a pair (beta1, beta2), got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            check_range(f"betas[{i}]", b, 0.0, 1.0, hi_open=True)
+        self.betas = tuple(float(b) for b in self.betas)
+        check_range("eps", self.eps, 0.0, 1.0, lo_open=True)
+        check_range("weight_decay", self.weight_decay, 0.0, 10.0)
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype: expected one of {list(STATE_DTYPES)}, got {self.state_dtype!r}")
+
+
+class FusedOptimizer:
+    """Per-parameter update ``update(key, weight, grad)``, in place on ``weight``; states keyed by name."""
+
+    def __init__(self, config: LomoConfig):
+        if not isinstance(config, LomoConfig):
+            raise TypeError(f"config: expected a LomoConfig, got {type(config).__name__}")
+        self.config = config
+        self.lr = config.lr
+        self.state: dict[str, dict] = {}
+        self.updates = 0  # parameter updates so far (tests, logging)
+        self._handles: list = []
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next updates (a schedule calls this before each backward)."""
+        self.lr = check_range("lr", lr, 0.0, 10.0)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+
+    @torch.no_grad()
+    def update(self, key: str, weight: torch.Tensor, grad: torch.Tensor) -> None:
+        """One step for one parameter, in place. Large tensors go in flat chunks of ``CHUNK`` elements, so the
+        fp32 temporaries stay ~4 x 16 MB (an embedding's would be GBs); elementwise, so the bits are the same."""
+        cfg = self.config
+        decay = cfg.weight_decay if weight.dim() >= 2 else 0.0
+        st = None
+        if cfg.optimizer == "adamw":
+            st = self.state.get(key)
+            if st is None:
+                zeros = lambda: torch.zeros(weight.shape, dtype=cfg.state_dtype, device=weight.device)  # noqa: E731
+                st = self.state[key] = {"step": 0, "exp_avg": zeros(), "exp_avg_sq": zeros()}
+            st["step"] += 1
+        flat_w, flat_g = weight.view(-1), grad.contiguous().view(-1)
+        flat_m = st["exp_avg"].view(-1) if st else None
+        flat_v = st["exp_avg_sq"].view(-1) if st else None
+        for a in range(0, flat_w.numel(), CHUNK):
+            b = a + CHUNK
+            self._update_chunk(flat_w[a:b], flat_g[a:b], decay, st and st["step"],
+                               flat_m[a:b] if st else None, flat_v[a:b] if st else None)
+        self.updates += 1
+
+    def _update_chunk(self, weight, grad, decay, step, exp_avg, exp_avg_sq) -> None:
+        cfg = self.config
+        w = weight.float()  # the weight itself when it is float32
+        g = grad.float()
+        if decay:
+            w.mul_(1.0 - self.lr * decay)
+        if cfg.optimizer == "sgd":
+            w.add_(g, alpha=-self.lr)
+        else:
+            b1, b2 = cfg.betas
+            m = exp_avg.float().lerp_(g, 1.0 - b1)
+            v = exp_avg_sq.float().mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            bc1 = 1.0 - b1 ** step
+            bc2 = 1.0 - b2 ** step
+            denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
+            w.addcdiv_(m, denom, value=-self.lr / bc1)
+            if m.data_ptr() != exp_avg.data_ptr():
+                exp_avg.copy_(m)
+                exp_avg_sq.copy_(v)
+        if w.data_ptr() != weight.data_ptr():
+            weight.copy_(w)
+
+    def remove(self) -> None:
+        """Removes the hooks (the model trains no more through this optimizer)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def lomo(model: torch.nn.Module, config: Optional[LomoConfig] = None) -> FusedOptimizer:
+    """Attaches the fused optimizer to ``model`` (plain or NeuZip-compressed); returns it (``set_lr``,
+    ``remove``). Raises ValueError for a lossy compressed model (its weights cannot be re-encoded exactly)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    opt = FusedOptimizer(config or LomoConfig())
+    state = getattr(model, "neuzip", None)
+    if state is not None:
+        state.attach_optimizer(opt)  # raises for lossy weights
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+
+        def hook(param, key=name):
+            opt.update(key, param.data, param.grad)
+            param.grad = None
+
+        opt._handles.append(p.register_post_accumulate_grad_hook(hook))
+    return opt

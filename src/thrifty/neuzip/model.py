@@ -1,0 +1,483 @@
+"""NeuZip inside a model: ``compress_model(model, mode, mantissa_bits)`` keeps every block's linear weights compressed.
+
+How it runs (NOTES.md has the arithmetic):
+
+* The model's repeated blocks are found as its largest ``nn.ModuleList`` of modules holding ``nn.Linear``s
+  (``model.model.layers`` in the reference model and in transformers' Llama family). Each block's linear
+  weights become one :class:`~thrifty.neuzip.block_decode.BlockPack`; each ``nn.Linear`` is replaced by a
+  :class:`CompressedLinear` that holds no weight, only (block, slot). Linears outside the blocks (``lm_head``)
+  and the embedding stay as they are: see ``NOTES.md`` ("embedding and lm_head") for why.
+* A forward pre-hook on each block decodes the whole block in one launch into one of two reused flat buffers
+  (``buffers``); on CUDA the next block (forward) or the previous one (backward, checkpoint recompute) is
+  decoded ahead on a side stream, so its decode overlaps the current block's compute. On CPU the reference
+  decoder runs, synchronously.
+* :class:`_CompressedLinearFn` keeps the input, not the weight: backward decodes the block again. It computes
+  the input gradient and the weight gradient with the same matrix products as autograd's ``F.linear`` (so a
+  plain model and a lossless compressed one give the same bits) and hands the weight gradient to the fused
+  optimizer (:mod:`thrifty.neuzip.lomo`) at once. When every weight of a block has been updated in the buffer,
+  the block is re-encoded on its device (:func:`thrifty.neuzip.encode.encode_on_device`: the Triton encoder
+  kernels with ``impl="triton"`` / on CUDA, torch ops on the CPU).
+* ``model.neuzip`` (:class:`CompressedWeights`) holds the packs, the buffers, ``memory()`` and ``stats``.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .._checks import check_choice
+from . import reference as R
+from .block_decode import BlockPack, pack_tensors
+from .tensor import CompressedTensor
+
+MODES = ("lossless", "lossy")
+IMPLS = ("auto", "triton", "reference")
+N_BUFFERS = 2  # the current block and the one decoded ahead
+
+
+@dataclass
+class NeuZipConfig:
+    """Everything ``compress_model`` takes; validated here so a driver (``thrifty.optimize``) can pass it whole.
+
+    mode: "lossless" (bit-exact, trainable) or "lossy" (bf16 weights rounded to ``mantissa_bits`` = 0, 1, 3;
+    7 keeps every bf16 bit, the paper's "7-bit (lossless)"). steps: symbols per lane of the codec (64, 128,
+    256). impl: decoder ("auto": the block kernel on CUDA, the NumPy reference on CPU). prefetch: decode the
+    next block on a side stream (CUDA only)."""
+
+    mode: str = "lossless"
+    mantissa_bits: Optional[int] = None
+    steps: int = R.STEPS
+    impl: str = "auto"
+    prefetch: bool = True
+
+    def __post_init__(self):
+        check_choice("mode", self.mode, MODES)
+        k = self.mantissa_bits
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise TypeError(f"mantissa_bits: expected None or an int, got {type(k).__name__}")
+        if self.mode == "lossless" and k not in (None, 7):
+            raise ValueError(f"mantissa_bits: lossless mode keeps every mantissa bit, got {k} (use mode='lossy')")
+        if self.mode == "lossy" and k not in R.LOSSY_MANTISSA_BITS:
+            raise ValueError(f"mantissa_bits: lossy mode needs one of {list(R.LOSSY_MANTISSA_BITS)}, got {k!r}")
+        R.check_steps(self.steps)
+        check_choice("impl", self.impl, IMPLS)
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"prefetch: expected a bool, got {type(self.prefetch).__name__}")
+
+    @property
+    def kept_bits(self) -> Optional[int]:
+        """Mantissa bits the codec keeps: None = every bit (lossless, or lossy k=7)."""
+        return None if self.mode == "lossless" or self.mantissa_bits == 7 else self.mantissa_bits
+
+
+# ------------------------------------------------------------------------------------------------ the linear
+class _CompressedLinearFn(torch.autograd.Function):
+    """y = x Wᵀ + b with W decoded from the block pack; backward decodes W again (it is never saved)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, module):
+        ctx.module = module
+        ctx.save_for_backward(x)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        m = ctx.module
+        state = m.state
+        w = state.weight(m.block, m.slot, backward=True)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # the products autograd runs for F.linear (x flattened to 2-D): same bits as a plain nn.Linear
+            grad_x = g2.mm(w if w.dtype == g2.dtype else w.to(g2.dtype))
+            grad_x = grad_x.view(*grad.shape[:-1], w.shape[1])
+        if state.optimizer is not None:
+            # autograd's mm backward for the column-major W.t(): (gᵀx), no transposes of the result
+            grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
+            state.apply_update(m.block, m.slot, grad_w)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, None, grad_b, None
+
+
+class CompressedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight lives in its block's NeuZip pack (slot ``slot`` of block ``block``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: Optional[nn.Parameter], state, block: int,
+                 slot: int, name: str):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+        self.block, self.slot, self.name = block, slot, name
+        self.__dict__["state"] = state  # a plain attribute, not a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The decoded weight (a view into the block buffer, valid until another block is decoded into it)."""
+        return self.state.weight(self.block, self.slot)
+
+    def forward(self, x):
+        w = self.state.weight(self.block, self.slot)
+        if torch.is_grad_enabled() and (x.requires_grad or self.state.optimizer is not None):
+            return _CompressedLinearFn.apply(x, w, self.bias, self)
+        return F.linear(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, slot={self.slot}"
+
+
+# ------------------------------------------------------------------------------------------ the model state
+class CompressedWeights:
+    """``model.neuzip``: the block packs, the decode buffers, the fused optimizer hook-up and the accounting."""
+
+    def __init__(self, model: nn.Module, config: NeuZipConfig, packs: list, names: list):
+        self.config = config
+        self.packs: list[BlockPack] = packs
+        self.names: list[list[str]] = names  # parameter name of each slot, per block
+        self.optimizer = None
+        self.stats = {"block_runs": 0, "decodes": 0, "prefetches": 0, "reencodes": 0}
+        self._model = weakref.ref(model)
+        self.device = packs[0].device
+        self.dtype = packs[0].dtype
+        size = max(p.total_numel for p in packs)
+        self.buffers = [torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(N_BUFFERS)]
+        self.owner = [-1] * N_BUFFERS  # block decoded in each buffer
+        self.dirty = [False] * N_BUFFERS  # holds updates not re-encoded yet
+        self.current = 0  # buffer of the block running now (never taken by a prefetch)
+        self.ready: list = [None] * N_BUFFERS  # CUDA event: the side-stream decode into the buffer finished
+        self.updated: dict[int, set] = {}  # block -> slots updated in this backward
+        self._view_cache: dict = {}  # (buffer, block) -> the block's weight views into that buffer
+        self.cuda = self.device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(self.device) if self.cuda and config.prefetch else None
+        self._events = [torch.cuda.Event() for _ in range(N_BUFFERS)] if self.side_stream is not None else []
+
+    # ---------------------------------------------------------------------------------------- decoding
+    def _impl(self) -> str:
+        return self.config.impl if self.config.impl != "auto" else ("triton" if self.cuda else "reference")
+
+    def _find(self, block: int) -> Optional[int]:
+        for b, owner in enumerate(self.owner):
+            if owner == block:
+                return b
+        return None
+
+    def _take(self, exclude: Optional[int]) -> int:
+        """A buffer to decode into: one not in use (the current block's is kept); re-encodes its updates first."""
+        choices = [b for b in range(N_BUFFERS) if b != exclude]
+        b = next((c for c in choices if self.owner[c] == -1), choices[0])
+        if self.ready[b] is not None:  # a decode ahead into it may still run on the side stream
+            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
+        if self.dirty[b]:
+            self._reencode(self.owner[b], b)
+        self.owner[b], self.ready[b] = -1, None
+        return b
+
+    def _decode(self, block: int, b: int) -> None:
+        self.packs[block].decode_into(self.buffers[b], self._impl())
+        self.owner[b] = block
+        self.stats["decodes"] += 1
+
+    def acquire(self, block: int) -> torch.Tensor:
+        """The flat buffer holding block ``block`` decoded (decoding it now if it is not resident)."""
+        b = self._find(block)
+        if b is None:
+            b = self._take(exclude=self.current if self.owner[self.current] != -1 else None)
+            self._decode(block, b)
+        elif self.ready[b] is not None:  # decoded ahead on the side stream: wait for it on this stream
+            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
+            self.ready[b] = None
+        self.current = b
+        return self.buffers[b]
+
+    def prefetch(self, block: int) -> None:
+        """Decodes ``block`` on the side stream into the buffer not in use (CUDA with prefetch on only)."""
+        if self.side_stream is None or not 0 <= block < len(self.packs) or self._find(block) is not None:
+            return
+        b = self._take(exclude=self.current)
+        main = torch.cuda.current_stream(self.device)
+        self.side_stream.wait_stream(main)  # the buffer's last readers (enqueued on main) finish first
+        with torch.cuda.stream(self.side_stream):
+            self._decode(block, b)
+        event = self._events[b]  # reused: a wait enqueued earlier keeps the record it saw
+        event.record(self.side_stream)
+        self.ready[b] = event
+        self.stats["prefetches"] += 1
+
+    def before_block(self, block: int) -> None:
+        """Forward pre-hook: the block decoded now, its neighbour ahead (the previous one when called from
+        backward, i.e. an activation-checkpoint recompute)."""
+        self.stats["block_runs"] += 1
+        self.acquire(block)
+        backward = torch._C._current_graph_task_id() != -1
+        self.prefetch(block - 1 if backward else block + 1)
+
+    def weight(self, block: int, slot: int, backward: bool = False) -> torch.Tensor:
+        """Weight ``slot`` of ``block``: a view into the buffer holding the block (views cached per buffer)."""
+        self.acquire(block)
+        if backward:
+            self.prefetch(block - 1)
+        return self._views(self.current, block)[slot]
+
+    def _views(self, b: int, block: int) -> list:
+        views = self._view_cache.get((b, block))
+        if views is None:
+            pack, buf = self.packs[block], self.buffers[b]
+            views = [buf[o: o + n].view(shape) for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
+            self._view_cache[(b, block)] = views
+        return views
+
+    # ---------------------------------------------------------------------------------------- training
+    def attach_optimizer(self, optimizer) -> None:
+        if self.config.kept_bits is not None:
+            raise ValueError(f"train: lossy NeuZip weights (mantissa_bits={self.config.mantissa_bits}) cannot be "
+                             "trained (each update would be rounded away); compress with mode='lossless'")
+        self.optimizer = optimizer
+
+    def apply_update(self, block: int, slot: int, grad_w: torch.Tensor) -> None:
+        """The fused optimizer step for one weight, in the block buffer; the block is re-encoded once all its
+        weights are updated."""
+        self.acquire(block)
+        b = self.current
+        w = self._views(b, block)[slot]
+        self.optimizer.update(self.names[block][slot], w, grad_w)
+        self.dirty[b] = True
+        done = self.updated.setdefault(block, set())
+        done.add(slot)
+        if len(done) == len(self.packs[block].numels):
+            self._reencode(block, b)
+
+    def _reencode(self, block: int, b: int) -> None:
+        from .encode import encode_on_device
+
+        pack = self.packs[block]
+        buf = self.buffers[b]
+        encoder = "triton" if self._impl() == "triton" else "torch"
+        streams = [encode_on_device(buf[o: o + n].view(shape), pack.steps, encoder)
+                   for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
+        pack.replace(streams)
+        if self._impl() == "triton":  # the launch tables now, on this stream, not inside the next decode
+            pack.kernel_tables(pack.device)
+            pack.launch_table(pack.device)
+        self.dirty[b] = False
+        self.updated.pop(block, None)
+        self.stats["reencodes"] += 1
+
+    def flush(self) -> None:
+        """Re-encodes every block holding updates not yet written back (a backward that skipped a weight)."""
+        for b in range(N_BUFFERS):
+            if self.dirty[b]:
+                self._reencode(self.owner[b], b)
+
+    # ---------------------------------------------------------------------------------------- inspection
+    def compressed_tensors(self) -> dict:
+        """{parameter name: CompressedTensor} (views into the packs)."""
+        self.flush()
+        return {name: pack.tensor(j) for pack, names in zip(self.packs, self.names) for j, name in enumerate(names)}
+
+    def decoded_weights(self) -> dict:
+        """{parameter name: decoded weight} (fresh tensors, reference decoder on the CPU)."""
+        return {name: ct.decompress(impl="reference") for name, ct in self.compressed_tensors().items()}
+
+    def memory(self) -> dict:
+        """Bytes of the compressed block weights against the same weights in bf16, per block and in total, plus
+        the decode buffers, the launch tables and the parameters kept uncompressed (embedding, norms, lm_head)."""
+        blocks = []
+        for i, p in enumerate(self.packs):
+            blocks.append({"block": i, "tensors": len(p.numels), "params": p.total_numel,
+                           "compressed_bytes": p.nbytes, "bf16_bytes": 2 * p.total_numel,
+                           "ratio_vs_bf16": p.nbytes / (2 * p.total_numel)})
+        comp = sum(b["compressed_bytes"] for b in blocks)
+        bf16 = sum(b["bf16_bytes"] for b in blocks)
+        original = sum(p.total_numel for p in self.packs) * R.DTYPES[self.dtype][0] // 8  # in the weights' dtype
+        model = self._model()
+        seen, other = set(), 0
+        for prm in (model.parameters() if model is not None else ()):
+            if prm.data_ptr() not in seen:
+                seen.add(prm.data_ptr())
+                other += prm.numel() * prm.element_size()
+        tables = sum(p.launch_table(p.device)[0].numel() * 8 for p in self.packs) if self._impl() == "triton" else 0
+        buffers = sum(b.numel() * b.element_size() for b in self.buffers)
+        return {"blocks": blocks, "compressed_bytes": comp, "bf16_bytes": bf16, "ratio_vs_bf16": comp / max(bf16, 1),
+                "original_bytes": original, "ratio_vs_original": comp / max(original, 1),
+                "buffer_bytes": buffers, "launch_table_bytes": tables, "uncompressed_param_bytes": other,
+                "total_weight_bytes": comp + buffers + tables + other}
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(name, ModuleList) of the model's repeated blocks: the ModuleList holding the most nn.Linear weights."""
+    best = None
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m):
+            counts = [sum(isinstance(c, (nn.Linear, CompressedLinear)) for c in b.modules()) for b in m]
+            if all(counts) and (best is None or sum(counts) > best[0]):
+                best = (sum(counts), name, m)
+    if best is None:
+        raise ValueError("model: no nn.ModuleList of blocks holding nn.Linear layers found (expected a "
+                         "transformer like thrifty's LlamaForCausalLM or transformers' LlamaForCausalLM)")
+    return best[1], best[2]
+
+
+def _block_linears(block: nn.Module, prefix: str) -> list:
+    return [(f"{prefix}.{n}" if prefix else n, m) for n, m in block.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Optional[int] = None, *,
+                   steps: int = R.STEPS, config: Optional[NeuZipConfig] = None, train=None) -> nn.Module:
+    """Keeps every linear weight of ``model``'s blocks NeuZip-compressed on its device; returns ``model``
+    (changed in place; ``model.neuzip`` is its :class:`CompressedWeights`).
+
+    mode / mantissa_bits / steps: see :class:`NeuZipConfig` (or pass ``config``). train: a
+    :class:`~thrifty.neuzip.lomo.LomoConfig` to attach the fused optimizer (lossless only); or call
+    :func:`thrifty.neuzip.lomo` later. Lossy modes need bfloat16 weights."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, "neuzip", None) is not None:
+        raise ValueError("model: already compressed (model.neuzip is set)")
+    if config is None:
+        config = NeuZipConfig(mode=mode, mantissa_bits=mantissa_bits, steps=steps)
+    elif not isinstance(config, NeuZipConfig):
+        raise TypeError(f"config: expected a NeuZipConfig, got {type(config).__name__}")
+    if train is not None and config.kept_bits is not None:
+        raise ValueError(f"train: lossy NeuZip (mantissa_bits={config.mantissa_bits}) cannot be trained; use "
+                         "mode='lossless'")
+    prefix, blocks = find_blocks(model)
+    groups = []
+    for i, block in enumerate(blocks):
+        linears = _block_linears(block, f"{prefix}.{i}" if prefix else str(i))
+        dtypes = {m.weight.dtype for _, m in linears}
+        if len(dtypes) > 1:
+            raise ValueError(f"model: block {i} mixes weight dtypes {sorted(map(str, dtypes))}; cast the model first")
+        dtype = dtypes.pop()
+        if dtype not in R.DTYPES:
+            raise ValueError(f"model: weight dtype {dtype} cannot be NeuZip-coded (bf16, fp16, fp32)")
+        if config.kept_bits is not None and dtype != torch.bfloat16:
+            raise ValueError(f"mantissa_bits: lossy mode ({config.mantissa_bits} bits) needs bfloat16 weights, "
+                             f"block {i} has {dtype}; cast with model.to(torch.bfloat16) first")
+        groups.append(linears)
+    packs = [pack_tensors([m.weight.detach() for _, m in linears], config.kept_bits, config.steps)
+             for linears in groups]
+    _install(model, blocks, groups, packs, config)
+    if train is not None:
+        from .lomo import lomo
+
+        lomo(model, train)
+    return model
+
+
+def _install(model: nn.Module, blocks: nn.ModuleList, groups: list, packs: list, config: NeuZipConfig) -> None:
+    names = [[f"{n}.weight" for n, _ in linears] for linears in groups]
+    state = CompressedWeights(model, config, packs, names)
+    for i, linears in enumerate(groups):
+        for j, (name, m) in enumerate(linears):
+            _set_module(model, name, CompressedLinear(m.in_features, m.out_features, m.bias, state, i, j, name))
+        blocks[i].register_forward_pre_hook(lambda _m, _args, i=i: state.before_block(i))
+    model.neuzip = state
+
+
+# ---------------------------------------------------------------------------------------------- save / load
+CHECKPOINT_FILE = "neuzip.safetensors"
+
+
+def save_compressed(model: nn.Module, path) -> Path:
+    """Writes ``path/neuzip.safetensors`` (the codec's checked format: compressed block weights + every other
+    tensor plain) and ``path/config.json``; never overwrites an existing checkpoint."""
+    from . import format as FMT
+
+    state = getattr(model, "neuzip", None)
+    if state is None:
+        raise ValueError("model: not compressed (call compress_model first)")
+    path = Path(path)
+    if (path / CHECKPOINT_FILE).exists():
+        raise ValueError(f"path: {path / CHECKPOINT_FILE} exists; refusing to overwrite it")
+    entries: dict = dict(state.compressed_tensors())
+    seen = set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen and t.numel():  # tied weights: stored once, re-tied by the model on load
+            continue
+        seen.add(t.data_ptr())
+        entries[name] = t.detach().cpu()
+    config = _model_config(model)
+    config["thrifty_neuzip"] = asdict(state.config)
+    path.mkdir(parents=True, exist_ok=True)
+    FMT.save(path / CHECKPOINT_FILE, entries)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def _model_config(model: nn.Module) -> dict:
+    from ..models import LlamaForCausalLM
+
+    if isinstance(model, LlamaForCausalLM):
+        return dict(model.config.to_hf(), thrifty_model="reference")
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        raise ValueError(f"model: cannot save a {type(model).__name__} (neither thrifty's nor a transformers model)")
+    return dict(cfg.to_dict(), thrifty_model="transformers")
+
+
+def is_compressed_checkpoint(path) -> bool:
+    return (Path(path) / CHECKPOINT_FILE).is_file()
+
+
+def load_compressed(path, device="cpu") -> nn.Module:
+    """Reads a checkpoint of :func:`save_compressed`; every tensor is checked (format.load) before the model
+    is built. Returns the model with ``model.neuzip`` set, on ``device``."""
+    from . import format as FMT
+
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / CHECKPOINT_FILE).is_file():
+        raise ValueError(f"path: expected a folder with config.json and {CHECKPOINT_FILE}, got {path}")
+    entries = FMT.load(path / CHECKPOINT_FILE, device=device)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        nz = NeuZipConfig(**config.pop("thrifty_neuzip"))
+        kind = config.pop("thrifty_model")
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{path / 'config.json'}: corrupted ({type(err).__name__}: {err})") from None
+    if kind == "reference":
+        from ..models import LlamaConfig, LlamaForCausalLM
+
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig.from_hf(config))
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = AutoConfig.for_model(**config)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    prefix, blocks = find_blocks(model)
+    groups, packs = [], []
+    for i, block in enumerate(blocks):
+        linears = _block_linears(block, f"{prefix}.{i}" if prefix else str(i))
+        missing = [n for n, _ in linears if not isinstance(entries.get(f"{n}.weight"), CompressedTensor)]
+        if missing:
+            raise ValueError(f"{path}: compressed weights missing for {missing[:3]}")
+        groups.append(linears)
+        packs.append(BlockPack([entries.pop(f"{n}.weight") for n, _ in linears]))
+    plain = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+    dtype = packs[0].dtype
+    model.to(dtype)
+    _install(model, blocks, groups, packs, nz)
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    tied = bool(config.get("tie_word_embeddings"))
+    missing = [m for m in missing if not (tied and m.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
