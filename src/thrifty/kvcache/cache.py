@@ -217,6 +217,30 @@ class ShadowKVCache(_cache_base()):
     def host_bytes_per_sequence(self) -> int:
         return self.engine.host_bytes_per_sequence()
 
+    def load_prompt(self, keys_values, lengths: Optional[torch.Tensor] = None) -> None:
+        """Fills the cache from a prompt already run densely: per layer the post-RoPE keys and values
+        (B, H, T, D), token t of sequence b at index t (what a transformers ``DynamicCache`` holds), ``lengths``
+        (B,) when prompts differ. Lets several configurations share one prefill."""
+        from .._checks import check_tensor
+
+        if self._dense is not None:
+            raise ValueError("keys_values: this cache already holds a prompt")
+        if len(keys_values) != self.engine.num_layers:
+            raise ValueError(f"keys_values: expected {self.engine.num_layers} layers, got {len(keys_values)}")
+        k0 = check_tensor("keys_values[0][0]", keys_values[0][0], ndim=4, floating=True)
+        B, H, T, D = k0.shape
+        if (H, D) != (self.engine.kv_heads, self.engine.head_dim):
+            raise ValueError(f"keys_values: expected {self.engine.kv_heads} heads of {self.engine.head_dim}, "
+                             f"got shape {tuple(k0.shape)}")
+        if lengths is None:
+            lengths = torch.full((B,), T, device=k0.device)
+        if self._decide(T):
+            for i, (k, v) in enumerate(keys_values):
+                self._dense_append(i, k, v)
+            return
+        for i, (k, v) in enumerate(keys_values):
+            self.engine.prefill(i, k, v, lengths)
+
     def _decide(self, prompt_len: int) -> bool:
         if self._dense is None:
             self._dense = prompt_len < self.config.min_prompt_len

@@ -79,8 +79,11 @@ class HostValues:
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         """Values at ``positions`` (B, H, N) -> (B, H, N, D) on the positions' device."""
         idx = positions.to(self.data.device)
-        rows = self.data.gather(2, idx[..., None].expand(-1, -1, -1, self.data.shape[-1]))
+        data = self.data.view(torch.uint8) if self.scale is not None else self.data  # fp8 has no CPU gather
+        rows = data.gather(2, idx[..., None].expand(-1, -1, -1, data.shape[-1]))
         rows = rows.to(positions.device)
+        if self.scale is not None:
+            rows = rows.view(FP8)
         if self.scale is None:
             return rows
         scale = self.scale.gather(2, idx).to(positions.device)
@@ -129,18 +132,26 @@ class LayerState:
 
 
 def low_rank_keys(k_pre: torch.Tensor, lengths: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One SVD per sequence of its (tokens, H*D) pre-RoPE keys: returns U (B, T, rank) and SV (B, H, rank, D),
-    fp32, with ``U[b, :n] @ SV[b, h] ~= k_pre[b, h, :n]``. Rows past a sequence's length are zero."""
+    """One truncated SVD per sequence of its (tokens, H*D) pre-RoPE keys: returns U (B, T, rank) and SV
+    (B, H, rank, D), fp32, with ``U[b, :n] @ SV[b, h] ~= k_pre[b, h, :n]``. Rows past a sequence's length are 0.
+
+    The SVD goes through the eigen-decomposition of the small (H*D, H*D) Gram matrix in float64: X = U S V^T
+    with X^T X = V S^2 V^T and U = X V / S. Same factors as ``torch.linalg.svd`` for the kept directions, at a
+    fraction of its cost when tokens >> H*D (a LAPACK SVD of 1100 x 192 took 0.3 s on the CI CPU)."""
     B, H, T, D = k_pre.shape
     u = k_pre.new_zeros(B, T, rank, dtype=torch.float32)
     sv = k_pre.new_zeros(B, H, rank, D, dtype=torch.float32)
     for b in range(B):
         n = int(lengths[b])
-        x = k_pre[b, :, :n].float().transpose(0, 1).reshape(n, H * D)
-        uu, s, vh = torch.linalg.svd(x, full_matrices=False)
-        r = min(rank, s.numel())
-        u[b, :n, :r] = uu[:, :r]
-        sv[b, :, :r] = (s[:r, None] * vh[:r]).view(r, H, D).transpose(0, 1)
+        x = k_pre[b, :, :n].double().transpose(0, 1).reshape(n, H * D)
+        evals, evecs = torch.linalg.eigh(x.T @ x)  # ascending
+        r = min(rank, n, H * D)
+        s = evals.flip(0)[:r].clamp_min(0).sqrt()
+        v = evecs.flip(1)[:, :r]  # (H*D, r)
+        keep = s > s[0] * 1e-7 if r else s > 0  # directions with no energy get U = 0, not 0/0
+        inv = torch.where(keep, 1.0 / s.clamp_min(1e-300), 0.0)
+        u[b, :n, :r] = (x @ v * inv).float()
+        sv[b, :, :r] = (s[:, None] * v.T).view(r, H, D).transpose(0, 1).float()
     return u, sv
 
 
