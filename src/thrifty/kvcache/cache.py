@@ -41,6 +41,7 @@ class ShadowKVEngine:
         self._cos_sin_fn = cos_sin
         self.states: list[Optional[ref.LayerState]] = [None] * num_layers
         self.fast: list = [None] * num_layers  # kernel-path buffers per layer (see decode.py)
+        self.n_generated = [0] * num_layers
         self.cos = self.sin = None
         self.backend = "auto"
         self.stats = {"reference_steps": 0, "kernel_steps": 0}
@@ -49,8 +50,7 @@ class ShadowKVEngine:
         return self.states[layer] is not None
 
     def generated(self, layer: int) -> int:
-        st = self.states[layer]
-        return 0 if st is None else st.gen_k.shape[2]
+        return self.n_generated[layer]
 
     def prefill(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                 k_pre: Optional[torch.Tensor] = None) -> None:
@@ -58,6 +58,7 @@ class ShadowKVEngine:
         if self.cos is None or self.cos.shape[0] < T or self.cos.device != k_post.device:
             self.cos, self.sin = (t.float() for t in self._cos_sin_fn(T, k_post.device))
         host = torch.device("cpu") if k_post.device.type == "cuda" else k_post.device
+        self.n_generated[layer], self.fast[layer] = 0, None
         self.states[layer] = ref.compress_prompt(k_post, v, lengths, self.cos[:T], self.sin[:T], self.config,
                                                  host_device=host, k_pre=k_pre)
 
@@ -68,6 +69,7 @@ class ShadowKVEngine:
         if self.generated(layer) >= self.config.max_generated:
             raise ValueError(f"max_generated: the cache holds {self.config.max_generated} generated tokens; "
                              "build it with a larger ShadowKVConfig.max_generated")
+        self.n_generated[layer] += 1
         if self._use_kernels(q.device):
             from .decode import kernel_decode_step
 
