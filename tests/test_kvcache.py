@@ -254,3 +254,28 @@ def test_reference_model_seam_full_budget_matches_dense():
     assert caches[0].engine.stats["reference_steps"] == 6 * 2  # generate also runs the step after the last token
     assert torch.equal(out, dense)
     assert torch.equal(generate(model, ids, 6), dense)  # the seam falls back to the model's attention
+
+
+# ----------------------------------------------------------------------------------------------- passkey task
+
+def test_passkey_task_layout_and_errors(hf_model):
+    import random
+
+    from thrifty.kvcache.needle import evaluate_passkey, make_passkey_task, needle_text
+
+    encode = lambda s: [ord(ch) % 101 for ch in s]  # noqa: E731
+    filler = [i % 101 for i in range(500)]
+    task = make_passkey_task(encode, filler, 300, 0.5, random.Random(0))
+    ids = task.input_ids[0].tolist()
+    assert len(ids) == 300
+    needle = encode(needle_text(task.key))
+    starts = [i for i in range(300) if ids[i:i + len(needle)] == needle]
+    assert len(starts) == 1 and 100 < starts[0] < 200
+    with pytest.raises(ValueError, match="length"):
+        make_passkey_task(encode, filler, 50, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="depth"):
+        make_passkey_task(encode, filler, 300, 1.5, random.Random(0))
+    decode = lambda ids: "".join(str(i % 10) for i in ids)  # noqa: E731
+    rows = evaluate_passkey(hf_model, encode, decode, filler, [240], [0.1], 1,
+                            {"dense": None, "shadowkv": small_config(min_prompt_len=64, max_generated=16)})
+    assert [r["method"] for r in rows] == ["dense", "shadowkv"] and all(0 <= r["accuracy"] <= 1 for r in rows)
