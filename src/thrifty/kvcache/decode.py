@@ -89,8 +89,9 @@ def kernel_decode_step(engine, layer: int, q: torch.Tensor, k_new: torch.Tensor,
 
     scores = landmark_scores(q, st.landmarks, st.selectable, 1.0 / st.landmarks.shape[-1] ** 0.5)
     top = scores.topk(K, dim=-1)
-    dest, miss, fl.slot_ids = plan_reuse(fl.slot_ids, top.indices)
-    fl.last_miss = miss
+    dest, miss, slot_ids = plan_reuse(fl.slot_ids, top.indices)
+    fl.slot_ids.copy_(slot_ids)  # in place: a captured graph must see this step's slots at the next replay
+    fl.last_miss.copy_(miss)
     rebuild_keys(st.u, st.sv, engine.cos, engine.sin, top.indices, dest, miss, fl.k, fl.sel_base, c)
     gather_values(st.values.data, st.values.scale, top.indices, dest, miss, fl.v, fl.sel_base, c)
     picked = torch.zeros_like(miss).scatter_(-1, dest, top.values >= 0)
