@@ -173,3 +173,32 @@ def test_decode_step_captures_in_a_cuda_graph():
     assert int(e.fast[0].n_generated) == before + 1
     eager = kernel_decode_step(e, 0, q, kn, vn, 0.125)
     assert torch.isfinite(out).all() and eager.shape == out.shape
+
+
+def test_transformers_model_through_the_kernel_path():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from thrifty.kvcache import ShadowKVCache
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 101, (2, 90), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    kv = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=16, outlier_chunks=2, local_chunks=2,
+                        min_prompt_len=32, max_generated=8)
+    outs = []
+    for backend in ("reference", "triton"):
+        cache = ShadowKVCache(model, kv)
+        cache.engine.backend = backend
+        outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                   past_key_values=cache, output_logits=True, return_dict_in_generate=True))
+        assert cache.engine.stats["kernel_steps" if backend == "triton" else "reference_steps"] == 2 * 3
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    quest = ShadowKVCache(model, ShadowKVConfig(**{**kv.__dict__, "selector": "quest"}))
+    quest.engine.backend = "triton"
+    with pytest.raises(ValueError, match="selector"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, past_key_values=quest)

@@ -78,12 +78,27 @@ class ShadowKVEngine:
         self.stats["reference_steps"] += 1
         return ref.decode_step(self.states[layer], q, k_new, v_new, self.config, self.cos, self.sin, scale)
 
+    def kernels_support(self) -> Optional[str]:
+        """Why the Triton path cannot run this cache (None when it can)."""
+        d = self.head_dim
+        if d < 32 or d & (d - 1):
+            return f"head_dim: the Triton path needs a power of two >= 32, got {d}"
+        if self.config.selector != "shadowkv":
+            return "selector: the Triton path implements ShadowKV's landmarks, not the Quest baseline"
+        return None
+
     def _use_kernels(self, device: torch.device) -> bool:
+        from .._checks import check_choice
+
+        check_choice("backend", self.backend, BACKENDS)
         if self.backend == "reference":
             return False
+        why = self.kernels_support()
         if self.backend == "triton":
+            if why:
+                raise ValueError(why)
             return True
-        return device.type == "cuda"
+        return device.type == "cuda" and why is None  # unsupported shapes run the (exact, slower) reference
 
     def host_bytes_per_sequence(self) -> int:
         return sum(st.values.bytes_per_sequence() for st in self.states if st is not None)
