@@ -98,6 +98,8 @@ def main():
     ap.add_argument("--outliers", type=int, default=8)
     ap.add_argument("--extra-budget", type=int, default=512, help="budget of the fp8 and Quest rows")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-baselines", action="store_true", help="skip the fp8 and Quest rows")
+    ap.add_argument("--name", default="shadowkv_accuracy", help="result file name (a rank sweep writes its own)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -106,7 +108,8 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(str(ensure_converted()), dtype=torch.float32).eval()
     ds = TokenDataset(data_dir() / "corpus", "validation")
     methods = [("shadowkv", b, "native") for b in args.budgets]
-    methods += [("shadowkv-fp8", args.extra_budget, "fp8"), ("quest", args.extra_budget, "native")]
+    if not args.no_baselines:
+        methods += [("shadowkv-fp8", args.extra_budget, "fp8"), ("quest", args.extra_budget, "native")]
     rows, t0 = [], time.time()
     for ctx in args.ctx:
         span = ctx + args.cont
@@ -145,16 +148,16 @@ def main():
         "ppl_ratio_at_min_budget": max(main_rows, key=lambda r: -r["budget"])["ppl_ratio"],
         "greedy_agree_at_min_budget": max(main_rows, key=lambda r: -r["budget"])["greedy_agree"],
         "attn_cos_mean_at_min_budget": max(main_rows, key=lambda r: -r["budget"])["attn_cos_mean"],
-        "fp8_ppl_ratio": next(r["ppl_ratio"] for r in rows if r["method"] == "shadowkv-fp8"),
-        "quest_ppl_ratio": next(r["ppl_ratio"] for r in rows if r["method"] == "quest"),
+        "fp8_ppl_ratio": next((r["ppl_ratio"] for r in rows if r["method"] == "shadowkv-fp8"), None),
+        "quest_ppl_ratio": next((r["ppl_ratio"] for r in rows if r["method"] == "quest"), None),
     }
     extra = {"model": "SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32 (thrifty.pretrained)",
              "text": "thrifty.data validation split (Debian documentation), evenly spaced windows",
              "settings": vars(args), "seconds": time.time() - t0,
              "note": "rank/outliers scaled to the small model and context; chunk 8 and local 4 chunks as the paper"}
-    bench.write_result("shadowkv_accuracy", rows, summary, device="cpu", extra=extra,
+    bench.write_result(args.name, rows, summary, device="cpu", extra=extra,
                        plot=dict(x="setting", y="ppl_ratio", hue="method", ylabel="perplexity / dense",
-                                 title="ShadowKV on SmolLM2-135M (Q4_1), CPU"))
+                                 title=f"ShadowKV on SmolLM2-135M (Q4_1), rank {args.rank}, CPU"))
 
 
 if __name__ == "__main__":
