@@ -16,6 +16,8 @@ _LAZY = {
     "LlamaForCausalLM": ("thrifty.models", "LlamaForCausalLM"),
     "LlamaConfig": ("thrifty.models", "LlamaConfig"),
     "Trainer": ("thrifty.train", "Trainer"),
+    "ShadowKVCache": ("thrifty.kvcache", "ShadowKVCache"),
+    "ShadowKVConfig": ("thrifty.kvcache", "ShadowKVConfig"),
     "TrainConfig": ("thrifty.train", "TrainConfig"),
 }
 

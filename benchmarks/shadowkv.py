@@ -1,0 +1,321 @@
+"""ShadowKV decode throughput on one GPU: a Llama-3-8B-shaped model (random bf16 weights: decode speed does not
+depend on the values) at 60K and 122K context, dense bf16 KV at the largest batch that fits the GPU vs ShadowKV
+at the largest batch that fits GPU + pinned host memory (and with fp8 host values), in the shape of the paper's
+Table 4 (A100: 80.8 -> 239.5 tok/s at 122K).
+
+Both methods run the same hand-written decode step over thrifty's reference-model modules with static buffers,
+captured in one CUDA graph; only the attention differs: dense = thrifty's split-K decode kernel over the whole
+KV cache; ShadowKV = ``thrifty.kvcache.decode.kernel_decode_step`` (landmark scores, top-k, reuse plan, key
+rebuild, value fetch from pinned host memory, sparse attention). The ShadowKV state is synthetic with the real
+shapes (random low-rank factors, landmarks, pinned values): prefill/SVD are not timed, and the selections of
+random data give their own hit rate (reported) instead of real text's ~60%.
+
+Also: per-step latency at batch 1 and a breakdown of one layer's ShadowKV attention (scoring, reuse plan,
+rebuild, fetch, attention) vs the whole step ("the rest" = everything else).
+
+    THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/shadowkv.py
+    python benchmarks/shadowkv.py --smoke         # tiny shapes on the CPU (Triton interpreter), no graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from thrifty import bench  # noqa: E402
+from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine  # noqa: E402
+from thrifty.kvcache import reference as ref  # noqa: E402
+from thrifty.kvcache.attention_kernel import decode_attention  # noqa: E402
+from thrifty.kvcache.decode import kernel_decode_step, plan_reuse  # noqa: E402
+from thrifty.kvcache.rebuild_kernel import rebuild_keys  # noqa: E402
+from thrifty.kvcache.score_kernel import landmark_scores  # noqa: E402
+from thrifty.kvcache.values_kernel import gather_values  # noqa: E402
+from thrifty.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072,
+                 tie_word_embeddings=False)
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=4096, tie_word_embeddings=False)
+PAPER_CFG = dict(rank=160, chunk_size=8, outlier_chunks=48, local_chunks=4)
+
+
+def build_model(shape: dict, device) -> LlamaForCausalLM:
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**shape))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)
+    return model.eval()
+
+
+class DecodeStep:
+    """One greedy decode step of the whole batch through static buffers; ``attention(layer, q, k, v)`` gets the
+    post-RoPE query/key of the new token."""
+
+    def __init__(self, model: LlamaForCausalLM, batch: int, start_pos: int, attention, device):
+        c = model.config
+        self.model, self.attention = model, attention
+        self.B, self.Hq, self.H, self.D = batch, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.full((1,), start_pos, dtype=torch.long, device=device)
+        n = start_pos + 1024
+        self.cos, self.sin = (t.float() for t in model.model.rotary._cos_sin(torch.arange(n, device=device)))
+
+    @torch.no_grad()
+    def __call__(self):
+        m = self.model.model
+        cos, sin = self.cos[self.pos], self.sin[self.pos]  # (1, D), gathered on the device
+        x = m.embed_tokens(self.ids)
+        B, Hq, H, D = self.B, self.Hq, self.H, self.D
+        for i, layer in enumerate(m.layers):
+            a, h = layer.self_attn, layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, 1, Hq, D).transpose(1, 2)
+            k = a.k_proj(h).view(B, 1, H, D).transpose(1, 2)
+            v = a.v_proj(h).view(B, 1, H, D).transpose(1, 2)
+            q, k = ref.apply_rope(q, cos, sin).to(x.dtype), ref.apply_rope(k, cos, sin).to(x.dtype)
+            o = self.attention(i, q, k, v)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(B, 1, Hq * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.model.lm_head(m.norm(x))
+        self.ids.copy_(logits.argmax(-1))
+        self.pos += 1
+
+
+class DenseAttention:
+    def __init__(self, layers, batch, H, D, context, extra, device, splits):
+        N = context + extra
+        self.k = [torch.zeros(batch, H, N, D, dtype=torch.bfloat16, device=device) for _ in range(layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.valid = torch.zeros(batch, H, N, dtype=torch.bool, device=device)
+        self.valid[:, :, :context] = True
+        self.row = torch.full((1,), context, dtype=torch.long, device=device)
+        self.splits, self.layers = splits, layers
+
+    def __call__(self, i, q, k, v):
+        self.k[i].index_copy_(2, self.row, k)
+        self.v[i].index_copy_(2, self.row, v)
+        if i == 0:
+            self.valid.index_fill_(2, self.row, True)
+        out = decode_attention(q, self.k[i], self.v[i], self.valid, q.shape[-1] ** -0.5, splits=self.splits)
+        if i == self.layers - 1:
+            self.row += 1
+        return out
+
+
+def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device):
+    """A LayerState with the shapes a prefill of T tokens leaves (random contents)."""
+    c = cfg.chunk_size
+    n_chunks = (T - cfg.local_chunks * c) // c
+    local = T - n_chunks * c
+    bf = torch.bfloat16
+    selectable = torch.ones(batch, H, n_chunks, dtype=torch.bool, device=device)
+    outliers = torch.stack([torch.randperm(n_chunks, device=device)[:cfg.outlier_chunks] for _ in range(batch * H)])
+    selectable.view(batch * H, n_chunks).scatter_(1, outliers, False)
+    nd = cfg.outlier_chunks * c + local
+    pin = host_device.type == "cpu" and device.type == "cuda"
+    if cfg.host_values == "fp8":
+        values = ref.HostValues(torch.zeros(batch, H, T, D, dtype=ref.FP8, pin_memory=pin),
+                                torch.ones(batch, H, T, pin_memory=pin), bf)
+    else:
+        values = ref.HostValues(torch.zeros(batch, H, T, D, dtype=bf, pin_memory=pin), None, bf)
+    return ref.LayerState(
+        lengths=torch.full((batch,), T, device=device), n_chunks=torch.full((batch,), n_chunks, device=device),
+        u=torch.randn(batch, T, cfg.rank, dtype=bf, device=device) / T ** 0.5,
+        sv=torch.randn(batch, H, cfg.rank, D, dtype=bf, device=device),
+        landmarks=torch.randn(batch, H, n_chunks, D, dtype=bf, device=device), chunk_min=None, chunk_max=None,
+        keys_exact=None, selectable=selectable, outlier_ids=outliers.view(batch, H, -1),
+        dense_k=torch.randn(batch, H, nd, D, dtype=bf, device=device),
+        dense_v=torch.randn(batch, H, nd, D, dtype=bf, device=device),
+        dense_valid=torch.ones(batch, H, nd, dtype=torch.bool, device=device), values=values,
+        gen_k=torch.zeros(batch, H, 0, D, dtype=bf, device=device),
+        gen_v=torch.zeros(batch, H, 0, D, dtype=bf, device=device))
+
+
+class ShadowKVAttention:
+    def __init__(self, layers, batch, H, D, context, cfg, device, cos, sin):
+        self.engine = ShadowKVEngine(cfg, layers, H, D, lambda n, dev: (cos[:n], sin[:n]))
+        self.engine.cos, self.engine.sin = cos, sin
+        host = torch.device("cpu")
+        for i in range(layers):
+            self.engine.states[i] = synthetic_state(batch, H, D, context, cfg, torch.device(device), host)
+
+    def __call__(self, i, q, k, v):
+        return kernel_decode_step(self.engine, i, q, k, v, q.shape[-1] ** -0.5)
+
+    def hit_rate(self) -> float:
+        return 1.0 - sum(f.last_miss.float().mean().item() for f in self.engine.fast) / len(self.engine.fast)
+
+
+def gpu_bytes_shadowkv(layers, H, D, T, cfg: ShadowKVConfig, gen: int) -> int:
+    c = cfg.chunk_size
+    C = (T - cfg.local_chunks * c) // c
+    per_layer = (T * cfg.rank * 2 + H * cfg.rank * D * 2 + H * C * D * 2 + H * C  # U, SV, landmarks, selectable
+                 + 2 * H * (cfg.outlier_chunks * c + 2 * c * cfg.local_chunks + cfg.sparse_budget + gen) * D * 2)
+    return layers * per_layer
+
+
+def run_graph(step: DecodeStep, steps: int, use_graph: bool) -> float:
+    """Seconds per decode step (median over ``steps`` replays)."""
+    for _ in range(3):
+        step()  # warm-up: compiles kernels, builds the reuse buffers
+    if not use_graph:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t0) / steps
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    t = bench.time_fn(graph.replay, [()], warmup=2, reps=steps, min_reps=3)
+    return t.median_ms / 1e3
+
+
+def layer_breakdown(att: ShadowKVAttention, q) -> dict:
+    """Milliseconds of each stage of layer 0's ShadowKV attention (after the step has run once)."""
+    e, st = att.engine, att.engine.states[0]
+    fl, cfg = e.fast[0], e.config
+    c, K = cfg.chunk_size, fl.slot_ids.shape[-1]
+    scale = q.shape[-1] ** -0.5
+    scores = landmark_scores(q, st.landmarks, st.selectable, scale)
+    top = scores.topk(K, dim=-1)
+    dest, miss, _ = plan_reuse(fl.slot_ids, top.indices)
+    timed = {
+        "score_topk": lambda: landmark_scores(q, st.landmarks, st.selectable, scale).topk(K, dim=-1),
+        "reuse_plan": lambda: plan_reuse(fl.slot_ids, top.indices),
+        "rebuild_k": lambda: rebuild_keys(st.u, st.sv, e.cos, e.sin, top.indices, dest, miss, fl.k, fl.sel_base, c),
+        "fetch_v": lambda: gather_values(st.values.data, st.values.scale, top.indices, dest, miss, fl.v,
+                                         fl.sel_base, c),
+        "attention": lambda: decode_attention(q, fl.k, fl.v, fl.valid, scale),
+    }
+    return {name: bench.time_fn(fn, [()], warmup=2, reps=20, min_reps=3).median_ms for name, fn in timed.items()}
+
+
+def max_batches(model, layers, H, D, T, gen, cfg_native, cfg_fp8, host_gib, device) -> dict:
+    if device.type != "cuda":
+        return {"dense": 2, "shadowkv": 2, "shadowkv_fp8": 2}
+    free = torch.cuda.mem_get_info()[0] - (4 << 30)  # workspace for activations, graphs, allocator slack
+    dense_seq = 2 * layers * H * (T + gen) * D * 2
+    host = host_gib * (1 << 30)
+    out = {"dense": max(free // dense_seq, 0)}
+    for name, cfg in (("shadowkv", cfg_native), ("shadowkv_fp8", cfg_fp8)):
+        host_seq = ref.host_bytes_per_sequence(layers, H, D, T, 2, fp8=cfg.host_values == "fp8")
+        out[name] = int(min(free // gpu_bytes_shadowkv(layers, H, D, T, cfg, gen), host // host_seq))
+    return out
+
+
+def host_gib_default() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
+        return 0.75 * avail / 2**20
+    except (OSError, StopIteration):
+        return 8.0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[61440, 124928])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--host-gib", type=float, default=None, help="pinnable host memory (default 75%% of available)")
+    ap.add_argument("--needle-json", default=None, help="a shadowkv_needle result whose accuracies go in the summary")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    use_graph = device.type == "cuda"
+    shape = TINY if args.smoke else LLAMA3_8B
+    contexts = [384, 640] if args.smoke else args.contexts
+    steps = 2 if args.smoke else args.steps
+    host_gib = args.host_gib or host_gib_default()
+    model = build_model(shape, device)
+    cfgm = model.config
+    L, H, D = cfgm.num_hidden_layers, cfgm.num_key_value_heads, cfgm.head_dim
+    gen = steps + 16  # rows for warm-up, capture and replays
+    rows, summary = [], {}
+    for T in contexts:
+        budget = 32 if args.smoke else (1024 if T < 100_000 else 2048)  # the paper's 1.56% / 1.67%
+        base = dict(PAPER_CFG, sparse_budget=budget, max_generated=gen, min_prompt_len=min(T, 4096))
+        if args.smoke:
+            base.update(rank=32, outlier_chunks=4)
+        cfg_n, cfg_8 = ShadowKVConfig(**base), ShadowKVConfig(**base, host_values="fp8")
+        caps = max_batches(model, L, H, D, T, gen, cfg_n, cfg_8, host_gib, device)
+        variants = [("dense", caps["dense"], None), ("dense", 1, None), ("shadowkv", caps["shadowkv"], cfg_n),
+                    ("shadowkv", 1, cfg_n), ("shadowkv_fp8", caps["shadowkv_fp8"], cfg_8)]
+        results = {}
+        for name, batch, cfg in variants:
+            step = att = None
+            row = {"method": name, "context": T, "batch": int(batch), "setting": f"{name} {T // 1024}K bs{batch}"}
+            try:
+                if batch < 1:
+                    raise RuntimeError("does not fit")
+                if cfg is None:
+                    att = DenseAttention(L, batch, H, D, T, gen + 8, device, splits=max(8, T // 2048))
+                    step = DecodeStep(model, batch, T, att, device)
+                else:
+                    step = DecodeStep(model, batch, T, None, device)
+                    att = ShadowKVAttention(L, batch, H, D, T, cfg, device, step.cos, step.sin)
+                    step.attention = att
+                sec = run_graph(step, steps, use_graph)
+                row.update(step_ms=sec * 1e3, tokens_per_s=batch / sec)
+                if cfg is not None:
+                    row["hit_rate"] = att.hit_rate()
+                    row["host_gib_per_seq"] = att.engine.host_bytes_per_sequence() / 2**30
+                    if batch == 1:
+                        q = torch.randn(1, cfgm.num_attention_heads, 1, D, dtype=torch.bfloat16, device=device)
+                        parts = layer_breakdown(att, q)
+                        row.update({f"{k}_ms_per_layer": v for k, v in parts.items()})
+                        row["rest_ms"] = row["step_ms"] - L * sum(parts.values())
+                results[(name, batch == 1)] = row
+            except Exception as e:  # a variant that fails (OOM, pinning) stays in the JSON as an error row
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            del step, att
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        tag = "60k" if T < 100_000 else "122k"
+        if args.smoke:
+            tag = f"{T}"
+        dense, skv = results.get(("dense", False)), results.get(("shadowkv", False))
+        fp8 = results.get(("shadowkv_fp8", False))
+        if dense and skv:
+            summary[f"throughput_gain_{tag}"] = skv["tokens_per_s"] / dense["tokens_per_s"]
+        if dense and fp8:
+            summary[f"throughput_gain_{tag}_fp8"] = fp8["tokens_per_s"] / dense["tokens_per_s"]
+        summary[f"max_batch_dense_{tag}"] = caps["dense"]
+        summary[f"max_batch_shadowkv_{tag}"] = caps["shadowkv"]
+        summary[f"max_batch_shadowkv_fp8_{tag}"] = caps["shadowkv_fp8"]
+    needle = {}
+    if args.needle_json:
+        needle = json.load(open(args.needle_json))["summary"]
+    for key in ("needle_acc_dense", "needle_acc_shadowkv", "needle_acc_quest", "needle_gap_vs_dense_points"):
+        summary[key] = needle.get(key)
+    bench.print_table(rows, ["method", "context", "batch", "step_ms", "tokens_per_s", "hit_rate", "rest_ms",
+                             "score_topk_ms_per_layer", "rebuild_k_ms_per_layer", "fetch_v_ms_per_layer",
+                             "attention_ms_per_layer", "error"])
+    extra = {"model": "Llama-3-8B shape, random bf16 weights (speed does not depend on the values)",
+             "state": "synthetic ShadowKV state with the real shapes; prefill not timed",
+             "host_gib": host_gib, "cuda_graphs": use_graph, "smoke": args.smoke}
+    bench.write_result("shadowkv", rows, summary, extra=extra,
+                       results_dir=None if not args.smoke else os.environ.get("TMPDIR", "/tmp"),
+                       plot=dict(x="setting", y="tokens_per_s", hue="method", title="decode tokens/s"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""ShadowKV (arXiv 2410.21465): long-context decoding with low-rank pre-RoPE keys on the device, values in host
+memory, and a per-step selection of the chunks that matter.
+
+``ShadowKVCache(model, ShadowKVConfig(...))`` is the one call: a transformers Llama-family model then decodes
+with ``model.generate(input_ids, past_key_values=cache)``; thrifty's reference model uses the same cache through
+its pre-RoPE seam. ``reference`` holds the algorithm in plain PyTorch (the spec of the kernels).
+"""
+
+from .cache import ATTN_NAME, ShadowKVCache, ShadowKVEngine, register_attention, shadowkv_attention
+from .config import ShadowKVConfig
+
+__all__ = ["ShadowKVCache", "ShadowKVConfig", "ShadowKVEngine", "ATTN_NAME", "register_attention",
+           "shadowkv_attention"]

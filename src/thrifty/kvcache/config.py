@@ -1,0 +1,79 @@
+"""The one validated configuration of ShadowKV (defaults: the paper's, arXiv 2410.21465 §5.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._checks import check_choice, check_positive_int
+
+SELECTORS = ("shadowkv", "quest")
+HOST_VALUES = ("native", "fp8")
+
+
+@dataclass(frozen=True)
+class ShadowKVConfig:
+    """All knobs of ShadowKV.
+
+    * ``rank``: rank of the SVD of a layer's pre-RoPE keys (all KV heads concatenated); at most
+      ``kv_heads * head_dim`` of the model (checked when a cache is built for a model).
+    * ``chunk_size``: tokens per landmark chunk (the unit of selection and of host transfers).
+    * ``sparse_budget``: tokens selected per KV head per decode step; a multiple of ``chunk_size``.
+    * ``outlier_chunks``: chunks per KV head whose keys are least like their landmark; kept exact on the device.
+    * ``local_chunks``: the last chunks of the prompt (plus the remainder that does not fill a chunk), kept exact.
+    * ``min_prompt_len``: prompts shorter than this (the longest of a batch) stay dense: compression pays only
+      when much more than the budget is dropped (the public code's threshold, 4K).
+    * ``max_generated``: tokens a compressed cache can append after the prompt (static device buffers).
+    * ``host_values``: ``"native"`` (the model's dtype) or ``"fp8"`` (e4m3 with one fp32 scale per token and
+      head): half the pinned host bytes.
+    * ``selector``: ``"shadowkv"`` (landmark scores, low-rank keys) or ``"quest"`` (the Quest-style baseline:
+      chunk min/max bound, exact keys, no outliers, the outlier tokens added to its budget).
+    """
+
+    rank: int = 160
+    chunk_size: int = 8
+    sparse_budget: int = 2048
+    outlier_chunks: int = 48
+    local_chunks: int = 4
+    min_prompt_len: int = 4096
+    max_generated: int = 1024
+    host_values: str = "native"
+    selector: str = "shadowkv"
+
+    def __post_init__(self):
+        check_positive_int("rank", self.rank)
+        check_positive_int("chunk_size", self.chunk_size)
+        check_positive_int("sparse_budget", self.sparse_budget)
+        check_positive_int("outlier_chunks", self.outlier_chunks, allow_zero=True)
+        check_positive_int("local_chunks", self.local_chunks, allow_zero=True)
+        check_positive_int("min_prompt_len", self.min_prompt_len)
+        check_positive_int("max_generated", self.max_generated)
+        check_choice("host_values", self.host_values, HOST_VALUES)
+        check_choice("selector", self.selector, SELECTORS)
+        if self.sparse_budget < self.chunk_size:
+            raise ValueError(f"sparse_budget: expected at least one chunk ({self.chunk_size} tokens), "
+                             f"got {self.sparse_budget}")
+        if self.sparse_budget % self.chunk_size:
+            raise ValueError(f"sparse_budget: expected a multiple of chunk_size ({self.chunk_size}), "
+                             f"got {self.sparse_budget}")
+
+    @property
+    def select_chunks(self) -> int:
+        """Chunks selected per KV head per step (the Quest baseline also gets the outliers' share)."""
+        if self.selector == "quest":
+            return self.sparse_budget // self.chunk_size + self.outlier_chunks
+        return self.sparse_budget // self.chunk_size
+
+    @property
+    def kept_outlier_chunks(self) -> int:
+        return 0 if self.selector == "quest" else self.outlier_chunks
+
+    @property
+    def dense_tokens(self) -> int:
+        """Prompt tokens per KV head kept exact besides the selection (outliers + local window, no remainder)."""
+        return (self.outlier_chunks + self.local_chunks) * self.chunk_size
+
+    def check_model(self, kv_heads: int, head_dim: int) -> None:
+        """Raises ValueError naming ``rank`` when it exceeds what the model's keys can have."""
+        if self.rank > kv_heads * head_dim:
+            raise ValueError(f"rank: expected at most kv_heads*head_dim = {kv_heads}*{head_dim} = "
+                             f"{kv_heads * head_dim} for this model, got {self.rank}")

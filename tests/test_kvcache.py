@@ -1,0 +1,281 @@
+"""ShadowKV: the reference algorithm, the cache in transformers and in the reference model, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from thrifty.kvcache import ShadowKVCache, ShadowKVConfig
+from thrifty.kvcache import reference as ref
+
+
+def rope_table(T, D, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    f = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    emb = torch.cat((f, f), -1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def ragged_batch(lengths, H=2, G=3, D=6, seed=0):
+    """Post-RoPE keys/values of a batch of prompts, token t at index t; padding rows filled with garbage."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    k_pre = torch.randn(B, H, T, D, generator=g)
+    v = torch.randn(B, H, T, D, generator=g)
+    cos, sin = rope_table(T + 64, D)
+    k_post = ref.apply_rope(k_pre, cos[:T], sin[:T])
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    return k_post, v, q, torch.tensor(lengths), cos, sin
+
+
+def small_config(**kw):
+    base = dict(rank=12, chunk_size=4, sparse_budget=8, outlier_chunks=2, local_chunks=2, min_prompt_len=16)
+    base.update(kw)
+    return ShadowKVConfig(**base)
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(sparse_budget=4, chunk_size=8), "sparse_budget"),
+    (dict(sparse_budget=20, chunk_size=8), "sparse_budget"),
+    (dict(rank=0), "rank"),
+    (dict(chunk_size=-1), "chunk_size"),
+    (dict(outlier_chunks=-2), "outlier_chunks"),
+    (dict(host_values="int4"), "host_values"),
+    (dict(selector="h2o"), "selector"),
+    (dict(max_generated=0), "max_generated"),
+])
+def test_bad_config_names_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=arg):
+        ShadowKVConfig(**kw)
+
+
+def test_config_types_and_defaults():
+    c = ShadowKVConfig()
+    assert (c.rank, c.chunk_size, c.sparse_budget, c.outlier_chunks, c.local_chunks) == (160, 8, 2048, 48, 4)
+    with pytest.raises(TypeError, match="rank"):
+        ShadowKVConfig(rank=16.0)
+    with pytest.raises(ValueError, match="rank"):
+        c.check_model(kv_heads=1, head_dim=64)
+
+
+# ----------------------------------------------------------------------------------------------- reference
+
+def test_full_budget_full_rank_equals_dense_attention_ragged():
+    lengths = [37, 61, 50]
+    k, v, q, L, cos, sin = ragged_batch(lengths)
+    cfg = small_config(rank=12, sparse_budget=64)  # 2 heads x 6 = full rank; budget covers every chunk
+    st = ref.compress_prompt(k, v, L, cos[:61], sin[:61], cfg)
+    out = ref.decode_step(st, q, k[:, :, :1] * 0 + 0.5, v[:, :, :1] * 0 + 0.25, cfg, cos, sin, 0.4)
+    # dense: the prompt then the one generated token
+    kd = torch.cat((k, torch.zeros_like(k[:, :, :1])), 2)
+    vd = torch.cat((v, torch.zeros_like(v[:, :, :1])), 2)
+    for b, n in enumerate(lengths):
+        kd[b, :, n], vd[b, :, n] = 0.5, 0.25
+    want = ref.dense_attention(q, kd, vd, L + 1, 0.4)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_low_rank_error_falls_with_rank():
+    torch.manual_seed(0)
+    k = torch.randn(1, 2, 200, 16) @ torch.diag(torch.linspace(3, 0.1, 16))
+    errs = []
+    for r in (2, 8, 16, 32):
+        u, sv = ref.low_rank_keys(k, torch.tensor([200]), r)
+        errs.append(((u[:, None] @ sv - k).norm() / k.norm()).item())
+    assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] < 1e-5, errs
+    # the kept directions are those of torch's SVD (optimal): same error
+    x = k[0].transpose(0, 1).reshape(200, 32)
+    s = torch.linalg.svdvals(x)
+    assert errs[1] == pytest.approx((s[8:].square().sum().sqrt() / s.square().sum().sqrt()).item(), rel=1e-4)
+
+
+def test_unrope_is_exact():
+    k, _, _, _, cos, sin = ragged_batch([40])
+    torch.testing.assert_close(ref.apply_rope(ref.undo_rope(k, cos[:40], sin[:40]), cos[:40], sin[:40]), k)
+
+
+def test_selection_picks_planted_chunks_per_kv_head_gqa():
+    H, G, D, C = 2, 3, 8, 20
+    lengths = [C * 4 + 8]
+    k, v, _, L, cos, sin = ragged_batch(lengths, H=H, G=G, D=D)
+    cfg = small_config(rank=8, outlier_chunks=0, sparse_budget=8)  # 2 chunks per KV head
+    st = ref.compress_prompt(k, v, L, cos[:L[0]], sin[:L[0]], cfg)
+    st.landmarks.mul_(0.01)
+    planted = {0: (3, 17), 1: (5, 11)}
+    q = torch.zeros(1, H * G, 1, D)
+    for h, chunks in planted.items():
+        for j, c in enumerate(chunks):
+            st.landmarks[0, h, c] = 0.0
+            st.landmarks[0, h, c, j] = 50.0  # each chunk lights up in a different query head of the group
+            q[0, h * G + j, 0, j] = 1.0
+    ids, picked = ref.select_chunks(q, st, cfg)
+    assert picked.all()
+    for h, chunks in planted.items():
+        assert sorted(ids[0, h].tolist()) == sorted(chunks)
+
+
+def test_quest_selector_picks_planted_chunk():
+    k, v, q, L, cos, sin = ragged_batch([90], H=1, G=2, D=4)
+    k[0, 0, 40:44] = q[0, 0, 0] * 30  # chunk 10: keys aligned with the first query head
+    cfg = small_config(selector="quest", sparse_budget=4, outlier_chunks=0, rank=4)
+    st = ref.compress_prompt(k, v, L, cos[:90], sin[:90], cfg)
+    ids, _ = ref.select_chunks(q, st, cfg)
+    assert 10 in ids[0, 0].tolist()
+    assert st.u is None and st.keys_exact is not None
+
+
+def test_outliers_are_the_least_similar_chunks():
+    k, v, q, L, cos, sin = ragged_batch([64], H=1, D=4)
+    k[0, 0, :] = k[0, 0, :1]  # every key equal: cosine 1 everywhere ...
+    k[0, 0, 21] = -k[0, 0, 21]  # ... but chunk 5 holds one opposite key
+    cfg = small_config(outlier_chunks=1, rank=4)
+    st = ref.compress_prompt(k, v, L, cos[:64], sin[:64], cfg)
+    assert st.outlier_ids[0, 0].tolist() == [5]
+    assert not st.selectable[0, 0, 5]
+
+
+def test_reuse_buffer_equals_no_reuse_over_steps():
+    k, v, q, L, cos, sin = ragged_batch([120, 97], H=2, G=2, D=6)
+    cfg = small_config(rank=8, sparse_budget=16)
+    st = ref.compress_prompt(k, v, L, cos[:120], sin[:120], cfg)
+    buf = ref.ChunkReuseBuffer()
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        qs = q + 0.3 * step * torch.randn(q.shape, generator=g)
+        ids, picked = ref.select_chunks(qs, st, cfg)
+        pos = ref.chunk_positions(ids, cfg.chunk_size)
+        want_k = ref.rebuild_keys(st, pos, cos, sin)
+        want_v = st.values.gather(pos)
+        got_k, got_v = buf.step(st, ids, picked, cfg.chunk_size, cos, sin)
+        m = picked[..., None].expand(-1, -1, -1, cfg.chunk_size).flatten(2)
+        torch.testing.assert_close(got_k[m], want_k[m])
+        torch.testing.assert_close(got_v[m], want_v[m])
+    assert buf.kept > 0 and buf.moved > 0
+
+
+def test_fp8_host_values_halve_bytes_and_stay_close():
+    k, v, q, L, cos, sin = ragged_batch([80], D=32)
+    v = v.bfloat16()
+    native = ref.HostValues.store(v, "native", torch.device("cpu"))
+    fp8 = ref.HostValues.store(v, "fp8", torch.device("cpu"))
+    pos = torch.arange(80)[None, None].expand(1, 2, 80)
+    err = (fp8.gather(pos).float() - v.float()).norm() / v.float().norm()
+    assert err < 0.05
+    assert fp8.bytes_per_sequence() < 0.6 * native.bytes_per_sequence()
+    assert ref.host_bytes_per_sequence(32, 8, 128, 124928, 2, fp8=False) == 8_187_281_408  # the issue's 8.2 GB
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _greedy(model, ids, mask, cache=None, n=6):
+    kw = dict(past_key_values=cache) if cache is not None else {}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)[:, ids.shape[1]:]
+
+
+def test_hf_full_budget_matches_dense_greedy_mixed_lengths(hf_model):
+    ids = torch.randint(0, 101, (3, 70), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0  # left padding: prompts of 70, 57 and 41 tokens
+    mask[2, :29] = 0
+    dense = _greedy(hf_model, ids, mask)
+    cache = ShadowKVCache(hf_model, small_config(rank=32, sparse_budget=400, min_prompt_len=20))
+    out = _greedy(hf_model, ids, mask, cache)
+    assert not cache.dense and cache.engine.stats["reference_steps"] > 0
+    assert cache.engine.states[0].lengths.tolist() == [70, 57, 41]
+    assert torch.equal(out, dense)
+    # the attention switch stays on the model: a plain generate afterwards is still dense SDPA
+    assert torch.equal(_greedy(hf_model, ids, mask), dense)
+
+
+def test_hf_small_budget_runs_and_reports_host_bytes(hf_model):
+    ids = torch.randint(0, 101, (2, 90), generator=torch.Generator().manual_seed(1))
+    cache = ShadowKVCache(hf_model, small_config(rank=8, sparse_budget=8, min_prompt_len=20, host_values="fp8"))
+    out = _greedy(hf_model, ids, torch.ones_like(ids), cache, n=4)
+    assert out.shape == (2, 4) and cache.engine.stats["reference_steps"] == 2 * 3
+    assert cache.host_bytes_per_sequence() == 2 * 2 * 90 * (16 + 4)  # layers * heads * tokens * (fp8 + scale)
+
+
+def test_hf_short_prompt_stays_dense(hf_model):
+    ids = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(2))
+    cache = ShadowKVCache(hf_model, small_config(min_prompt_len=64))
+    out = _greedy(hf_model, ids, torch.ones_like(ids), cache)
+    assert cache.dense and cache.engine.stats["reference_steps"] == 0
+    assert torch.equal(out, _greedy(hf_model, ids, torch.ones_like(ids)))
+
+
+def test_hf_rank_too_large_is_refused(hf_model):
+    with pytest.raises(ValueError, match="rank"):
+        ShadowKVCache(hf_model, small_config(rank=33))  # 2 KV heads x 16
+    with pytest.raises(TypeError, match="config"):
+        ShadowKVCache(hf_model, {"rank": 8})
+
+
+def test_max_generated_and_multi_token_steps_are_refused(hf_model):
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = ShadowKVCache(hf_model, small_config(min_prompt_len=20, max_generated=2))
+    with pytest.raises(ValueError, match="max_generated"):
+        _greedy(hf_model, ids, torch.ones_like(ids), cache, n=5)
+    cache = ShadowKVCache(hf_model, small_config(min_prompt_len=20))
+    with torch.no_grad():
+        hf_model(input_ids=ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="one token per step"):
+            hf_model(input_ids=ids[:, :3], past_key_values=cache)
+
+
+# ----------------------------------------------------------------------------------------------- reference model
+
+def test_reference_model_seam_full_budget_matches_dense():
+    from thrifty.models import LlamaForCausalLM, generate, preset
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(preset("tiny", vocab_size=97)).init_weights(std=0.2, seed=0).eval()
+    ids = torch.randint(0, 97, (2, 75), generator=torch.Generator().manual_seed(4))
+    dense = generate(model, ids, 6)
+    caches = []
+
+    def factory():
+        caches.append(ShadowKVCache(model, small_config(rank=64, sparse_budget=400, min_prompt_len=20)))
+        return caches[-1]
+
+    out = generate(model, ids, 6, cache_factory=factory)
+    assert type(caches[0]).__name__ == "ThriftyModelShadowKVCache"
+    assert caches[0].engine.stats["reference_steps"] == 6 * 2  # generate also runs the step after the last token
+    assert torch.equal(out, dense)
+    assert torch.equal(generate(model, ids, 6), dense)  # the seam falls back to the model's attention
+
+
+# ----------------------------------------------------------------------------------------------- passkey task
+
+def test_passkey_task_layout_and_errors(hf_model):
+    import random
+
+    from thrifty.kvcache.needle import evaluate_passkey, make_passkey_task, needle_text
+
+    encode = lambda s: [ord(ch) % 101 for ch in s]  # noqa: E731
+    filler = [i % 101 for i in range(500)]
+    task = make_passkey_task(encode, filler, 300, 0.5, random.Random(0))
+    ids = task.input_ids[0].tolist()
+    assert len(ids) == 300
+    needle = encode(needle_text(task.key))
+    starts = [i for i in range(300) if ids[i:i + len(needle)] == needle]
+    assert len(starts) == 1 and 100 < starts[0] < 200
+    with pytest.raises(ValueError, match="length"):
+        make_passkey_task(encode, filler, 50, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="depth"):
+        make_passkey_task(encode, filler, 300, 1.5, random.Random(0))
+    decode = lambda ids: "".join(str(i % 10) for i in ids)  # noqa: E731
+    rows = evaluate_passkey(hf_model, encode, decode, filler, [240], [0.1], 1,
+                            {"dense": None, "shadowkv": small_config(min_prompt_len=64, max_generated=16)})
+    assert [r["method"] for r in rows] == ["dense", "shadowkv"] and all(0 <= r["accuracy"] <= 1 for r in rows)
