@@ -35,8 +35,8 @@ from .._checks import check_choice, check_tensor
 from ..triton_utils import FastLauncher, kernels_available, mma
 from .kv_cache import QuantizedKV, decode_attention_reference
 from .quant_kernel import INTERPRET, LOG2E
+from .routing import DECODE_MAX_ROWS
 
-DECODE_MAX_ROWS = 16  # query rows up to which a call is a "decode" call (speculative decoding drafts included)
 DECODE_HEAD_DIMS = (64, 128)
 
 
