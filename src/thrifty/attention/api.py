@@ -16,11 +16,11 @@ from ..triton_utils import kernels_available
 from .reference import accuracy_metrics, causal_mask, sage_attention_reference
 from .routing import short_query_goes_to_sdpa
 
-# qk_bits=4 is SageAttention2-4b (arXiv 2411.10958, Table 8): Q smoothed per block of SMOOTH_Q_BLOCK queries
-# (one CTA tile of the GPU kernel) with ΔS = mean(q_block)·γ(K)ᵀ added back in fp32, Q quantized per warp
-# (Q_WARP_ROWS rows share a scale), K smoothed and quantized per KV block.
+# qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per block of SMOOTH_Q_BLOCK queries (one CTA
+# tile of the GPU kernel) with ΔS = mean(q_block)·γ(K)ᵀ added back in fp32, K smoothed and quantized per KV
+# block. Q scales per token, finer than the paper's per-warp (16 rows): free in Triton, and more accurate on
+# the real SmolLM2 (worst layer 0.9587 vs 0.9513, benchmarks/results/attention_4bit_cosine_cpu.json).
 SMOOTH_Q_BLOCK = 64
-Q_WARP_ROWS = 16
 
 KERNEL_HEAD_DIMS = (64, 128)
 PLAN_FORMAT = "thrifty.sage_plan/1"
@@ -75,12 +75,11 @@ def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_
         from .attn_kernel import sage_forward_triton  # compiled kernels are imported on first use only
         return sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
                                    smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
-                                   smooth_q=smooth_q, q_group=Q_WARP_ROWS if qk_bits == 4 else 1)
+                                   smooth_q=smooth_q)
     return sage_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, qk_format="int8" if qk_bits == 8 else "int4",
         pv="fp8" if pv == "fp8" else "fp16", smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v,
-        return_lse=return_lse, q_granularity="warp" if qk_bits == 4 else "token", warp_rows=Q_WARP_ROWS,
-        block_m=SMOOTH_Q_BLOCK)
+        return_lse=return_lse, block_m=SMOOTH_Q_BLOCK)
 
 
 def _exact_sdpa(q, k, v, causal, sm_scale, return_lse=False):
@@ -132,8 +131,8 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     q: (B, H, Sq, D); k, v: (B, Hkv, Sk, D), H a multiple of Hkv (GQA without copying K/V); with
     ``layout="bshd"`` the sequence axis comes before the heads, (B, S, H, D), in inputs and output.
     ``causal`` with Sq < Sk means the queries are the last Sq positions. Any lengths.
-    ``qk_bits``: 8, or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed (ΔS added back) and one Q
-    scale per 16-row warp group; still run on the int8 tensor cores (Hopper has no INT4 MMA: an accuracy
+    ``qk_bits``: 8, or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed (ΔS added back), Q scales
+    per token (finer than the paper's per-warp, see NOTES.md); still run on the int8 tensor cores (Hopper has no INT4 MMA: an accuracy
     mode, not a speed-up). ``pv``: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
     ``smooth_k`` (default, free and exact for O), ``smooth_v`` (mean added back), ``smooth_q`` (mean of each
     64-query block removed, ΔS = mean·γ(K)ᵀ added back in fp32; default: on for 4 bits, off for 8).

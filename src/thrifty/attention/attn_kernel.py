@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
-from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, quantize_kv, quantize_row_groups, quantize_rows, to_e4m3
+from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
 
@@ -118,7 +118,7 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
                      HAS_VMEAN: tl.constexpr, RETURN_LSE: tl.constexpr, PRE_ROUND: tl.constexpr,
                      FAST_CVT: tl.constexpr, REVERSE: tl.constexpr, WS: tl.constexpr,
                      FOLD: tl.constexpr, FTZ: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
-                     SMOOTH_Q: tl.constexpr, Q_GROUP: tl.constexpr):
+                     SMOOTH_Q: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -137,10 +137,7 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
     else:
         q_bar = tl.zeros((HEAD_DIM,), tl.float32)
         ds0 = 0.0
-    if Q_GROUP > 1:
-        q, q_scale = quantize_row_groups(qf, QMAX, BLOCK_M, Q_GROUP)
-    else:
-        q, q_scale = quantize_rows(qf, QMAX)
+    q, q_scale = quantize_rows(qf, QMAX)
     q_scale = q_scale * qk_scale
     kr_base = KR + b.to(tl.int64) * stride_kb + (h // (H // H_KV)) * stride_kh
     k_base = K + bh_kv.to(tl.int64) * Sk_pad * HEAD_DIM
@@ -215,8 +212,7 @@ def _config(head_dim: int, device: torch.device, config: dict | None) -> dict:
 
 
 def quantize_inputs(q, k, v, *, sm_scale: float, qk_bits: int = 8, pv: str = "fp8", smooth_k: bool = True,
-                    smooth_v: bool = False, config: dict | None = None, smooth_q: bool = False,
-                    q_group: int = 1) -> dict:
+                    smooth_v: bool = False, config: dict | None = None, smooth_q: bool = False) -> dict:
     """The pre-pass (K and V: 2 launches; Q is quantized inside the attention kernel): everything the
     kernel reads, quantized and laid out (see quant_kernel)."""
     cfg = _config(q.shape[-1], q.device, config)
@@ -224,7 +220,7 @@ def quantize_inputs(q, k, v, *, sm_scale: float, qk_bits: int = 8, pv: str = "fp
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=pv == "fp8",
                      smooth_v=smooth_v)
     return dict(q=q, qmax=qmax, sm_scale=sm_scale, **kv, pv_fp8=pv == "fp8", smooth_v=smooth_v, cfg=cfg,
-                k_raw=k, smooth_q=smooth_q, q_group=q_group)
+                k_raw=k, smooth_q=smooth_q)
 
 
 def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
@@ -246,13 +242,13 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         PV_FP8=p["pv_fp8"], P_SCALE=FP8_MAX if p["pv_fp8"] else 1.0, HAS_VMEAN=p["smooth_v"],
         RETURN_LSE=lse is not None, PRE_ROUND=INTERPRET, FAST_CVT=cfg["fast_cvt"],
         REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
-        LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0, SMOOTH_Q=p["smooth_q"], Q_GROUP=p["q_group"],
+        LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0, SMOOTH_Q=p["smooth_q"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
                         smooth_k: bool = True, smooth_v: bool = False, return_lse: bool = False,
-                        config: dict | None = None, smooth_q: bool = False, q_group: int = 1):
+                        config: dict | None = None, smooth_q: bool = False):
     """(B, H, Sq, D), (B, Hkv, Sk, D) views of any strides → out like q (same strides order) [, lse fp32].
     Three launches: K/V statistics, K/V quantization, attention (with Q's quantization). The host cost
     is in NOTES.md (FastLauncher skips Triton's binder on repeated calls).
@@ -261,7 +257,7 @@ def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int 
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
     prepared = quantize_inputs(q, k, v, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
-                               smooth_v=smooth_v, config=config, smooth_q=smooth_q, q_group=q_group)
+                               smooth_v=smooth_v, config=config, smooth_q=smooth_q)
     out = torch.empty_like(q)  # keeps q's memory layout: a (B, S, H, D) view gets a (B, S, H, D) output
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
     launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk)

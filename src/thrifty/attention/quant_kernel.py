@@ -51,18 +51,6 @@ def quantize_rows(x, QMAX: tl.constexpr):
 
 
 @triton.jit
-def quantize_row_groups(x, QMAX: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
-    """Like :func:`quantize_rows` with one scale per GROUP consecutive rows (SageAttention2's per-warp Q
-    granularity: GROUP = 16 rows, one warp's slice of a 64-row wgmma tile)."""
-    amax = tl.max(tl.abs(x), axis=1)
-    amax = tl.max(tl.reshape(amax, (ROWS // GROUP, GROUP)), axis=1)
-    amax = tl.reshape(tl.broadcast_to(amax[:, None], (ROWS // GROUP, GROUP)), (ROWS,))
-    scale = tl.maximum(amax / QMAX, 1e-12)
-    xq = x / scale[:, None]
-    return tl.where(xq >= 0, xq + 0.5, xq - 0.5).to(tl.int8), scale
-
-
-@triton.jit
 def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane,
                              k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                              D: tl.constexpr, BLOCK_S: tl.constexpr, SMOOTH_K: tl.constexpr,
