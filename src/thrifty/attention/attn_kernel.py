@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
-from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, quantize_kv, quantize_rows, to_e4m3
+from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, cdiv, launch_with, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
 
@@ -212,19 +212,19 @@ def _config(head_dim: int, device: torch.device, config: dict | None) -> dict:
 
 
 def quantize_inputs(q, k, v, *, sm_scale: float, qk_bits: int = 8, pv: str = "fp8", smooth_k: bool = True,
-                    smooth_v: bool = False, config: dict | None = None, smooth_q: bool = False) -> dict:
+                    smooth_v: bool = False, config: dict | None = None, smooth_q: bool = False, sig=None) -> dict:
     """The pre-pass (K and V: 2 launches; Q is quantized inside the attention kernel): everything the
     kernel reads, quantized and laid out (see quant_kernel)."""
     cfg = _config(q.shape[-1], q.device, config)
     qmax = 127.0 if qk_bits == 8 else 7.0
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=pv == "fp8",
-                     smooth_v=smooth_v)
+                     smooth_v=smooth_v, sig=sig)
     return dict(q=q, qmax=qmax, sm_scale=sm_scale, **kv, pv_fp8=pv == "fp8", smooth_v=smooth_v, cfg=cfg,
                 k_raw=k, smooth_q=smooth_q)
 
 
 def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
-           Sq: int, Sk: int) -> None:
+           Sq: int, Sk: int, sig=None) -> None:
     """The attention kernel (with Q's quantization) on prepared K/V (out: (B, H, Sq, D) view of any
     strides)."""
     p, cfg = prepared, prepared["cfg"]
@@ -233,8 +233,8 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     block_m = cfg["block_m"]
     fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"] and not p["smooth_q"]
     ftz = cfg["ftz"] and not INTERPRET
-    grid = (triton.cdiv(max(Sq, 1), block_m), B * H)
-    return _FWD_LAUNCH(grid,
+    grid = (cdiv(max(Sq, 1), block_m), B * H)
+    return launch_with(_FWD_LAUNCH, sig, grid,
         q, p["k8"], p["k_scale"], p["vt"], p["stats"], out, lse if lse is not None else out,
         *q.stride(), *out.stride(), H, H_kv, B * H_kv, Sq, Sk, p["k8"].shape[1], Sk - Sq,
         p["sm_scale"] * LOG2E, p["k_raw"], *p["k_raw"].stride(),
@@ -256,11 +256,16 @@ def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int 
     in the box's noisy host timing, and it kept up to 512 MB of buffers alive behind the user's back."""
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
+    # Everything the three launches specialize on, in one tuple: their launch keys come from it instead of
+    # ~60 per-argument checks (FastLauncher.keyed). Intermediates are fresh allocations, hence aligned.
+    sig = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, q.data_ptr() % 16,
+           k.data_ptr() % 16, v.data_ptr() % 16, causal, qk_bits, pv, smooth_k, smooth_v, smooth_q, return_lse,
+           None if config is None else tuple(sorted(config.items())))
     prepared = quantize_inputs(q, k, v, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
-                               smooth_v=smooth_v, config=config, smooth_q=smooth_q)
+                               smooth_v=smooth_v, config=config, smooth_q=smooth_q, sig=sig)
     out = torch.empty_like(q)  # keeps q's memory layout: a (B, S, H, D) view gets a (B, S, H, D) output
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
-    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk)
+    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, sig=sig)
     if not return_lse:
         return out
     if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
 from .kv_cache import QuantizedKV
-from .quant_kernel import INTERPRET, LOG2E
+from .quant_kernel import INTERPRET, LOG2E, cdiv, launch_with
 
 
 
@@ -136,9 +136,9 @@ def split_plan(length: int, programs_per_split: int, cfg: dict) -> tuple[int, in
     chunks, so that programs_per_split · n_split ≈ target_programs."""
     block_n = cfg["block_n"]
     want = max(1, cfg["target_programs"] // max(programs_per_split, 1))
-    chunk = triton.cdiv(triton.cdiv(length, want), block_n) * block_n
+    chunk = cdiv(cdiv(length, want), block_n) * block_n
     chunk = max(chunk, cfg["min_chunk"])
-    return chunk, triton.cdiv(length, chunk)
+    return chunk, cdiv(length, chunk)
 
 
 def decode_forward_triton(q: torch.Tensor, cache: QuantizedKV, *, causal: bool, sm_scale: float) -> torch.Tensor:
@@ -146,19 +146,22 @@ def decode_forward_triton(q: torch.Tensor, cache: QuantizedKV, *, causal: bool, 
     B, H, Sq, D = q.shape
     H_kv, L = cache.k.shape[1], cache.length
     G = H // H_kv
-    rows = max(16, triton.next_power_of_2(G * Sq))
+    rows = max(16, 1 << (G * Sq - 1).bit_length())  # a power of two ≥ 16: the dot's M
     cfg = decode_config()
     chunk, n_split = split_plan(L, B * H_kv, cfg)
     part = torch.empty(B * H_kv, n_split, rows, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(2, B * H_kv, n_split, rows, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _SPLIT_LAUNCH((B * H_kv, n_split),
+    spec = FastLauncher._spec
+    sig = (q.shape, q.stride(), q.dtype, q.data_ptr() % 16, cache.k.shape, cache.k.stride(), cache.k_scale.stride(),
+           causal, spec(L), spec(chunk), spec(n_split), spec(Sq), cfg["block_n"])  # see sage_forward_triton
+    launch_with(_SPLIT_LAUNCH, sig, (B * H_kv, n_split),
         q, cache.k, cache.k_scale, cache.v, cache.v_scale, part, ml,
         *q.stride(), *cache.k.stride()[:3], *cache.k_scale.stride()[:2],
         H_kv, Sq, L, chunk, n_split, sm_scale * LOG2E,
         G=G, ROWS=rows, HEAD_DIM=D, BLOCK_N=cfg["block_n"], CAUSAL=causal,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _COMBINE_LAUNCH((B * H_kv,),
+    launch_with(_COMBINE_LAUNCH, sig, (B * H_kv,),
         part, ml, out, *out.stride(), H_kv, Sq, n_split,
         G=G, ROWS=rows, HEAD_DIM=D, num_warps=4, num_stages=1)
     return out
