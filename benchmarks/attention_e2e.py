@@ -272,10 +272,7 @@ class _Module:
 
 def _host_python_us_cpu(calls):
     """The host path of ``calls`` with FastLauncher's direct launches on a fake driver (no GPU here)."""
-    import sys
     from unittest import mock
-
-    import triton.runtime.driver  # noqa: F401
 
     from thrifty import triton_utils
     from thrifty.attention import api, attn_kernel, quant_kernel
@@ -299,7 +296,7 @@ def _host_python_us_cpu(calls):
     saved = [(lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers]
     out = {}
     try:
-        with mock.patch.object(sys.modules["triton.runtime.driver"], "driver", fake), \
+        with mock.patch.object(triton_utils, "_DRIVER", fake), \
                 mock.patch.object(triton_utils, "_direct_launch_allowed", lambda: True), \
                 mock.patch.object(api, "kernels_available", lambda d: True):
             for lz in launchers:

@@ -40,10 +40,7 @@ def direct(monkeypatch):
     """FastLauncher's direct path on a CPU: no interpreter flag, no hooks, a fake driver."""
     fake_driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
                                                                      get_current_stream=lambda d: "stream"))
-    import sys
-
-    import triton.runtime.driver  # noqa: F401  (the package attribute of that name is the driver object)
-    monkeypatch.setattr(sys.modules["triton.runtime.driver"], "driver", fake_driver)
+    monkeypatch.setattr(triton_utils, "_DRIVER", fake_driver)
     monkeypatch.setattr(triton_utils, "_direct_launch_allowed", lambda: True)
     jit = FakeJit()
     launcher = FastLauncher(jit)

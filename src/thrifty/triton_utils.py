@@ -92,8 +92,7 @@ class FastLauncher:
     def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs):
         if self.interpreted or not _direct_launch_allowed():
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-        from triton.runtime.driver import driver
-
+        driver = _DRIVER or _load_driver()
         device = driver.active.get_current_device()
         key = (device, num_warps, num_stages, tuple(constexprs.items()), tuple(map(self._spec, args)))
         hit = self.cache.get(key)
@@ -117,8 +116,7 @@ class FastLauncher:
         flags that select constexprs. The first call with a ``sig`` goes through :meth:`__call__`."""
         if self.interpreted or not _direct_launch_allowed():
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-        from triton.runtime.driver import driver
-
+        driver = _DRIVER or _load_driver()
         device = driver.active.get_current_device()
         hit = self.cache.get(("sig", device, sig))
         if hit is None:
@@ -131,6 +129,16 @@ class FastLauncher:
         kernel.run(*grid3, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
                    None, None, None, *args, *tail)
         return kernel
+
+
+_DRIVER = None  # triton.runtime.driver.driver, looked up once: an import statement per launch costs ~2 µs
+
+
+def _load_driver():
+    global _DRIVER
+    from triton.runtime.driver import driver
+    _DRIVER = driver
+    return driver
 
 
 def fast_launch_enabled() -> bool:
