@@ -244,3 +244,17 @@ def test_cuda_decode_kernel_real_sizes():
     out = decode_attention(q, cache)
     ref = decode_attention_reference(q, cache, dtype=torch.float64)
     assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_append_kernel_matches_the_torch_quantizer(bits):
+    """The fused append (one launch per tensor, what CUDA caches use) writes the reference's codes and scales."""
+    from thrifty.attention.decode_kernel import append_triton
+    _, k, v = _qkv(2, 2, 3, 1, 13, 64, dtype=torch.bfloat16)
+    ref = quantize_kv_cache(k[:, :, :5], v[:, :, :5], bits=bits, capacity=20)
+    ref._append_torch(k[:, :, 5:], v[:, :, 5:], 13)
+    fused = quantize_kv_cache(k[:, :, :5], v[:, :, :5], bits=bits, capacity=20)
+    append_triton(fused, k[:, :, 5:], v[:, :, 5:])
+    for a, b in ((fused.k, ref.k), (fused.v, ref.v), (fused.k_scale, ref.k_scale), (fused.v_scale, ref.v_scale)):
+        assert torch.equal(a, b)

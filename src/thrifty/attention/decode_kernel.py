@@ -167,4 +167,35 @@ def decode_forward_triton(q: torch.Tensor, cache: QuantizedKV, *, causal: bool, 
     return out
 
 
-__all__ = ["decode_forward_triton", "split_plan", "DECODE_CONFIG"]
+
+
+@triton.jit
+def _append_kernel(X, Codes, Scale, s_xb, s_xh, s_xs, s_xd, c_b, c_h, c_s, cs_b, cs_h, H_KV, start,
+                   QMAX: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (b·Hkv + h, i): token i of the new ones → int8 codes and its scale at slot start + i."""
+    pid_bh, i = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H_KV, pid_bh % H_KV
+    d = tl.arange(0, HEAD_DIM)
+    x = tl.load(X + b.to(tl.int64) * s_xb + h * s_xh + i * s_xs + d * s_xd).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-12)
+    y = x / scale
+    codes = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)  # round half away from zero, as the reference
+    slot = start + i
+    tl.store(Codes + b.to(tl.int64) * c_b + h * c_h + slot.to(tl.int64) * c_s + d, codes)
+    tl.store(Scale + b.to(tl.int64) * cs_b + h * cs_h + slot, scale)
+
+
+_APPEND_LAUNCH = FastLauncher(_append_kernel)
+
+
+def append_triton(cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Quantizes ``(B, Hkv, n, D)`` K and V into slots ``[length, length + n)`` of ``cache`` (room made by
+    the caller): one launch each, instead of ~6 torch ops per tensor."""
+    B, H, n, D = k.shape
+    qmax = float((1 << (cache.bits - 1)) - 1)
+    for x, codes, scale in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        _APPEND_LAUNCH((B * H, n), x, codes, scale, *x.stride(), *codes.stride()[:3], *scale.stride()[:2], H,
+                       cache.length, QMAX=qmax, HEAD_DIM=D, num_warps=1, num_stages=1)
+
+
+__all__ = ["decode_forward_triton", "append_triton", "split_plan", "DECODE_CONFIG"]

@@ -33,13 +33,14 @@ def qmax_of(bits: int) -> int:
 
 
 def quantize_per_token(x: torch.Tensor, bits: int = 8):
-    """``(B, H, S, D)`` floats → (int8 codes, fp32 scale ``(B, H, S)``), symmetric, round half to even.
-    An all-zero token gets scale 1e-12 (any positive scale reproduces its zeros)."""
+    """``(B, H, S, D)`` floats → (int8 codes, fp32 scale ``(B, H, S)``), symmetric, round half away from zero
+    (as the append kernel). An all-zero token gets scale 1e-12 (any positive scale reproduces its zeros)."""
     check_choice("bits", bits, CACHE_BITS)
     qmax = qmax_of(bits)
     xf = x.float()
     scale = (xf.abs().amax(dim=-1) / qmax).clamp_min(1e-12)
-    codes = torch.round(xf / scale[..., None]).clamp_(-qmax, qmax).to(torch.int8)
+    y = xf / scale[..., None]
+    codes = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp_(-qmax, qmax).to(torch.int8)
     return codes, scale
 
 
@@ -104,14 +105,21 @@ class QuantizedKV:
         end = self.length + n
         if end > self.k.shape[2]:
             self._grow(max(end, 2 * self.k.shape[2]))
+        if self.k.is_cuda and D in (64, 128):  # one launch per tensor (decode steps: ~12 torch ops otherwise)
+            from .decode_kernel import append_triton
+            append_triton(self, k, v)
+        else:
+            self._append_torch(k, v, end)
+        self.length = end
+        return self
+
+    def _append_torch(self, k, v, end):
         kc, ks = quantize_per_token(k, self.bits)
         vc, vs = quantize_per_token(v, self.bits)
         self.k[:, :, self.length:end] = kc
         self.k_scale[:, :, self.length:end] = ks
         self.v[:, :, self.length:end] = vc
         self.v_scale[:, :, self.length:end] = vs
-        self.length = end
-        return self
 
     def _grow(self, capacity: int) -> None:
         def grown(x, fill):
