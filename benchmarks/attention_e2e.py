@@ -332,6 +332,9 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=20.0)
     ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--update", action="store_true",
+                    help="merge into an existing result file: its rows of other sections and its summary kept "
+                         "(run the sections in several commands, each under the box's 10-minute limit)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -356,6 +359,14 @@ def main():
          "host": lambda: host(args, device, rows, summary, extra)}[name]()
         print(f"[{name}: {time.perf_counter() - t:.1f} s]", flush=True)
     results_dir = tempfile.mkdtemp(prefix="attention_e2e_smoke_") if args.smoke else None
+    if args.update:
+        previous = (bench.default_results_dir() if results_dir is None else None)
+        old = previous / f"attention_e2e_{args.label or bench.detect_device()}.json" if previous else None
+        if old is not None and old.is_file():
+            doc = bench.read_result(old)
+            rows[:0] = [r for r in doc["rows"] if r.get("section") not in sections]
+            summary = {**doc["summary"], **summary}
+            extra = {**doc.get("extra", {}), **extra}
     plot_rows = [r for r in rows if "speedup" in r]
     path = bench.write_result("attention_e2e", rows, summary, device=args.label, extra=extra,
                               results_dir=results_dir,
