@@ -84,7 +84,8 @@ def main():
                  interpreter=os.environ.get("TRITON_INTERPRET") == "1",
                  note="reference path (the kernel matches it to ~1e-5, tests/test_attention_4bit.py)")
     path = bench.write_result("attention_4bit_cosine", rows, summary, extra=extra)
-    bench.print_table(rows, ["layer", *VARIANTS, *(["kernel_4bit", "kernel_vs_reference"] if args.kernel_layers else [])])
+    kernel_cols = ["kernel_4bit", "kernel_vs_reference"] if args.kernel_layers else []
+    bench.print_table(rows, ["layer", *VARIANTS, *kernel_cols])
     print(summary)
     print(path)
 

@@ -107,7 +107,8 @@ def prefill(args, device, rows, summary):
                     rows.append(dict(section="prefill", shape=name, S=S, backend=which, error=repr(e)[:300]))
                 _free(device)
             if len(ms) == 2:
-                rows.append(dict(section="prefill", shape=name, S=S, backend="speedup", speedup=ms["sdpa"] / ms["thrifty"]))
+                rows.append(dict(section="prefill", shape=name, S=S, backend="speedup",
+                                 speedup=ms["sdpa"] / ms["thrifty"]))
                 summary[f"e2e_prefill_speedup_{name}_{_k(S)}"] = ms["sdpa"] / ms["thrifty"]
         del model
         _free(device)

@@ -74,7 +74,8 @@ def test_attention_signature_changes_with_what_launches_specialize_on(monkeypatc
     q = torch.randn(1, 2, 40, 64)
     k = v = torch.randn(1, 1, 40, 64)
     calls = [dict(q=q), dict(q=q.clone()), dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)),
-             dict(q=q.half()), dict(q=q, causal=False), dict(q=torch.randn(1, 2, 40 * 64 + 1)[..., 1:].view(1, 2, 40, 64))]
+             dict(q=q.half()), dict(q=q, causal=False),
+             dict(q=torch.randn(1, 2, 40 * 64 + 1)[..., 1:].view(1, 2, 40, 64))]  # misaligned by 4 bytes
     for c in calls:
         with pytest.raises(ZeroDivisionError):
             attn_kernel.sage_forward_triton(c["q"], k, v, causal=c.get("causal", True), sm_scale=0.125)

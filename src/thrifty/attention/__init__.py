@@ -5,8 +5,9 @@ FP8 P̃·V with two-level accumulation, a Triton forward for CUDA and a readable
     out = sage_attention(q, k, v, causal=True)            # (B, H, S, D); GQA when k has fewer heads
 
 Models: ``model.set_attention(sage_seam())`` (reference Llama), ``enable_hf(model)`` (transformers),
-``apply_plan(model, calibrate(model, batches))`` (per-layer 4/8 bits). Decoding: ``decode_attention(q, cache)``
-over a ``QuantizedKV`` (int8 cache, split-K kernel); ``thrifty_kv_cache(model)`` for ``generate``. See NOTES.md for the kernel's numbers.
+``apply_plan(model, calibrate(model, batches))`` (per-layer 4/8 bits). Decoding:
+``decode_attention(q, cache)`` over a ``QuantizedKV`` (int8 cache, split-K kernel); ``thrifty_kv_cache(model)``
+for ``generate``. See NOTES.md for the kernel's numbers.
 """
 
 from .api import (apply_plan, calibrate, load_plan, plan_from_scores, sage_attention, sage_seam,

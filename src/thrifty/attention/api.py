@@ -132,8 +132,8 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     ``layout="bshd"`` the sequence axis comes before the heads, (B, S, H, D), in inputs and output.
     ``causal`` with Sq < Sk means the queries are the last Sq positions. Any lengths.
     ``qk_bits``: 8, or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed (ΔS added back), Q scales
-    per token (finer than the paper's per-warp, see NOTES.md); still run on the int8 tensor cores (Hopper has no INT4 MMA: an accuracy
-    mode, not a speed-up). ``pv``: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
+    per token (finer than the paper's per-warp, see NOTES.md); still run on the int8 tensor cores (Hopper has
+    no INT4 MMA: an accuracy mode, not a speed-up). ``pv``: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
     ``smooth_k`` (default, free and exact for O), ``smooth_v`` (mean added back), ``smooth_q`` (mean of each
     64-query block removed, ΔS = mean·γ(K)ᵀ added back in fp32; default: on for 4 bits, off for 8).
     Queries of 1–16 rows with ``impl="auto"`` go to exact SDPA (see ``routing.py``; the prefill kernel

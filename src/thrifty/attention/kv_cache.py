@@ -62,7 +62,8 @@ class QuantizedKV:
         check_tensor("v", self.v, ndim=4, dtypes=(torch.int8,))
         check_tensor("k_scale", self.k_scale, ndim=3, dtypes=(torch.float32,))
         check_tensor("v_scale", self.v_scale, ndim=3, dtypes=(torch.float32,))
-        if self.v.shape != self.k.shape or self.k_scale.shape != self.k.shape[:3] or self.v_scale.shape != self.k.shape[:3]:
+        scales_ok = self.k_scale.shape == self.k.shape[:3] and self.v_scale.shape == self.k.shape[:3]
+        if self.v.shape != self.k.shape or not scales_ok:
             raise ValueError(f"k, v, k_scale, v_scale: expected shapes (B, Hkv, capacity, D) and (B, Hkv, capacity), "
                              f"got {tuple(self.k.shape)}, {tuple(self.v.shape)}, {tuple(self.k_scale.shape)}, "
                              f"{tuple(self.v_scale.shape)}")
