@@ -256,13 +256,24 @@ def host(args, device, rows, summary, extra):
             rows.append(dict(section="host", call=name, us_per_call=us))
         summary["host_us_per_call"] = next(r["us_per_call"] for r in rows if r.get("call") == "sage_attention")
         return
+    from thrifty.attention import decode_attention, quantize_kv_cache
+    cache = quantize_kv_cache(k.float(), v.float(), capacity=4096)
+    q1, k1 = q[:, :, :1], k[:, :, :1]
+    calls["decode_attention"] = lambda: decode_attention(q1, cache, impl="triton")
+    calls["cache_append_fused"] = lambda: _append_one(cache, k1)
     us = _host_python_us_cpu(calls)
     for name, val in us.items():
         rows.append(dict(section="host", call=name + " (CPU, launches stubbed)", us_per_call=val))
     summary["host_python_us_per_call_cpu"] = us["sage_attention"]
+    summary["host_python_us_per_decode_call_cpu"] = us["decode_attention"]
     extra["host"] = ("CPU: the Python side of one call (validation, routing, allocations, launch keys) with the "
                      "FastLauncher direct path driven by a fake driver and a no-op kernel.run; the C launcher "
                      "(3 launches) and the CUDA allocator are not in it")
+
+
+def _append_one(cache, k1):
+    from thrifty.attention.decode_kernel import append_triton
+    append_triton(cache, k1, k1)  # the slot index stays put: host cost only
 
 
 class _Module:
@@ -276,7 +287,7 @@ def _host_python_us_cpu(calls):
     from unittest import mock
 
     from thrifty import triton_utils
-    from thrifty.attention import api, attn_kernel, quant_kernel
+    from thrifty.attention import api, attn_kernel, decode, decode_kernel, quant_kernel
 
     class Kernel:
         function = packed_metadata = None
@@ -293,17 +304,21 @@ def _host_python_us_cpu(calls):
 
     fake = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
                                                               get_current_stream=lambda d: 0))
-    launchers = (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH)
+    launchers = (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH,
+                 decode_kernel._SPLIT_LAUNCH, decode_kernel._COMBINE_LAUNCH, decode_kernel._APPEND_LAUNCH)
     saved = [(lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers]
     out = {}
     try:
         with mock.patch.object(triton_utils, "_DRIVER", fake), \
                 mock.patch.object(triton_utils, "_direct_launch_allowed", lambda: True), \
-                mock.patch.object(api, "kernels_available", lambda d: True):
+                mock.patch.object(api, "kernels_available", lambda d: True), \
+                mock.patch.object(decode, "kernels_available", lambda d: True):
             for lz in launchers:
                 lz.fn, lz.interpreted = FakeJit(lz.fn), False
                 lz.cache.clear()
-            for name in ("sage_attention", "hf_sage_attention"):
+            for name in calls:
+                if name == "sdpa":
+                    continue
                 fn = calls[name]
                 for _ in range(50):
                     fn()

@@ -193,8 +193,10 @@ def append_triton(cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor) -> None:
     the caller): one launch each, instead of ~6 torch ops per tensor."""
     B, H, n, D = k.shape
     qmax = float((1 << (cache.bits - 1)) - 1)
+    spec = FastLauncher._spec
     for x, codes, scale in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
-        _APPEND_LAUNCH((B * H, n), x, codes, scale, *x.stride(), *codes.stride()[:3], *scale.stride()[:2], H,
+        sig = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16, codes.shape, spec(cache.length))
+        launch_with(_APPEND_LAUNCH, sig, (B * H, n), x, codes, scale, *x.stride(), *codes.stride()[:3], *scale.stride()[:2], H,
                        cache.length, QMAX=qmax, HEAD_DIM=D, num_warps=1, num_stages=1)
 
 
