@@ -123,7 +123,7 @@ def end_to_end(model, args, device):
     ppl["full precision (fp32 SDPA)"] = perplexity(model, evals)
     model.set_attention(sage_seam(impl="reference"))
     ppl["sage2 8-bit (int8 QK, e4m3 PV)"] = perplexity(model, evals)
-    model.set_attention(sage_seam(impl="reference", qk_bits=4))
+    model.set_attention(sage_seam(impl="reference", qk_bits=4, smooth_q=False))
     ppl["sage2 4-bit QK (smooth K)"] = perplexity(model, evals)
     model.set_attention(sage_seam(impl="reference", qk_bits=4, smooth_q=True))
     ppl["sage2 4-bit QK (smooth Q+K)"] = perplexity(model, evals)

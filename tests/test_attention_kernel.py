@@ -89,6 +89,8 @@ def test_kernel_modes(opts):
         ref_opts["qk_format"] = "int4" if ref_opts.pop("qk_bits") == 4 else "int8"
     ref = sage_attention_reference(q, k, v, causal=True, **ref_opts, **_blocks(64))
     _assert_matches_reference(out, ref, 1e-3)
+    if opts.get("qk_bits") == 4:  # sage_attention(qk_bits=4) is SageAttention2-4b: Q smoothed too (ΔS)
+        ref = sage_attention_reference(q, k, v, causal=True, smooth_q=True, **ref_opts, **_blocks(64))
     assert accuracy_metrics(default, ref)["cos_sim"] > 0.99999
 
 
@@ -107,10 +109,13 @@ def test_unsupported_head_dim_falls_back_to_sdpa_with_warning():
     assert (out - exact_attention(q, k, v)).abs().max() < 1e-4
 
 
-def test_smooth_q_is_reference_only():
-    q, k, v = _inputs(1, 2, 2, 16, 16, 64)
-    with pytest.raises(ValueError, match="smooth_q"):
-        sage_attention(q, k, v, impl="triton", smooth_q=True)
+def test_smooth_q_runs_in_the_kernel_too():
+    """Q smoothing (ΔS added back) was reference-only; since issue #20 the kernel has it (tests in
+    test_attention_4bit.py): impl="triton" with smooth_q runs the kernel and matches the reference."""
+    q, k, v = _inputs(1, 2, 2, 40, 40, 64)
+    out = sage_attention(q, k, v, impl="triton", smooth_q=True)
+    ref = sage_attention_reference(q, k, v, smooth_q=True, **_blocks(64))
+    assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
 
 
 # ------------------------------------------------------------------------------------------------ GPU only

@@ -92,8 +92,7 @@ class FastLauncher:
     def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs):
         if self.interpreted or not _direct_launch_allowed():
             return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-        from triton.runtime.driver import driver
-
+        driver = _DRIVER or _load_driver()
         device = driver.active.get_current_device()
         key = (device, num_warps, num_stages, tuple(constexprs.items()), tuple(map(self._spec, args)))
         hit = self.cache.get(key)
@@ -109,15 +108,60 @@ class FastLauncher:
         return kernel
 
 
+    def keyed(self, sig, grid, *args, num_warps: int, num_stages: int, **constexprs):
+        """Like a call, with the caller's ``sig`` standing in for the per-argument specialization key (about
+        1 µs per argument, 60 per attention call). ``sig`` must determine everything Triton specializes on:
+        callers build it from shapes, strides, dtypes and the 16-byte alignment of the tensors they did not
+        allocate themselves (fresh allocations from PyTorch's caching allocator are always aligned), plus the
+        flags that select constexprs. The first call with a ``sig`` goes through :meth:`__call__`."""
+        if self.interpreted or not _direct_launch_allowed():
+            return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        driver = _DRIVER or _load_driver()
+        device = driver.active.get_current_device()
+        hit = self.cache.get(("sig", device, sig))
+        if hit is None:
+            kernel = self(grid, *args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+            if len(self.cache) < 256:
+                self.cache[("sig", device, sig)] = (kernel, tuple(constexprs[n] for n in self.names[len(args):]))
+            return kernel
+        kernel, tail = hit
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        kernel.run(*grid3, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
+                   None, None, None, *args, *tail)
+        return kernel
+
+
+_DRIVER = None  # triton.runtime.driver.driver, looked up once: an import statement per launch costs ~2 µs
+
+
+def _load_driver():
+    global _DRIVER
+    from triton.runtime.driver import driver
+    _DRIVER = driver
+    return driver
+
+
 def fast_launch_enabled() -> bool:
     """FastLauncher's direct launches: off under the interpreter, with Triton launch hooks
     set (profilers expect them to run) or with THRIFTY_FAST_LAUNCH=0."""
     return not interpreting() and _direct_launch_allowed()
 
 
+# os.environ.get of a variable that is not set costs ~6 µs (a KeyError raised and caught inside the Mapping):
+# more than a whole launch. The bytes dict behind os.environ (POSIX) answers the same question in 0.1 µs and
+# sees every change made through os.environ (monkeypatch.setenv included).
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def _fast_launch_switched_off() -> bool:
+    if _ENV_BYTES is not None:
+        return _ENV_BYTES.get(b"THRIFTY_FAST_LAUNCH") == b"0"
+    return os.environ.get("THRIFTY_FAST_LAUNCH", "1") == "0"
+
+
 def _direct_launch_allowed() -> bool:
     """No THRIFTY_FAST_LAUNCH=0 and no Triton launch hook (the per-launch part of the check)."""
-    if os.environ.get("THRIFTY_FAST_LAUNCH", "1") == "0":
+    if _fast_launch_switched_off():
         return False
     from triton import knobs
 

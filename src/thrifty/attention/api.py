@@ -15,6 +15,13 @@ import torch.nn.functional as F
 from .._checks import check_choice, check_number, check_range, check_tensor
 from ..triton_utils import kernels_available
 from .reference import accuracy_metrics, causal_mask, empty_attention, nonfinite_rows, sage_attention_reference
+from .routing import short_query_goes_to_sdpa
+
+# qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per block of SMOOTH_Q_BLOCK queries (one CTA
+# tile of the GPU kernel) with ΔS = mean(q_block)·γ(K)ᵀ added back in fp32, K smoothed and quantized per KV
+# block. Q scales per token, finer than the paper's per-warp (16 rows): free in Triton, and more accurate on
+# the real SmolLM2 (worst layer 0.9587 vs 0.9513, benchmarks/results/attention_4bit_cosine_cpu.json).
+SMOOTH_Q_BLOCK = 64
 
 KERNEL_HEAD_DIMS = (64, 128)
 PLAN_FORMAT = "thrifty.sage_plan/1"
@@ -58,11 +65,9 @@ def _choose_impl(impl, q, smooth_q):
     if impl == "triton":
         if not kernels_available(q.device):
             raise ValueError(f"impl='triton': needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}")
-        if smooth_q:
-            raise ValueError("smooth_q: supported by impl='reference' only (ΔS = mean(q)·Kᵀ is not in the kernel)")
         return "triton"
     # auto: the kernel on CUDA (the interpreter is for tests, never chosen implicitly); else the reference
-    return "triton" if q.is_cuda and kernels_available(q.device) and not smooth_q else "reference"
+    return "triton" if q.is_cuda and kernels_available(q.device) else "reference"
 
 
 def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse):
@@ -78,14 +83,15 @@ def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_
         else:
             from .attn_kernel import sage_forward_triton  # compiled kernels are imported on first use only
             result = sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
-                                         smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
+                                         smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
+                                         smooth_q=smooth_q)
         if return_lse:
             return result[0].masked_fill(bad_rows[..., None], float("nan")), result[1].masked_fill(bad_rows, float("nan"))
         return result.masked_fill(bad_rows[..., None], float("nan"))
     return sage_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, qk_format="int8" if qk_bits == 8 else "int4",
         pv="fp8" if pv == "fp8" else "fp16", smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v,
-        return_lse=return_lse)
+        return_lse=return_lse, block_m=SMOOTH_Q_BLOCK)
 
 
 def _exact_sdpa(q, k, v, causal, sm_scale, return_lse=False):
@@ -130,17 +136,20 @@ class _QuantizedForwardExactBackward(torch.autograd.Function):
 
 
 def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None, qk_bits: int = 8,
-                   pv: str = "fp8", smooth_k: bool = True, smooth_q: bool = False, smooth_v: bool = False,
+                   pv: str = "fp8", smooth_k: bool = True, smooth_q: Optional[bool] = None, smooth_v: bool = False,
                    impl: str = "auto", return_lse: bool = False, layout: str = "bhsd"):
     """SageAttention2: softmax(q·kᵀ·sm_scale)·v with INT8 (or INT4-range) Q·K and FP8 P̃·V.
 
     q: (B, H, Sq, D); k, v: (B, Hkv, Sk, D), H a multiple of Hkv (GQA without copying K/V); with
     ``layout="bshd"`` the sequence axis comes before the heads, (B, S, H, D), in inputs and output.
     ``causal`` with Sq < Sk means the queries are the last Sq positions. Any lengths.
-    ``qk_bits``: 8, or 4 (values in [-7, 7], still run on the int8 tensor cores: Hopper has no INT4 MMA;
-    an accuracy mode, not a speed-up). ``pv``: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
-    ``smooth_k`` (default, free and exact for O), ``smooth_v`` (mean added back), ``smooth_q`` (per-block
-    mean, ΔS added back; reference only).
+    ``qk_bits``: 8, or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed (ΔS added back), Q scales
+    per token (finer than the paper's per-warp, see NOTES.md); still run on the int8 tensor cores (Hopper has
+    no INT4 MMA: an accuracy mode, not a speed-up). ``pv``: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
+    ``smooth_k`` (default, free and exact for O), ``smooth_v`` (mean added back), ``smooth_q`` (mean of each
+    64-query block removed, ΔS = mean·γ(K)ᵀ added back in fp32; default: on for 4 bits, off for 8).
+    Queries of 1–16 rows with ``impl="auto"`` go to exact SDPA (see ``routing.py``; the prefill kernel
+    would be slower there), and so do their gradients.
     ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "reference"
     (readable PyTorch, any device and head_dim), "auto" (triton on CUDA, else reference).
     ``return_lse``: also return the fp32 log-sum-exp of the scaled scores per query, (B, H, Sq).
@@ -154,6 +163,12 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     """
     q, k, v = _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    smooth_q = (qk_bits == 4) if smooth_q is None else bool(smooth_q)
+    if short_query_goes_to_sdpa(impl, q.shape[2], k.shape[2], causal):
+        result = _exact_sdpa(q, k, v, bool(causal), sm_scale, return_lse)
+        if layout == "bshd":
+            return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
+        return result
     opts = dict(causal=bool(causal), sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
                 smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q, smooth_q),
                 return_lse=return_lse)

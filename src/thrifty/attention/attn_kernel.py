@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
-from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, quantize_kv, quantize_rows, to_e4m3
+from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, cdiv, launch_with, quantize_kv, quantize_rows, to_e4m3
 
 LN2 = math.log(2.0)
 
@@ -44,7 +44,7 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
            PV_FP8: tl.constexpr, P_SCALE: tl.constexpr, PRE_ROUND: tl.constexpr, FAST_CVT: tl.constexpr,
            WS: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr,
-           LOG2_P_SCALE: tl.constexpr):
+           LOG2_P_SCALE: tl.constexpr, kr_base, kr_ss, kr_sd, q_bar, ds0, qk_scale, SMOOTH_Q: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
@@ -60,6 +60,13 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
             t = f - 12582912.0
         else:
             t = s_i.to(tl.float32)
+        if SMOOTH_Q:
+            # ΔS = mean(q_block)·(k − mean K) from the unquantized K (fp32, as the paper's GEMV), folded into
+            # t in units of the int32 dot product so that everything below is unchanged: t·c + ΔS·qk_scale.
+            kr = tl.load(kr_base + cols[None, :] * kr_ss + offs_d[:, None] * kr_sd, mask=cols[None, :] < Sk,
+                         other=0.0).to(tl.float32)
+            ds = (tl.sum(q_bar[:, None] * kr, axis=0) - ds0) * qk_scale
+            t = t + ds[None, :] * (1.0 / c)[:, None]
         if MASKED:
             keep = cols[None, :] < Sk
             if CAUSAL:
@@ -68,7 +75,7 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
             m_new = tl.maximum(m_i, tl.max(t, axis=1) * c)
             # a row that has seen no key yet keeps m = -inf; exp2(-inf - 0) = 0 instead of nan
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        elif FAST_CVT:
+        elif FAST_CVT and not SMOOTH_Q:
             m_new = tl.maximum(m_i, tl.max(s_i, axis=1).to(tl.float32) * c)  # c > 0: max commutes with ·c
         else:
             m_new = tl.maximum(m_i, tl.max(t, axis=1) * c)
@@ -105,11 +112,13 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
                      stride_qb, stride_qh, stride_qs, stride_qd,
                      stride_ob, stride_oh, stride_os, stride_od,
                      H, H_KV, BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale,
+                     KR, stride_kb, stride_kh, stride_ks, stride_kd,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QMAX: tl.constexpr,
                      CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, P_SCALE: tl.constexpr,
                      HAS_VMEAN: tl.constexpr, RETURN_LSE: tl.constexpr, PRE_ROUND: tl.constexpr,
                      FAST_CVT: tl.constexpr, REVERSE: tl.constexpr, WS: tl.constexpr,
-                     FOLD: tl.constexpr, FTZ: tl.constexpr, LOG2_P_SCALE: tl.constexpr):
+                     FOLD: tl.constexpr, FTZ: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
+                     SMOOTH_Q: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -121,8 +130,16 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
     # Q quantized here, per token (no pre-pass for Q); qk_scale = sm_scale·log2e folded into its scale.
     qf = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
                  + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if SMOOTH_Q:  # SageAttention2 Q smoothing: this block's mean removed, ΔS added back per tile
+        q_bar = tl.sum(qf, axis=0) / tl.minimum(Sq - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
+        qf = tl.where(row_ok[:, None], qf - q_bar[None, :], 0.0)
+        ds0 = tl.sum(q_bar * tl.load(Stats + bh_kv * HEAD_DIM + offs_d))  # q̄·mean(K): ΔS uses γ(K)
+    else:
+        q_bar = tl.zeros((HEAD_DIM,), tl.float32)
+        ds0 = 0.0
     q, q_scale = quantize_rows(qf, QMAX)
     q_scale = q_scale * qk_scale
+    kr_base = KR + b.to(tl.int64) * stride_kb + (h // (H // H_KV)) * stride_kh
     k_base = K + bh_kv.to(tl.int64) * Sk_pad * HEAD_DIM
     v_base = V + bh_kv.to(tl.int64) * HEAD_DIM * Sk_pad
     ks_base = Ks + bh_kv * (Sk_pad // BLOCK_N)
@@ -140,10 +157,12 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, Out, Lse,
         full_end = Sk // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, 0, full_end, Sk,
                            Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, False, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
-                           FAST_CVT, WS, FOLD, FTZ, LOG2_P_SCALE)
+                           FAST_CVT, WS, FOLD, FTZ, LOG2_P_SCALE, kr_base, stride_ks, stride_kd, q_bar, ds0,
+                           qk_scale, SMOOTH_Q)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, full_end, hi, Sk,
                            Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, True, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
-                           FAST_CVT, False, FOLD, FTZ, LOG2_P_SCALE)
+                           FAST_CVT, False, FOLD, FTZ, LOG2_P_SCALE, kr_base, stride_ks, stride_kd, q_bar, ds0,
+                           qk_scale, SMOOTH_Q)
 
     # Epilogue: 1/(l·P_SCALE) and V's per-channel scale once per row; rows that saw no key output zeros.
     l_norm = l_i if FOLD else l_i * P_SCALE  # FOLD's l already holds P_SCALE·Σp
@@ -193,42 +212,43 @@ def _config(head_dim: int, device: torch.device, config: dict | None) -> dict:
 
 
 def quantize_inputs(q, k, v, *, sm_scale: float, qk_bits: int = 8, pv: str = "fp8", smooth_k: bool = True,
-                    smooth_v: bool = False, config: dict | None = None) -> dict:
+                    smooth_v: bool = False, config: dict | None = None, smooth_q: bool = False, sig=None) -> dict:
     """The pre-pass (K and V: 2 launches; Q is quantized inside the attention kernel): everything the
     kernel reads, quantized and laid out (see quant_kernel)."""
     cfg = _config(q.shape[-1], q.device, config)
     qmax = 127.0 if qk_bits == 8 else 7.0
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=pv == "fp8",
-                     smooth_v=smooth_v)
-    return dict(q=q, qmax=qmax, sm_scale=sm_scale, **kv, pv_fp8=pv == "fp8", smooth_v=smooth_v, cfg=cfg)
+                     smooth_v=smooth_v, sig=sig)
+    return dict(q=q, qmax=qmax, sm_scale=sm_scale, **kv, pv_fp8=pv == "fp8", smooth_v=smooth_v, cfg=cfg,
+                k_raw=k, smooth_q=smooth_q)
 
 
 def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
-           Sq: int, Sk: int) -> None:
+           Sq: int, Sk: int, sig=None) -> None:
     """The attention kernel (with Q's quantization) on prepared K/V (out: (B, H, Sq, D) view of any
     strides)."""
     p, cfg = prepared, prepared["cfg"]
     q = p["q"]
     B, D = out.shape[0], out.shape[-1]
     block_m = cfg["block_m"]
-    fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"]
+    fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"] and not p["smooth_q"]
     ftz = cfg["ftz"] and not INTERPRET
-    grid = (triton.cdiv(max(Sq, 1), block_m), B * H)
-    return _FWD_LAUNCH(grid,
+    grid = (cdiv(max(Sq, 1), block_m), B * H)
+    return launch_with(_FWD_LAUNCH, sig, grid,
         q, p["k8"], p["k_scale"], p["vt"], p["stats"], out, lse if lse is not None else out,
         *q.stride(), *out.stride(), H, H_kv, B * H_kv, Sq, Sk, p["k8"].shape[1], Sk - Sq,
-        p["sm_scale"] * LOG2E,
+        p["sm_scale"] * LOG2E, p["k_raw"], *p["k_raw"].stride(),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], QMAX=p["qmax"], CAUSAL=causal,
         PV_FP8=p["pv_fp8"], P_SCALE=FP8_MAX if p["pv_fp8"] else 1.0, HAS_VMEAN=p["smooth_v"],
         RETURN_LSE=lse is not None, PRE_ROUND=INTERPRET, FAST_CVT=cfg["fast_cvt"],
         REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
-        LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0,
+        LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0, SMOOTH_Q=p["smooth_q"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
                         smooth_k: bool = True, smooth_v: bool = False, return_lse: bool = False,
-                        config: dict | None = None):
+                        config: dict | None = None, smooth_q: bool = False):
     """(B, H, Sq, D), (B, Hkv, Sk, D) views of any strides → out like q (same strides order) [, lse fp32].
     Three launches: K/V statistics, K/V quantization, attention (with Q's quantization). The host cost
     is in NOTES.md (FastLauncher skips Triton's binder on repeated calls).
@@ -236,11 +256,16 @@ def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int 
     in the box's noisy host timing, and it kept up to 512 MB of buffers alive behind the user's back."""
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
+    # Everything the three launches specialize on, in one tuple: their launch keys come from it instead of
+    # ~60 per-argument checks (FastLauncher.keyed). Intermediates are fresh allocations, hence aligned.
+    sig = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, q.data_ptr() % 16,
+           k.data_ptr() % 16, v.data_ptr() % 16, causal, qk_bits, pv, smooth_k, smooth_v, smooth_q, return_lse,
+           None if config is None else tuple(sorted(config.items())))
     prepared = quantize_inputs(q, k, v, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
-                               smooth_v=smooth_v, config=config)
+                               smooth_v=smooth_v, config=config, smooth_q=smooth_q, sig=sig)
     out = torch.empty_like(q)  # keeps q's memory layout: a (B, S, H, D) view gets a (B, S, H, D) output
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
-    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk)
+    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, sig=sig)
     if not return_lse:
         return out
     if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back

@@ -29,6 +29,12 @@ LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ in plain Python: ``triton.cdiv`` is a JITFunction, and calling one from the host goes through
+    Triton's binder (~15 µs each; five per attention call were a quarter of the host path)."""
+    return -(-a // b)
+
+
 @triton.jit
 def to_e4m3(x, PRE_ROUND: tl.constexpr):
     """fp32 → fp8 e4m3. The interpreter's conversion drops the carry when rounding up crosses a power of two
@@ -167,17 +173,25 @@ _QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
 def stats_split(S: int, BH: int, block_s: int, programs: int) -> tuple[int, int]:
     """(steps of ``block_s`` tokens per program, programs per head) for the statistics pass: enough programs
     to fill the SMs, at most 16 partials per head (every quantize program sums them all)."""
-    n_blocks = triton.cdiv(max(S, 1), block_s)
-    per = triton.cdiv(n_blocks, max(1, min(16, programs // BH)))
-    return per, triton.cdiv(n_blocks, per)
+    n_blocks = cdiv(max(S, 1), block_s)
+    per = cdiv(n_blocks, max(1, min(16, programs // BH)))
+    return per, cdiv(n_blocks, per)
 
 
 def _pad(n: int, block: int) -> int:
-    return triton.cdiv(max(n, 1), block) * block
+    return cdiv(max(n, 1), block) * block
+
+
+def launch_with(launcher, sig, grid, *args, **kw):
+    """``launcher(grid, ...)``, or its :meth:`~thrifty.triton_utils.FastLauncher.keyed` launch when the caller
+    has a signature of the call (see ``sage_forward_triton``)."""
+    if sig is None:
+        return launcher(grid, *args, **kw)
+    return launcher.keyed(sig, grid, *args, **kw)
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, smooth_k: bool, fp8_v: bool,
-                smooth_v: bool) -> dict:
+                smooth_v: bool, sig=None) -> dict:
     """(B, Hkv, S, D) K and V → dict(k8 [B·Hkv, S_pad, D] int8, k_scale [B·Hkv, S_pad/block_n],
     stats [3, B·Hkv, D] fp32 (K mean, V scale, V mean; zeros/ones where unused), vt [B·Hkv, D, S_pad] e4m3
     (or v's dtype)). Two launches: partial statistics over token chunks, then quantization."""
@@ -192,7 +206,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
         block_s = 16 if INTERPRET else sc["block_s"]
         per, n_split = stats_split(S, BH, block_s, sc["programs"])
         part = torch.empty(4, BH, n_split, D, dtype=torch.float32, device=dev)
-        _STATS_LAUNCH((BH, n_split),
+        launch_with(_STATS_LAUNCH, sig and (sig, sc["block_s"], sc["programs"], sc["num_warps"]), (BH, n_split),
             k, v, part, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
             D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=sc["num_warps"], num_stages=3)
     else:
@@ -200,7 +214,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
     k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    _QUANT_LAUNCH((S_pad // block_n, BH),
+    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats), (S_pad // block_n, BH),
         k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
         HAS_STATS=has_stats, PRE_ROUND=INTERPRET, num_warps=4, num_stages=3)

@@ -1,0 +1,260 @@
+"""Decoding: the quantized KV cache, the split-K decode kernel (interpreter on CPU) against its reference and
+float64, the routing of short queries (which path ran), transformers integration (per-model options, the
+quantized cache in ``generate``), CUDA-graph capture (GPU)."""
+
+import pytest
+import torch
+
+from thrifty.attention import (QuantizedKV, accuracy_metrics, decode_attention, enable_hf, exact_attention,
+                               quantize_kv_cache, sage_attention, thrifty_kv_cache)
+from thrifty.attention.kv_cache import decode_attention_reference, quantize_per_token
+from thrifty.triton_utils import interpreting
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not (interpreting() or torch.cuda.is_available()),
+                                   reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _qkv(B, H, Hkv, Sq, L, D, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g) * 1.5
+    k = torch.randn(B, Hkv, L, D, generator=g) * 1.5 + 3.0 * torch.randn(D, generator=g)  # outlier channels
+    v = torch.randn(B, Hkv, L, D, generator=g)
+    return [x.to(DEVICE, dtype) for x in (q, k, v)]
+
+
+# --------------------------------------------------------------------------------------------- the cache
+def test_cache_append_grows_and_round_trips():
+    _, k, v = _qkv(2, 2, 2, 1, 21, 64)
+    cache = QuantizedKV.empty(2, 2, 8, 64, device=DEVICE)
+    for lo, hi in ((0, 5), (5, 6), (6, 21)):  # a prompt, one token, a chunk past the capacity
+        cache.append(k[:, :, lo:hi], v[:, :, lo:hi])
+    assert cache.length == 21 and cache.k.shape[2] >= 21 and cache.shape == (2, 2, 21, 64)
+    kd, vd = cache.dequantize()
+    codes, scale = quantize_per_token(k, 8)
+    assert torch.equal(cache.k[:, :, :21], codes) and torch.equal(kd, codes.float() * scale[..., None])
+    assert accuracy_metrics(vd, v)["cos_sim"] > 0.9999 and cache.k.dtype == torch.int8
+
+
+@pytest.mark.parametrize("bits, qmax", [(8, 127), (4, 7), (3, 3)])
+def test_low_bit_codes_share_the_layout(bits, qmax):
+    _, k, v = _qkv(1, 1, 1, 1, 9, 64)
+    cache = quantize_kv_cache(k, v, bits=bits)
+    assert cache.k.dtype == torch.int8 and int(cache.k.abs().max()) == qmax
+
+
+@pytest.mark.parametrize("make, err, match", [
+    (lambda k, v: quantize_kv_cache(k, v, bits=5), ValueError, "bits"),
+    (lambda k, v: quantize_kv_cache(k, v).append(k[:, :, :2, :32], v[:, :, :2, :32]), ValueError, "k, v"),
+    (lambda k, v: QuantizedKV(k, k[..., 0], v, v[..., 0], 0), TypeError, "int8"),
+    (lambda k, v: QuantizedKV.empty(1, 2, 0, 64), ValueError, "capacity"),
+])
+def test_cache_bad_input(make, err, match):
+    _, k, v = _qkv(1, 2, 2, 1, 4, 64)
+    with pytest.raises(err, match=match):
+        make(k, v)
+
+
+# ------------------------------------------------------------------------------------- the decode kernel
+CASES = [  # B, H, Hkv, Sq, L, D, causal
+    (1, 4, 2, 1, 77, 64, True),      # GQA, one token, odd length
+    (2, 8, 2, 3, 133, 128, True),    # speculative draft of 3, head_dim 128
+    (1, 2, 2, 16, 40, 64, True),     # MHA, 16 rows: the largest decode call
+    (1, 6, 3, 5, 29, 128, False),    # non-causal
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize("B,H,Hkv,Sq,L,D,causal", CASES)
+def test_decode_kernel_matches_reference_and_float64(monkeypatch, splits, B, H, Hkv, Sq, L, D, causal):
+    from thrifty.attention import decode_kernel
+    monkeypatch.setitem(decode_kernel._INTERPRET_CONFIG, "target_programs", splits * B * Hkv)
+    q, k, v = _qkv(B, H, Hkv, Sq, L, D, seed=L)
+    cache = quantize_kv_cache(k, v)
+    n_split = decode_kernel.split_plan(L, B * Hkv, decode_kernel.decode_config())[1]
+    assert (n_split == 1) == (splits == 1)  # one chunk, or several merged by the combine kernel
+    out = decode_attention(q, cache, causal=causal, impl="triton")
+    ref = decode_attention_reference(q, cache, causal=causal, dtype=torch.float64)
+    # q and p·v_scale go through fp16 into the tensor cores: 2^-11 relative
+    assert (out.double() - ref.double()).abs().max() < 2e-3
+    exact = exact_attention(q, k, v, causal=causal)  # unquantized K/V, float64
+    assert accuracy_metrics(out, exact)["cos_sim"] > 0.999
+
+
+@needs_kernels
+def test_decode_kernel_bf16_strided_query_and_4bit_cache():
+    q, k, v = _qkv(1, 4, 1, 2, 50, 64, dtype=torch.bfloat16)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, S, H, D) memory, a (B, H, S, D) view
+    cache = quantize_kv_cache(k, v, bits=4)
+    out = decode_attention(q_view, cache, impl="triton")
+    assert out.dtype == torch.bfloat16 and out.stride() == q_view.stride()
+    ref = decode_attention_reference(q.float(), cache, dtype=torch.float64)
+    assert (out.double() - ref).abs().max() < 2e-2  # bf16 output rounding
+
+
+@needs_kernels
+def test_decode_path_runs_the_kernel_only_where_asked(monkeypatch):
+    from thrifty.attention import decode, decode_kernel
+    calls = []
+    real = decode_kernel.decode_forward_triton
+    monkeypatch.setattr(decode_kernel, "decode_forward_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _qkv(1, 2, 1, 1, 20, 64)
+    cache = quantize_kv_cache(k, v)
+    decode_attention(q, cache, impl="triton")
+    assert calls == [1]
+    expected = "triton" if q.is_cuda else "reference"  # the interpreter is never chosen implicitly
+    assert decode.decode_path(q, "auto") == expected
+    assert decode.decode_path(q[..., :32], "auto") == "reference"  # head_dim without a kernel
+
+
+@pytest.mark.parametrize("q_shape, cache_len, err, match", [
+    ((1, 4, 17, 64), 40, ValueError, "1..16 query rows"),
+    ((1, 3, 1, 64), 40, ValueError, "multiple"),
+    ((1, 4, 1, 32), 40, ValueError, "head_dim"),
+    ((2, 4, 1, 64), 40, ValueError, "batch"),
+    ((1, 4, 4, 64), 3, ValueError, "fewer than"),
+])
+def test_decode_bad_input(q_shape, cache_len, err, match):
+    _, k, v = _qkv(1, 2, 2, 1, cache_len, 64)
+    with pytest.raises(err, match=match):
+        decode_attention(torch.randn(*q_shape, device=DEVICE), quantize_kv_cache(k, v))
+    with pytest.raises(TypeError, match="QuantizedKV"):
+        decode_attention(torch.randn(1, 4, 1, 64), (k, v))
+
+
+# ------------------------------------------------------------------------------------------------- routing
+def _spy(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*a, **kw):
+        calls.append(name)
+        return real(*a, **kw)
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("sq", [1, 7, 16, 17])
+def test_short_queries_go_to_sdpa(monkeypatch, sq):
+    from thrifty.attention import api
+    sdpa, quantized = _spy(monkeypatch, api, "_exact_sdpa"), _spy(monkeypatch, api, "_forward")
+    q, k, v = _qkv(1, 4, 2, sq, 40, 64)
+    out = sage_attention(q, k, v, causal=True)
+    assert (sdpa, quantized) == ((["_exact_sdpa"], []) if sq <= 16 else ([], ["_forward"]))
+    exact = exact_attention(q, k, v, causal=True)
+    assert (out - exact).abs().max() < 1e-5 if sq <= 16 else accuracy_metrics(out, exact)["cos_sim"] > 0.999
+
+
+def test_explicit_impl_is_obeyed_for_short_queries(monkeypatch):
+    from thrifty.attention import api
+    quantized = _spy(monkeypatch, api, "_forward")
+    q, k, v = _qkv(1, 4, 2, 2, 40, 64)
+    sage_attention(q, k, v, causal=True, impl="reference")
+    assert quantized == ["_forward"]
+
+
+# ----------------------------------------------------------------------------------------- transformers
+def _tiny_llama(seed=0, layers=2):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_two_models_keep_their_own_options(monkeypatch):
+    from thrifty.attention import hf
+    seen = []
+    real = hf.sage_attention
+    monkeypatch.setattr(hf, "sage_attention", lambda *a, **kw: seen.append(kw.get("qk_bits", 8)) or real(*a, **kw))
+    m8, m4 = _tiny_llama(0), _tiny_llama(1, layers=3)
+    enable_hf(m8)
+    enable_hf(m4, qk_bits=4, plan={2: 8})  # enabling the second model must not change the first
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        for model in (m8, m4, m8):
+            model(ids)
+    assert seen == [8, 8] + [4, 4, 8] + [8, 8]
+    hf.disable_hf(m4)
+    assert not any(hf.OPTIONS_ATTR in m.__dict__ for m in m4.modules())
+
+
+def test_hf_decode_steps_take_sdpa_or_the_quantized_cache(monkeypatch):
+    from thrifty.attention import decode, decode_kernel, hf
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 30))
+    gen = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **gen)
+        enable_hf(model)
+        sdpa = _spy(monkeypatch, hf, "_sdpa")
+        plain = model.generate(ids, **gen)  # stock DynamicCache: decode steps go to transformers' SDPA
+        assert len(sdpa) == 3 * 2  # 3 decode steps × 2 layers; the prompt went to the prefill path
+        sdpa.clear()
+        if not torch.cuda.is_available():  # run the kernel itself (interpreter) for the decode steps
+            monkeypatch.setattr(decode, "decode_path", lambda q, impl="auto": "triton")
+        kernel = _spy(monkeypatch, decode_kernel, "decode_forward_triton")
+        cache = thrifty_kv_cache(model)
+        quant = model.generate(ids, past_key_values=cache, **gen)
+    assert sdpa == [] and len(kernel) == 3 * 2 and cache.layers[0].kv.length == 33
+    assert torch.equal(plain.sequences, ref.sequences) and torch.equal(quant.sequences, ref.sequences)
+    for a, b in zip(quant.logits, ref.logits):
+        assert accuracy_metrics(a, b)["cos_sim"] > 0.999
+
+
+def test_quantized_cache_hands_out_full_kv_when_thrifty_attention_is_off():
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 20))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=3, do_sample=False)
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, past_key_values=thrifty_kv_cache(model))
+    assert torch.equal(out, ref)
+
+
+# ------------------------------------------------------------------------------------------------ GPU only
+@pytest.mark.cuda
+@pytest.mark.parametrize("what", ["prefill", "decode", "short_query"])
+def test_cuda_graph_replay_equals_eager(what):
+    """The whole attention call (pre-pass, kernels, allocations, routing) captured in a CUDA graph."""
+    q, k, v = _qkv(1, 8, 2, {"prefill": 300, "decode": 1, "short_query": 4}[what], 1000, 128, dtype=torch.bfloat16)
+    cache = quantize_kv_cache(k, v)
+    fn = {"prefill": lambda: sage_attention(q, k[:, :, :300], v[:, :, :300], causal=True),
+          "decode": lambda: decode_attention(q, cache),
+          "short_query": lambda: sage_attention(q, k, v, causal=True)}[what]
+    eager = fn()  # compiles and warms the launch caches outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.cuda
+def test_cuda_decode_kernel_real_sizes():
+    q, k, v = _qkv(1, 32, 8, 1, 8191, 64, dtype=torch.bfloat16)
+    cache = quantize_kv_cache(k, v)
+    out = decode_attention(q, cache)
+    ref = decode_attention_reference(q, cache, dtype=torch.float64)
+    assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [8, 4])
+def test_append_kernel_matches_the_torch_quantizer(bits):
+    """The fused append (one launch per tensor, what CUDA caches use) writes the reference's codes and scales."""
+    from thrifty.attention.decode_kernel import append_triton
+    _, k, v = _qkv(2, 2, 3, 1, 13, 64, dtype=torch.bfloat16)
+    ref = quantize_kv_cache(k[:, :, :5], v[:, :, :5], bits=bits, capacity=20)
+    ref._append_torch(k[:, :, 5:], v[:, :, 5:], 13)
+    fused = quantize_kv_cache(k[:, :, :5], v[:, :, :5], bits=bits, capacity=20)
+    append_triton(fused, k[:, :, 5:], v[:, :, 5:])
+    for a, b in ((fused.k, ref.k), (fused.v, ref.v), (fused.k_scale, ref.k_scale), (fused.v_scale, ref.v_scale)):
+        assert torch.equal(a, b)
