@@ -91,15 +91,24 @@ def cmd_demo(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    """Pre-trains a preset-sized reference model from scratch on the corpus; writes checkpoint, history, plot."""
+    """Pre-trains a preset-sized reference model from scratch on the corpus; writes checkpoint, history, plot.
+    Under ``torchrun --nproc-per-node N`` the model is sharded with FSDP2 (thrifty.parallel): --batch-size is
+    then per rank, and rank 0 writes history and plot (every rank its checkpoint shard)."""
     import torch
 
+    from . import parallel
     from .data import TokenDataset
     from .models import LlamaForCausalLM, preset
     from .train import Trainer, TrainConfig
 
-    device = _device(args.device)
+    distributed = parallel.launched_by_torchrun()
+    device = parallel.init_distributed() if distributed else _device(args.device)
+    lead = not distributed or torch.distributed.get_rank() == 0
+    if not lead:
+        torch.distributed.barrier()  # rank 0 builds the corpus if needed, the others wait
     corpus = _corpus(args.corpus, reuse=True)
+    if distributed and lead:
+        torch.distributed.barrier()
     train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "validation")
     with torch.device(device):
         model = LlamaForCausalLM(preset(args.preset)).init_weights(seed=args.seed)
@@ -111,12 +120,16 @@ def cmd_pretrain(args) -> int:
         model.set_loss(functools.partial(lm_loss, impl=args.loss))
     if args.compile:
         model.model.compile()
+    if distributed:
+        parallel.shard_model(model)
     out = Path(args.out)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=max(1, args.steps // 20), eval_every=args.eval_every, eval_batches=8,
                       checkpoint_dir=str(out), seed=args.seed)
     trainer = Trainer(model, train, val, cfg)
-    history = trainer.fit(progress=True)
+    history = trainer.fit(progress=lead)
+    if not lead:
+        return 0
     (out / "history.json").write_text(json.dumps(history))
     _plot_history(history, out / "loss.png", title=f"{args.preset} ({args.loss} loss) on {device}")
     last = history[-1]

@@ -27,12 +27,16 @@ from ..triton_utils import kernels_available
 IMPLS = ("auto", "triton", "reference")
 
 
+# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; the GPU box runs 2.11
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather_stats(lse_r: torch.Tensor, z_r: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """The one collective of the forward: every rank's (lse_r, z_r) -> global (lse, z_target)."""
     world = dist.get_world_size(group)
     mine = torch.stack([lse_r, z_r]).contiguous()  # fp32 (fp64 for the float64 reference)
     out = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
-    dist.all_gather_into_tensor(out, mine.view(-1), group=group)
+    _all_gather_flat(out, mine.view(-1), group=group)
     out = out.view(world, 2, -1)
     return torch.logsumexp(out[:, 0], dim=0), out[:, 1].sum(0)
 
