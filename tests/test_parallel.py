@@ -130,9 +130,15 @@ def _worker(rank, port, out):
     m = _shard_head_alone(ref_model(tied=False, cce=True), mesh)
     res["ref_cce_alone"] = _steps(Trainer(m, data, None, train_cfg(2)), 3)
     res["ref_cce_alone_ran"] = "_thrifty_head_call" in m.lm_head.__dict__
+    try:  # the sharded weight handed straight to the loss: a clear error, not a kernel reading one shard
+        linear_cross_entropy(torch.randn(2, 3, 32), m.lm_head.weight, torch.zeros(2, 3, dtype=torch.long))
+        res["dtensor_error"] = ""
+    except ValueError as err:
+        res["dtensor_error"] = str(err)
 
-    # transformers Llama: stock loss with shard_model; patched (CCE) with lm_head alone
+    # transformers Llama: stock and patched (CCE) with shard_model; patched with lm_head alone
     res["hf_plain"] = _steps(Trainer(shard_model(hf_model()), data, None, train_cfg(2)), 3)
+    res["hf_cce"] = _steps(Trainer(shard_model(hf_model(cce=True)), data, None, train_cfg(2)), 3)
     m = _shard_head_alone(hf_model(cce=True), mesh)
     res["hf_cce_alone"] = _steps(Trainer(m, data, None, train_cfg(2)), 3)
     res["hf_cce_alone_ran"] = "_thrifty_head_call" in m.lm_head.__dict__
@@ -210,12 +216,15 @@ def test_fsdp_trainer_matches_one_process_reference_model(two_ranks):
     close(res["ref_cce"], _steps(_one_process(ref_model(tied=False, cce=True)), 3))
     close(res["ref_cce_alone"], _steps(_one_process(ref_model(tied=False, cce=True)), 3))
     assert res["ref_cce_alone_ran"]  # the loss ran inside the sharded lm_head's all-gather
+    assert "c: got a sharded DTensor" in res["dtensor_error"]
 
 
 def test_fsdp_trainer_matches_one_process_transformers_llama(two_ranks):
     res, _, _ = two_ranks
     close(res["hf_plain"], _steps(_one_process(hf_model()), 3))
-    close(res["hf_cce_alone"], _steps(_one_process(hf_model(cce=True)), 3))
+    cce = _steps(_one_process(hf_model(cce=True)), 3)
+    close(res["hf_cce"], cce)
+    close(res["hf_cce_alone"], cce)
     assert res["hf_cce_alone_ran"]
 
 
