@@ -59,13 +59,13 @@ def ref_model(tied=True, cce=False):
     return model
 
 
-def hf_model(cce=False):
+def hf_model(cce=False, tied=False):
     from thrifty.loss.hf import patch_causal_lm
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
+                                   tie_word_embeddings=tied)
     model = transformers.LlamaForCausalLM(cfg).float().train()
     return patch_causal_lm(model, impl="reference") if cce else model
 
@@ -124,6 +124,11 @@ def _worker(rank, port, out):
     res["ref_plain_val"] = t.evaluate()["val_loss"]
     t.save_checkpoint(out / "ck_ref")
     res["ref_plain_after"] = _steps(t, 2)
+    # a checkpoint written by one plain process (fixture) resumes on 2 ranks
+    t = Trainer(shard_model(ref_model().init_weights(seed=3)), data, data, train_cfg(2, steps=5))
+    t.load_checkpoint(out / "ck_one_sharded")
+    res["one_to_two_step"] = t.step
+    res["one_to_two_after"] = _steps(t, 2)
 
     # untied + cut cross-entropy; the [norm, lm_head] unit, then lm_head alone (DTensor at the seam)
     res["ref_cce"] = _steps(Trainer(shard_model(ref_model(tied=False, cce=True)), data, None, train_cfg(2)), 3)
@@ -139,6 +144,9 @@ def _worker(rank, port, out):
     # transformers Llama: stock and patched (CCE) with shard_model; patched with lm_head alone
     res["hf_plain"] = _steps(Trainer(shard_model(hf_model()), data, None, train_cfg(2)), 3)
     res["hf_cce"] = _steps(Trainer(shard_model(hf_model(cce=True)), data, None, train_cfg(2)), 3)
+    m = hf_model(cce=True, tied=True)  # SmolLM2-style: the head is the embedding (root unit)
+    res["hf_tied"] = m.lm_head.weight is m.model.embed_tokens.weight
+    res["hf_cce_tied"] = _steps(Trainer(shard_model(m), data, None, train_cfg(2)), 3)
     m = _shard_head_alone(hf_model(cce=True), mesh)
     res["hf_cce_alone"] = _steps(Trainer(m, data, None, train_cfg(2)), 3)
     res["hf_cce_alone_ran"] = "_thrifty_head_call" in m.lm_head.__dict__
@@ -190,6 +198,13 @@ def _free_port():
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
+    one = _one_process(ref_model(), steps=5)
+    _steps(one, 3)
+    one.save_checkpoint(out / "ck_one")  # the plain layout (compared in the parent)
+    from thrifty.parallel import save_sharded
+
+    save_sharded(out / "ck_one_sharded", one.model, one.optimizer,
+                 extra_files={"trainer_state.json": (out / "ck_one" / "trainer_state.json").read_text()})
     mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=True)
     res = json.loads((out / "results.json").read_text())
     tensors = [load_file(str(out / f"tensors{r}.safetensors")) for r in range(WORLD)]
@@ -225,6 +240,8 @@ def test_fsdp_trainer_matches_one_process_transformers_llama(two_ranks):
     cce = _steps(_one_process(hf_model(cce=True)), 3)
     close(res["hf_cce"], cce)
     close(res["hf_cce_alone"], cce)
+    assert res["hf_tied"]
+    close(res["hf_cce_tied"], _steps(_one_process(hf_model(cce=True, tied=True)), 3))
     assert res["hf_cce_alone_ran"]
 
 
@@ -247,6 +264,14 @@ def test_checkpoint_saved_on_two_ranks_loads_on_one(two_ranks, tmp_path):
     fresh.load_checkpoint(ck)
     for (n, p), (_, q) in zip(m.named_parameters(), fresh.model.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+
+
+def test_checkpoint_saved_on_one_process_loads_on_two_ranks(two_ranks):
+    res, _, out = two_ranks
+    t = _one_process(ref_model(), steps=5)
+    t.load_checkpoint(out / "ck_one")
+    assert res["one_to_two_step"] == 3
+    close(res["one_to_two_after"], _steps(t, 2))
 
 
 def test_corrupt_sharded_checkpoint_is_refused(two_ranks, tmp_path):
