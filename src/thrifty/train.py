@@ -4,6 +4,10 @@ on GPU, evaluation perplexity, safetensors checkpoints (model, optimizer, traine
 Data is any object with ``batch(batch_size, seq_len, generator) -> (inputs, labels)`` (labels aligned to
 inputs, i.e. already shifted) and ``iter_eval_batches(batch_size, seq_len, max_batches)``, as
 :class:`thrifty.data.TokenDataset` provides.
+
+Several GPUs: under ``torchrun``, shard the model with :func:`thrifty.parallel.shard_model` (FSDP2) first; the
+trainer then gives each rank its rows of every batch, averages losses over ranks and writes sharded
+checkpoints (thrifty/parallel/NOTES.md). ``batch_size`` is per rank.
 """
 
 from __future__ import annotations
