@@ -99,15 +99,24 @@ def cmd_demo(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    """Pre-trains a preset-sized reference model from scratch on the corpus; writes checkpoint, history, plot."""
+    """Pre-trains a preset-sized reference model from scratch on the corpus; writes checkpoint, history, plot.
+    Under ``torchrun --nproc-per-node N`` the model is sharded with FSDP2 (thrifty.parallel): --batch-size is
+    then per rank, and rank 0 writes history and plot (every rank its checkpoint shard)."""
     import torch
 
+    from . import parallel
     from .data import TokenDataset
     from .models import LlamaForCausalLM, preset
     from .train import Trainer, TrainConfig
 
-    device = _device(args.device)
+    distributed = parallel.launched_by_torchrun()
+    device = parallel.init_distributed() if distributed else _device(args.device)
+    lead = not distributed or torch.distributed.get_rank() == 0
+    if not lead:
+        torch.distributed.barrier()  # rank 0 builds the corpus if needed, the others wait
     corpus = _corpus(args.corpus, reuse=True)
+    if distributed and lead:
+        torch.distributed.barrier()
     train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "validation")
     with torch.device(device):
         model = LlamaForCausalLM(preset(args.preset)).init_weights(seed=args.seed)
@@ -124,12 +133,16 @@ def cmd_pretrain(args) -> int:
         schedule = build_for_pretraining(model, args.recipe, stage1_share=args.stage1_share)
     if args.compile:
         model.model.compile()
+    if distributed:
+        parallel.shard_model(model)
     out = Path(args.out)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=max(1, args.steps // 20), eval_every=args.eval_every, eval_batches=8,
                       checkpoint_dir=str(out), seed=args.seed)
     trainer = Trainer(model, train, val, cfg, schedule=schedule)
-    history = trainer.fit(progress=True)
+    history = trainer.fit(progress=lead)
+    if not lead:
+        return 0
     (out / "history.json").write_text(json.dumps(history))
     _plot_history(history, out / "loss.png", title=f"{args.preset} ({args.loss} loss) on {device}")
     last = history[-1]

@@ -4,6 +4,10 @@ on GPU, evaluation perplexity, safetensors checkpoints (model, optimizer, traine
 Data is any object with ``batch(batch_size, seq_len, generator) -> (inputs, labels)`` (labels aligned to
 inputs, i.e. already shifted) and ``iter_eval_batches(batch_size, seq_len, max_batches)``, as
 :class:`thrifty.data.TokenDataset` provides.
+
+Several GPUs: under ``torchrun``, shard the model with :func:`thrifty.parallel.shard_model` (FSDP2) first; the
+trainer then gives each rank its rows of every batch, averages losses over ranks and writes sharded
+checkpoints (thrifty/parallel/NOTES.md). ``batch_size`` is per rank.
 """
 
 from __future__ import annotations
@@ -97,6 +101,10 @@ class Trainer:
             raise TypeError(f"config: expected a TrainConfig, got {type(config).__name__}")
         if next(model.parameters(), None) is None:
             raise ValueError("model: has no parameters to train")
+        self.mesh = getattr(model, "thrifty_mesh", None)  # set by thrifty.parallel.shard_model (FSDP2)
+        if self.mesh is not None:  # each rank reads its own rows of every global batch
+            from .parallel import rank_data
+            train_data, val_data = rank_data(train_data, self.mesh), rank_data(val_data, self.mesh)
         self.model, self.train_data, self.val_data = model, train_data, val_data
         self.cfg = config or TrainConfig()
         self.device = next(model.parameters()).device
@@ -133,15 +141,15 @@ class Trainer:
             inputs, labels = self.train_data.batch(cfg.batch_size, cfg.seq_len, generator=self.generator)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             with self._autocast():
-                loss = self.model(inputs, labels=labels) / cfg.grad_accum
+                loss = self._loss(inputs, labels) / cfg.grad_accum
             loss.backward()
             total += loss.detach()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens_seen += cfg.grad_accum * cfg.batch_size * cfg.seq_len
-        return {"step": self.step, "loss": float(total), "grad_norm": float(norm), "lr": lr}
+        self.tokens_seen += cfg.grad_accum * cfg.batch_size * cfg.seq_len * (self.mesh.size() if self.mesh else 1)
+        return {"step": self.step, "loss": self._mean(total), "grad_norm": float(norm), "lr": lr}
 
     @torch.no_grad()
     def evaluate(self, data=None, max_batches: Optional[int] = None) -> dict:
@@ -149,15 +157,18 @@ class Trainer:
         data = data if data is not None else self.val_data
         if data is None:
             raise ValueError("data: no validation data given to the Trainer or to evaluate()")
+        if self.mesh is not None:
+            from .parallel import rank_data
+            data = rank_data(data, self.mesh)
         self.model.eval()
         losses = []
         for inputs, labels in data.iter_eval_batches(self.cfg.batch_size, self.cfg.seq_len,
                                                     max_batches or self.cfg.eval_batches):
             with self._autocast():
-                losses.append(float(self.model(inputs.to(self.device), labels=labels.to(self.device))))
+                losses.append(float(self._loss(inputs.to(self.device), labels.to(self.device))))
         if not losses:
             raise ValueError("data: iter_eval_batches yielded no batch (validation split too short?)")
-        loss = sum(losses) / len(losses)
+        loss = self._mean(sum(losses) / len(losses))
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)), "val_batches": len(losses)}
 
     def fit(self, progress: bool = True) -> list[dict]:
@@ -191,6 +202,8 @@ class Trainer:
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise ValueError(f"path: {path} is a file; a checkpoint is a folder")
+        if self.mesh is not None:
+            return self._save_sharded(path)
         if hasattr(self.model, "save_pretrained"):
             self.model.save_pretrained(path)
         else:
@@ -219,6 +232,10 @@ class Trainer:
         Every file is read and checked first (present, parseable, names, shapes and dtypes matching this
         model and optimizer); only then is anything changed, so a damaged checkpoint leaves the trainer as it
         was. Errors are ValueError naming the file."""
+        from .parallel.checkpoint import is_sharded_checkpoint
+
+        if is_sharded_checkpoint(Path(path)):
+            return self._load_sharded(Path(path))
         weights, opt, meta, gen_state = self._read_checkpoint(Path(path))
         self.model.load_state_dict(weights, strict=False)
         params = dict(self.model.named_parameters())
@@ -272,3 +289,45 @@ class Trainer:
                 raise ValueError(f"{path / 'optimizer.safetensors'}: entry {key!r} "
                                  f"({value.dtype} {tuple(value.shape)}) does not match this model's optimizer")
         return weights, opt, meta, gen_state
+
+    def _loss(self, inputs, labels):
+        """The model's mean token loss. A transformers model gets the (already shifted) labels as
+        ``shift_labels``, so it does not shift them again."""
+        if hasattr(getattr(self.model, "config", None), "to_json_string"):
+            labels = labels.contiguous()  # HF views the labels flat
+            return self.model(input_ids=inputs, labels=labels, shift_labels=labels).loss
+        return self.model(inputs, labels=labels)
+
+    # ------------------------------------------------------------------------------------- several ranks (FSDP2)
+
+    def _mean(self, value) -> float:
+        """A per-rank mean as the mean over all ranks (each rank averages an equal share of the batch)."""
+        if self.mesh is None:
+            return float(value)
+        from .parallel import mean_over_ranks
+        return mean_over_ranks(value, self.mesh)
+
+    def _save_sharded(self, path: Path) -> Path:
+        """Per-rank safetensors shards + index (thrifty.parallel.checkpoint); loads on any number of ranks."""
+        from .parallel import save_sharded
+
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "config": asdict(self.cfg),
+                 "generator_state": self.generator.get_state().tolist(), "history": self.history}
+        extra = {"trainer_state.json": json.dumps(state)}
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "to_hf"):
+            extra["config.json"] = json.dumps(config.to_hf(), indent=1)
+        elif hasattr(config, "to_json_string"):
+            extra["config.json"] = config.to_json_string()
+        return save_sharded(path, self.model, self.optimizer, rank=self.mesh.get_local_rank(),
+                            world=self.mesh.size(), extra_files=extra)
+
+    def _load_sharded(self, path: Path) -> None:
+        from .parallel import load_sharded
+
+        if not (path / "trainer_state.json").is_file():
+            raise ValueError(f"path: {path} has no trainer_state.json; not a thrifty checkpoint")
+        meta = json.loads((path / "trainer_state.json").read_text())
+        load_sharded(path, self.model, self.optimizer)
+        self.step, self.tokens_seen, self.history = meta["step"], meta["tokens_seen"], meta["history"]
+        self.generator.set_state(torch.tensor(meta["generator_state"], dtype=torch.uint8))

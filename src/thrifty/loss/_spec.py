@@ -53,6 +53,13 @@ def validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label
     check_tensor("targets", targets, integer=True)
     if bias is not None:
         check_tensor("bias", bias, ndim=1, floating=True)
+    for name, x in (("e", e), ("c", c), ("bias", bias)):
+        if type(x).__name__ == "DTensor":  # a kernel would read only this rank's shard
+            raise ValueError(
+                f"{name}: got a sharded DTensor. An FSDP2 lm_head must be all-gathered first: shard with "
+                f"thrifty.parallel.shard_model (the [norm, lm_head] unit) or call the loss through "
+                f"thrifty.parallel.run_with_gathered_head; a tensor-parallel classifier needs "
+                f"thrifty.parallel.vocab_parallel_cross_entropy")
     check_same_device(e=e, c=c, targets=targets, bias=bias)
     if c.dtype != e.dtype:
         raise TypeError(f"c: expected the dtype of e ({e.dtype}), got {c.dtype}")
@@ -82,8 +89,10 @@ def validate_options(ignore_index, reduction, softcap, shift, label_smoothing, z
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
 
 
-def prepare(e, c, targets, ignore_index, shift) -> Prepared:
+def prepare(e, c, targets, ignore_index, shift, vocab_size: Optional[int] = None) -> Prepared:
     """Flattens, applies the causal shift to the (small) targets instead of slicing e, drops ignored tokens.
+    ``vocab_size`` (default c.shape[0]): the range targets are checked against (a vocabulary-parallel c holds
+    only a slice).
 
     With ``shift``, position t of e predicts targets[..., t+1]; the last position of each sequence predicts
     nothing (its loss is 0 in reduction="none"). The host sync for ``nonzero`` also serves the range check.
@@ -95,10 +104,11 @@ def prepare(e, c, targets, ignore_index, shift) -> Prepared:
     e2d = e.reshape(-1, e.shape[-1])
     t = targets.reshape(-1).long()
     valid = t != ignore_index
-    bad = valid & ((t < 0) | (t >= c.shape[0]))
+    V = c.shape[0] if vocab_size is None else vocab_size
+    bad = valid & ((t < 0) | (t >= V))
     if bool(bad.any()):
         first = t[bad][0].item()
-        raise ValueError(f"targets: expected values in [0, {c.shape[0]}) or ignore_index={ignore_index}, got {first}")
+        raise ValueError(f"targets: expected values in [0, {V}) or ignore_index={ignore_index}, got {first}")
     rows = valid.nonzero().squeeze(1)
     return Prepared(e2d=e2d, rows=rows, targets=t[rows], out_shape=out_shape, n_total=e2d.shape[0])
 

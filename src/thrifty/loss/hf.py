@@ -4,7 +4,9 @@ thrifty's linear cross-entropy instead of materialising the logits.
 In transformers 5.17 the ``loss_function`` hook receives logits that were already computed, so (like apple CCE
 and Liger) the only way to skip them is to replace the model's ``forward``. Only this instance is patched.
 Works for models whose forward is ``self.model(...)`` -> hidden states -> ``self.lm_head`` (Llama, Mistral,
-Qwen2, SmolLM2, ...). Not handled: an FSDP2-sharded ``lm_head`` (its weight is a DTensor).
+Qwen2, SmolLM2, ...). An FSDP2-sharded ``lm_head`` works: sharded with its final norm
+(thrifty.parallel.shard_model, transformers' own FSDP plan) its weight is already gathered when the loss runs;
+sharded alone, the loss runs inside its all-gather (thrifty.parallel.run_with_gathered_head).
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from .cce import linear_cross_entropy
 
 _LOSS_OPTIONS = {"ignore_index", "softcap", "label_smoothing", "z_loss", "impl", "filter_eps", "sort_vocab",
                  "chunk_bytes", "e_grad_fp32", "scratch_in_dc", "kernel_config"}  # (shift, reduction: set here)
+
+
+def _classifier_loss(head, hidden, targets, **kw):
+    return linear_cross_entropy(hidden, head.weight, targets, bias=getattr(head, "bias", None), **kw)
+
+
+def _head_loss(head, hidden, targets, **kw):
+    """The loss on ``head``'s weight; an FSDP2 head whose forward did not run is all-gathered around it."""
+    if type(head.weight).__name__ == "DTensor":
+        from ..parallel import run_with_gathered_head
+        return run_with_gathered_head(head, _classifier_loss, hidden, targets, **kw)
+    return _classifier_loss(head, hidden, targets, **kw)
 
 
 def patch_causal_lm(model, **loss_kwargs):
@@ -63,17 +77,17 @@ def patch_causal_lm(model, **loss_kwargs):
         hidden = outputs.last_hidden_state
         # the HF loss: labels shifted left by one (ignore_index appended), or given pre-shifted
         targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-        kw = dict(ignore_index=-100, shift=shift, bias=getattr(self.lm_head, "bias", None))
+        kw = dict(ignore_index=-100, shift=shift)
         kw.update(loss_kwargs)
         if num_items_in_batch is not None:
             if not torch.is_tensor(num_items_in_batch) and not num_items_in_batch > 0:
                 raise ValueError(f"num_items_in_batch: expected a count > 0, got {num_items_in_batch!r}")
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), reduction="sum", **kw)
+            kw["reduction"] = "sum"
+        loss = _head_loss(self.lm_head, hidden, targets.to(hidden.device), **kw)
+        if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
-        else:
-            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device), **kw)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 

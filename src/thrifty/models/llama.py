@@ -122,6 +122,13 @@ def logits_cross_entropy(hidden, weight, labels):
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
 
 
+def _is_dtensor(x) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(x, DTensor)
+
+
 # ----------------------------------------------------------------------------------------------- building blocks
 
 class RMSNorm(nn.Module):
@@ -329,17 +336,23 @@ class LlamaForCausalLM(nn.Module):
             check_tensor("labels", labels, ndim=2, integer=True)
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-            weight = self.lm_head.weight
-            device_type = hidden.device.type
-            if torch.is_autocast_enabled(device_type):
-                # the loss seam sees what the lm_head Linear would see under autocast, so a fused linear-CE
-                # runs its matmuls in bf16 like F.linear does, not in fp32
-                dtype = torch.get_autocast_dtype(device_type)
-                hidden, weight = hidden.to(dtype), weight.to(dtype)
-            return self.loss_fn(hidden, weight, labels)
+            if _is_dtensor(self.lm_head.weight):  # lm_head sharded as its own FSDP2 unit (or tensor-parallel)
+                from ..parallel import run_with_gathered_head
+                return run_with_gathered_head(self.lm_head, self._seam_loss, hidden, labels)
+            return self._seam_loss(self.lm_head, hidden, labels)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(hidden)
+
+    def _seam_loss(self, head, hidden, labels):
+        weight = head.weight
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            # the loss seam sees what the lm_head Linear would see under autocast, so a fused linear-CE
+            # runs its matmuls in bf16 like F.linear does, not in fp32
+            dtype = torch.get_autocast_dtype(device_type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+        return self.loss_fn(hidden, weight, labels)
 
     # --------------------------------------------------------------------------------------- checkpoints
 

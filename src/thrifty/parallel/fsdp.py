@@ -1,0 +1,165 @@
+"""FSDP2 for thrifty's models: process-group start-up from the torchrun environment, ``shard_model``
+(per-block units, the (norm, lm_head) tail, the root), the classifier call that works on a sharded lm_head (run_with_gathered_head),
+per-rank data, and the cross-rank means the trainer reports.
+
+Everything here is PyTorch's own engine (``torch.distributed``, ``fully_shard``); thrifty adds only the wiring.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from .._checks import check_positive_int
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    """True in a process started by ``torchrun`` (its environment names the rank and the rendezvous)."""
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def init_distributed(backend: Optional[str] = None) -> torch.device:
+    """Joins the process group described by the torchrun environment (once) and returns this rank's device:
+    ``cuda:LOCAL_RANK`` with NCCL where there is a GPU, the CPU with gloo otherwise."""
+    if not launched_by_torchrun() and not dist.is_initialized():
+        raise RuntimeError("init_distributed: no torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+                           "MASTER_PORT); launch with `torchrun --nproc-per-node N ...`")
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"))
+    return device
+
+
+def data_parallel_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over every rank of the default group (the FSDP2 shard dimension)."""
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def mixed_precision(device: torch.device, enabled: Optional[bool] = None) -> MixedPrecisionPolicy:
+    """bf16 parameters in forward/backward with fp32 gradient reduction on CUDA (the sharded fp32 master copy
+    stays fp32 for the optimizer); plain fp32 on the CPU."""
+    if enabled is None:
+        enabled = device.type == "cuda"
+    if not enabled:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _blocks(model: torch.nn.Module):
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not hasattr(model, "lm_head") or not hasattr(inner, "norm"):
+        raise TypeError(f"model: expected a Llama-family causal LM (.model.layers, .model.norm, .lm_head), "
+                        f"got {type(model).__name__}")
+    return inner, layers
+
+
+def shard_model(model: torch.nn.Module, mesh: Optional[DeviceMesh] = None, *,
+                mixed_precision_enabled: Optional[bool] = None) -> torch.nn.Module:
+    """Applies FSDP2 in place and returns the model: one unit per decoder block (resharded after forward),
+    the tail ``[final norm, lm_head]`` as one unit kept unsharded from forward to its backward (the loss reads
+    ``lm_head.weight`` right after the norm ran, so it sees the all-gathered weight: no extra gather), and the
+    root (embeddings; with tied embeddings the head too, since one parameter cannot live in two units).
+
+    Works for :class:`thrifty.models.LlamaForCausalLM` and transformers Llama-family ``*ForCausalLM``. The
+    model must already be on this rank's device; ``mesh`` defaults to all ranks.
+    """
+    inner, layers = _blocks(model)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("model: already sharded with fully_shard")
+    device = next(model.parameters()).device
+    mesh = mesh if mesh is not None else data_parallel_mesh(device)
+    mp = mixed_precision(device, mixed_precision_enabled)
+    for block in layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    if model.lm_head.weight is not inner.embed_tokens.weight:
+        fully_shard([inner.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.thrifty_mesh = mesh  # read by the Trainer (rank data, means, sharded checkpoints)
+    return model
+
+
+def mesh_of(model: torch.nn.Module) -> Optional[DeviceMesh]:
+    """The data-parallel mesh of a model sharded by :func:`shard_model`, else None."""
+    return getattr(model, "thrifty_mesh", None)
+
+
+def _head_call(self, fn, *args, **kwargs):
+    return fn(self, *args, **kwargs)
+
+
+def run_with_gathered_head(head: torch.nn.Module, fn: Callable, *args, **kwargs):
+    """``fn(head, *args, **kwargs)`` with ``head``'s parameters all-gathered when ``head`` is an FSDP2 unit
+    whose forward has not run (its weight is then a sharded DTensor, which no kernel can use); a plain call
+    otherwise (a plain head, or the head of :func:`shard_model`, already gathered with the final norm).
+
+    The call goes through a method registered with ``register_fsdp_forward_method``, so FSDP2 runs its
+    pre-forward all-gather (with the mixed-precision cast of the parameters and of float arguments), its
+    post-forward reshard and, in backward, the re-gather and the reduce-scatter of the gradients -- exactly
+    as for ``head(x)``. A head that is not an FSDP2 unit is called as is (a tensor-parallel classifier keeps
+    its DTensor weight: give it to thrifty.parallel.vocab_parallel_cross_entropy).
+    """
+    if not (isinstance(head, FSDPModule) and isinstance(head.weight, DTensor)):
+        return fn(head, *args, **kwargs)
+    if "_thrifty_head_call" not in head.__dict__:
+        head._thrifty_head_call = types.MethodType(_head_call, head)
+        register_fsdp_forward_method(head, "_thrifty_head_call")
+    return head._thrifty_head_call(fn, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- data and means
+
+class RankData:
+    """Each rank's share of a dataset: ``batch(b, T, generator)`` draws the global batch of ``world * b``
+    windows from the generator (identical on every rank) and keeps this rank's ``b`` rows, so the ranks read
+    distinct windows and N ranks x b rows see exactly the windows of one process with N x b rows.
+
+    ``iter_eval_batches`` splits each global evaluation batch into equal row slices; a short last batch loses
+    its ``rows mod world`` trailing rows (every rank must run the same forwards: FSDP2 gathers in each)."""
+
+    def __init__(self, data, rank: int, world: int):
+        check_positive_int("world", world)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank: expected a value in [0, {world}), got {rank}")
+        self.data, self.rank, self.world = data, rank, world
+
+    def batch(self, batch_size, seq_len, generator=None):
+        inputs, labels = self.data.batch(batch_size * self.world, seq_len, generator=generator)
+        rows = slice(self.rank * batch_size, (self.rank + 1) * batch_size)
+        return inputs[rows], labels[rows]
+
+    def iter_eval_batches(self, batch_size, seq_len, max_batches=None):
+        for inputs, labels in self.data.iter_eval_batches(batch_size * self.world, seq_len, max_batches):
+            per_rank = inputs.shape[0] // self.world
+            if per_rank == 0:
+                return
+            rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+            yield inputs[rows], labels[rows]
+
+
+def rank_data(data, mesh: DeviceMesh):
+    """``data`` wrapped as :class:`RankData` for this rank of ``mesh`` (None stays None; no double wrapping)."""
+    if data is None or isinstance(data, RankData):
+        return data
+    return RankData(data, mesh.get_local_rank(), mesh.size())
+
+
+def mean_over_ranks(value, mesh: DeviceMesh) -> float:
+    """The mean of a per-rank scalar over the mesh (each rank's loss is a mean over its equal share)."""
+    t = torch.as_tensor(value, dtype=torch.float64).reshape(1)
+    device = "cuda" if mesh.device_type == "cuda" else "cpu"
+    t = t.to(device)
+    dist.all_reduce(t, group=mesh.get_group())
+    return float(t) / mesh.size()
