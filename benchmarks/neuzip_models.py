@@ -13,7 +13,7 @@
 (3) Per-block decode: host time of one block decode call (``block_decode_host_us``), GPU time of the one launch
     against a copy of the same bf16 bytes.
 
-    python benchmarks/neuzip_models.py [--checkpoint DIR] [--skip-train | --skip-infer --suffix -train] [--smoke]
+    python benchmarks/neuzip_models.py [--checkpoint DIR] [--skip-train | --skip-infer --suffix=-train] [--smoke]
     python benchmarks/neuzip_models.py --cpu-accuracy DIR   # CPU: perplexity + memory only (no speed)
 
 ``--smoke``: tiny sizes on the CPU (writes ``neuzip_models_smoke.json``; not a result).
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-infer", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     p.add_argument("--suffix", default="", help="appended to the device tag of the result file (split runs: "
-                   "'-train' with --skip-infer, '-infer' with --skip-train)")
+                   "--suffix=-train with --skip-infer, --suffix=-infer with --skip-train)")
     p.add_argument("--cpu-accuracy", default=None, metavar="DIR",
                    help="CPU: perplexity and weight memory of every variant for the checkpoint DIR (no speed)")
     args = p.parse_args(argv)
