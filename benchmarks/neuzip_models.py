@@ -13,7 +13,7 @@
 (3) Per-block decode: host time of one block decode call (``block_decode_host_us``), GPU time of the one launch
     against a copy of the same bf16 bytes.
 
-    python benchmarks/neuzip_models.py [--checkpoint DIR] [--skip-train] [--skip-infer] [--smoke]
+    python benchmarks/neuzip_models.py [--checkpoint DIR] [--skip-train | --skip-infer --suffix=-train] [--smoke]
     python benchmarks/neuzip_models.py --cpu-accuracy DIR   # CPU: perplexity + memory only (no speed)
 
 ``--smoke``: tiny sizes on the CPU (writes ``neuzip_models_smoke.json``; not a result).
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 import time
 
@@ -77,10 +78,8 @@ def train_rows(args, device):
     rows, losses = [], {}
     for name, opt_name, use_lomo, neuzip in variants:
         row = {"part": "train", "variant": name, "params_m": None}
+        model = opt = adam = step_fn = batches = None
         try:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
             model = _train_model(shape, device)
             row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
             cfg = LomoConfig(optimizer=opt_name, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0,
@@ -102,6 +101,11 @@ def train_rows(args, device):
                 return loss.detach()
             g = torch.Generator().manual_seed(0)
             batches = [torch.randint(0, shape["vocab_size"], (bsz, seq + 1), generator=g) for _ in range(steps)]
+            if device.type == "cuda":  # the peak of training, not of building (the bf16 model before compression)
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                row["setup_allocated_gib"] = torch.cuda.memory_allocated(device) / 2**30
             step_losses, t0 = [], None
             for i, b in enumerate(batches):
                 if i == warm:
@@ -119,9 +123,14 @@ def train_rows(args, device):
             losses[name] = step_losses
             if use_lomo:
                 row["optimizer_state_gib"] = opt.state_bytes / 2**30
-            del model
         except Exception as err:  # a failing variant (OOM) keeps its row
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        # free this variant completely before the next one's peak is measured
+        model = opt = adam = step_fn = batches = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            row["left_allocated_mib"] = torch.cuda.memory_allocated(device) / 2**20
         rows.append(row)
         print(row, flush=True)
     return rows, losses
@@ -285,6 +294,10 @@ def block_decode_rows(args, device, base):
 
 
 # ------------------------------------------------------------------------------------------------ main
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _summary(train, losses, infer, block):
     s = {}
     by = {r["variant"]: r for r in train if "error" not in r}
@@ -331,6 +344,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-infer", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    p.add_argument("--suffix", default="", help="appended to the device tag of the result file (split runs: "
+                   "--suffix=-train with --skip-infer, --suffix=-infer with --skip-train)")
     p.add_argument("--cpu-accuracy", default=None, metavar="DIR",
                    help="CPU: perplexity and weight memory of every variant for the checkpoint DIR (no speed)")
     args = p.parse_args(argv)
@@ -379,13 +394,19 @@ def main(argv=None) -> int:
         import tempfile
 
         results_dir = tempfile.mkdtemp(prefix="neuzip_models_smoke_")
-    path = bench.write_result("neuzip_models", rows, summary, device="smoke" if args.smoke else None, extra=extra,
-                              results_dir=results_dir)
+    tag = ("smoke" if args.smoke else bench.detect_device(device)) + args.suffix
+    path = bench.write_result("neuzip_models", rows, summary, device=tag, extra=extra, results_dir=results_dir)
     try:
         bench.plot_rows([r for r in infer if "error" not in r], x="variant", y="val_ppl",
                         path=path.with_suffix(".png"), title="validation perplexity by weight format")
     except Exception as err:  # a plot failure must not lose the numbers
         print("plot failed:", err)
+    if any(_is_number(r.get("peak_gib")) for r in train):
+        try:
+            bench.plot_rows([r for r in train if "error" not in r], x="variant", y="peak_gib",
+                            path=path.with_name(path.stem + "_train.png"), title="training peak memory (GiB)")
+        except Exception as err:
+            print("plot failed:", err)
     bench.print_table(train, ["variant", "params_m", "peak_gib", "it_per_s", "loss_first", "loss_last"])
     bench.print_table(infer, ["variant", "val_ppl", "weight_mib", "tokens_per_s", "block_weights_ratio_vs_bf16"])
     print("SUMMARY", summary)

@@ -60,7 +60,8 @@ def _pack_kernel(x_ptr, len_ptr, code_ptr, start_ptr, words_ptr, raw_ptr, n, n_l
         sym = (u >> SHIFT) & 0xFF
         length = tl.where(ok, tl.load(len_ptr + sym), 0)
         code = tl.where(ok, tl.load(code_ptr + sym), 0).to(tl.uint64)
-        buf = buf | (code << (64 - nb - length).to(tl.uint64))
+        # past the end (length 0) the shift would reach 64, undefined for a 64-bit shift: shift a zero by 0
+        buf = buf | (code << tl.where(ok, 64 - nb - length, 0).to(tl.uint64))
         nb += length
         full = ok & (nb >= 32)
         tl.atomic_or(words_ptr + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=full)

@@ -345,7 +345,8 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
 
     mode / mantissa_bits / steps: see :class:`NeuZipConfig` (or pass ``config``). train: a
     :class:`~thrifty.neuzip.lomo.LomoConfig` to attach the fused optimizer (lossless only); or call
-    :func:`thrifty.neuzip.lomo` later. Lossy modes need bfloat16 weights."""
+    :func:`thrifty.neuzip.lomo` later. Lossy modes need bfloat16 weights. Move the model to its device (and
+    dtype) first: the packs and buffers are made on the weights' device and do not follow a later ``.to()``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "neuzip", None) is not None:
