@@ -4,7 +4,7 @@ argument (ValueError/TypeError) or the reference result (float64 within a tolera
 
 The specs live in ``tests/fuzz_specs_*.py`` (every such file's ``SPECS`` is collected); how to add a technique
 is at the top of ``tests/fuzz_registry.py``. CI runs a bounded, derandomized profile (same examples every run);
-``THRIFTY_FUZZ_EXAMPLES=500`` runs more (e.g. before a release), ``THRIFTY_FUZZ_RANDOM=1`` draws new ones.
+``THRIFTY_FUZZ_EXAMPLES=500`` runs that many per spec, slow ones included (e.g. before a release), ``THRIFTY_FUZZ_RANDOM=1`` draws new ones.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _of(kind):
 
 
 def _examples(spec) -> int:
-    return min(spec.max_examples, EXAMPLES) if spec.max_examples else EXAMPLES
+    return min(spec.max_examples, EXAMPLES) if spec.max_examples and "THRIFTY_FUZZ_EXAMPLES" not in os.environ \
+        else EXAMPLES
 
 
 # ------------------------------------------------------------------------------------------- bad arguments

@@ -338,3 +338,12 @@ def test_calibrate_refuses_nan_instead_of_choosing_4_bits():
         model.model.layers[0].self_attn.q_proj.weight[0, 0] = NAN
     with pytest.raises(ValueError, match="NaN"):  # min(1.0, nan) kept 1.0: "4 bits is fine" before
         calibrate(model, [torch.randint(0, 64, (1, 8))], threshold=0.99)
+
+
+def test_written_files_get_ordinary_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        neuzip.save(tmp_path / "a.nz", {"a": torch.randn(3)})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.nz").stat().st_mode & 0o777 == 0o644  # not the 0600 of a temporary file

@@ -37,11 +37,13 @@ def atomic_path(path):
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
     os.close(fd)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes it 0600; give it the permissions of an ordinary new file
     try:
         yield Path(tmp)
+        # mkstemp (and safetensors, which writes its own temporary file) make it 0600: give it the
+        # permissions of an ordinary new file
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -277,6 +277,9 @@ def _keep_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ metrics
 def accuracy_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict:
     """The paper's metrics: cosine similarity, relative L1 (Σ|o−r| / Σ|r|), RMSE; and the max abs error."""
+    if out.numel() != ref.numel() or out.numel() == 0:
+        raise ValueError(f"out, ref: expected two non-empty tensors of one size, got {tuple(out.shape)} and "
+                         f"{tuple(ref.shape)}")
     o, r = out.double().flatten(), ref.double().flatten()
     cos = torch.nn.functional.cosine_similarity(o, r, dim=0).item()
     rel_l1 = ((o - r).abs().sum() / r.abs().sum().clamp_min(1e-30)).item()
