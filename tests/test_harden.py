@@ -347,3 +347,16 @@ def test_written_files_get_ordinary_permissions(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "a.nz").stat().st_mode & 0o777 == 0o644  # not the 0600 of a temporary file
+
+
+@pytest.mark.parametrize("layout_rows", [1, 4, 16])
+def test_short_query_route_keeps_nan_rows(layout_rows):
+    """Queries of 1-16 rows go to SDPA; torch's CPU flash SDPA returns zeros for a NaN query row."""
+    from thrifty import sage_attention
+
+    q = torch.randn(1, 2, layout_rows, 64)
+    k, v = torch.randn(1, 1, 32, 64), torch.randn(1, 1, 32, 64)
+    q[0, 1, -1, 3] = NAN
+    out = sage_attention(q, k, v, causal=True)
+    assert out[0, 1, -1].isnan().all()
+    assert out[0, 0].isfinite().all() and out[0, 1, :-1].isfinite().all()

@@ -85,13 +85,18 @@ def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_
             result = sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
                                          smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
                                          smooth_q=smooth_q)
-        if return_lse:
-            return result[0].masked_fill(bad_rows[..., None], float("nan")), result[1].masked_fill(bad_rows, float("nan"))
-        return result.masked_fill(bad_rows[..., None], float("nan"))
+        return _nan_rows(result, bad_rows, return_lse)
     return sage_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, qk_format="int8" if qk_bits == 8 else "int4",
         pv="fp8" if pv == "fp8" else "fp16", smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v,
         return_lse=return_lse, block_m=SMOOTH_Q_BLOCK)
+
+
+def _nan_rows(result, bad_rows, return_lse):
+    """Sets the output rows (and LSEs) that depend on a non-finite input to NaN (see ``nonfinite_rows``)."""
+    if return_lse:
+        return result[0].masked_fill(bad_rows[..., None], float("nan")), result[1].masked_fill(bad_rows, float("nan"))
+    return result.masked_fill(bad_rows[..., None], float("nan"))
 
 
 def _exact_sdpa(q, k, v, causal, sm_scale, return_lse=False):
@@ -164,16 +169,19 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     q, k, v = _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     smooth_q = (qk_bits == 4) if smooth_q is None else bool(smooth_q)
-    if short_query_goes_to_sdpa(impl, q.shape[2], k.shape[2], causal):
-        result = _exact_sdpa(q, k, v, bool(causal), sm_scale, return_lse)
-        if layout == "bshd":
-            return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
-        return result
     opts = dict(causal=bool(causal), sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
                 smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q, smooth_q),
                 return_lse=return_lse)
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:  # no batch, queries or keys: the documented empty result
         result = empty_attention(q, k, bool(causal), return_lse)
+        if layout == "bshd":
+            return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
+        return result
+    if short_query_goes_to_sdpa(impl, q.shape[2], k.shape[2], causal):
+        # NaN in -> NaN out here too: torch's CPU flash SDPA returns zeros for a NaN query row
+        bad_rows = nonfinite_rows(q, k, v, bool(causal))
+        result = _exact_sdpa(q, k, v, bool(causal), sm_scale, return_lse)
+        result = _nan_rows(result, bad_rows, return_lse)
         if layout == "bshd":
             return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
         return result
