@@ -32,6 +32,13 @@ from .reference import exact_attention, nonfinite_rows
 CACHE_BITS = (8, 4, 3)
 
 
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int):  # 8.0 == 8 would pass check_choice
+        raise TypeError(f"bits: expected an int in {list(CACHE_BITS)}, got {bits!r}")
+    check_choice("bits", bits, CACHE_BITS)
+    return bits
+
+
 def qmax_of(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
@@ -40,8 +47,7 @@ def quantize_per_token(x: torch.Tensor, bits: int = 8):
     """``(B, H, S, D)`` floats → (int8 codes, fp32 scale ``(B, H, S)``), symmetric, round half away from zero
     (as the append kernel). An all-zero token gets scale 1e-12 (any positive scale reproduces its zeros).
     A token holding NaN/±inf gets the codes of its finite values (the others coded 0) and a NaN scale."""
-    check_choice("bits", bits, CACHE_BITS)
-    qmax = qmax_of(bits)
+    qmax = qmax_of(check_bits(bits))
     xf = x.float()
     finite = torch.isfinite(xf)
     xf = torch.where(finite, xf, 0.0)  # a NaN must not reach the token's absmax, nor int8 conversion
@@ -64,7 +70,7 @@ class QuantizedKV:
     bits: int = 8
 
     def __post_init__(self):
-        check_choice("bits", self.bits, CACHE_BITS)
+        check_bits(self.bits)
         check_tensor("k", self.k, ndim=4, dtypes=(torch.int8,))
         check_tensor("v", self.v, ndim=4, dtypes=(torch.int8,))
         check_tensor("k_scale", self.k_scale, ndim=3, dtypes=(torch.float32,))
@@ -154,6 +160,8 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor, *, bits: int = 8,
     B, H, S, D = k.shape
     if 0 in (B, H, D):
         raise ValueError(f"k: expected batch, kv heads and head_dim > 0, got shape {tuple(k.shape)}")
+    if capacity is not None:
+        check_positive_int("capacity", capacity)
     cache = QuantizedKV.empty(B, H, max(capacity or S, S, 1), D, device=k.device, bits=bits)
     return cache.append(k, v)
 
