@@ -355,6 +355,11 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
         config = NeuZipConfig(mode=mode, mantissa_bits=mantissa_bits, steps=steps)
     elif not isinstance(config, NeuZipConfig):
         raise TypeError(f"config: expected a NeuZipConfig, got {type(config).__name__}")
+    if train is not None:
+        from .lomo import LomoConfig
+
+        if not isinstance(train, LomoConfig):  # checked here: lomo() runs after the model was changed
+            raise TypeError(f"train: expected None or a LomoConfig, got {type(train).__name__}")
     if train is not None and config.kept_bits is not None:
         raise ValueError(f"train: lossy NeuZip (mantissa_bits={config.mantissa_bits}) cannot be trained; use "
                          "mode='lossless'")
