@@ -90,3 +90,35 @@ DECODE_KERNEL = NumericSpec("attention.decode.triton", decode_inputs(head_dims=(
                             lambda a: _run(a, "triton"), _check_decode, max_examples=8)
 
 SPECS = [DECODE_ARGS, CACHE_ARGS, CACHE_EMPTY_ARGS, DECODE_REFERENCE, DECODE_KERNEL]
+
+
+def _fields(B=1, H=2, C=4, D=8):
+    return dict(k=torch.zeros(B, H, C, D, dtype=torch.int8), k_scale=torch.ones(B, H, C),
+                v=torch.zeros(B, H, C, D, dtype=torch.int8), v_scale=torch.ones(B, H, C), length=2, bits=8)
+
+
+QUANTIZED_KV_FIELDS = ArgSpec(  # the cache dataclass: every field validated at construction
+    "attention.QuantizedKV", QuantizedKV, valid=_fields,
+    bad={"k": [torch.zeros(1, 2, 4, 8), torch.zeros(2, 4, 8, dtype=torch.int8), torch.zeros(1, 0, 4, 8, dtype=torch.int8),
+               torch.zeros(1, 2, 8, 4, dtype=torch.int8).transpose(-1, -2)],
+         "v": [torch.zeros(1, 2, 5, 8, dtype=torch.int8)], "k_scale": [torch.ones(1, 2, 4).double(), torch.ones(1, 2, 5)],
+         "v_scale": [torch.ones(1, 2)], "length": [-1, 5, 1.0, None], "bits": [2, 8.0, True]},
+    mention={"v": "v", "v_scale": "v_scale", "k_scale": "k_scale"})
+
+
+def _hf_model():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+    return SimpleNamespace(config=LlamaConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1))
+
+
+def _kv_cache(**kw):
+    from thrifty.attention import thrifty_kv_cache
+    return thrifty_kv_cache(**kw)
+
+
+HF_CACHE_ARGS = ArgSpec("attention.thrifty_kv_cache", _kv_cache, valid=lambda: dict(model=_hf_model()),
+                        bad={"bits": [5, 8.0, None, "8"], "model": [3, None]})
+
+SPECS += [QUANTIZED_KV_FIELDS, HF_CACHE_ARGS]
