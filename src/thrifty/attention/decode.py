@@ -56,7 +56,8 @@ def decode_attention(q: torch.Tensor, cache: QuantizedKV, *, causal: bool = True
     """softmax(q·Kᵀ·sm_scale)·V over a quantized KV cache, for 1–16 query rows (decoding; speculative
     drafts). q: ``(B, H, Sq, D)``, H a multiple of the cache's Hkv; ``causal``: the queries are the cache's
     last Sq positions (their own K/V already appended). Output like q. NaN in -> NaN out: the rows that see a
-    NaN/inf query value or cached token are NaN, the others unaffected. ``sm_scale``: finite, > 0. ``impl``: "auto" (the split-K kernel
+    NaN/inf query value or cached token are NaN, the others unaffected. ``sm_scale``: finite, > 0. Zero heads
+    or query rows, or fewer cached tokens than queries: ValueError (a cache has batch, heads, head_dim ≥ 1). ``impl``: "auto" (the split-K kernel
     on CUDA, head_dim 64 or 128; else the reference), "triton", "reference". No autograd (inference)."""
     _validate_decode(q, cache)
     check_choice("impl", impl, ("auto", "triton", "reference"))
