@@ -79,7 +79,8 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
         keep = col_ok[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= last_key[:, None])
-        row_bad = tl.maximum(row_bad, tl.max(tl.where(keep & ~col_finite[None, :], 1, 0), axis=1))
+        sees_bad = tl.where(keep & ~col_finite[None, :], 1, 0) + tl.zeros((ROWS, BLOCK_N), tl.int32)  # full shape
+        row_bad = tl.maximum(row_bad, tl.max(sees_bad, axis=1))
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep p = 0, no nan
