@@ -258,3 +258,83 @@ def test_append_kernel_matches_the_torch_quantizer(bits):
     append_triton(fused, k[:, :, 5:], v[:, :, 5:])
     for a, b in ((fused.k, ref.k), (fused.v, ref.v), (fused.k_scale, ref.k_scale), (fused.v_scale, ref.v_scale)):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ NaN in -> NaN out, edge sizes
+def _rows_that_see(q, k, v, causal):
+    """(B, H, Sq): rows whose query holds NaN/inf or that see a key/value token holding one (independent of
+    reference.nonfinite_rows)."""
+    B, H, Sq, _ = q.shape
+    L, g = k.shape[2], H // k.shape[1]
+    sees = torch.arange(L)[None, :] <= torch.arange(Sq)[:, None] + (L - Sq) if causal else torch.ones(Sq, L).bool()
+    bad_tok = (~torch.isfinite(k) | ~torch.isfinite(v)).any(-1).repeat_interleave(g, dim=1)  # (B, H, L)
+    return (~torch.isfinite(q)).any(-1) | (sees.to(q.device) & bad_tok[:, :, None, :]).any(-1)
+
+
+def test_quantizer_marks_a_nonfinite_token_and_leaves_the_others_alone():
+    _, k, _ = _qkv(1, 2, 2, 1, 6, 64)
+    clean_codes, clean_scale = quantize_per_token(k)
+    k[0, 0, 2, 5], k[0, 1, 4, 0] = float("nan"), float("-inf")
+    codes, scale = quantize_per_token(k)
+    bad = torch.zeros(1, 2, 6, dtype=torch.bool)
+    bad[0, 0, 2] = bad[0, 1, 4] = True
+    assert scale[bad].isnan().all() and torch.equal(scale[~bad], clean_scale[~bad])
+    assert torch.equal(codes[~bad], clean_codes[~bad])
+    assert codes[0, 0, 2, 5] == 0 and codes[0, 1, 4, 0] == 0  # no int8 conversion of a NaN (undefined)
+    kd, _ = quantize_kv_cache(k, k).dequantize()
+    assert kd[bad].isnan().all() and kd[~bad].isfinite().all()
+
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_kernels)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_nan_reaches_exactly_the_rows_that_see_it(monkeypatch, impl, causal):
+    """A NaN key/value late in the cache, an inf value early in another head, a NaN query row: those rows are NaN,
+    every other row equals attention with the bad values as zeros (once, this gave NaN or garbage elsewhere)."""
+    from thrifty.attention import decode_kernel
+    monkeypatch.setitem(decode_kernel._INTERPRET_CONFIG, "target_programs", 4)  # several splits
+    q, k, v = _qkv(2, 4, 2, 3, 45, 64)
+    k[0, 0, 43, 7] = float("nan")     # seen only by the last 2 query rows when causal
+    v[0, 1, 44, 3] = float("nan")     # the last token: p = 0 for the other rows, and 0·NaN is NaN
+    v[1, 1, 3, 0] = float("inf")      # seen by every row of heads 2, 3 of sequence 1
+    q[1, 0, 1, 9] = float("-inf")
+    cache = quantize_kv_cache(k, v)
+    out = decode_attention(q, cache, causal=causal, impl=impl)
+    bad = _rows_that_see(q, k, v, causal)
+    assert bad.any() and (~bad).any()
+    assert out[bad].isnan().all(), "a row that sees NaN/inf is not NaN"
+    assert out[~bad].isfinite().all(), "NaN/inf leaked into a row that sees none"
+    zero = lambda x: torch.where(torch.isfinite(x), x, 0.0)  # noqa: E731
+    clean = quantize_kv_cache(zero(k), zero(v))
+    ref = decode_attention_reference(zero(q), clean, causal=causal, dtype=torch.float64)
+    assert (out[~bad].double() - ref[~bad]).abs().max() < 2e-3
+
+
+@needs_kernels
+def test_append_kernel_marks_nonfinite_tokens_like_the_torch_quantizer():
+    from thrifty.attention.decode_kernel import append_triton
+    _, k, v = _qkv(1, 2, 2, 1, 7, 64)
+    k[0, 1, 3, 2], v[0, 0, 6, 63] = float("nan"), float("inf")
+    ref = QuantizedKV.empty(1, 2, 8, 64)
+    ref._append_torch(k, v, 7)
+    fused = QuantizedKV.empty(1, 2, 8, 64)
+    append_triton(fused, k, v)
+    assert torch.equal(fused.k, ref.k) and torch.equal(fused.v, ref.v)
+    for a, b in ((fused.k_scale, ref.k_scale), (fused.v_scale, ref.v_scale)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert ref.k_scale[0, 1, 3].isnan() and ref.v_scale[0, 0, 6].isnan()
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: decode_attention(torch.randn(1, 0, 1, 64), quantize_kv_cache(torch.randn(1, 2, 4, 64),
+                                                                           torch.randn(1, 2, 4, 64))), "q"),
+    (lambda: decode_attention(torch.randn(1, 2, 1, 64), quantize_kv_cache(torch.randn(1, 2, 4, 64),
+                                                                           torch.randn(1, 2, 4, 64)),
+                              sm_scale=float("nan")), "sm_scale"),
+    (lambda: decode_attention(torch.randn(1, 2, 1, 64), QuantizedKV.empty(1, 2, 4, 64)), "cache"),  # no tokens
+    (lambda: quantize_kv_cache(torch.randn(0, 2, 4, 64), torch.randn(0, 2, 4, 64)), "k"),
+    (lambda: quantize_kv_cache(torch.randn(1, 2, 4, 0), torch.randn(1, 2, 4, 0)), "k"),
+    (lambda: QuantizedKV(*(torch.zeros(1, 0, 4, 8, dtype=torch.int8), torch.ones(1, 0, 4)) * 2, 0), "k"),
+])
+def test_decode_degenerate_sizes_and_bad_scale_are_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -361,3 +361,29 @@ def test_transformers_llama_lomo_bit_identical_with_hf_checkpointing():
         b.backward()
         assert torch.equal(a, b)
     assert packed.neuzip.stats["block_runs"] == 2 * 2 * 2  # forward + recompute, 2 blocks, 2 steps
+
+
+@pytest.mark.parametrize("extra, says", [(["--batches", "0"], "--batches"), (["--seq-len", "-1"], "--seq-len"),
+                                         (["--device", "tpu"], "--device")])
+def test_eval_cli_user_errors_are_one_line(tmp_path, capsys, extra, says):
+    """Once, --batches 0 printed a perplexity of 1.0 over no tokens, and a bad --device gave a traceback."""
+    from thrifty.cli import main
+
+    assert main(["eval", str(tmp_path / "missing"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err and "Traceback" not in err
+
+
+def test_load_compressed_refuses_a_config_that_does_not_match_the_weights(tmp_path):
+    """A config.json edited (or damaged) to other layer sizes loaded, and failed only in forward."""
+    import json
+
+    save_compressed(compress_model(tiny()), tmp_path / "ckpt")
+    cfg_path = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "intermediate_size": 40}))
+    with pytest.raises(ValueError, match="config.json"):
+        load_compressed(tmp_path / "ckpt")
+    cfg_path.write_bytes(b"\xfb" + cfg_path.read_bytes())  # not UTF-8
+    with pytest.raises(ValueError, match="config.json"):
+        load_compressed(tmp_path / "ckpt")

@@ -348,3 +348,42 @@ def test_bad_arguments_get_clear_errors():
     e, c, t = vp_inputs()
     with pytest.raises(RuntimeError, match="process group"):
         vocab_parallel_cross_entropy(e, c, t, vocab_start=0, vocab_size=V_VP)
+
+
+def _one_process_checkpoint(path):
+    from thrifty.parallel import save_sharded
+
+    model = ref_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    save_sharded(path, model, opt, rank=0, world=1)
+    return model, opt
+
+
+def test_sharded_checkpoint_flipped_byte_and_bad_optimizer_entry_are_refused_before_use(tmp_path, monkeypatch):
+    """Once, a flipped byte in a shard's tensor data loaded as other weights (no checksum), and an optimizer
+    entry naming no parameter of the model was refused only after the model's weights were overwritten."""
+    from thrifty.parallel import checkpoint, load_sharded
+
+    _one_process_checkpoint(tmp_path / "a")
+    shard = tmp_path / "a" / "model-rank00000-of00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x10  # inside the last tensor's data: the header still parses
+    shard.write_bytes(bytes(raw))
+    model = ref_model()
+    with pytest.raises(ValueError, match="model-rank00000-of00001.safetensors.*checksum"):
+        load_sharded(tmp_path / "a", model)
+
+    _one_process_checkpoint(tmp_path / "b")
+    index = checkpoint.read_index(tmp_path / "b")  # files intact; the entry of a model that is not this one
+    key = next(k for k in index["optimizer"] if k.endswith("::exp_avg"))
+    index["optimizer"]["nope::exp_avg"] = index["optimizer"].pop(key)
+    monkeypatch.setattr(checkpoint, "read_index", lambda path: index)
+    model = ref_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="unknown parameter nope"):
+        load_sharded(tmp_path / "b", model, opt)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before use

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_choice, check_tensor
+from .._checks import check_bool, check_choice, check_range, check_tensor
 from ..triton_utils import kernels_available
 from .kv_cache import QuantizedKV, decode_attention_reference
 from .routing import DECODE_MAX_ROWS
@@ -22,6 +22,8 @@ def _validate_decode(q, cache):
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q: expected float16, bfloat16 or float32, got {q.dtype}")
     B, H, Sq, D = q.shape
+    if H == 0:
+        raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
     Bc, Hkv, _, Dc = cache.k.shape
     if B != Bc or D != Dc:
         raise ValueError(f"q: expected batch {Bc} and head_dim {Dc} like the cache, got {tuple(q.shape)}")
@@ -53,10 +55,15 @@ def decode_attention(q: torch.Tensor, cache: QuantizedKV, *, causal: bool = True
                      sm_scale: Optional[float] = None, impl: str = "auto") -> torch.Tensor:
     """softmax(q·Kᵀ·sm_scale)·V over a quantized KV cache, for 1–16 query rows (decoding; speculative
     drafts). q: ``(B, H, Sq, D)``, H a multiple of the cache's Hkv; ``causal``: the queries are the cache's
-    last Sq positions (their own K/V already appended). Output like q. ``impl``: "auto" (the split-K kernel
+    last Sq positions (their own K/V already appended). Output like q. NaN in -> NaN out: the rows that see a
+    NaN/inf query value or cached token are NaN, the others unaffected. ``sm_scale``: finite, > 0. Zero heads
+    or query rows, or fewer cached tokens than queries: ValueError (a cache has batch, heads, head_dim ≥ 1). ``impl``: "auto" (the split-K kernel
     on CUDA, head_dim 64 or 128; else the reference), "triton", "reference". No autograd (inference)."""
     _validate_decode(q, cache)
     check_choice("impl", impl, ("auto", "triton", "reference"))
+    check_bool("causal", causal)
+    if sm_scale is not None:
+        check_range("sm_scale", sm_scale, 0.0, float("inf"), lo_open=True)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     if decode_path(q, impl) == "triton":
         from .decode_kernel import decode_forward_triton  # kernels are imported on first use only

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
 from .kv_cache import QuantizedKV
-from .quant_kernel import INTERPRET, LOG2E, cdiv, launch_with
+from .quant_kernel import INTERPRET, LOG2E, _finite_or_zero, cdiv, launch_with
 
 
 
@@ -51,7 +51,11 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
     d = tl.arange(0, HEAD_DIM)
     q_ptr = Q + b.to(tl.int64) * s_qb + (hkv * G + g)[:, None] * s_qh + i[:, None] * s_qs + d[None, :] * s_qd
     q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = (q * qk_scale).to(tl.float16)
+    # NaN in -> NaN out (the rule of reference.nonfinite_rows): a row whose query holds NaN/inf, or that sees
+    # a token the cache marks non-finite (NaN scale, see kv_cache.quantize_per_token), is NaN; everything
+    # else is computed with those values as zeros, so the other rows are unaffected
+    row_bad = tl.max(tl.where(tl.abs(q) < float("inf"), 0, 1), axis=1)
+    q = (_finite_or_zero(q) * qk_scale).to(tl.float16)
     last_key = L - Sq + i  # causal: query i sees keys ≤ L − Sq + i
     k_base = K + b.to(tl.int64) * c_b + hkv * c_h
     v_base = V + b.to(tl.int64) * c_b + hkv * c_h
@@ -68,10 +72,15 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
         col_ok = cols < hi
         k = tl.load(k_base + cols[None, :].to(tl.int64) * c_s + d[:, None], mask=col_ok[None, :], other=0)
         ks = tl.load(ks_base + cols, mask=col_ok, other=0.0)
+        vs = tl.load(vs_base + cols, mask=col_ok, other=0.0)
+        col_finite = (tl.abs(ks) < float("inf")) & (tl.abs(vs) < float("inf"))
+        ks, vs = _finite_or_zero(ks), _finite_or_zero(vs)
         s = mma(q, k.to(tl.float16), tl.zeros((ROWS, BLOCK_N), tl.float32)) * ks[None, :]
         keep = col_ok[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= last_key[:, None])
+        sees_bad = tl.where(keep & ~col_finite[None, :], 1, 0) + tl.zeros((ROWS, BLOCK_N), tl.int32)  # full shape
+        row_bad = tl.maximum(row_bad, tl.max(sees_bad, axis=1))
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep p = 0, no nan
@@ -79,9 +88,9 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * c_s + d[None, :], mask=col_ok[:, None], other=0)
-        vs = tl.load(vs_base + cols, mask=col_ok, other=0.0)
         acc = mma((p * vs[None, :]).to(tl.float16), v.to(tl.float16), acc * alpha[:, None])
         m_i = m_new
+    acc = tl.where(row_bad[:, None] > 0, float("nan"), acc)  # NaN survives the combine's rescaling and l
     part = Part + ((pid_bh * n_split + pid_s) * ROWS + rows[:, None]).to(tl.int64) * HEAD_DIM + d[None, :]
     tl.store(part, acc)
     ml = ML + (pid_bh * n_split + pid_s) * ROWS + rows
@@ -177,9 +186,12 @@ def _append_kernel(X, Codes, Scale, s_xb, s_xh, s_xs, s_xd, c_b, c_h, c_s, cs_b,
     b, h = pid_bh // H_KV, pid_bh % H_KV
     d = tl.arange(0, HEAD_DIM)
     x = tl.load(X + b.to(tl.int64) * s_xb + h * s_xh + i * s_xs + d * s_xd).to(tl.float32)
+    bad = tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=0)
+    x = _finite_or_zero(x)  # as quantize_per_token: codes of the finite values, a NaN scale marks the token
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-12)
     y = x / scale
     codes = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)  # round half away from zero, as the reference
+    scale = tl.where(bad > 0, float("nan"), scale)
     slot = start + i
     tl.store(Codes + b.to(tl.int64) * c_b + h * c_h + slot.to(tl.int64) * c_s + d, codes)
     tl.store(Scale + b.to(tl.int64) * cs_b + h * cs_h + slot, scale)

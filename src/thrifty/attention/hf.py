@@ -182,9 +182,8 @@ def thrifty_kv_cache(model, bits: int = 8):
     otherwise the cache hands out dequantized K/V."""
     from transformers.cache_utils import Cache
 
-    from .._checks import check_choice
-    from .kv_cache import CACHE_BITS
-    check_choice("bits", bits, CACHE_BITS)
+    from .kv_cache import check_bits
+    check_bits(bits)
     if not hasattr(model, "config"):
         raise TypeError(f"model: expected a transformers model, got {type(model).__name__}")
     return Cache(layer_class_to_replicate=functools.partial(_layer_class(), config=model.config, bits=bits))

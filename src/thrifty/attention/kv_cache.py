@@ -12,6 +12,10 @@ Layout (one :class:`QuantizedKV` per attention layer), for B sequences, Hkv key/
   time without re-quantizing anything already stored (per-block scales would need a block to fill first).
 * ``length``: tokens stored; ``bits``: 8, 4 or 3.
 
+NaN in -> NaN out: a token holding NaN/±inf is stored as the codes of its finite values with a NaN scale, so
+the cache remembers it without touching any other token (scales are per token); decoding then makes exactly
+the query rows that see it NaN (the rule of ``reference.nonfinite_rows``), and ``dequantize`` gives NaN there.
+
 Bytes per token and head: 2·D codes + 8 scale bytes, against 4·D for bf16: 0.53× at D=64, 0.52× at D=128.
 """
 
@@ -23,9 +27,16 @@ from typing import Optional
 import torch
 
 from .._checks import check_choice, check_positive_int, check_tensor
-from .reference import exact_attention
+from .reference import exact_attention, nonfinite_rows
 
 CACHE_BITS = (8, 4, 3)
+
+
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int):  # 8.0 == 8 would pass check_choice
+        raise TypeError(f"bits: expected an int in {list(CACHE_BITS)}, got {bits!r}")
+    check_choice("bits", bits, CACHE_BITS)
+    return bits
 
 
 def qmax_of(bits: int) -> int:
@@ -34,14 +45,16 @@ def qmax_of(bits: int) -> int:
 
 def quantize_per_token(x: torch.Tensor, bits: int = 8):
     """``(B, H, S, D)`` floats → (int8 codes, fp32 scale ``(B, H, S)``), symmetric, round half away from zero
-    (as the append kernel). An all-zero token gets scale 1e-12 (any positive scale reproduces its zeros)."""
-    check_choice("bits", bits, CACHE_BITS)
-    qmax = qmax_of(bits)
+    (as the append kernel). An all-zero token gets scale 1e-12 (any positive scale reproduces its zeros).
+    A token holding NaN/±inf gets the codes of its finite values (the others coded 0) and a NaN scale."""
+    qmax = qmax_of(check_bits(bits))
     xf = x.float()
+    finite = torch.isfinite(xf)
+    xf = torch.where(finite, xf, 0.0)  # a NaN must not reach the token's absmax, nor int8 conversion
     scale = (xf.abs().amax(dim=-1) / qmax).clamp_min(1e-12)
     y = xf / scale[..., None]
     codes = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp_(-qmax, qmax).to(torch.int8)
-    return codes, scale
+    return codes, scale.masked_fill(~finite.all(dim=-1), float("nan"))
 
 
 @dataclass
@@ -57,7 +70,7 @@ class QuantizedKV:
     bits: int = 8
 
     def __post_init__(self):
-        check_choice("bits", self.bits, CACHE_BITS)
+        check_bits(self.bits)
         check_tensor("k", self.k, ndim=4, dtypes=(torch.int8,))
         check_tensor("v", self.v, ndim=4, dtypes=(torch.int8,))
         check_tensor("k_scale", self.k_scale, ndim=3, dtypes=(torch.float32,))
@@ -67,6 +80,8 @@ class QuantizedKV:
             raise ValueError(f"k, v, k_scale, v_scale: expected shapes (B, Hkv, capacity, D) and (B, Hkv, capacity), "
                              f"got {tuple(self.k.shape)}, {tuple(self.v.shape)}, {tuple(self.k_scale.shape)}, "
                              f"{tuple(self.v_scale.shape)}")
+        if 0 in (self.k.shape[0], self.k.shape[1], self.k.shape[3]):
+            raise ValueError(f"k: expected batch, kv heads and head_dim > 0, got shape {tuple(self.k.shape)}")
         if self.k.stride(-1) != 1 or self.v.stride(-1) != 1:
             raise ValueError("k, v: expected head_dim contiguous (stride 1)")
         if not isinstance(self.length, int) or not 0 <= self.length <= self.k.shape[2]:
@@ -143,6 +158,10 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor, *, bits: int = 8,
     """A :class:`QuantizedKV` holding ``(B, Hkv, S, D)`` keys and values (room for ``capacity`` tokens)."""
     check_tensor("k", k, ndim=4, floating=True)
     B, H, S, D = k.shape
+    if 0 in (B, H, D):
+        raise ValueError(f"k: expected batch, kv heads and head_dim > 0, got shape {tuple(k.shape)}")
+    if capacity is not None:
+        check_positive_int("capacity", capacity)
     cache = QuantizedKV.empty(B, H, max(capacity or S, S, 1), D, device=k.device, bits=bits)
     return cache.append(k, v)
 
@@ -151,9 +170,13 @@ def decode_attention_reference(q: torch.Tensor, cache: QuantizedKV, *, causal: b
                                sm_scale: Optional[float] = None, dtype=torch.float32) -> torch.Tensor:
     """The specification of the decode kernel: exact softmax attention of ``q`` ``(B, H, Sq, D)`` over the
     dequantized cache, in ``dtype``; ``causal`` puts the queries at the last ``Sq`` positions. Output in
-    q's dtype."""
+    q's dtype. NaN in -> NaN out: the rows that see a non-finite query or cached token are NaN, the others are
+    computed with those values as zeros (``reference.nonfinite_rows``)."""
     k, v = cache.dequantize(torch.float32)
-    return exact_attention(q, k, v, causal=causal, sm_scale=sm_scale, dtype=dtype)
+    bad_rows = nonfinite_rows(q, k, v, causal)
+    zero = lambda x: torch.where(torch.isfinite(x), x, 0.0)  # noqa: E731  (0·NaN would leak to other rows)
+    out = exact_attention(zero(q), zero(k), zero(v), causal=causal, sm_scale=sm_scale, dtype=dtype)
+    return out.masked_fill(bad_rows[..., None], float("nan"))
 
 
 __all__ = ["QuantizedKV", "quantize_kv_cache", "quantize_per_token", "decode_attention_reference", "CACHE_BITS"]

@@ -219,21 +219,24 @@ def eval_main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     args = p.parse_args(argv)
-    device = _device(args.device)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" or args.neuzip not in (None, "lossless") else torch.float32
     try:
+        for flag, n in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+            if n < 1:  # --batches 0 would print a perplexity of 1.0 over no tokens
+                raise ValueError(f"{flag}: expected an int >= 1, got {n}")
+        device = _device(args.device)
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" or args.neuzip not in (None, "lossless") else torch.float32
         model = load_any_model(Path(args.model), device, dtype)
         if args.neuzip is not None:
             if getattr(model, "neuzip", None) is not None:
                 raise ValueError("--neuzip: the checkpoint is already compressed")
             mode = "lossless" if args.neuzip == "lossless" else "lossy"
             compress_model(model, mode, None if mode == "lossless" else int(args.neuzip))
+        val = TokenDataset(_corpus(args.corpus, reuse=True), "validation")
     except (OSError, ValueError) as err:
         print(f"thrifty eval: {err}", file=sys.stderr)
         return 2
-    val = TokenDataset(_corpus(args.corpus, reuse=True), "validation")
     t0 = time.perf_counter()
     r = validation_perplexity(model, val, args.batch_size, args.seq_len, args.batches, device)
     state = getattr(model, "neuzip", None)

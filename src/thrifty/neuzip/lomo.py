@@ -134,7 +134,7 @@ def lomo(model: torch.nn.Module, config: Optional[LomoConfig] = None) -> FusedOp
     ``remove``). Raises ValueError for a lossy compressed model (its weights cannot be re-encoded exactly)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    opt = FusedOptimizer(config or LomoConfig())
+    opt = FusedOptimizer(LomoConfig() if config is None else config)
     state = getattr(model, "neuzip", None)
     if state is not None:
         state.attach_optimizer(opt)  # raises for lossy weights

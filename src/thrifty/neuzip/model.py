@@ -355,6 +355,11 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
         config = NeuZipConfig(mode=mode, mantissa_bits=mantissa_bits, steps=steps)
     elif not isinstance(config, NeuZipConfig):
         raise TypeError(f"config: expected a NeuZipConfig, got {type(config).__name__}")
+    if train is not None:
+        from .lomo import LomoConfig
+
+        if not isinstance(train, LomoConfig):  # checked here: lomo() runs after the model was changed
+            raise TypeError(f"train: expected None or a LomoConfig, got {type(train).__name__}")
     if train is not None and config.kept_bits is not None:
         raise ValueError(f"train: lossy NeuZip (mantissa_bits={config.mantissa_bits}) cannot be trained; use "
                          "mode='lossless'")
@@ -438,41 +443,55 @@ def is_compressed_checkpoint(path) -> bool:
 
 
 def load_compressed(path, device="cpu") -> nn.Module:
-    """Reads a checkpoint of :func:`save_compressed`; every tensor is checked (format.load) before the model
-    is built. Returns the model with ``model.neuzip`` set, on ``device``."""
+    """Reads a checkpoint of :func:`save_compressed`; every tensor is checked (format.load), and config.json
+    against the tensors' shapes, before the model is returned: a damaged or mismatched checkpoint raises a
+    ValueError naming the file. Returns the model with ``model.neuzip`` set, on ``device``."""
     from . import format as FMT
 
     path = Path(path)
-    if not (path / "config.json").is_file() or not (path / CHECKPOINT_FILE).is_file():
+    cfg_path, ckpt_path = path / "config.json", path / CHECKPOINT_FILE
+    if not cfg_path.is_file() or not ckpt_path.is_file():
         raise ValueError(f"path: expected a folder with config.json and {CHECKPOINT_FILE}, got {path}")
-    entries = FMT.load(path / CHECKPOINT_FILE, device=device)
-    try:
-        config = json.loads((path / "config.json").read_text())
+    entries = FMT.load(ckpt_path, device=device)
+    try:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        config = json.loads(cfg_path.read_text())
+        if not isinstance(config, dict):
+            raise TypeError(f"expected a JSON object, got {type(config).__name__}")
         nz = NeuZipConfig(**config.pop("thrifty_neuzip"))
         kind = config.pop("thrifty_model")
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{path / 'config.json'}: corrupted ({type(err).__name__}: {err})") from None
-    if kind == "reference":
-        from ..models import LlamaConfig, LlamaForCausalLM
-
-        with torch.device(device):
-            model = LlamaForCausalLM(LlamaConfig.from_hf(config))
-    else:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        hf_config = AutoConfig.for_model(**config)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(hf_config)
+        if kind not in ("reference", "transformers"):
+            raise ValueError(f"thrifty_model: expected 'reference' or 'transformers', got {kind!r}")
+        model = _build_model(config, kind, device)
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
+        raise ValueError(f"{cfg_path}: corrupted or not a thrifty NeuZip config ({type(err).__name__}: {err})") from None
     prefix, blocks = find_blocks(model)
     groups, packs = [], []
     for i, block in enumerate(blocks):
         linears = _block_linears(block, f"{prefix}.{i}" if prefix else str(i))
-        missing = [n for n, _ in linears if not isinstance(entries.get(f"{n}.weight"), CompressedTensor)]
-        if missing:
-            raise ValueError(f"{path}: compressed weights missing for {missing[:3]}")
+        weights = [entries.get(f"{n}.weight") for n, _ in linears]
+        bad = [n for (n, m), w in zip(linears, weights)
+               if not isinstance(w, CompressedTensor) or tuple(w.shape) != tuple(m.weight.shape)]
+        if bad:  # a config.json that does not describe these weights (they would fail only in forward)
+            raise ValueError(f"{ckpt_path}: compressed weights missing or of another shape than {cfg_path.name} "
+                             f"says for {bad[:3]}")
+        try:
+            pack = BlockPack(weights)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{ckpt_path}: block {i}: {err}") from None
+        if (pack.mantissa_bits, pack.steps) != (nz.kept_bits, nz.steps) or pack.dtype not in R.DTYPES:
+            raise ValueError(f"{ckpt_path}: block {i} is coded with mantissa_bits={pack.mantissa_bits}, "
+                             f"steps={pack.steps}, dtype {pack.dtype}; {cfg_path.name} says {nz}")
         groups.append(linears)
-        packs.append(BlockPack([entries.pop(f"{n}.weight") for n, _ in linears]))
+        for n, _ in linears:
+            entries.pop(f"{n}.weight")
+        packs.append(pack)
     plain = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+    expected = model.state_dict()
+    wrong = [k for k, v in plain.items() if k in expected and expected[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"{ckpt_path}: {wrong[:3]} have other shapes than {cfg_path.name} says")
+    if len({p.dtype for p in packs}) != 1:
+        raise ValueError(f"{ckpt_path}: blocks of different weight dtypes")
     dtype = packs[0].dtype
     model.to(dtype)
     _install(model, blocks, groups, packs, nz)
@@ -482,3 +501,16 @@ def load_compressed(path, device="cpu") -> nn.Module:
     if missing or unexpected:
         raise ValueError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model
+
+
+def _build_model(config: dict, kind: str, device) -> nn.Module:
+    if kind == "reference":
+        from ..models import LlamaConfig, LlamaForCausalLM
+
+        with torch.device(device):
+            return LlamaForCausalLM(LlamaConfig.from_hf(config))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**config)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config)

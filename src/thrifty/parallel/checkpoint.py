@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .._io import crc_metadata, read_json, read_safetensors
+
 FORMAT = "thrifty-sharded-v1"
 INDEX = "sharded_index.json"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
@@ -105,7 +107,8 @@ def save_sharded(path, model: torch.nn.Module, optimizer=None, *, rank: int = 0,
         index[kind] = entries
         index["files"][kind] = [_file(kind, r, world) for r in range(world)]
         tmp = path / (_file(kind, rank, world) + ".tmp")
-        save_file(local, str(tmp), metadata={"format": "pt", "thrifty": FORMAT})
+        # each tensor's CRC32 in the header: read_index finds flipped bytes (safetensors has no checksum)
+        save_file(local, str(tmp), metadata={"format": "pt", "thrifty": FORMAT, **crc_metadata(local)})
         os.replace(tmp, path / _file(kind, rank, world))  # a crash mid-write leaves no valid-looking shard
     if rank == 0:
         for name, text in (extra_files or {}).items():
@@ -123,18 +126,24 @@ def is_sharded_checkpoint(path) -> bool:
 
 
 def read_index(path) -> dict:
-    """The index, checked: format, world size, file list, entries; and every file's header against it."""
+    """The index, checked: format, world size, file list, entries; every file's header against it, and its
+    tensors against their checksums. Any damage: ValueError naming the file."""
+    path = Path(path)
+    index = read_json(path / INDEX, "JSON index of a sharded checkpoint")
+    try:
+        _check_index(path, index)
+    except (KeyError, TypeError, AttributeError, IndexError) as err:  # a damaged index of another structure
+        raise ValueError(f"{path / INDEX}: malformed index ({type(err).__name__}: {err})") from None
+    return index
+
+
+def _check_index(path: Path, index: dict) -> None:
     from safetensors import safe_open
 
-    path = Path(path)
-    try:
-        index = json.loads((path / INDEX).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"path: {path / INDEX} is missing or not valid JSON ({err})") from None
     if index.get("format") != FORMAT:
         raise ValueError(f"path: {path / INDEX} has format {index.get('format')!r}, expected {FORMAT!r}")
     world = index.get("world_size")
-    if not isinstance(world, int) or world < 1:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"path: {path / INDEX} has an invalid world_size {world!r}")
     for kind in ("model", "optimizer"):
         files = index["files"][kind]
@@ -146,21 +155,21 @@ def read_index(path) -> dict:
                     keys = set(f.keys())
                     for name, entry in index[kind].items():
                         if name not in keys:
-                            raise ValueError(f"path: {fname} lacks {name}")
+                            raise ValueError(f"path: {path / fname} lacks {name} ({INDEX} lists it)")
                         if entry["dtype"] not in _DTYPES:
-                            raise ValueError(f"path: {name} has unsupported dtype {entry['dtype']}")
+                            raise ValueError(f"path: {path / INDEX}: {name} has unsupported dtype {entry['dtype']}")
                         want = list(entry["shape"])
                         if entry["placement"] == "shard0":
                             lo, hi = entry["rows"][r]
                             want[0] = hi - lo
                         got = list(f.get_slice(name).get_shape())
                         if got != want:
-                            raise ValueError(f"path: {fname}: {name} has shape {got}, index says {want}")
+                            raise ValueError(f"path: {path / fname}: {name} has shape {got}, {INDEX} says {want}")
             except ValueError:
                 raise
             except Exception as err:  # safetensors raises its own errors for truncated or corrupt files
                 raise ValueError(f"path: {path / fname} is missing, truncated or corrupt ({err})") from None
-    return index
+            read_safetensors(path / fname)  # checks the CRC32 of every tensor (ValueError naming the file)
 
 
 def _read_rows(path: Path, files: list, name: str, entry: dict, lo: int, hi: int) -> torch.Tensor:
@@ -209,17 +218,24 @@ def load_sharded(path, model: torch.nn.Module, optimizer=None) -> dict:
         if list(t.shape) != index["model"][name]["shape"]:
             raise ValueError(f"checkpoint {path}: {name} has shape {index['model'][name]['shape']}, "
                              f"the model {list(t.shape)}")
+    params = dict(model.named_parameters())
+    if optimizer is not None:  # checked before the model is touched: no half-restored state
+        for key, entry in index["optimizer"].items():
+            name, _, field = key.partition("::")
+            if name not in params or not field:
+                raise ValueError(f"checkpoint {path}: optimizer state for unknown parameter {name}")
+            scalar = entry["placement"] == "replicate" and entry["shape"] == []
+            if not scalar and entry["shape"] != list(params[name].shape):
+                raise ValueError(f"checkpoint {path}: {key} has shape {entry['shape']}, parameter "
+                                 f"{list(params[name].shape)}")
     files = index["files"]["model"]
     for name, t in targets.items():
         lo, hi, local = _target_rows(t.detach())
         local.copy_(_read_rows(path, files, name, index["model"][name], lo, hi))
     if optimizer is not None:
-        params = dict(model.named_parameters())
         files = index["files"]["optimizer"]
         for key, entry in index["optimizer"].items():
             name, field = key.split("::")
-            if name not in params:
-                raise ValueError(f"checkpoint {path}: optimizer state for unknown parameter {name}")
             p = params[name]
             state = optimizer.state[p]
             if entry["placement"] == "replicate" and entry["shape"] == []:  # AdamW's step counter
@@ -227,8 +243,6 @@ def load_sharded(path, model: torch.nn.Module, optimizer=None) -> dict:
                 on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
                 state[field] = value.to(p.device if on_device else "cpu")
                 continue
-            if entry["shape"] != list(p.shape):
-                raise ValueError(f"checkpoint {path}: {key} has shape {entry['shape']}, parameter {list(p.shape)}")
             value = torch.zeros_like(p.detach(), dtype=_DTYPES[entry["dtype"]])
             lo, hi, local = _target_rows(value)
             local.copy_(_read_rows(path, files, key, entry, lo, hi))

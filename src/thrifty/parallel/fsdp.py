@@ -131,6 +131,7 @@ class RankData:
 
     def __init__(self, data, rank: int, world: int):
         check_positive_int("world", world)
+        check_positive_int("rank", rank, allow_zero=True)
         if not 0 <= rank < world:
             raise ValueError(f"rank: expected a value in [0, {world}), got {rank}")
         self.data, self.rank, self.world = data, rank, world

@@ -174,6 +174,12 @@ def vocab_parallel_cross_entropy(
     vocab_size = vocab_size if vocab_size is not None else size_from_c
     if vocab_size is None:
         raise ValueError("vocab_size: required when c is a plain tensor (the full vocabulary size)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__}")
+    if dist.get_world_size(group) == 1 and vocab_size != c_local.shape[0]:
+        # one rank must hold every row; else targets in the missing rows would count a logit of 0, silently
+        raise ValueError(f"vocab_size: a one-rank group holds the whole vocabulary: expected c's "
+                         f"{c_local.shape[0]} rows, got {vocab_size}")
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= vocab_size - c_local.shape[0]:
         raise ValueError(f"vocab_start: expected an int in [0, {vocab_size - c_local.shape[0]}] "
                          f"(vocab_size - rows of c), got {start!r}")
