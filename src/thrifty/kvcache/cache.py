@@ -54,7 +54,10 @@ class ShadowKVEngine:
 
     def prefill(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                 k_pre: Optional[torch.Tensor] = None) -> None:
-        T = k_post.shape[2]
+        B, T = k_post.shape[0], k_post.shape[2]
+        if B == 0 or T == 0:
+            raise ValueError(f"k_post: an empty prompt (shape {tuple(k_post.shape)}) has nothing to compress; "
+                             "a ShadowKVCache keeps prompts shorter than min_prompt_len dense")
         if self.cos is None or self.cos.shape[0] < T or self.cos.device != k_post.device:
             self.cos, self.sin = (t.float() for t in self._cos_sin_fn(T, k_post.device))
         host = torch.device("cpu") if k_post.device.type == "cuda" else k_post.device
@@ -367,7 +370,10 @@ class _ThriftyDispatch:
 # ----------------------------------------------------------------------------------------------- helpers
 
 def _model_shape(model) -> tuple[int, int, int]:
-    cfg = model.config
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "num_hidden_layers"):
+        raise TypeError(f"model: expected a Llama-family model with a .config (transformers or "
+                        f"thrifty.models.LlamaForCausalLM), got {type(model).__name__}")
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
     heads = cfg.num_attention_heads

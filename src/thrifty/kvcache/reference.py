@@ -170,6 +170,7 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     B, H, T, D = k_post.shape
     c, dev, dtype = config.chunk_size, k_post.device, k_post.dtype
     lengths = lengths.to(dev)
+    _check_finite_keys(k_post, lengths)
     n_chunks = chunk_layout(lengths, config)
     C = max(int(n_chunks.max()), 1)
     chunk_real = torch.arange(C, device=dev)[None, :] < n_chunks[:, None]  # (B, C)
@@ -220,6 +221,18 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
                       gen_v=empty.clone())
 
 
+def _check_finite_keys(k_post: torch.Tensor, lengths: torch.Tensor) -> None:
+    """NaN/inf in a prompt key is refused: the SVD mixes every token and head of a sequence, so one bad key would
+    turn all of that sequence's rebuilt keys (every head) to NaN, or fail to converge. Padding rows are ignored."""
+    T = k_post.shape[2]
+    real = torch.arange(T, device=k_post.device)[None, :] < lengths[:, None]  # (B, T)
+    bad = (~torch.isfinite(k_post)).any(-1).any(1) & real
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"keys: the prompt key of sequence {b} at token {t} holds NaN/inf; ShadowKV compresses a "
+                         "sequence's keys jointly (one SVD over all heads) and refuses non-finite prompt keys")
+
+
 def _gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, D) at pos (B, H, N) -> (B, H, N, D)."""
     return x.gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1]))
@@ -242,6 +255,8 @@ def landmark_scores(q: torch.Tensor, state: LayerState) -> torch.Tensor:
     sel = state.selectable[:, :, None]
     probs = logits.masked_fill(~sel, float("-inf")).softmax(-1)
     probs = torch.where(sel, probs, -1.0)  # also clears the NaN of a row with nothing selectable
+    # a NaN query head (its own output is NaN anyway) must not decide the picks of the other heads of its group
+    probs = torch.where(probs.isnan(), -1.0, probs)
     return probs.amax(2)
 
 
