@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_positive_int, check_range, check_tensor
+from .._checks import check_bool, check_choice, check_positive_int, check_range, check_tensor
 from ..models.llama import RMSNorm
 from . import reference as ref
 
@@ -50,6 +50,9 @@ class BitLinear(nn.Module):
         super().__init__()
         check_positive_int("in_features", in_features)
         check_positive_int("out_features", out_features)
+        check_bool("bias", bias)
+        check_bool("sub_norm", sub_norm)
+        check_range("norm_eps", norm_eps, 0.0, 1.0, lo_open=True)
         if weight_splits is not None:
             if not isinstance(weight_splits, (list, tuple)):
                 raise TypeError(f"weight_splits: expected a sequence of ints, got {type(weight_splits).__name__}")
