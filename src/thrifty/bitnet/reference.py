@@ -18,7 +18,8 @@ through the TopK mask, as Q-Sparse and the a4.8 paper do). The arithmetic is fp3
 result is cast back), and the scale is applied as ``x · (q_max / (stat + ε))`` — the order the kernels use, so the
 two agree bit for bit under the interpreter. An all-zero token quantizes to zeros (ε keeps the division finite);
 NaN or ±inf in a token makes that token all NaN (its scale is undefined). Tokens of zero features (D = 0) give the
-empty result.
+empty result. The arithmetic being fp32, a float32 token holding values within a few ulp of the largest float may
+overflow: INT4's mean|x| becomes inf (the token comes out NaN), and the rescale ``q · (γ/127)`` may round to ±inf.
 """
 
 from __future__ import annotations

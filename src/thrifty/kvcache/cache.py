@@ -58,8 +58,9 @@ class ShadowKVEngine:
         if B == 0 or T == 0:
             raise ValueError(f"k_post: an empty prompt (shape {tuple(k_post.shape)}) has nothing to compress; "
                              "a ShadowKVCache keeps prompts shorter than min_prompt_len dense")
-        if self.cos is None or self.cos.shape[0] < T or self.cos.device != k_post.device:
-            self.cos, self.sin = (t.float() for t in self._cos_sin_fn(T, k_post.device))
+        rows = max(T, self.config.chunk_size)  # a prompt shorter than one chunk still has one (padding) chunk
+        if self.cos is None or self.cos.shape[0] < rows or self.cos.device != k_post.device:
+            self.cos, self.sin = (t.float() for t in self._cos_sin_fn(rows, k_post.device))
         host = torch.device("cpu") if k_post.device.type == "cuda" else k_post.device
         self.n_generated[layer], self.fast[layer] = 0, None
         self.states[layer] = ref.compress_prompt(k_post, v, lengths, self.cos[:T], self.sin[:T], self.config,

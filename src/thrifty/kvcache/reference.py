@@ -171,13 +171,18 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     c, dev, dtype = config.chunk_size, k_post.device, k_post.dtype
     lengths = lengths.to(dev)
     _check_finite_keys(k_post, lengths)
+    k_post, v, k_pre = _zero_padding(lengths, k_post, v, k_pre)
     n_chunks = chunk_layout(lengths, config)
     C = max(int(n_chunks.max()), 1)
     chunk_real = torch.arange(C, device=dev)[None, :] < n_chunks[:, None]  # (B, C)
-    keys_c = k_post[:, :, :C * c].float()
-    if keys_c.shape[2] < C * c:  # every prompt shorter than one chunk: pad so the chunk views exist
-        keys_c = torch.nn.functional.pad(keys_c, (0, 0, 0, C * c - keys_c.shape[2]))
-    keys_c = keys_c.view(B, H, C, c, D)
+    if T < C * c:  # every prompt shorter than one chunk: zero rows so that the (padding) chunk 0 exists, for
+        # the chunk views here and for the masked picks of decode (which read U, values, cos at its positions)
+        if config.selector == "shadowkv" and k_pre is None:
+            k_pre = undo_rope(k_post, cos, sin)
+        k_post, v, k_pre = (None if x is None else torch.nn.functional.pad(x, (0, 0, 0, C * c - T))
+                            for x in (k_post, v, k_pre))
+        T = C * c
+    keys_c = k_post[:, :, :C * c].float().view(B, H, C, c, D)
     means = keys_c.mean(3)
 
     u = sv = landmarks = cmin = cmax = keys_exact = None
@@ -231,6 +236,17 @@ def _check_finite_keys(k_post: torch.Tensor, lengths: torch.Tensor) -> None:
         b, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"keys: the prompt key of sequence {b} at token {t} holds NaN/inf; ShadowKV compresses a "
                          "sequence's keys jointly (one SVD over all heads) and refuses non-finite prompt keys")
+
+
+def _zero_padding(lengths: torch.Tensor, *xs: Optional[torch.Tensor]) -> tuple:
+    """Rows past a sequence's length set to 0: padding may hold anything (NaN from a fully masked pad row of
+    SDPA), and a masked pick still multiplies its value by a zero weight (0 * NaN = NaN)."""
+    T = xs[0].shape[2]
+    if bool((lengths >= T).all()):
+        return xs
+    real = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
+    return tuple(None if x is None else torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
+                 for x in xs)
 
 
 def _gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
