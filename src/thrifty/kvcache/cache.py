@@ -201,6 +201,10 @@ class ShadowKVCache(_cache_base()):
 
     ``cache.engine`` holds the per-layer state (``engine.backend`` picks kernels or the reference;
     ``engine.stats`` says which ran); :meth:`host_bytes_per_sequence` reports the pinned value bytes.
+
+    NaN: a NaN in a query head, a prompt value or a generated key/value gives NaN in exactly the output rows that
+    attend it; a NaN/inf prompt key is refused at compression (ValueError naming ``keys``), since the low-rank
+    SVD mixes every token and head of a sequence.
     """
 
     def __new__(cls, model=None, config: Optional[ShadowKVConfig] = None):

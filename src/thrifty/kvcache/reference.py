@@ -18,6 +18,10 @@ Decode (:func:`decode_step`), one token per step:
   2. rebuild their keys ``U[pos] @ SV[h]`` and rotate them at their positions; fetch their values from host;
   3. attend over outliers + local + selected + generated tokens.
 
+NaN: a NaN query head gives a NaN output row and does not affect the picks of the other heads of its group; a
+NaN prompt value or generated key/value makes NaN the rows that attend it; a non-finite prompt key is refused
+(ValueError naming ``keys``). Rows past a sequence's length are never read (zeroed at prefill).
+
 The Quest-style baseline (``selector="quest"``) scores a chunk by ``sum_d max(q_d min_d, q_d max_d)`` over the
 chunk's per-channel min/max of exact post-RoPE keys and attends exact keys; it keeps no outliers and gets their
 tokens added to its budget instead.
