@@ -93,7 +93,7 @@ PREFILL_ARGS = ArgSpec(
 # ------------------------------------------------------------------------------------------------ decode
 @st.composite
 def decode_inputs(draw, head_dims=(2, 4, 8), max_len=30, max_batch=2, dtypes=(torch.float32, torch.bfloat16),
-                  nans=True):
+                  nans=True, selectors=("shadowkv", "shadowkv", "quest")):
     B, H, G = draw(st.integers(1, max_batch)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
     D = draw(st.sampled_from(head_dims))
     lengths = draw(st.lists(st.integers(0, max_len), min_size=B, max_size=B).filter(lambda L: max(L) > 0))
@@ -102,7 +102,8 @@ def decode_inputs(draw, head_dims=(2, 4, 8), max_len=30, max_batch=2, dtypes=(to
     chunks = -(-T // c)
     cfg = dict(rank=H * D, chunk_size=c, sparse_budget=c * max(chunks, 1), outlier_chunks=draw(st.integers(0, 2)),
                local_chunks=draw(st.integers(0, 2)), min_prompt_len=1, max_generated=4,
-               host_values=draw(st.sampled_from(["native", "native", "fp8"])) if not nans else "native")
+               host_values=draw(st.sampled_from(["native", "native", "fp8"])) if not nans else "native",
+               selector=draw(st.sampled_from(selectors)))
     dtype = draw(st.sampled_from(dtypes))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     k = torch.randn(B, H, T, D, generator=g).to(dtype)
@@ -169,7 +170,8 @@ DECODE_REFERENCE = NumericSpec("kvcache.decode.reference", decode_inputs(), _dec
 DECODE_FP8 = NumericSpec("kvcache.decode.reference.fp8", decode_inputs(nans=False, dtypes=(torch.float32,)),
                          _decode, _check_decode, max_examples=8)
 DECODE_TRITON = NumericSpec(
-    "kvcache.decode.triton", decode_inputs(head_dims=(32,), max_len=12, max_batch=1, dtypes=(torch.float32,)),
+    "kvcache.decode.triton",
+    decode_inputs(head_dims=(32,), max_len=12, max_batch=1, dtypes=(torch.float32,), selectors=("shadowkv",)),
     lambda a: _decode(a, "triton"), _check_decode, max_examples=4)
 
 SPECS = [CONFIG_ARGS, CACHE_ARGS, CACHE_RANK_ARGS, LOAD_ARGS, PREFILL_ARGS, DECODE_REFERENCE, DECODE_FP8,
