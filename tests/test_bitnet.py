@@ -453,3 +453,36 @@ def test_pretrain_cli_takes_a_recipe(tmp_path):
                  "--out", str(out)]) == 0
     history = json.loads((out / "history.json").read_text())
     assert len(history) == 4 and (out / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------------- found by the fuzz suite
+
+def test_empty_tokens_and_inf_rows_reference_and_kernel():
+    from thrifty.bitnet import quant_kernel
+
+    for kind in ("int8", "int4", "fp4", "topk_int8"):  # zero features: the empty result (amax used to raise)
+        assert ref.quantize_activation(torch.randn(3, 0), kind).shape == (3, 0)
+    for kind in ("int8", "int4", "topk_int8"):
+        assert quant_kernel.quantize_rows(torch.randn(3, 0), kind).shape == (3, 0)
+        x = rows((3, 9))
+        x[0, 4] = -math.inf  # an infinity: the token is NaN on both paths (the kernel flags it, not min/max)
+        for y in (quant_kernel.quantize_rows(x, kind), ref.quantize_activation(x, kind)):
+            assert y[0].isnan().all() and y[1:].isfinite().all()
+
+
+def test_bitlinear_refuses_bad_input_and_none_settings():
+    m = BitLinear(5, 3)
+    for x, err in ((torch.randn(2, 4), ValueError), (torch.ones(2, 5, dtype=torch.int64), TypeError),
+                   ([[1.0] * 5], TypeError)):
+        with pytest.raises(err, match="x"):
+            m(x)  # an int tensor used to give zeros silently, the others a deep RuntimeError/AttributeError
+    for name in ("activation", "beta_scale", "topk_ratio", "strength", "fused"):
+        with pytest.raises(TypeError, match=name):
+            BitLinear(5, 3, **{name: None})
+    for kw, name in ((dict(weight_splits=3), "weight_splits"), (dict(norm_eps=math.nan), "norm_eps"),
+                     (dict(bias="yes"), "bias"), (dict(sub_norm=1), "sub_norm")):
+        with pytest.raises((TypeError, ValueError), match=name):
+            BitLinear(5, 3, **kw)
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match="exclude"):
+            BitNetConfig(exclude=bad)

@@ -279,3 +279,55 @@ def test_passkey_task_layout_and_errors(hf_model):
     rows = evaluate_passkey(hf_model, encode, decode, filler, [240], [0.1], 1,
                             {"dense": None, "shadowkv": small_config(min_prompt_len=64, max_generated=16)})
     assert [r["method"] for r in rows] == ["dense", "shadowkv"] and all(0 <= r["accuracy"] <= 1 for r in rows)
+
+
+# ----------------------------------------------------------------------------------- found by the fuzz suite
+
+def _engine(cfg, H, D):
+    from thrifty.kvcache import ShadowKVEngine
+
+    eng = ShadowKVEngine(cfg, 1, H, D, lambda T, dev: rope_table(T, D))
+    eng.backend = "reference"
+    return eng
+
+
+def test_nan_query_head_leaves_its_group_alone():
+    k, v, q, L, cos, sin = ragged_batch([40], H=2, G=3, D=6)
+    cfg = small_config(sparse_budget=8)  # a real selection: 2 of 8 chunks
+    outs = []
+    for poison in (False, True):
+        eng = _engine(cfg, 2, 6)
+        eng.prefill(0, k, v, L)
+        qq = q.clone()
+        if poison:
+            qq[0, 1, 0, 0] = math.nan  # query head 1 (KV head 0's group): it used to void the group's picks
+        else:
+            qq[0, 1] = qq[0, 0]  # head 1 adds nothing to the group's max: the picks of heads 0 and 2 alone
+        outs.append(eng.decode(0, qq, k[:, :, :1], v[:, :, :1], 0.4))
+    assert outs[1][0, 1].isnan().all()
+    keep = [0, 2, 3, 4, 5]  # the other heads, those of the same group included, pick and attend on their own
+    assert torch.equal(outs[1][0, keep], outs[0][0, keep])
+
+
+def test_nan_padding_and_prompts_shorter_than_a_chunk():
+    k, v, q, L, cos, sin = ragged_batch([1, 9], H=1, G=1, D=4)
+    k[0, :, 1:], v[0, :, 1:] = math.nan, math.nan  # padding rows: never read (a 0-weight pick read them)
+    for lengths, cfg in (([1, 9], small_config(rank=4, sparse_budget=12)),
+                         ([1], small_config(rank=4, chunk_size=4, sparse_budget=4, local_chunks=0))):
+        B, T = len(lengths), max(lengths)
+        eng = _engine(cfg, 1, 4)
+        eng.prefill(0, k[:B, :, :T], v[:B, :, :T], torch.tensor(lengths))  # T = 1 < chunk_size used to crash
+        out = eng.decode(0, q[:B], k[:B, :, :1], v[:B, :, :1], 0.5)
+        assert out.isfinite().all()
+
+
+def test_non_finite_prompt_key_empty_prompt_and_bad_model_are_refused():
+    k, v, q, L, cos, sin = ragged_batch([12], H=1, G=1, D=4)
+    k[0, 0, 5, 2] = math.inf
+    with pytest.raises(ValueError, match="keys"):  # eigh used to fail to converge (or spread NaN to all heads)
+        _engine(small_config(rank=4), 1, 4).prefill(0, k, v, L)
+    with pytest.raises(ValueError, match="k_post"):
+        _engine(small_config(rank=4), 1, 4).prefill(0, k[:, :, :0], v[:, :, :0], torch.tensor([0]))
+    for model in (None, torch.nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match="model"):
+            ShadowKVCache(model, small_config())

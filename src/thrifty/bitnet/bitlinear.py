@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_positive_int, check_range
+from .._checks import check_bool, check_choice, check_positive_int, check_range, check_tensor
 from ..models.llama import RMSNorm
 from . import reference as ref
 
@@ -50,7 +50,12 @@ class BitLinear(nn.Module):
         super().__init__()
         check_positive_int("in_features", in_features)
         check_positive_int("out_features", out_features)
+        check_bool("bias", bias)
+        check_bool("sub_norm", sub_norm)
+        check_range("norm_eps", norm_eps, 0.0, 1.0, lo_open=True)
         if weight_splits is not None:
+            if not isinstance(weight_splits, (list, tuple)):
+                raise TypeError(f"weight_splits: expected a sequence of ints, got {type(weight_splits).__name__}")
             weight_splits = tuple(weight_splits)
             for s in weight_splits:
                 check_positive_int("weight_splits", s)
@@ -62,6 +67,10 @@ class BitLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self.norm = RMSNorm(in_features, norm_eps).to(device) if sub_norm else None
         self.weight_splits = weight_splits
+        for name, value in (("activation", activation), ("beta_scale", beta_scale), ("topk_ratio", topk_ratio),
+                            ("strength", strength), ("fused", fused)):
+            if value is None:  # configure() reads None as "unchanged"; here there is nothing to keep
+                raise TypeError(f"{name}: expected a value, got None")
         self.configure(activation=activation, beta_scale=beta_scale, topk_ratio=topk_ratio, strength=strength,
                        fused=fused)
         self.last_path: Optional[str] = None
@@ -146,6 +155,10 @@ class BitLinear(nn.Module):
         return self._quantized_input(self._normed(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x, min_ndim=1, floating=True)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x: expected {self.in_features} features in the last dimension, got shape "
+                             f"{tuple(x.shape)}")
         xq = self._quantized_input(self._normed(x))
         w = self.quantized_weight()
         if not torch.is_autocast_enabled(x.device.type):

@@ -50,7 +50,8 @@ def _quantize_rows_kernel(x_ptr, y_ptr, D, stride_x, stride_y, k_keep, beta_scal
     inside = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
     mag = tl.abs(x)
-    has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
+    # NaN or ±inf: the whole token is NaN, as in the reference (not left to the NaN rules of min/max on the GPU)
+    has_nan = tl.sum(((mag != mag) | (mag == float("inf"))).to(tl.int32), axis=0) > 0
     if KIND == 1:  # INT4 absmean: (β/√7)·RoundClip(√7·x/(β+ε), −8, 7)
         beta = tl.math.div_rn(tl.sum(mag, axis=0), tl.sum(inside.to(tl.float32), axis=0)) * beta_scale
         q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(2.6457513110645907, beta + EPS_), -8.0), 7.0))
@@ -86,6 +87,8 @@ def quantize_rows(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_r
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
     D = x.shape[-1]
+    if D == 0 or x.numel() == 0:  # nothing to quantize (and reshape(-1, 0) is ambiguous)
+        return x.clone()
     if D > MAX_ROW[kind]:
         raise ValueError(f"x: rows of {D} features exceed the fused {kind} kernel's {MAX_ROW[kind]}")
     rows = x.reshape(-1, D)

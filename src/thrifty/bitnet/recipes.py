@@ -56,7 +56,7 @@ class BitNetConfig:
         check_range("topk_ratio", self.topk_ratio, 0.0, 1.0, lo_open=True)
         check_range("strength", self.strength, 0.0, 1.0)
         check_range("norm_eps", self.norm_eps, 0.0, 1.0, lo_open=True)
-        if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
+        if not isinstance(self.exclude, (list, tuple)) or not all(isinstance(e, str) for e in self.exclude):
             raise TypeError(f"exclude: expected a tuple of module names, got {self.exclude!r}")
         self.exclude = tuple(self.exclude) + (() if "lm_head" in self.exclude else ("lm_head",))
 

@@ -17,7 +17,9 @@ Every quantizer is applied with the straight-through estimator: forward ``Q(x)``
 through the TopK mask, as Q-Sparse and the a4.8 paper do). The arithmetic is fp32 whatever the input dtype (the
 result is cast back), and the scale is applied as ``x · (q_max / (stat + ε))`` — the order the kernels use, so the
 two agree bit for bit under the interpreter. An all-zero token quantizes to zeros (ε keeps the division finite);
-NaN in a token makes that token NaN.
+NaN or ±inf in a token makes that token all NaN (its scale is undefined). Tokens of zero features (D = 0) give the
+empty result. The arithmetic being fp32, a float32 token holding values within a few ulp of the largest float may
+overflow: INT4's mean|x| becomes inf (the token comes out NaN), and the rescale ``q · (γ/127)`` may round to ±inf.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def round_clip(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
 
 
 def _nan_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A token holding a NaN comes out all NaN (clamp would otherwise hide it in the rounded codes)."""
-    bad = torch.isnan(x).any(dim=-1, keepdim=True)
+    """A token holding a NaN or an infinity comes out all NaN (clamp would otherwise hide it in the rounded codes)."""
+    bad = (~torch.isfinite(x)).any(dim=-1, keepdim=True)
     return torch.where(bad, torch.full_like(y, float("nan")), y)
 
 
@@ -57,6 +59,8 @@ def quantize_weight_ternary(w: torch.Tensor, splits: Optional[Sequence[int]] = N
 
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     """Per-token absmax INT8 fake-quantization (last dimension = features)."""
+    if x.shape[-1] == 0:  # no features: nothing to reduce (amax of an empty row has no value)
+        return x.clone()
     xf = x.float()
     gamma = xf.abs().amax(dim=-1, keepdim=True)
     q = round_clip(xf * (127.0 / (gamma + EPS)), -128, 127)
@@ -82,6 +86,8 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp4(x: torch.Tensor) -> torch.Tensor:
     """Per-token MinMax FP4 (E2M1) fake-quantization: the token's max|x| maps to the largest code, 6."""
+    if x.shape[-1] == 0:
+        return x.clone()
     xf = x.float()
     gamma = xf.abs().amax(dim=-1, keepdim=True)
     q = round_e2m1(xf * (6.0 / (gamma + EPS)))
@@ -108,6 +114,8 @@ def topk_mask(x: torch.Tensor, ratio: float = 0.5) -> torch.Tensor:
 
 def quantize_topk_int8(x: torch.Tensor, ratio: float = 0.5) -> torch.Tensor:
     """TopK sparsification per token, then per-token absmax INT8 of what is kept (a4.8 Eq. 1)."""
+    if x.shape[-1] == 0:
+        return x.clone()
     kept = quantize_int8(torch.where(topk_mask(x, ratio), x, torch.zeros_like(x)))
     return _nan_rows(x.float(), kept.float()).to(x.dtype)
 

@@ -54,9 +54,13 @@ class ShadowKVEngine:
 
     def prefill(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                 k_pre: Optional[torch.Tensor] = None) -> None:
-        T = k_post.shape[2]
-        if self.cos is None or self.cos.shape[0] < T or self.cos.device != k_post.device:
-            self.cos, self.sin = (t.float() for t in self._cos_sin_fn(T, k_post.device))
+        B, T = k_post.shape[0], k_post.shape[2]
+        if B == 0 or T == 0:
+            raise ValueError(f"k_post: an empty prompt (shape {tuple(k_post.shape)}) has nothing to compress; "
+                             "a ShadowKVCache keeps prompts shorter than min_prompt_len dense")
+        rows = max(T, self.config.chunk_size)  # a prompt shorter than one chunk still has one (padding) chunk
+        if self.cos is None or self.cos.shape[0] < rows or self.cos.device != k_post.device:
+            self.cos, self.sin = (t.float() for t in self._cos_sin_fn(rows, k_post.device))
         host = torch.device("cpu") if k_post.device.type == "cuda" else k_post.device
         self.n_generated[layer], self.fast[layer] = 0, None
         self.states[layer] = ref.compress_prompt(k_post, v, lengths, self.cos[:T], self.sin[:T], self.config,
@@ -197,6 +201,10 @@ class ShadowKVCache(_cache_base()):
 
     ``cache.engine`` holds the per-layer state (``engine.backend`` picks kernels or the reference;
     ``engine.stats`` says which ran); :meth:`host_bytes_per_sequence` reports the pinned value bytes.
+
+    NaN: a NaN in a query head, a prompt value or a generated key/value gives NaN in exactly the output rows that
+    attend it; a NaN/inf prompt key is refused at compression (ValueError naming ``keys``), since the low-rank
+    SVD mixes every token and head of a sequence.
     """
 
     def __new__(cls, model=None, config: Optional[ShadowKVConfig] = None):
@@ -367,7 +375,10 @@ class _ThriftyDispatch:
 # ----------------------------------------------------------------------------------------------- helpers
 
 def _model_shape(model) -> tuple[int, int, int]:
-    cfg = model.config
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "num_hidden_layers"):
+        raise TypeError(f"model: expected a Llama-family model with a .config (transformers or "
+                        f"thrifty.models.LlamaForCausalLM), got {type(model).__name__}")
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
     heads = cfg.num_attention_heads

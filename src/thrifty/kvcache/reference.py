@@ -18,6 +18,10 @@ Decode (:func:`decode_step`), one token per step:
   2. rebuild their keys ``U[pos] @ SV[h]`` and rotate them at their positions; fetch their values from host;
   3. attend over outliers + local + selected + generated tokens.
 
+NaN: a NaN query head gives a NaN output row and does not affect the picks of the other heads of its group; a
+NaN prompt value or generated key/value makes NaN the rows that attend it; a non-finite prompt key is refused
+(ValueError naming ``keys``). Rows past a sequence's length are never read (zeroed at prefill).
+
 The Quest-style baseline (``selector="quest"``) scores a chunk by ``sum_d max(q_d min_d, q_d max_d)`` over the
 chunk's per-channel min/max of exact post-RoPE keys and attends exact keys; it keeps no outliers and gets their
 tokens added to its budget instead.
@@ -170,13 +174,19 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     B, H, T, D = k_post.shape
     c, dev, dtype = config.chunk_size, k_post.device, k_post.dtype
     lengths = lengths.to(dev)
+    _check_finite_keys(k_post, lengths)
+    k_post, v, k_pre = _zero_padding(lengths, k_post, v, k_pre)
     n_chunks = chunk_layout(lengths, config)
     C = max(int(n_chunks.max()), 1)
     chunk_real = torch.arange(C, device=dev)[None, :] < n_chunks[:, None]  # (B, C)
-    keys_c = k_post[:, :, :C * c].float()
-    if keys_c.shape[2] < C * c:  # every prompt shorter than one chunk: pad so the chunk views exist
-        keys_c = torch.nn.functional.pad(keys_c, (0, 0, 0, C * c - keys_c.shape[2]))
-    keys_c = keys_c.view(B, H, C, c, D)
+    if T < C * c:  # every prompt shorter than one chunk: zero rows so that the (padding) chunk 0 exists, for
+        # the chunk views here and for the masked picks of decode (which read U, values, cos at its positions)
+        if config.selector == "shadowkv" and k_pre is None:
+            k_pre = undo_rope(k_post, cos, sin)
+        k_post, v, k_pre = (None if x is None else torch.nn.functional.pad(x, (0, 0, 0, C * c - T))
+                            for x in (k_post, v, k_pre))
+        T = C * c
+    keys_c = k_post[:, :, :C * c].float().view(B, H, C, c, D)
     means = keys_c.mean(3)
 
     u = sv = landmarks = cmin = cmax = keys_exact = None
@@ -220,6 +230,29 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
                       gen_v=empty.clone())
 
 
+def _check_finite_keys(k_post: torch.Tensor, lengths: torch.Tensor) -> None:
+    """NaN/inf in a prompt key is refused: the SVD mixes every token and head of a sequence, so one bad key would
+    turn all of that sequence's rebuilt keys (every head) to NaN, or fail to converge. Padding rows are ignored."""
+    T = k_post.shape[2]
+    real = torch.arange(T, device=k_post.device)[None, :] < lengths[:, None]  # (B, T)
+    bad = (~torch.isfinite(k_post)).any(-1).any(1) & real
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"keys: the prompt key of sequence {b} at token {t} holds NaN/inf; ShadowKV compresses a "
+                         "sequence's keys jointly (one SVD over all heads) and refuses non-finite prompt keys")
+
+
+def _zero_padding(lengths: torch.Tensor, *xs: Optional[torch.Tensor]) -> tuple:
+    """Rows past a sequence's length set to 0: padding may hold anything (NaN from a fully masked pad row of
+    SDPA), and a masked pick still multiplies its value by a zero weight (0 * NaN = NaN)."""
+    T = xs[0].shape[2]
+    if bool((lengths >= T).all()):
+        return xs
+    real = (torch.arange(T, device=lengths.device)[None, :] < lengths[:, None])[:, None, :, None]
+    return tuple(None if x is None else torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
+                 for x in xs)
+
+
 def _gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, D) at pos (B, H, N) -> (B, H, N, D)."""
     return x.gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1]))
@@ -242,6 +275,8 @@ def landmark_scores(q: torch.Tensor, state: LayerState) -> torch.Tensor:
     sel = state.selectable[:, :, None]
     probs = logits.masked_fill(~sel, float("-inf")).softmax(-1)
     probs = torch.where(sel, probs, -1.0)  # also clears the NaN of a row with nothing selectable
+    # a NaN query head (its own output is NaN anyway) must not decide the picks of the other heads of its group
+    probs = torch.where(probs.isnan(), -1.0, probs)
     return probs.amax(2)
 
 

@@ -53,7 +53,7 @@ def _landmark_score_kernel(q_ptr, lm_ptr, sel_ptr, logit_ptr, out_ptr, C, scale,
         sel = tl.load(sel_ptr + base + cc, mask=inb, other=0) != 0
         s = tl.load(logits + cc[None, :], mask=live & inb[None, :], other=float("-inf"))
         p = tl.exp(s - m[:, None]) * inv_l[:, None]
-        p = tl.where((g < G)[:, None], p, -1.0)
+        p = tl.where((g < G)[:, None] & (p == p), p, -1.0)  # a NaN query head decides no pick (as the reference)
         best = tl.max(p, 0)
         tl.store(out_ptr + base + cc, tl.where(sel, best, -1.0), mask=inb)
 
