@@ -8,7 +8,7 @@ and ``round`` half-to-even (``torch.round``; the kernels round the same way):
 * INT8 activations, per-token absmax: ``γ = max|x|``, ``Q(x) = (γ / 127) · RoundClip(127 x / (γ + ε), −128, 127)``
 * INT4 activations, per-token absmean: ``β = mean|x|``, ``Q(x) = (β / √7) · RoundClip(√7 x / (β + ε), −8, 7)``
   (``beta_scale`` multiplies β: the paper's all-INT4 ablation uses β = 2·mean|x| for the FFN-down input)
-* FP4 E2M1, per-token MinMax: ``γ = max|x|``, ``s = γ / 6``, ``Q(x) = s · RoundE2M1(x / (s + ε))`` on the grid
+* FP4 E2M1, per-token MinMax: ``γ = max|x|``, ``s = γ / 6``, ``Q(x) = s · RoundE2M1(6·x / (γ + ε))`` on the grid
   {0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6} (round to nearest, ties to the even mantissa, as hardware converts)
 * TopK + INT8 (attention-output input, Eq. 1): keep the ``k = ceil(ratio · D)`` largest ``|x|`` of each token
   (among entries tied at the k-th value, the lowest indices), zero the rest, then INT8 of the kept values.
