@@ -8,8 +8,10 @@ updated (:mod:`thrifty.neuzip.model`). So at most one parameter's gradient exist
 gradient set ever coexists with the weights.
 
 Optimizer states (AdamW): ``exp_avg`` and ``exp_avg_sq`` per parameter, on the parameter's device, in
-``state_dtype`` (float32 default: 8 B per parameter; bfloat16: 4 B), never compressed. The update math runs
-in float32 and is rounded once to the weight's dtype. SGD keeps no state. There is no global gradient-norm
+``state_dtype`` (float32 default: 8 B per parameter; bfloat16: 4 B; ``"int8"``: block-wise 8-bit codes,
+:mod:`thrifty.neuzip.state8`, 2 B + 8 B per ``state_block`` values = 2.03 B at 256), never NeuZip-compressed.
+The update math runs in float32 (8-bit states: dequantized, updated, requantized in the same pass) and is
+rounded once to the weight's dtype. SGD keeps no state. There is no global gradient-norm
 clipping (it needs every gradient before the first update; LOMO's paper runs a second backward for it) and no
 gradient accumulation (each backward is a step).
 
@@ -26,15 +28,18 @@ from typing import Optional
 import torch
 
 from .._checks import check_choice, check_range
+from . import state8
 
 OPTIMIZERS = ("sgd", "adamw")
-STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # torch.int8: 8-bit block-quantized states
 CHUNK = 1 << 22  # elements per update pass (fp32 temporaries of 16 MB)
 
 
 @dataclass
 class LomoConfig:
-    """The fused optimizer. ``weight_decay`` applies to parameters with >= 2 dimensions (matrices) only."""
+    """The fused optimizer. ``weight_decay`` applies to parameters with >= 2 dimensions (matrices) only.
+    ``state_dtype``: torch.float32, torch.bfloat16 or torch.int8 (also spelled "int8"): AdamW states as 8-bit
+    codes with one float32 absmax per ``state_block`` values (:mod:`thrifty.neuzip.state8`)."""
 
     optimizer: str = "adamw"
     lr: float = 1e-3
@@ -42,6 +47,7 @@ class LomoConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     state_dtype: torch.dtype = torch.float32
+    state_block: int = 256
 
     def __post_init__(self):
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -53,8 +59,15 @@ class LomoConfig:
         self.betas = tuple(float(b) for b in self.betas)
         check_range("eps", self.eps, 0.0, 1.0, lo_open=True)
         check_range("weight_decay", self.weight_decay, 0.0, 10.0)
-        if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype: expected one of {list(STATE_DTYPES)}, got {self.state_dtype!r}")
+        if self.state_dtype == "int8":
+            self.state_dtype = torch.int8
+        if not isinstance(self.state_dtype, torch.dtype) or self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype: expected one of {list(STATE_DTYPES)} or 'int8', got {self.state_dtype!r}")
+        state8.check_block("state_block", self.state_block)
+
+    @property
+    def eight_bit(self) -> bool:
+        return self.state_dtype == torch.int8
 
 
 class FusedOptimizer:
@@ -88,19 +101,34 @@ class FusedOptimizer:
         if cfg.optimizer == "adamw":
             st = self.state.get(key)
             if st is None:
-                zeros = lambda: torch.zeros(weight.shape, dtype=cfg.state_dtype, device=weight.device)  # noqa: E731
-                st = self.state[key] = {"step": 0, "exp_avg": zeros(), "exp_avg_sq": zeros()}
+                st = self.state[key] = self._new_state(weight)
             st["step"] += 1
         flat_w, flat_g = weight.view(-1), grad.contiguous().view(-1)
-        flat_m = st["exp_avg"].view(-1) if st else None
-        flat_v = st["exp_avg_sq"].view(-1) if st else None
-        for a in range(0, flat_w.numel(), CHUNK):
-            b = a + CHUNK
-            self._update_chunk(flat_w[a:b], flat_g[a:b], decay, st and st["step"],
-                               flat_m[a:b] if st else None, flat_v[a:b] if st else None)
+        block = cfg.state_block
+        chunk = max(block, CHUNK // block * block) if cfg.eight_bit else CHUNK  # whole 8-bit blocks per chunk
+        for a in range(0, flat_w.numel(), chunk):
+            b = a + chunk
+            states = None
+            if st is not None:
+                states = [st[k].view(-1)[a:b] for k in ("exp_avg", "exp_avg_sq")]
+                if cfg.eight_bit:
+                    states += [st[k][a // block: -(-b // block)] for k in ("exp_avg_scale", "exp_avg_sq_scale")]
+            self._update_chunk(flat_w[a:b], flat_g[a:b], decay, st and st["step"], states)
         self.updates += 1
 
-    def _update_chunk(self, weight, grad, decay, step, exp_avg, exp_avg_sq) -> None:
+    def _new_state(self, weight: torch.Tensor) -> dict:
+        cfg, dev, n = self.config, weight.device, weight.numel()
+        if not cfg.eight_bit:
+            zeros = lambda: torch.zeros(weight.shape, dtype=cfg.state_dtype, device=dev)  # noqa: E731
+            return {"step": 0, "exp_avg": zeros(), "exp_avg_sq": zeros()}
+        nb = state8.num_blocks(n, cfg.state_block)  # all-zero codes and scales decode to 0
+        return {"step": 0, "exp_avg": torch.zeros(n, dtype=torch.int8, device=dev),
+                "exp_avg_sq": torch.zeros(n, dtype=torch.uint8, device=dev),
+                "exp_avg_scale": torch.zeros(nb, dtype=torch.float32, device=dev),
+                "exp_avg_sq_scale": torch.zeros(nb, dtype=torch.float32, device=dev)}
+
+    def _update_chunk(self, weight, grad, decay, step, states) -> None:
+        """``states``: None (SGD), [exp_avg, exp_avg_sq] or, 8-bit, [m codes, v codes, m scales, v scales]."""
         cfg = self.config
         w = weight.float()  # the weight itself when it is float32
         g = grad.float()
@@ -110,13 +138,22 @@ class FusedOptimizer:
             w.add_(g, alpha=-self.lr)
         else:
             b1, b2 = cfg.betas
-            m = exp_avg.float().lerp_(g, 1.0 - b1)
-            v = exp_avg_sq.float().mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            exp_avg, exp_avg_sq = states[0], states[1]
+            if cfg.eight_bit:
+                m = state8.dequantize(exp_avg, states[2], cfg.state_block)
+                v = state8.dequantize(exp_avg_sq, states[3], cfg.state_block)
+            else:
+                m, v = exp_avg.float(), exp_avg_sq.float()
+            m.lerp_(g, 1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
             bc1 = 1.0 - b1 ** step
             bc2 = 1.0 - b2 ** step
             denom = (v.sqrt() / math.sqrt(bc2)).add_(cfg.eps)
             w.addcdiv_(m, denom, value=-self.lr / bc1)
-            if m.data_ptr() != exp_avg.data_ptr():
+            if cfg.eight_bit:
+                state8.quantize_into(m, exp_avg, states[2], cfg.state_block, signed=True)
+                state8.quantize_into(v, exp_avg_sq, states[3], cfg.state_block, signed=False)
+            elif m.data_ptr() != exp_avg.data_ptr():
                 exp_avg.copy_(m)
                 exp_avg_sq.copy_(v)
         if w.data_ptr() != weight.data_ptr():
