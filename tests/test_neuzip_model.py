@@ -457,10 +457,12 @@ def _real_text_batches(steps, b=4, t=64):
 
 def test_lomo_int8_states_track_fp32_states_on_real_text():
     """8-bit AdamW states follow fp32 states: 40 steps of a tiny Llama on the real corpus, same batches.
-    Measured (CPU): the two loss curves differ by at most ~0.01 nats per step (losses ~10.8 -> ~7);
-    the tolerance 0.06 nats is ~6x that and well under the 3+ nats both runs learn."""
-    batches, train = _real_text_batches(40)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    Measured (CPU): losses 10.78 -> 8.55 (fp32) and 8.56 (int8); largest per-step gap 0.029 nats (bf16 states:
+    0.019). Tolerance 0.06 nats: 2x the measured gap, under 3% of the 2.2 nats learned. Why the gap is small:
+    each state value is within 4.5% (m) and 2.2% (sqrt v) of its exact value, so each element's step is within
+    ~7% of fp32's, with errors of both signs that average out over the many weights behind each logit."""
+    batches, _ = _real_text_batches(40, b=2, t=32)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     curves = {}
     for dtype in (torch.float32, "int8"):
@@ -470,9 +472,11 @@ def test_lomo_int8_states_track_fp32_states_on_real_text():
         for x, y in batches:
             loss = model(x, labels=y)
             loss.backward()
-            curve.append(float(loss))
+            curve.append(loss.item())
         curves[str(dtype)] = curve
+        if dtype == "int8":
+            assert all(st["exp_avg_sq"].dtype == torch.uint8 for st in opt.state.values())  # the 8-bit path ran
     fp32, int8 = curves["torch.float32"], curves["int8"]
-    assert fp32[-1] < fp32[0] - 2.0  # it learned
-    diff = max(abs(a - b) for a, b in zip(fp32, int8))
-    assert diff < 0.06, (diff, fp32[-5:], int8[-5:])
+    assert fp32[-1] < fp32[0] - 1.8 and int8[-1] < int8[0] - 1.8  # both learned (~2.2 nats)
+    gap = max(abs(a - b) for a, b in zip(fp32, int8))
+    assert gap < 0.06, (gap, fp32[-5:], int8[-5:])
