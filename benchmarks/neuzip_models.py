@@ -4,7 +4,8 @@
     init** (honest for memory and speed, not for loss values), bf16 weights, activation checkpointing on every
     block (as in the paper), sequence 1024. Rows: vanilla AdamW (torch fused, bf16 states as torch keeps them
     for bf16 weights), LOMO-style AdamW (thrifty.neuzip.lomo, bf16 states), LOMO-style AdamW + NeuZip lossless,
-    and the paper's SGD pair (LOMO SGD, LOMO SGD + NeuZip). Peak memory, iterations/s, the loss of every step.
+    the same with 8-bit block-quantized AdamW states (``state_dtype=torch.int8``), and the paper's SGD pair
+    (LOMO SGD, LOMO SGD + NeuZip). Peak memory, iterations/s, the loss of every step.
 (2) Inference (Table 3): a model trained here (``--checkpoint`` = a ``thrifty pretrain`` folder; without one a
     30m model is pre-trained here first, ``--train-steps``), bf16. Rows: bf16, NeuZip 7 (lossless) / 3 / 1 / 0
     bits, and per-block (64 weights along the input) INT8 and INT4 round-to-nearest (absmax scale) as reference
@@ -72,18 +73,20 @@ def train_rows(args, device):
     shape = SMOKE_SHAPE if args.smoke else TRAIN_SHAPE
     steps, warm = (3, 1) if args.smoke else (args.train_iters, 2)
     seq, bsz = (32, 2) if args.smoke else (1024, args.train_batch)
-    variants = [("vanilla AdamW", "adamw", False, False), ("LOMO AdamW", "adamw", True, False),
-                ("LOMO AdamW + NeuZip lossless", "adamw", True, True), ("LOMO SGD", "sgd", True, False),
-                ("LOMO SGD + NeuZip lossless", "sgd", True, True)]
+    bf16, int8 = torch.bfloat16, torch.int8  # LOMO AdamW state dtypes (int8: block-quantized 8-bit states)
+    variants = [("vanilla AdamW", "adamw", False, False, bf16), ("LOMO AdamW", "adamw", True, False, bf16),
+                ("LOMO AdamW + NeuZip lossless", "adamw", True, True, bf16),
+                ("LOMO AdamW 8-bit states + NeuZip lossless", "adamw", True, True, int8),
+                ("LOMO SGD", "sgd", True, False, bf16), ("LOMO SGD + NeuZip lossless", "sgd", True, True, bf16)]
     rows, losses = [], {}
-    for name, opt_name, use_lomo, neuzip in variants:
+    for name, opt_name, use_lomo, neuzip, state_dtype in variants:
         row = {"part": "train", "variant": name, "params_m": None}
         model = opt = adam = step_fn = batches = None
         try:
             model = _train_model(shape, device)
             row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
             cfg = LomoConfig(optimizer=opt_name, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0,
-                             state_dtype=torch.bfloat16)
+                             state_dtype=state_dtype)
             if neuzip:
                 compress_model(model)
                 row["weights_ratio_vs_bf16"] = model.neuzip.memory()["ratio_vs_bf16"]
@@ -309,6 +312,13 @@ def _summary(train, losses, infer, block):
         s["train_loss_identical"] = int(losses["LOMO AdamW"] == losses["LOMO AdamW + NeuZip lossless"])
     if "LOMO SGD" in losses and "LOMO SGD + NeuZip lossless" in losses:
         s["train_loss_identical_sgd"] = int(losses["LOMO SGD"] == losses["LOMO SGD + NeuZip lossless"])
+    q8 = by.get("LOMO AdamW 8-bit states + NeuZip lossless")
+    if van and q8:
+        s["train_mem_ratio_int8_neuzip_vs_vanilla"] = (q8["peak_gib"] / van["peak_gib"]) if van.get("peak_gib") else None
+        s["train_speed_ratio_int8_neuzip_vs_vanilla"] = q8["it_per_s"] / van["it_per_s"]
+    if "LOMO AdamW" in losses and "LOMO AdamW 8-bit states + NeuZip lossless" in losses:  # 8-bit vs bf16 states
+        s["train_loss_max_gap_int8_vs_bf16_states"] = max(
+            abs(a - b) for a, b in zip(losses["LOMO AdamW"], losses["LOMO AdamW 8-bit states + NeuZip lossless"]))
     sgd = by.get("LOMO SGD + NeuZip lossless")
     if van and sgd and van.get("peak_gib"):
         s["train_mem_ratio_sgd_neuzip_vs_vanilla"] = sgd["peak_gib"] / van["peak_gib"]
