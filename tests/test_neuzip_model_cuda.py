@@ -37,9 +37,10 @@ def test_one_launch_per_block_and_prefetch():
     assert fast_launch_enabled() and block_decode._LAUNCH.cache  # later launches skip Triton's binder
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_lomo_bit_identical_cuda(optimizer):
-    cfg = LomoConfig(optimizer=optimizer, lr=1e-3)
+@pytest.mark.parametrize("optimizer, state_dtype", [("sgd", torch.float32), ("adamw", torch.float32),
+                                                    ("adamw", torch.int8)])
+def test_lomo_bit_identical_cuda(optimizer, state_dtype):
+    cfg = LomoConfig(optimizer=optimizer, lr=1e-3, state_dtype=state_dtype)
     plain = _model(layers=3, dtype=torch.float32)
     packed = compress_model(copy.deepcopy(plain), train=cfg)
     lomo(plain, cfg)
