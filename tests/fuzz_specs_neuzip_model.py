@@ -55,7 +55,8 @@ LOMO_CONFIG_ARGS = ArgSpec(
     "neuzip.LomoConfig", LomoConfig, valid=dict,
     bad={"optimizer": ["adam2", None], "lr": [NAN, INF, -INF, 0.0, -1.0, "1e-3", 11.0],
          "betas": [(NAN, 0.9), (0.9, INF), (0.9,), (1.0, 0.9), (0.9, -0.1), "ab", None],
-         "eps": [NAN, INF, 0.0, -1e-8], "weight_decay": [NAN, INF, -1.0], "state_dtype": [torch.int8, "fp32", None]},
+         "eps": [NAN, INF, 0.0, -1e-8], "weight_decay": [NAN, INF, -1.0], "state_dtype": [torch.uint8, torch.float16, "int4", "fp32", None],
+         "state_block": [0, -256, 100, 8, 8192, 256.0, NAN, True, None]},  # torch.int8 is valid: 8-bit states
     mention={"betas": "betas"})
 
 LOMO_ARGS = ArgSpec(
