@@ -1,6 +1,6 @@
 """Fuzz specs of NeuZip in models (thrifty.neuzip.compress_model, NeuZipConfig, LomoConfig, lomo,
-save_compressed / load_compressed): bad arguments, and damaged checkpoints refused before use (a ValueError
-naming the file) or read unchanged. See tests/fuzz_registry.py."""
+save_compressed / load_compressed): bad arguments, damaged checkpoints refused before use (a ValueError
+naming the file) or read unchanged, and the 8-bit optimizer-state quantizer against float64. See tests/fuzz_registry.py."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from fuzz_registry import ArgSpec, FileSpec
+from fuzz_registry import ArgSpec, FileSpec, NumericSpec
 from thrifty.models import LlamaConfig, LlamaForCausalLM
 from thrifty.neuzip import LomoConfig, NeuZipConfig, compress_model, load_compressed, lomo, save_compressed
+from thrifty.neuzip import state8
 
 NAN, INF = math.nan, math.inf
 
@@ -91,4 +92,45 @@ def _same(args, model) -> bool:
 NEUZIP_CHECKPOINT = FileSpec("neuzip.save_compressed", st.tuples(st.integers(0, 3), st.booleans()), _write,
                              load_compressed, _same, max_examples=10)
 
-SPECS = [COMPRESS_ARGS, COMPRESS_LOSSY_ARGS, NEUZIP_CONFIG_ARGS, LOMO_CONFIG_ARGS, LOMO_ARGS, NEUZIP_CHECKPOINT]
+
+
+# ------------------------------------------------------------------------------ 8-bit optimizer states
+@st.composite
+def _state8_inputs(draw):
+    n = draw(st.integers(1, 700))
+    block = draw(st.sampled_from([16, 64, 256]))
+    signed = draw(st.booleans())
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    spread = draw(st.sampled_from([0.0, 1.0, 6.0]))  # log-scale spread of magnitudes inside a block
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp(spread * torch.randn(n, generator=g,
+                                                                                           dtype=torch.float64))
+    x = x * 10.0 ** draw(st.integers(-20, 10))
+    if not signed:
+        x = x.abs()
+    if draw(st.booleans()):  # exact zeros (an all-zero block when they run long)
+        x[: draw(st.integers(0, n))] = 0.0
+    return dict(x=x, block=block, signed=signed)
+
+
+def _check_state8(a, y):
+    """Against float64: relative error bound inside the code's range; below it, 0 or the smallest level
+    (signed) / rounded up, never to 0 (unsigned)."""
+    x, block, signed = a["x"], a["block"], a["signed"]
+    y = y.double()
+    n = x.numel()
+    absmax = torch.cat([x, x.new_zeros(-n % block)]).view(-1, block).abs().amax(1).repeat_interleave(block)[:n]
+    absmax32 = absmax.float().double()  # the stored scale
+    low = state8.smallest_level(signed)
+    inside = x.abs() >= low * absmax
+    bound = state8.relative_error_bound(signed) + 1e-6
+    assert ((y - x).abs()[inside] <= bound * x.abs()[inside]).all()
+    assert (y[~inside].abs() <= low * absmax32[~inside] * (1 + bound)).all()
+    assert ((y > 0) == (x > 0)).all() if not signed else (y * x >= 0).all()
+
+
+STATE8_ROUND_TRIP = NumericSpec(
+    "neuzip.state8.round_trip", _state8_inputs(),
+    lambda a: state8.dequantize(*state8.quantize(a["x"], a["block"], a["signed"]), a["block"]), _check_state8)
+
+SPECS = [COMPRESS_ARGS, COMPRESS_LOSSY_ARGS, NEUZIP_CONFIG_ARGS, LOMO_CONFIG_ARGS, LOMO_ARGS, NEUZIP_CHECKPOINT,
+         STATE8_ROUND_TRIP]
