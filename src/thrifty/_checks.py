@@ -94,6 +94,19 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def check_device(name: str, value) -> torch.device:
+    """Parses ``value`` as a torch device that exists here: a CUDA device needs a GPU and an index in range."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name}: expected a torch device (cpu, cuda or cuda:N), got {value!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: {value} requested but no CUDA GPU is available here")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{name}: {value} requested but only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
+
+
 def check_range(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
                 finite: bool = True) -> float:
     """Checks ``lo <= value <= hi`` (``lo_open``/``hi_open``: strict). NaN never passes (it compares false with

@@ -14,17 +14,11 @@ DEMO_PROMPT = "The Linux kernel manages memory by"
 def _device(name: str):
     import torch
 
+    from ._checks import check_device
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA GPU is available here; use --device cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return device
+    return check_device("--device", name)
 
 
 def _corpus(corpus_dir, max_mb=None, reuse=False):

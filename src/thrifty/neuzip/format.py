@@ -25,6 +25,7 @@ from typing import Union
 import numpy as np
 import torch
 
+from .._checks import check_device
 from . import reference as R
 from .tensor import CompressedTensor
 
@@ -155,12 +156,7 @@ def load(path, device="cpu") -> dict:
 
     path = Path(path)
     if device is not None:
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device: expected a torch device, got {device!r}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device: {device} requested but no CUDA GPU is available")
+        device = check_device("device", device)
     try:
         data = path.read_bytes()
     except OSError as err:
