@@ -46,32 +46,44 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_losses):
         e2d, c, bias, rows, targets, lse = ctx.saved_tensors
         softcap, ls, z_loss, chunk_size = ctx.opts
-        acc = lse.dtype
-        c32 = c.to(acc)
-        b32 = None if bias is None else bias.to(acc)
-        V = c.shape[0]
         need_e, need_c, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        de = torch.zeros(e2d.shape, dtype=acc, device=e2d.device) if need_e else None
-        dc = torch.zeros(c.shape, dtype=acc, device=c.device) if need_c else None
-        db = torch.zeros(V, dtype=acc, device=c.device) if need_b else None
-        for sl in _chunks(rows.numel(), chunk_size):
-            e32 = e2d[rows[sl]].to(acc)
-            z = _spec.softcap_fn(torch.nn.functional.linear(e32, c32, b32), softcap)
-            g = torch.exp(z - lse[sl, None]) * (1.0 + 2.0 * z_loss * lse[sl, None])
-            g.scatter_add_(1, targets[sl, None], g.new_full((g.shape[0], 1), -(1.0 - ls)))
-            if ls:
-                g -= ls / V
-            if softcap is not None:
-                g *= 1.0 - (z / softcap) ** 2
-            g *= grad_losses[sl, None].to(acc)
-            if need_e:
-                de.index_add_(0, rows[sl], g @ c32)
-            if need_c:
-                dc += g.T @ e32
-            if need_b:
-                db += g.sum(0)
+        de, dc, db = accumulate_grads(e2d, c, bias, rows, targets, lse, grad_losses, softcap=softcap,
+                                      label_smoothing=ls, z_loss=z_loss, chunk_size=chunk_size,
+                                      need_e=need_e, need_c=need_c, need_b=need_b)
         cast = lambda x, like: None if x is None else x.to(like.dtype)  # noqa: E731
         return cast(de, e2d), cast(dc, c), (cast(db, bias) if need_b else None), None, None, None, None, None, None
+
+
+def accumulate_grads(e2d, c, bias, rows, targets, lse, weights, *, softcap, label_smoothing, z_loss, chunk_size,
+                     need_e, need_c, need_b):
+    """dE, dC, db (in ``lse``'s dtype, None where not needed) of Σ weights·loss over ``rows``, chunk by chunk,
+    recomputing the logits. ``lse`` is the forward's (under vocabulary parallelism the global one, ``c`` a slice);
+    a negative target means its column is not in ``c`` (another rank owns it)."""
+    acc = lse.dtype
+    c32 = c.to(acc)
+    b32 = None if bias is None else bias.to(acc)
+    V = c.shape[0]
+    de = torch.zeros(e2d.shape, dtype=acc, device=e2d.device) if need_e else None
+    dc = torch.zeros(c.shape, dtype=acc, device=c.device) if need_c else None
+    db = torch.zeros(V, dtype=acc, device=c.device) if need_b else None
+    for sl in _chunks(rows.numel(), chunk_size):
+        e32 = e2d[rows[sl]].to(acc)
+        z = _spec.softcap_fn(torch.nn.functional.linear(e32, c32, b32), softcap)
+        g = torch.exp(z - lse[sl, None]) * (1.0 + 2.0 * z_loss * lse[sl, None])
+        owned = targets[sl] >= 0
+        g[owned.nonzero().squeeze(1), targets[sl][owned]] -= 1.0 - label_smoothing
+        if label_smoothing:
+            g -= label_smoothing / V
+        if softcap is not None:
+            g *= 1.0 - (z / softcap) ** 2
+        g *= weights[sl, None].to(acc)
+        if need_e:
+            de.index_add_(0, rows[sl], g @ c32)
+        if need_c:
+            dc += g.T @ e32
+        if need_b:
+            db += g.sum(0)
+    return de, dc, db
 
 
 def linear_cross_entropy(

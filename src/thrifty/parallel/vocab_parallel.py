@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from ..loss import _spec
+from ..loss.reference import accumulate_grads
 from ..triton_utils import kernels_available
 
 IMPLS = ("auto", "triton", "reference")
@@ -56,31 +57,6 @@ def _reference_stats(e2d, c, bias, rows, tgt, softcap, chunk):
     return lse, z_t
 
 
-def _reference_backward(e2d, c, bias, rows, tgt, lse, w, softcap, z_loss, chunk, need_e, need_c, need_b):
-    acc = lse.dtype
-    c32, b32 = c.to(acc), None if bias is None else bias.to(acc)
-    de = torch.zeros(e2d.shape, dtype=acc, device=e2d.device) if need_e else None
-    dc = torch.zeros(c.shape, dtype=acc, device=c.device) if need_c else None
-    db = torch.zeros(c.shape[0], dtype=acc, device=c.device) if need_b else None
-    for s in range(0, rows.numel(), chunk):
-        sl = slice(s, min(rows.numel(), s + chunk))
-        e32 = e2d[rows[sl]].to(acc)
-        z = _spec.softcap_fn(torch.nn.functional.linear(e32, c32, b32), softcap)
-        g = torch.exp(z - lse[sl, None]) * (1.0 + 2.0 * z_loss * lse[sl, None])
-        owned = tgt[sl] >= 0
-        g[owned.nonzero().squeeze(1), tgt[sl][owned]] -= 1.0
-        if softcap is not None:
-            g = g * (1.0 - (z / softcap) ** 2)
-        g = g * w[sl, None].to(acc)
-        if need_e:
-            de.index_add_(0, rows[sl], g @ c32)
-        if need_c:
-            dc += g.T @ e32
-        if need_b:
-            db += g.sum(0)
-    return de, dc, db
-
-
 class _VocabParallelCE(torch.autograd.Function):
     """Per-token fp32 losses of the valid rows (identical on every rank of the group)."""
 
@@ -111,8 +87,9 @@ class _VocabParallelCE(torch.autograd.Function):
                 chunk_bytes=None, need_e=need_e, need_c=need_c or need_b, config=opts.get("backward_config"),
                 dense_above=opts.get("dense_above", 0.3))
         else:
-            de, dc, db = _reference_backward(e2d, c, bias, rows, tgt, lse, grad_losses, softcap, z_loss,
-                                             opts["chunk"], need_e, need_c, need_b)
+            de, dc, db = accumulate_grads(e2d, c, bias, rows, tgt, lse, grad_losses, softcap=softcap,
+                                          label_smoothing=0.0, z_loss=z_loss, chunk_size=opts["chunk"],
+                                          need_e=need_e, need_c=need_c, need_b=need_b)
             de = None if de is None else de.to(e2d.dtype)
             dc = None if dc is None else dc.to(c.dtype)
             db = None if db is None else db.to(bias.dtype)
