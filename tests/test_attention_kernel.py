@@ -214,3 +214,43 @@ def test_kv_statistics_against_float64(monkeypatch, programs, S):
     amax = (v64 - center[:, None]).abs().amax(1)
     for got, want in ((kv["stats"][0], k64.mean(1)), (kv["stats"][2], center), (kv["stats"][1], amax / 448.0)):
         assert torch.allclose(got.double().cpu(), want.cpu(), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ NaN rule
+NAN_CASES = [  # B, H, Hkv, Sq, Sk, causal, qk_bits, return_lse
+    (1, 2, 2, 40, 40, True, 8, True),
+    (2, 4, 2, 37, 53, False, 8, False),  # GQA, odd lengths
+    (1, 4, 1, 21, 70, True, 4, True),    # queries are the last positions; 4-bit (Q smoothing in the kernel)
+    (1, 2, 1, 45, 19, True, 8, False),   # more queries than keys
+]
+
+
+@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,causal,qk_bits,return_lse", NAN_CASES)
+def test_kernel_nan_rows_are_exactly_the_rule_without_a_host_guard(monkeypatch, B, H, Hkv, Sq, Sk, causal,
+                                                                    qk_bits, return_lse):
+    """The kernels find the non-finite rows themselves (K/V in the quantization pass, Q in the attention
+    kernel): NaN exactly where reference.nonfinite_rows says, and the other rows equal to a run on inputs with
+    those elements zeroed. The host guard must not run on this path (it cost up to 3x at short lengths)."""
+    from thrifty.attention import api
+    from thrifty.attention.reference import nonfinite_rows
+
+    monkeypatch.setattr(api, "nonfinite_rows", lambda *a: pytest.fail("host NaN guard ran on the kernel path"))
+    g = torch.Generator().manual_seed(Sq * 31 + Sk)
+    for trial in range(2):
+        q, k, v = _inputs(B, H, Hkv, Sq, Sk, 64, seed=trial)
+        clean = [x.clone() for x in (q, k, v)]
+        for x in (q, k, v):  # a few NaN/±inf at random places
+            for _ in range(2):
+                idx = tuple(int(torch.randint(n, (1,), generator=g)) for n in x.shape)
+                x[idx] = (float("nan"), float("inf"), float("-inf"))[int(torch.randint(3, (1,), generator=g))]
+        for x, c in zip((q, k, v), clean):
+            c[~torch.isfinite(x)] = 0.0
+        kw = dict(causal=causal, impl="triton", qk_bits=qk_bits, return_lse=return_lse)
+        got, want = sage_attention(q, k, v, **kw), sage_attention(*clean, **kw)
+        out, lse = got if return_lse else (got, None)
+        ref_out = want[0] if return_lse else want
+        bad = nonfinite_rows(q.cpu(), k.cpu(), v.cpu(), causal).to(out.device)
+        assert torch.equal(out.isnan().all(-1), bad) and not out[~bad].isnan().any()
+        assert torch.equal(out[~bad], ref_out[~bad])
+        if return_lse:
+            assert torch.equal(lse.isnan(), bad) and torch.equal(lse[~bad], want[1][~bad])

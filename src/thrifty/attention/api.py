@@ -73,19 +73,16 @@ def _choose_impl(impl, q, smooth_q):
 def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse):
     """(B, H, S, D) tensors, validated; no autograd."""
     if impl == "triton":
-        # NaN in -> NaN out: the kernels compute non-finite inputs as zeros; the rows that depend on one are
-        # set to NaN here (the reference does the same inside)
-        bad_rows = nonfinite_rows(q, k, v, causal)
         if q.shape[-1] not in KERNEL_HEAD_DIMS:
             warnings.warn(f"sage_attention: head_dim {q.shape[-1]} has no kernel (only {KERNEL_HEAD_DIMS}); "
                           "falling back to exact SDPA", stacklevel=3)
-            result = _exact_sdpa(q, k, v, causal, sm_scale, return_lse)
-        else:
-            from .attn_kernel import sage_forward_triton  # compiled kernels are imported on first use only
-            result = sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
-                                         smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
-                                         smooth_q=smooth_q)
-        return _nan_rows(result, bad_rows, return_lse)
+            bad_rows = nonfinite_rows(q, k, v, causal)  # NaN in -> NaN out (SDPA would not say which rows)
+            return _nan_rows(_exact_sdpa(q, k, v, causal, sm_scale, return_lse), bad_rows, return_lse)
+        from .attn_kernel import sage_forward_triton  # compiled kernels are imported on first use only
+        # NaN in -> NaN out happens inside the kernels: the passes that read q, k and v anyway detect the
+        # non-finite rows (no extra launch, no host sync; NOTES.md "NaN rule")
+        return sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
+                                   smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse, smooth_q=smooth_q)
     return sage_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, qk_format="int8" if qk_bits == 8 else "int4",
         pv="fp8" if pv == "fp8" else "fp16", smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v,

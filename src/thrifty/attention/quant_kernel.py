@@ -60,7 +60,8 @@ def quantize_rows(x, QMAX: tl.constexpr):
 def _finite_or_zero(x):
     """NaN and ±inf → 0: a non-finite key or value must not reach the per-head statistics (one bad key would
     make the K mean, and so every key of the head, NaN) nor a block's scale. The rows that attend to it are
-    set to NaN by the caller (``reference.nonfinite_rows``), so nothing turns it into a plausible number."""
+    set to NaN by the attention kernel (from ``kv_bad``, see ``_quantize_kv_kernel``), so nothing turns it
+    into a plausible number."""
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
@@ -104,7 +105,7 @@ def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane
 
 
 @triton.jit
-def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr,
+def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr, bad_ptr,
                         H, S, S_pad, n_split, plane, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                         QMAX: tl.constexpr, V_QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                         SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_FP8: tl.constexpr,
@@ -112,7 +113,10 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     """One program: BLOCK keys of one (b, h). Adds up the partial statistics (a few KB, from L2), then K
     smoothed and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed
     [D, S_pad]. Program 0 of each head also writes stats[3, B·H, D] = K mean, V scale, V mean for the
-    attention kernel's epilogue and the LSE correction."""
+    attention kernel's epilogue and the LSE correction.
+    bad[B·H, S_pad/BLOCK]: the index of the block's first key whose K or V row holds a NaN/±inf, else S_pad.
+    The NaN rule (``reference.nonfinite_rows``) costs nothing here: this pass reads every K and V element
+    anyway, and the attention kernel turns these per-block minima into NaN rows."""
     pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
@@ -145,7 +149,9 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
         tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
 
     k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
-    k = _finite_or_zero(k.to(tl.float32))
+    k = k.to(tl.float32)
+    k_bad = tl.max(tl.where(tl.abs(k) < float("inf"), 0, 1), axis=1)
+    k = _finite_or_zero(k)
     if SMOOTH_K:
         k = tl.where(ok, k - k_mean[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
@@ -155,7 +161,11 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
 
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
-    v = _finite_or_zero(v.to(tl.float32))
+    v = v.to(tl.float32)
+    v_bad = tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), axis=1)
+    v = _finite_or_zero(v)
+    bad_rows = tl.where((k_bad + v_bad > 0) & (rows < S), rows, S_pad)
+    tl.store(bad_ptr + pid_bh * (S_pad // BLOCK) + pid_s, tl.min(bad_rows, axis=0))
     if SMOOTH_V:
         v = tl.where(ok, v - center[None, :], 0.0)
     if V_FP8:
@@ -194,7 +204,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
                 smooth_v: bool, sig=None) -> dict:
     """(B, Hkv, S, D) K and V → dict(k8 [B·Hkv, S_pad, D] int8, k_scale [B·Hkv, S_pad/block_n],
     stats [3, B·Hkv, D] fp32 (K mean, V scale, V mean; zeros/ones where unused), vt [B·Hkv, D, S_pad] e4m3
-    (or v's dtype)). Two launches: partial statistics over token chunks, then quantization."""
+    (or v's dtype), kv_bad [B·Hkv, S_pad/block_n] int32: first key of each block with a non-finite K or V
+    element, else S_pad). Two launches: partial statistics over token chunks, then quantization."""
     B, H, S, D = k.shape
     BH = B * H
     S_pad = _pad(S, block_n)
@@ -214,8 +225,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
     k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
+    kv_bad = torch.empty(BH, S_pad // block_n, dtype=torch.int32, device=dev)
     launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats), (S_pad // block_n, BH),
-        k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
+        k, v, part, stats, k8, k_scale, vt, kv_bad, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
         HAS_STATS=has_stats, PRE_ROUND=INTERPRET, num_warps=4, num_stages=3)
-    return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt)
+    return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, kv_bad=kv_bad)
