@@ -116,6 +116,11 @@ def test_smooth_q_runs_in_the_kernel_too():
     out = sage_attention(q, k, v, impl="triton", smooth_q=True)
     ref = sage_attention_reference(q, k, v, smooth_q=True, **_blocks(64))
     assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
+    # honoured, not silently ignored: the result is the smoothed one, not the 8-bit default's
+    plain = sage_attention(q, k, v, impl="triton", smooth_q=False)
+    plain_ref = sage_attention_reference(q, k, v, smooth_q=False, **_blocks(64))
+    assert not torch.equal(out, plain)
+    assert (out - ref).abs().max() < (out - plain_ref).abs().max()
 
 
 # ------------------------------------------------------------------------------------------------ GPU only

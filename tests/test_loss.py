@@ -162,6 +162,7 @@ def test_nan_in_e_gives_nan_loss():
     (lambda e, c, t: (e, c, torch.where(t == -100, -3, t)), ValueError, "targets"),
     (lambda e, c, t: (e, c.double(), t), TypeError, "c"),
     (lambda e, c, t: (e, c.to("meta"), t), ValueError, "device"),
+    (lambda e, c, t: (e.to("meta"), c.to("meta"), t.to("meta")), ValueError, "e: .*meta"),  # was autocast's error
     (lambda e, c, t: (e[0], c, t[0]), ValueError, "e"),
 ])
 def test_bad_inputs_raise_naming_the_argument(bad, exc, name):

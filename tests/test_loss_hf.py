@@ -65,6 +65,19 @@ def test_patched_llama_eval_and_skip_logits_false_behave_like_stock():
         patched(input_ids=ids, skip_logits=True)
 
 
+def test_patching_twice_replaces_the_options_and_keeps_the_logits_path():
+    stock, patched = tiny_llama(), tiny_llama()
+    patch_causal_lm(patched, z_loss=1e-3)
+    patch_causal_lm(patched)  # the second call's options win; the stock forward is still the original one
+    ids = torch.randint(0, 301, (2, 9)).to(DEVICE)
+    out = patched(input_ids=ids, labels=ids, skip_logits=False)
+    assert out.logits is not None
+    torch.testing.assert_close(out.logits, stock(input_ids=ids, labels=ids).logits)
+    skipped = patched(input_ids=ids, labels=ids)
+    assert skipped.logits is None
+    torch.testing.assert_close(skipped.loss, stock(input_ids=ids, labels=ids).loss.float(), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- real model, real text
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "

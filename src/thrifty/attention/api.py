@@ -59,7 +59,7 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
     return q, k, v
 
 
-def _choose_impl(impl, q, smooth_q):
+def _choose_impl(impl, q):
     if impl == "reference":
         return "reference"
     if impl == "triton":
@@ -167,7 +167,7 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     smooth_q = (qk_bits == 4) if smooth_q is None else bool(smooth_q)
     opts = dict(causal=bool(causal), sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
-                smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q, smooth_q),
+                smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q),
                 return_lse=return_lse)
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:  # no batch, queries or keys: the documented empty result
         result = empty_attention(q, k, bool(causal), return_lse)

@@ -16,7 +16,9 @@ import triton.language as tl
 
 from ..triton_utils import mma
 
-NEG = -1.0e30  # finite "minus infinity" for running maxima: exp(-inf - NEG) = 0, never nan
+# finite "minus infinity" for running maxima: exp(-inf - NEG) = 0, never nan. A constexpr: the compiler
+# refuses plain module globals inside @triton.jit (the interpreter accepts them)
+NEG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -40,7 +40,7 @@ def autocast_inputs(e, c, bias):
     if not (isinstance(e, torch.Tensor) and isinstance(c, torch.Tensor)):
         return e, c, bias
     kind = e.device.type
-    if not torch.is_autocast_enabled(kind):
+    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):  # meta: validate refuses
         return e, c, bias
     dtype = torch.get_autocast_dtype(kind)
     cast = lambda x: x if x is None or not x.is_floating_point() else x.to(dtype)  # noqa: E731
@@ -61,6 +61,9 @@ def validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label
                 f"thrifty.parallel.run_with_gathered_head; a tensor-parallel classifier needs "
                 f"thrifty.parallel.vocab_parallel_cross_entropy")
     check_same_device(e=e, c=c, targets=targets, bias=bias)
+    if e.device.type == "meta":  # no values to compute a loss from; the kernels would fail deep inside
+        raise ValueError("e: a tensor on the meta device has no values; move e, c and targets to cpu or cuda "
+                         "(after materialising a meta-initialised model)")
     if c.dtype != e.dtype:
         raise TypeError(f"c: expected the dtype of e ({e.dtype}), got {c.dtype}")
     if bias is not None and bias.dtype != e.dtype:

@@ -42,7 +42,8 @@ def patch_causal_lm(model, **loss_kwargs):
     given), ``num_items_in_batch`` (loss = sum / num_items_in_batch, as the HF Trainer expects for gradient
     accumulation) and ``shift_labels`` (already shifted labels). With logits skipped it returns
     ``logits=None``; otherwise it behaves like the stock forward. ``loss_kwargs`` go to
-    :func:`thrifty.loss.linear_cross_entropy` (e.g. ``impl``, ``z_loss``).
+    :func:`thrifty.loss.linear_cross_entropy` (e.g. ``impl``, ``z_loss``). Patching an already patched model
+    replaces the options.
     """
     if not (hasattr(model, "model") and hasattr(model, "lm_head")):
         raise TypeError(f"model: expected a *ForCausalLM with .model and .lm_head, got {type(model).__name__}")
@@ -53,7 +54,10 @@ def patch_causal_lm(model, **loss_kwargs):
             "z_loss": 0.0}
     opts.update({k: v for k, v in loss_kwargs.items() if k in opts})
     _spec.validate_options(**opts)  # checked now, not at the first training step
-    stock_forward = model.forward
+    # Patching again replaces the options; the stock forward stays the one from before the first patch (else
+    # the logits path would call the previous patch, which skips the logits when training with labels).
+    stock_forward = model.__dict__.get("_thrifty_stock_forward") or model.forward
+    model._thrifty_stock_forward = stock_forward
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, skip_logits=None,

@@ -286,7 +286,8 @@ class CompressedWeights:
         return {name: pack.tensor(j) for pack, names in zip(self.packs, self.names) for j, name in enumerate(names)}
 
     def decoded_weights(self) -> dict:
-        """{parameter name: decoded weight} (fresh tensors, reference decoder on the CPU)."""
+        """{parameter name: decoded weight}: fresh tensors on the compressed weights' device, from the reference
+        decoder (independent of the GPU kernels, so tests can compare the two)."""
         return {name: ct.decompress(impl="reference") for name, ct in self.compressed_tensors().items()}
 
     def memory(self) -> dict:
