@@ -13,5 +13,9 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 out=${OUT:-/tmp}
-python3 -m pytest -q -m "${MARKS:-cuda}" "$@" 2>&1 | tee "$out/gpu_tests.log"
+# pytest-xdist (on the box): Triton compiles dominate the suite's time, and they run on the CPU cores in
+# parallel; GPU_TEST_WORKERS=0 runs serially.
+workers=()
+if python3 -c "import xdist" 2>/dev/null && [ "${GPU_TEST_WORKERS:-6}" != 0 ]; then workers=(-n "${GPU_TEST_WORKERS:-6}"); fi
+python3 -m pytest -q -m "${MARKS:-cuda}" "${workers[@]}" --durations=10 "$@" 2>&1 | tee "$out/gpu_tests.log"
 exit "${PIPESTATUS[0]}"

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
-from .quant_kernel import FP8_MAX, INTERPRET, LOG2E, cdiv, launch_with, quantize_kv, quantize_rows, to_e4m3
+from .quant_kernel import (FP8_MAX, INTERPRET, LOG2E, MAX_SPLIT, cdiv, launch_with, quantize_kv, quantize_rows,
+                           to_e4m3)
 
 LN2 = math.log(2.0)
 
@@ -108,23 +109,24 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
 
 
 @triton.jit
-def _sees_bad_key(bad_base, hi, Sk, Sk_pad, offs_m, causal_offset, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  BAD_CHUNK: tl.constexpr):
-    """Rows that attend to a key whose K or V row holds NaN/inf: from the per-block first bad key the K/V
-    quantization pass wrote (S_pad where none), over the blocks this program read. A few hundred int32 from L2
-    once per program, outside the tile loop: the NaN rule without an extra pass over q, k, v."""
-    n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
-    first = Sk_pad
-    for start in range(0, n_blocks, BAD_CHUNK):
-        idx = start + tl.arange(0, BAD_CHUNK)
-        first = tl.minimum(first, tl.min(tl.load(bad_base + idx, mask=idx < n_blocks, other=Sk_pad), axis=0))
+def _bad_rows(Q, q_off, stride_qs, stride_qd, offs_m, offs_d, row_ok, first_bad_base, n_split, Sk,
+              causal_offset, CAUSAL: tl.constexpr, MAX_SPLIT: tl.constexpr):
+    """The rows that must come out NaN (the rule of ``reference.nonfinite_rows``): a query row holding NaN/inf,
+    or a row that attends to a key whose K or V row does. The keys' part is the minimum of the statistics
+    pass's per-chunk first bad key (≤ MAX_SPLIT int32); the queries' part re-reads the Q tile (from L2) here
+    rather than keeping a mask live through the tile loop. Run once per program, in the epilogue."""
+    qf = tl.load(Q + q_off + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=row_ok[:, None],
+                 other=0.0)
+    q_bad = tl.max(tl.where(tl.abs(qf.to(tl.float32)) < float("inf"), 0, 1), axis=1) > 0
+    chunk = tl.arange(0, MAX_SPLIT)
+    first = tl.min(tl.load(first_bad_base + chunk, mask=chunk < n_split, other=Sk), axis=0)
     if CAUSAL:  # query i sees keys j <= i + causal_offset
-        return first <= offs_m + causal_offset
-    return (offs_m >= 0) & (first < Sk)
+        return q_bad | (first <= offs_m + causal_offset)
+    return q_bad | (first < Sk)
 
 
 @triton.jit
-def _sage_fwd_kernel(Q, K, Ks, V, Stats, KvBad, Out, Lse,
+def _sage_fwd_kernel(Q, K, Ks, V, Stats, FirstBad, n_split, Out, Lse,
                      stride_qb, stride_qh, stride_qs, stride_qd,
                      stride_ob, stride_oh, stride_os, stride_od,
                      H, H_KV, BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale,
@@ -134,7 +136,7 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, KvBad, Out, Lse,
                      HAS_VMEAN: tl.constexpr, RETURN_LSE: tl.constexpr, PRE_ROUND: tl.constexpr,
                      FAST_CVT: tl.constexpr, REVERSE: tl.constexpr, WS: tl.constexpr,
                      FOLD: tl.constexpr, FTZ: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
-                     SMOOTH_Q: tl.constexpr, BAD_CHUNK: tl.constexpr):
+                     SMOOTH_Q: tl.constexpr, MAX_SPLIT: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -146,11 +148,9 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, KvBad, Out, Lse,
     # Q quantized here, per token (no pre-pass for Q); qk_scale = sm_scale·log2e folded into its scale.
     qf = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
                  + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    # NaN in -> NaN out (reference.nonfinite_rows): a query row holding NaN/inf is computed as zeros (so it
-    # cannot spread through the Q-block mean) and set to NaN in the epilogue.
-    q_bad = tl.max(tl.where(tl.abs(qf) < float("inf"), 0, 1), axis=1) > 0
-    qf = tl.where(tl.abs(qf) < float("inf"), qf, 0.0)
     if SMOOTH_Q:  # SageAttention2 Q smoothing: this block's mean removed, ΔS added back per tile
+        # a NaN/inf query row is NaN in the end (_bad_rows); as zeros here it cannot spread through the mean
+        qf = tl.where(tl.abs(qf) < float("inf"), qf, 0.0)
         q_bar = tl.sum(qf, axis=0) / tl.minimum(Sq - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
         qf = tl.where(row_ok[:, None], qf - q_bar[None, :], 0.0)
         ds0 = tl.sum(q_bar * tl.load(Stats + bh_kv * HEAD_DIM + offs_d))  # q̄·mean(K): ΔS uses γ(K)
@@ -190,15 +190,21 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, KvBad, Out, Lse,
     out = acc * (tl.load(Stats + (BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :] / l_safe[:, None])
     if HAS_VMEAN:
         out = tl.where(l_i[:, None] > 0, out + tl.load(Stats + (2 * BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :], 0.0)
-    row_bad = q_bad | _sees_bad_key(KvBad + bh_kv * (Sk_pad // BLOCK_N), hi, Sk, Sk_pad, offs_m, causal_offset,
-                                    BLOCK_N, CAUSAL, BAD_CHUNK)
-    out = tl.where(row_bad[:, None], float("nan"), out)
     o_ptr = Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    lse_ptr = Lse + pid_bh.to(tl.int64) * Sq + offs_m
     if RETURN_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe / P_SCALE)) * 0.6931471805599453, float("-inf"))
-        lse = tl.where(row_bad, float("nan"), lse)
-        tl.store(Lse + pid_bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+        tl.store(lse_ptr, lse, mask=row_ok)
+    # NaN in -> NaN out, after the results are stored: the accumulator is dead by now, so the check adds no
+    # register pressure to the tile loop (keeping it live there cost spills); the NaN stores are predicated
+    # off unless a row is bad. The barrier orders them after the first stores of other threads.
+    row_bad = row_ok & _bad_rows(Q, b.to(tl.int64) * stride_qb + h * stride_qh, stride_qs, stride_qd, offs_m, offs_d,
+                                 row_ok, FirstBad + bh_kv * n_split, n_split, Sk, causal_offset, CAUSAL, MAX_SPLIT)
+    tl.debug_barrier()
+    tl.store(o_ptr, tl.full((BLOCK_M, HEAD_DIM), float("nan"), tl.float32).to(Out.dtype.element_ty), mask=row_bad[:, None])
+    if RETURN_LSE:
+        tl.store(lse_ptr, tl.full((BLOCK_M,), float("nan"), tl.float32), mask=row_bad)
 
 
 _FWD_LAUNCH = FastLauncher(_sage_fwd_kernel)
@@ -259,7 +265,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     ftz = cfg["ftz"] and not INTERPRET
     grid = (cdiv(max(Sq, 1), block_m), B * H)
     return launch_with(_FWD_LAUNCH, sig, grid,
-        q, p["k8"], p["k_scale"], p["vt"], p["stats"], p["kv_bad"], out, lse if lse is not None else out,
+        q, p["k8"], p["k_scale"], p["vt"], p["stats"], p["first_bad"], p["first_bad"].shape[1], out, lse if lse is not None else out,
         *q.stride(), *out.stride(), H, H_kv, B * H_kv, Sq, Sk, p["k8"].shape[1], Sk - Sq,
         p["sm_scale"] * LOG2E, p["k_raw"], *p["k_raw"].stride(),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], QMAX=p["qmax"], CAUSAL=causal,
@@ -267,7 +273,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         RETURN_LSE=lse is not None, PRE_ROUND=INTERPRET, FAST_CVT=cfg["fast_cvt"],
         REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
         LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0, SMOOTH_Q=p["smooth_q"],
-        BAD_CHUNK=128, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        MAX_SPLIT=MAX_SPLIT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",

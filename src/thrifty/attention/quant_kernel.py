@@ -60,18 +60,20 @@ def quantize_rows(x, QMAX: tl.constexpr):
 def _finite_or_zero(x):
     """NaN and ±inf → 0: a non-finite key or value must not reach the per-head statistics (one bad key would
     make the K mean, and so every key of the head, NaN) nor a block's scale. The rows that attend to it are
-    set to NaN by the attention kernel (from ``kv_bad``, see ``_quantize_kv_kernel``), so nothing turns it
-    into a plausible number."""
+    set to NaN by the attention kernel (from the statistics pass's ``first_bad``), so nothing turns it into
+    a plausible number."""
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
 @triton.jit
-def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane,
+def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, bad_ptr, H, S, chunk, n_split, plane,
                              k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                              D: tl.constexpr, BLOCK_S: tl.constexpr, SMOOTH_K: tl.constexpr,
                              V_STATS: tl.constexpr):
     """Program (b·h, c): sums of K and V, min and max of V over tokens [c·chunk, (c+1)·chunk), per channel,
-    into part[4, B·H, n_split, D]. Splitting the tokens keeps enough programs in flight at short lengths
+    into part[4, B·H, n_split, D]; and bad[B·H, n_split]: the chunk's first key whose K or V row holds a
+    NaN/±inf, else S (the NaN rule of ``reference.nonfinite_rows`` at no extra pass: this kernel reads every
+    K and V element anyway; an elementwise int32 minimum beside the sums, reduced once). Splitting the tokens keeps enough programs in flight at short lengths
     (one program per head would leave most SMs idle); the quantization kernel adds the partials up.
     The loop accumulates whole (BLOCK_S, D) tiles element-wise and reduces over tokens once at the end: a
     reduction across warps per step (v1 of this kernel) put a shared-memory round trip and a barrier between
@@ -85,18 +87,24 @@ def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane
     v_sum = tl.zeros((BLOCK_S, D), tl.float32)
     v_min = tl.full((BLOCK_S, D), float("inf"), tl.float32)
     v_max = tl.full((BLOCK_S, D), float("-inf"), tl.float32)
+    first_bad = tl.full((BLOCK_S, D), S, tl.int32)
     k_tile = k_ptr + b * k_sb + h * k_sh + cols[None, :] * k_sd
     v_tile = v_ptr + b * v_sb + h * v_sh + cols[None, :] * v_sd
     for start in range(lo, hi, BLOCK_S):
         rows = start + tl.arange(0, BLOCK_S)
         ok = rows[:, None] < hi
+        k = tl.load(k_tile + rows[:, None] * k_ss, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(v_tile + rows[:, None] * v_ss, mask=ok, other=0.0).to(tl.float32)
+        finite = (tl.abs(k) < float("inf")) & (tl.abs(v) < float("inf"))
+        first_bad = tl.minimum(first_bad, tl.where(finite, S, rows[:, None]))
         if SMOOTH_K:
-            k_sum += _finite_or_zero(tl.load(k_tile + rows[:, None] * k_ss, mask=ok, other=0.0).to(tl.float32))
+            k_sum += _finite_or_zero(k)
         if V_STATS:
-            v = _finite_or_zero(tl.load(v_tile + rows[:, None] * v_ss, mask=ok, other=0.0).to(tl.float32))
+            v = _finite_or_zero(v)
             v_sum += v
             v_min = tl.minimum(v_min, tl.where(ok, v, float("inf")))
             v_max = tl.maximum(v_max, tl.where(ok, v, float("-inf")))
+    tl.store(bad_ptr + pid_bh * n_split + pid_c, tl.min(tl.min(first_bad, axis=1), axis=0))
     out = part_ptr + (pid_bh * n_split + pid_c) * D + cols
     tl.store(out, tl.sum(k_sum, axis=0))
     tl.store(out + plane, tl.sum(v_sum, axis=0))
@@ -105,7 +113,7 @@ def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, H, S, chunk, n_split, plane
 
 
 @triton.jit
-def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr, bad_ptr,
+def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr,
                         H, S, S_pad, n_split, plane, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                         QMAX: tl.constexpr, V_QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                         SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_FP8: tl.constexpr,
@@ -113,10 +121,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     """One program: BLOCK keys of one (b, h). Adds up the partial statistics (a few KB, from L2), then K
     smoothed and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed
     [D, S_pad]. Program 0 of each head also writes stats[3, B·H, D] = K mean, V scale, V mean for the
-    attention kernel's epilogue and the LSE correction.
-    bad[B·H, S_pad/BLOCK]: the index of the block's first key whose K or V row holds a NaN/±inf, else S_pad.
-    The NaN rule (``reference.nonfinite_rows``) costs nothing here: this pass reads every K and V element
-    anyway, and the attention kernel turns these per-block minima into NaN rows."""
+    attention kernel's epilogue and the LSE correction."""
     pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
@@ -149,9 +154,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
         tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
 
     k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
-    k = k.to(tl.float32)
-    k_bad = tl.max(tl.where(tl.abs(k) < float("inf"), 0, 1), axis=1)
-    k = _finite_or_zero(k)
+    k = _finite_or_zero(k.to(tl.float32))
     if SMOOTH_K:
         k = tl.where(ok, k - k_mean[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
@@ -161,11 +164,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
 
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
-    v = v.to(tl.float32)
-    v_bad = tl.max(tl.where(tl.abs(v) < float("inf"), 0, 1), axis=1)
-    v = _finite_or_zero(v)
-    bad_rows = tl.where((k_bad + v_bad > 0) & (rows < S), rows, S_pad)
-    tl.store(bad_ptr + pid_bh * (S_pad // BLOCK) + pid_s, tl.min(bad_rows, axis=0))
+    v = _finite_or_zero(v.to(tl.float32))
     if SMOOTH_V:
         v = tl.where(ok, v - center[None, :], 0.0)
     if V_FP8:
@@ -180,11 +179,14 @@ STATS_CONFIG = dict(block_s=16, num_warps=4, programs=512)  # H100 sweep: attent
 _QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
 
 
+MAX_SPLIT = 16  # partials per head: every quantize program sums them, the attention kernel reads their first_bad
+
+
 def stats_split(S: int, BH: int, block_s: int, programs: int) -> tuple[int, int]:
     """(steps of ``block_s`` tokens per program, programs per head) for the statistics pass: enough programs
     to fill the SMs, at most 16 partials per head (every quantize program sums them all)."""
     n_blocks = cdiv(max(S, 1), block_s)
-    per = cdiv(n_blocks, max(1, min(16, programs // BH)))
+    per = cdiv(n_blocks, max(1, min(MAX_SPLIT, programs // BH)))
     return per, cdiv(n_blocks, per)
 
 
@@ -204,30 +206,28 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
                 smooth_v: bool, sig=None) -> dict:
     """(B, Hkv, S, D) K and V → dict(k8 [B·Hkv, S_pad, D] int8, k_scale [B·Hkv, S_pad/block_n],
     stats [3, B·Hkv, D] fp32 (K mean, V scale, V mean; zeros/ones where unused), vt [B·Hkv, D, S_pad] e4m3
-    (or v's dtype), kv_bad [B·Hkv, S_pad/block_n] int32: first key of each block with a non-finite K or V
-    element, else S_pad). Two launches: partial statistics over token chunks, then quantization."""
+    (or v's dtype), first_bad [B·Hkv, n_split] int32: per token chunk, the first key whose K or V row holds
+    a NaN/±inf, else S; the attention kernel takes their minimum). Two launches: partial statistics over
+    token chunks (always run: it also finds the non-finite keys), then quantization."""
     B, H, S, D = k.shape
     BH = B * H
     S_pad = _pad(S, block_n)
     dev = k.device
     has_stats = smooth_k or fp8_v or smooth_v
     stats = torch.empty(3, BH, D, dtype=torch.float32, device=dev)
-    if has_stats:
-        sc = STATS_CONFIG
-        block_s = 16 if INTERPRET else sc["block_s"]
-        per, n_split = stats_split(S, BH, block_s, sc["programs"])
-        part = torch.empty(4, BH, n_split, D, dtype=torch.float32, device=dev)
-        launch_with(_STATS_LAUNCH, sig and (sig, sc["block_s"], sc["programs"], sc["num_warps"]), (BH, n_split),
-            k, v, part, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
-            D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=sc["num_warps"], num_stages=3)
-    else:
-        part, n_split = stats, 0
+    sc = STATS_CONFIG
+    block_s = 16 if INTERPRET else sc["block_s"]
+    per, n_split = stats_split(S, BH, block_s, sc["programs"])
+    part = torch.empty(4, BH, n_split, D, dtype=torch.float32, device=dev)
+    first_bad = torch.empty(BH, n_split, dtype=torch.int32, device=dev)
+    launch_with(_STATS_LAUNCH, sig and (sig, sc["block_s"], sc["programs"], sc["num_warps"]), (BH, n_split),
+        k, v, part, first_bad, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
+        D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=sc["num_warps"], num_stages=3)
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
     k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    kv_bad = torch.empty(BH, S_pad // block_n, dtype=torch.int32, device=dev)
     launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats), (S_pad // block_n, BH),
-        k, v, part, stats, k8, k_scale, vt, kv_bad, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
+        k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
         HAS_STATS=has_stats, PRE_ROUND=INTERPRET, num_warps=4, num_stages=3)
-    return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, kv_bad=kv_bad)
+    return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, first_bad=first_bad)
