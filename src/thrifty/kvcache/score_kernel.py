@@ -16,7 +16,9 @@ import triton.language as tl
 
 from ..triton_utils import mma
 
-NEG = -1.0e30  # finite "minus infinity" for running maxima: exp(-inf - NEG) = 0, never nan
+# finite "minus infinity" for running maxima: exp(-inf - NEG) = 0, never nan. A tl.constexpr: the compiler
+# refuses a plain module global inside @triton.jit code (the interpreter accepts one)
+NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
