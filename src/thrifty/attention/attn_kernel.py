@@ -198,6 +198,10 @@ def kernel_config(head_dim: int, device: torch.device) -> dict:
     return dict(block_m=64, block_n=128, num_warps=4, num_stages=3, **variants)
 
 
+# fp32 V tiles (fp32 inputs with pv="fp16") take twice the shared memory: at D=128, 3 stages need 248 KB, over
+# the H100's 227 KB per block (tests/test_compile_sm90.py); 2 stages need 168 KB
+FP32_V_MAX_STAGES = 2
+
 _CONFIGS: dict = {}
 
 
@@ -243,7 +247,8 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         RETURN_LSE=lse is not None, PRE_ROUND=INTERPRET, FAST_CVT=cfg["fast_cvt"],
         REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
         LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0, SMOOTH_Q=p["smooth_q"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"] if p["vt"].element_size() < 4 else min(cfg["num_stages"], FP32_V_MAX_STAGES))
 
 
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
