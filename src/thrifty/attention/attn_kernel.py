@@ -109,20 +109,16 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
 
 
 @triton.jit
-def _bad_rows(Q, q_off, stride_qs, stride_qd, offs_m, offs_d, row_ok, first_bad_base, n_split, Sk,
-              causal_offset, CAUSAL: tl.constexpr, MAX_SPLIT: tl.constexpr):
-    """The rows that must come out NaN (the rule of ``reference.nonfinite_rows``): a query row holding NaN/inf,
-    or a row that attends to a key whose K or V row does. The keys' part is the minimum of the statistics
-    pass's per-chunk first bad key (≤ MAX_SPLIT int32); the queries' part re-reads the Q tile (from L2) here
-    rather than keeping a mask live through the tile loop. Run once per program, in the epilogue."""
-    qf = tl.load(Q + q_off + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=row_ok[:, None],
-                 other=0.0)
-    q_bad = tl.max(tl.where(tl.abs(qf.to(tl.float32)) < float("inf"), 0, 1), axis=1) > 0
+def _sees_bad_key(first_bad_base, n_split, Sk, offs_m, causal_offset, CAUSAL: tl.constexpr,
+                  MAX_SPLIT: tl.constexpr):
+    """Rows that attend to a key whose K or V row holds NaN/inf: the statistics pass wrote each token chunk's
+    first such key (else Sk); their minimum is the head's first bad key, and query i sees it iff it is
+    ≤ i + causal_offset (any key without ``causal``). ≤ MAX_SPLIT int32 from L2, once per program."""
     chunk = tl.arange(0, MAX_SPLIT)
     first = tl.min(tl.load(first_bad_base + chunk, mask=chunk < n_split, other=Sk), axis=0)
-    if CAUSAL:  # query i sees keys j <= i + causal_offset
-        return q_bad | (first <= offs_m + causal_offset)
-    return q_bad | (first < Sk)
+    if CAUSAL:
+        return first <= offs_m + causal_offset
+    return (offs_m >= 0) & (first < Sk)
 
 
 @triton.jit
@@ -148,9 +144,13 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, FirstBad, n_split, Out, Lse,
     # Q quantized here, per token (no pre-pass for Q); qk_scale = sm_scale·log2e folded into its scale.
     qf = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
                  + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    # NaN in -> NaN out (reference.nonfinite_rows) for queries: a row holding NaN/inf gets a non-finite scale
+    # from quantize_rows; its arithmetic stays in its own row and the epilogue writes it as NaN.
+    q_bad = offs_m < 0  # no row, unless Q smoothing zeroes the bad elements below (then the scale is finite)
     if SMOOTH_Q:  # SageAttention2 Q smoothing: this block's mean removed, ΔS added back per tile
-        # a NaN/inf query row is NaN in the end (_bad_rows); as zeros here it cannot spread through the mean
-        qf = tl.where(tl.abs(qf) < float("inf"), qf, 0.0)
+        q_ok = tl.abs(qf) < float("inf")  # bad elements as zeros: they cannot spread through the block mean
+        q_bad = tl.max(tl.where(q_ok, 0, 1), axis=1) > 0
+        qf = tl.where(q_ok, qf, 0.0)
         q_bar = tl.sum(qf, axis=0) / tl.minimum(Sq - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
         qf = tl.where(row_ok[:, None], qf - q_bar[None, :], 0.0)
         ds0 = tl.sum(q_bar * tl.load(Stats + bh_kv * HEAD_DIM + offs_d))  # q̄·mean(K): ΔS uses γ(K)
@@ -190,21 +190,14 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, FirstBad, n_split, Out, Lse,
     out = acc * (tl.load(Stats + (BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :] / l_safe[:, None])
     if HAS_VMEAN:
         out = tl.where(l_i[:, None] > 0, out + tl.load(Stats + (2 * BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :], 0.0)
+    row_bad = q_bad | ~(q_scale < float("inf")) | _sees_bad_key(FirstBad + bh_kv * n_split, n_split, Sk, offs_m,
+                                                                causal_offset, CAUSAL, MAX_SPLIT)
+    out = tl.where(row_bad[:, None], float("nan"), out)
     o_ptr = Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    lse_ptr = Lse + pid_bh.to(tl.int64) * Sq + offs_m
     if RETURN_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe / P_SCALE)) * 0.6931471805599453, float("-inf"))
-        tl.store(lse_ptr, lse, mask=row_ok)
-    # NaN in -> NaN out, after the results are stored: the accumulator is dead by now, so the check adds no
-    # register pressure to the tile loop (keeping it live there cost spills); the NaN stores are predicated
-    # off unless a row is bad. The barrier orders them after the first stores of other threads.
-    row_bad = row_ok & _bad_rows(Q, b.to(tl.int64) * stride_qb + h * stride_qh, stride_qs, stride_qd, offs_m, offs_d,
-                                 row_ok, FirstBad + bh_kv * n_split, n_split, Sk, causal_offset, CAUSAL, MAX_SPLIT)
-    tl.debug_barrier()
-    tl.store(o_ptr, tl.full((BLOCK_M, HEAD_DIM), float("nan"), tl.float32).to(Out.dtype.element_ty), mask=row_bad[:, None])
-    if RETURN_LSE:
-        tl.store(lse_ptr, tl.full((BLOCK_M,), float("nan"), tl.float32), mask=row_bad)
+        tl.store(Lse + pid_bh.to(tl.int64) * Sq + offs_m, tl.where(row_bad, float("nan"), lse), mask=row_ok)
 
 
 _FWD_LAUNCH = FastLauncher(_sage_fwd_kernel)
@@ -227,6 +220,10 @@ def kernel_config(head_dim: int, device: torch.device) -> dict:
         return dict(block_m=64, block_n=64, num_warps=4, num_stages=3, **variants)
     return dict(block_m=64, block_n=128, num_warps=4, num_stages=3, **variants)
 
+
+# fp32 V tiles (fp32 inputs with pv="fp16") take twice the shared memory: at D=128, 3 stages need 248 KB, over
+# the H100's 227 KB per block (tests/test_compile_sm90.py); 2 stages need 168 KB
+FP32_V_MAX_STAGES = 2
 
 _CONFIGS: dict = {}
 
@@ -273,7 +270,8 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         RETURN_LSE=lse is not None, PRE_ROUND=INTERPRET, FAST_CVT=cfg["fast_cvt"],
         REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
         LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0, SMOOTH_Q=p["smooth_q"],
-        MAX_SPLIT=MAX_SPLIT, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        MAX_SPLIT=MAX_SPLIT, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"] if p["vt"].element_size() < 4 else min(cfg["num_stages"], FP32_V_MAX_STAGES))
 
 
 def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",

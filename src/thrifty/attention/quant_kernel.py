@@ -48,10 +48,17 @@ def to_e4m3(x, PRE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def quantize_rows(x, QMAX: tl.constexpr):
     """fp32 rows → (int8 values, per-row scale): symmetric, round half away from zero. Used by the attention
-    kernel on its Q tile (per-token Q scales cost nothing there, and no pre-pass launch is needed for Q)."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / QMAX, 1e-12)
+    kernel on its Q tile (per-token Q scales cost nothing there, and no pre-pass launch is needed for Q).
+    A row holding NaN/±inf gets a NaN/inf scale (the max keeps NaN: ``max.NaN``, same cost), which the
+    attention kernel turns into a NaN output row: the NaN rule for Q without any extra work per element."""
+    scale = tl.maximum(tl.reduce(tl.abs(x), 1, _max_keep_nan) / QMAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
     xq = x / scale[:, None]
     return tl.where(xq >= 0, xq + 0.5, xq - 0.5).to(tl.int8), scale
 

@@ -16,9 +16,9 @@ import triton.language as tl
 
 from ..triton_utils import mma
 
-# finite "minus infinity" for running maxima: exp(-inf - NEG) = 0, never nan. A constexpr: the compiler
-# refuses plain module globals inside @triton.jit (the interpreter accepts them)
-NEG: tl.constexpr = tl.constexpr(-1.0e30)
+# finite "minus infinity" for running maxima: exp(-inf - NEG) = 0, never nan. A tl.constexpr: the compiler
+# refuses a plain module global inside @triton.jit code (the interpreter accepts one)
+NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -174,6 +174,10 @@ def _de_kernel(G, CNT_DE, LIST_DE, C, ORDER, ROWS, DE, NV, D, stride_c, stride_g
         tl.store(ptr, (old + acc).to(DE.dtype.element_ty), mask=mask)
 
 
+# fp32 inputs: their tiles take twice the shared memory of 16-bit ones (applied over any config on the GPU)
+FP32_TILES = dict(BLOCK_D_DC=64, BLOCK_D_DE=64, num_stages=2)
+
+
 def backward_config(interp: bool):
     if interp:
         return dict(BLOCK_N=16, BLOCK_V=16, SPLIT=2, BLOCK_D_TILE=16, BLOCK_D_DC=16, BLOCK_D_DE=16, num_warps=4,
@@ -311,11 +315,10 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     V = c.shape[0]
     nv = rows.numel()
     cfg = dict(config or backward_config(interpreting()))
+    if e2d.dtype == torch.float32 and not interpreting():
+        cfg.update(FP32_TILES)
     bn, bv, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_V"), cfg.pop("SPLIT", 1)
     bd_tile, bd_dc, bd_de = cfg.pop("BLOCK_D_TILE"), cfg.pop("BLOCK_D_DC"), cfg.pop("BLOCK_D_DE")
-    if e2d.dtype == torch.float32 and not interpreting():  # fp32 tiles take twice the shared memory
-        bd_dc = bd_de = 64
-        cfg["num_stages"] = 2
     need_b = bias is not None and need_c
     de = torch.zeros(N, D, dtype=e2d.dtype, device=e2d.device) if need_e else None
     dc = torch.empty_like(c) if need_c else None

@@ -91,6 +91,10 @@ _TUNED_CONFIGS = [triton.Config(dict(BLOCK_D=bd), num_warps=8, num_stages=st)
 _lse_forward_tuned = None if interpreting() else triton.autotune(_TUNED_CONFIGS, key=["D", "V"])(_lse_forward_kernel)
 
 
+# fp32 inputs: their tiles take twice the shared memory of 16-bit ones (applied over forward_config on the GPU)
+FP32_TILES = dict(BLOCK_V=128, num_stages=2)
+
+
 def forward_config(interp: bool):
     if interp:
         return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, num_warps=4, num_stages=1)
@@ -101,8 +105,8 @@ def lse_forward(e2d, c, bias, rows, targets, softcap, config=None):
     """Returns (lse, target logit, logit sum), each fp32 of shape (Nv,)."""
     nv, V, D = rows.numel(), c.shape[0], c.shape[1]
     cfg = dict(config or forward_config(interpreting()))
-    if e2d.dtype == torch.float32 and not interpreting() and config is None:  # fp32 tiles: twice the smem
-        cfg.update(BLOCK_V=128, num_stages=2)
+    if e2d.dtype == torch.float32 and not interpreting() and config is None:
+        cfg.update(FP32_TILES)
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks = triton.cdiv(nv, bn)
     # enough programs for ~4 waves on the GPU, each with at least a few vocabulary tiles

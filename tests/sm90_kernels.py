@@ -1,0 +1,485 @@
+"""Every Triton kernel of thrifty, compiled for the H100 (sm_90) on a machine without a GPU.
+
+The Triton interpreter (how CI runs kernels) accepts code the real compiler refuses: a plain module global read
+inside ``@triton.jit`` code, block shapes that need more shared memory than the GPU has. Triton's whole pipeline
+(TTIR → TTGIR → LLVM → PTX → cubin with the bundled ptxas) runs on the CPU when the target is given, so here
+every kernel is compiled as its launcher would compile it on the GPU box (``tests/test_compile_sm90.py`` runs
+this).
+
+:data:`SPECS` is the table: one :class:`Spec` per (kernel, launch variant). Its constexprs and launch options come
+from the objects the launchers read (``attn_kernel.kernel_config``, ``quant_kernel.STATS_CONFIG``,
+``decode_kernel.DECODE_CONFIG``, the CCE autotuner's configs, ...), so a changed tile size is compiled here too;
+the few numbers that are literals inside a launcher are marked ``# literal in <launcher>``. A new kernel needs one
+:func:`entry` per launch variant (each dtype and flag a public path really launches it with).
+
+Must run with TRITON_INTERPRET unset: the kernel modules pick their GPU configs and GPU helpers at import.
+
+    python tests/sm90_kernels.py [--jobs N] [--only SUBSTRING]     # prints a JSON report on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import json
+import math
+import multiprocessing
+import os
+import pkgutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    raise RuntimeError("tests/sm90_kernels.py compiles for the GPU: run it with TRITON_INTERPRET unset "
+                       "(the kernel modules choose their GPU configs when imported)")
+
+SM90 = GPUTarget("cuda", 90, 32)  # H100 / H200
+SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+CUDA = torch.device("cuda")  # what the launchers' config functions are asked about (no GPU needed)
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def kernel_key(fn) -> str:
+    return f"{fn.fn.__module__}:{fn.fn.__name__}"
+
+
+@dataclass(frozen=True)
+class Spec:
+    kernel: JITFunction
+    label: str
+    signature: dict  # argument name -> "*bf16", "i32", "fp32", "constexpr", ...
+    constexprs: dict  # constexpr argument name -> value
+    options: dict  # num_warps / num_stages as the launcher passes them (absent: Triton's defaults)
+
+    @property
+    def name(self) -> str:
+        return kernel_key(self.kernel)
+
+    def key(self):
+        return (self.name, tuple(self.signature.items()), tuple(self.constexprs.items()),
+                tuple(sorted(self.options.items())))
+
+
+def entry(kernel, label: str, consts: dict, ptrs: dict, *, fp32: str = "", i64: str = "", ones: str = "",
+          num_warps: int | None = None, num_stages: int | None = None) -> Spec:
+    """One compile entry. ``ptrs``: {"name1 name2": "*bf16", ...} (space-separated argument names per pointer
+    type); ``fp32`` / ``i64``: space-separated names of float / 64-bit integer arguments; ``ones``: integer
+    arguments the launcher passes as 1 (innermost strides: Triton turns an int 1 into a constexpr); every other
+    runtime argument is an i32. ``consts``: a value for each constexpr argument. Names are checked."""
+    params = {p.name: p for p in kernel.params}
+    sig = {}
+    for names, typ in [*ptrs.items(), (fp32, "fp32"), (i64, "i64"), (ones, "constexpr")]:
+        for n in names.split():
+            if n not in params or params[n].is_constexpr:
+                raise KeyError(f"{kernel_key(kernel)} [{label}]: no runtime argument {n!r}")
+            sig[n] = typ
+    want = {n for n, p in params.items() if p.is_constexpr}
+    if set(consts) != want:
+        raise KeyError(f"{kernel_key(kernel)} [{label}]: constexprs {sorted(consts)} != the kernel's {sorted(want)}")
+    sig = {n: "constexpr" if n in want else sig.get(n, "i32") for n in kernel.arg_names}
+    consts = {n: 1 if n in ones.split() else consts[n] for n in kernel.arg_names if sig[n] == "constexpr"}
+    options = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    return Spec(kernel, label, sig, consts, options)
+
+
+def _unique(specs):
+    seen, out = set(), []
+    for s in specs:
+        if s.key() not in seen:
+            seen.add(s.key())
+            out.append(s)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- attention
+def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, smooth_v=False, smooth_q=None,
+               return_lse=False):
+    """The launches of one ``sage_attention(..., impl="triton")`` call on the GPU, as attn_kernel.quantize_inputs,
+    quant_kernel.quantize_kv and attn_kernel.launch make them."""
+    from thrifty.attention import attn_kernel as A, quant_kernel as Q
+
+    smooth_q = qk_bits == 4 if smooth_q is None else smooth_q  # sage_attention's default
+    cfg = A.kernel_config(D, CUDA)
+    qmax = 127.0 if qk_bits == 8 else 7.0
+    fp8_v = pv == "fp8"
+    t = PTR[dtype]
+    label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} qk{qk_bits} pv={pv}"
+             + " smooth_k" * smooth_k + " smooth_v" * smooth_v + " smooth_q" * smooth_q + " lse" * return_lse)
+    has_stats = smooth_k or fp8_v or smooth_v
+    sc = Q.STATS_CONFIG  # the statistics pass always runs: it also finds the non-finite keys
+    yield entry(Q._kv_partial_stats_kernel, label,
+                dict(D=D, BLOCK_S=sc["block_s"], SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v),
+                {"k_ptr v_ptr": t, "part_ptr": "*fp32", "bad_ptr": "*i32"}, ones="k_sd v_sd",
+                num_warps=sc["num_warps"], num_stages=3)  # literal in quantize_kv
+    yield entry(Q._quantize_kv_kernel, label,
+                dict(QMAX=qmax, V_QMAX=Q.FP8_MAX, D=D, BLOCK=cfg["block_n"], SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
+                     V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET),
+                {"k_ptr v_ptr": t, "part_ptr stats_ptr k_scale_ptr": "*fp32", "k_out_ptr": "*i8",
+                 "v_out_ptr": "*fp8e4nv" if fp8_v else t}, ones="k_sd v_sd",
+                num_warps=4, num_stages=3)  # literal in quantize_kv
+    fold = cfg["fold"] and cfg["fast_cvt"] and fp8_v and not smooth_q
+    yield entry(A._sage_fwd_kernel, label,
+                dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], QMAX=qmax, CAUSAL=causal,
+                     PV_FP8=fp8_v, P_SCALE=Q.FP8_MAX if fp8_v else 1.0, HAS_VMEAN=smooth_v, RETURN_LSE=return_lse,
+                     PRE_ROUND=Q.INTERPRET, FAST_CVT=cfg["fast_cvt"], REVERSE=causal and cfg["reverse"],
+                     WS=cfg["ws"], FOLD=fold, FTZ=cfg["ftz"] and not Q.INTERPRET,
+                     LOG2_P_SCALE=math.log2(Q.FP8_MAX) if fp8_v else 0.0, SMOOTH_Q=smooth_q,
+                     MAX_SPLIT=Q.MAX_SPLIT),
+                {"Q Out KR": t, "K": "*i8", "Ks Stats": "*fp32", "FirstBad": "*i32", "V": "*fp8e4nv" if fp8_v else t,
+                 "Lse": "*fp32" if return_lse else t},
+                fp32="qk_scale", ones="stride_qd stride_od stride_kd", num_warps=cfg["num_warps"],
+                num_stages=min(cfg["num_stages"], A.FP32_V_MAX_STAGES) if t == "*fp32" and not fp8_v
+                else cfg["num_stages"])
+
+
+def _attention():
+    from thrifty.attention.api import KERNEL_HEAD_DIMS
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    for D in KERNEL_HEAD_DIMS:
+        yield from _sage_call(D, bf16)
+        yield from _sage_call(D, bf16, causal=True)
+        yield from _sage_call(D, bf16, causal=True, pv="fp16")
+        yield from _sage_call(D, bf16, causal=True, qk_bits=4, return_lse=True)  # SageAttention2-4b: smooth_q on
+        yield from _sage_call(D, bf16, qk_bits=4, pv="fp16")
+        yield from _sage_call(D, bf16, causal=True, smooth_v=True, return_lse=True)
+        yield from _sage_call(D, bf16, pv="fp16", smooth_k=False)  # no statistics pass
+        yield from _sage_call(D, fp16, causal=True)
+        yield from _sage_call(D, fp32, causal=True)
+        yield from _sage_call(D, fp32, pv="fp16")  # fp32 V tiles through the 16-bit P·V path
+
+
+def _attention_decode():
+    """decode_kernel.decode_forward_triton (split + combine) and append_triton, for 1–16 query rows."""
+    from thrifty.attention import decode_kernel as K
+    from thrifty.attention.decode import DECODE_HEAD_DIMS
+    from thrifty.attention.kv_cache import CACHE_BITS, qmax_of
+
+    cfg = K.DECODE_CONFIG
+    assert K.decode_config() is cfg
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    for D in DECODE_HEAD_DIMS:
+        # (q dtype, query heads per kv head, query rows, causal): ROWS = 16 (decode), 64 and 128 (drafts, GQA 8)
+        for dtype, G, Sq, causal in ((bf16, 3, 1, True), (bf16, 4, 16, True), (bf16, 8, 16, False),
+                                     (fp16, 3, 1, True), (fp32, 3, 1, True)):
+            rows = max(16, 1 << (G * Sq - 1).bit_length())  # as decode_forward_triton
+            label = f"D{D} {NAME[dtype]} G{G} Sq{Sq} rows{rows} {'causal' if causal else 'full'}"
+            yield entry(K._decode_split_kernel, label,
+                        dict(G=G, ROWS=rows, HEAD_DIM=D, BLOCK_N=cfg["block_n"], CAUSAL=causal),
+                        {"Q": PTR[dtype], "K V": "*i8", "Ks Vs Part ML": "*fp32"}, fp32="qk_scale", ones="s_qd",
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            yield entry(K._decode_combine_kernel, label, dict(G=G, ROWS=rows, HEAD_DIM=D),
+                        {"Part ML": "*fp32", "Out": PTR[dtype]}, ones="s_od",
+                        num_warps=4, num_stages=1)  # literal in decode_forward_triton
+        for bits in CACHE_BITS:
+            for dtype in ((bf16, fp16, fp32) if bits == 8 else (bf16,)):
+                yield entry(K._append_kernel, f"D{D} {NAME[dtype]} int{bits}",
+                            dict(QMAX=float(qmax_of(bits)), HEAD_DIM=D),
+                            {"X": PTR[dtype], "Codes": "*i8", "Scale": "*fp32"}, ones="s_xd",
+                            num_warps=1, num_stages=1)  # literal in append_triton
+
+
+# --------------------------------------------------------------------------------------------- ShadowKV
+def _kvcache():
+    """kvcache.decode.kernel_decode_step: landmark scores, key rebuild, value gather, decode attention."""
+    from thrifty.kvcache import attention_kernel as AK, rebuild_kernel as RK, score_kernel as SK, values_kernel as VK
+    from thrifty.kvcache.config import ShadowKVConfig
+
+    chunk = ShadowKVConfig().chunk_size
+    chunks, block_t = RK.block_shape(chunk)
+    block_n = inspect.signature(AK.decode_attention).parameters["block_n"].default
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for D in (64, 128):
+            for G in ((3, 8) if dtype == torch.bfloat16 else (4,)):  # SmolLM2's 9/3 heads; Llama's 32/4, 64/8
+                g_pad = max(16, triton.next_power_of_2(G))  # as landmark_scores / decode_attention
+                label = f"D{D} {NAME[dtype]} G{G}"
+                yield entry(SK._landmark_score_kernel, label,
+                            dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=64),  # literal in landmark_scores
+                            {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8", "logit_ptr out_ptr": "*fp32"},
+                            fp32="scale")
+                yield entry(AK._decode_attention_kernel, label, dict(G=G, G_PAD=g_pad, D=D, BLOCK_N=block_n),
+                            {"q_ptr k_ptr v_ptr": PTR[dtype], "valid_ptr": "*i8", "m_ptr l_ptr acc_ptr": "*fp32"},
+                            fp32="scale")
+            label = f"D{D} {NAME[dtype]} c{chunk}"
+            yield entry(RK._rebuild_keys_kernel, label,
+                        dict(C_SIZE=chunk, CHUNKS=chunks, BLOCK_T=block_t, HALF=D // 2,
+                             BLOCK_R=32),  # literal in rebuild_keys
+                        {"u_ptr sv_ptr out_ptr": PTR[dtype], "cos_ptr sin_ptr": "*fp32", "ids_ptr dest_ptr": "*i64",
+                         "miss_ptr": "*i8"})
+            for host in ("native", "fp8"):  # ShadowKVConfig.host_values
+                yield entry(VK._gather_values_kernel, f"{label} host={host}",
+                            dict(C_SIZE=chunk, CHUNKS=chunks, BLOCK_T=block_t, D=D, HAS_SCALE=host == "fp8"),
+                            {"src_ptr": "*fp8e4nv" if host == "fp8" else PTR[dtype],
+                             "scale_ptr": "*fp32" if host == "fp8" else PTR[dtype],
+                             "ids_ptr dest_ptr": "*i64", "miss_ptr": "*i8", "out_ptr": PTR[dtype]})
+
+
+# --------------------------------------------------------------------------------------------- CCE
+def _loss():
+    """loss.forward.lse_forward (autotuned for 16-bit inputs: every config) and loss.backward.linear_ce_backward."""
+    from thrifty.loss import backward as B, forward as F
+
+    base = F.forward_config(False)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        t = PTR[dtype]
+        ptrs = {"E C BIAS": t, "ROWS TGT": "*i64", "OUT": "*fp32"}
+        if dtype == torch.float32:  # fp32 runs the plain kernel with the fp32 tiles
+            configs = [({**base, **F.FP32_TILES}, "fp32 tiles")]
+        else:  # 16-bit: the autotuner picks among its configs on the GPU, so each must compile
+            configs = [(dict(BLOCK_N=base["BLOCK_N"], BLOCK_V=base["BLOCK_V"], **c.kwargs, num_warps=c.num_warps,
+                             num_stages=c.num_stages), f"autotune {i}") for i, c in enumerate(F._TUNED_CONFIGS)]
+        for i, (cfg, name) in enumerate(configs):
+            cfg = dict(cfg)
+            options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+            for bias, softcap in ((False, False), (True, True)) if i == 0 else ((False, False),):
+                yield entry(F._lse_forward_kernel, f"{NAME[dtype]} {name} bias={bias} softcap={softcap}",
+                            dict(HAS_BIAS=bias, HAS_SOFTCAP=softcap, **cfg), ptrs, fp32="softcap", **options)
+
+        cfg = B.backward_config(False)
+        if dtype == torch.float32:
+            cfg.update(B.FP32_TILES)
+        options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        bn, bv, split = cfg["BLOCK_N"], cfg["BLOCK_V"], cfg["SPLIT"]
+        g_t = "*fp32" if dtype == torch.float32 else "*bf16"  # the gradient tiles' dtype (fp16 inputs: bf16)
+        lists_needed = g_t != t  # cuBLAS cannot take the tiles: the sparse GEMMs run, with work lists
+        # (filter, sorted vocabulary, bias (+ dbias), softcap): exact default; filter_eps="auto" with everything on;
+        # filter without sorting, bias whose dbias this chunk does not need
+        variants = ((False, False, False, False, False), (True, True, True, True, True),
+                    (True, False, True, False, False))
+        for filt, order, bias, dbias, softcap in variants if dtype == torch.bfloat16 else variants[:2]:
+            yield entry(B._grad_tile_kernel, f"{NAME[dtype]} filter={filt} order={order} bias={bias}/{dbias} "
+                        f"softcap={softcap}",
+                        dict(HAS_BIAS=bias, HAS_SOFTCAP=softcap, HAS_ORDER=order, FILTER=filt, NEED_DBIAS=dbias,
+                             SPLIT=split, LISTS=filt or lists_needed, BLOCK_N=bn, BLOCK_V=bv * split,
+                             BLOCK_D=cfg["BLOCK_D_TILE"]),
+                        {"E C BIAS": t, "ROWS TGT ORDER": "*i64", "LSE W DBIAS": "*fp32", "G": g_t,
+                         "CNT_DC LIST_DC CNT_DE LIST_DE CNT_ALL": "*i32"},
+                        fp32="softcap z_loss onehot_weight uniform_weight filter_eps", **options)
+        for order in (False, True):
+            yield entry(B._dc_kernel, f"{NAME[dtype]} order={order}",
+                        dict(HAS_ORDER=order, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=cfg["BLOCK_D_DC"]),
+                        {"G": g_t, "CNT_DC LIST_DC": "*i32", "E DC": t, "ROWS ORDER": "*i64"}, **options)
+            for acc in dict.fromkeys(("*fp32", t)):  # dE accumulated in fp32 (default) or in e's dtype
+                yield entry(B._de_kernel, f"{NAME[dtype]} order={order} dE={acc[1:]}",
+                            dict(HAS_ORDER=order, DE_BY_ROW=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=cfg["BLOCK_D_DE"]),
+                            {"G": g_t, "CNT_DE LIST_DE": "*i32", "C": t, "ORDER ROWS": "*i64", "DE": acc}, **options)
+
+
+# --------------------------------------------------------------------------------------------- NeuZip
+def _neuzip():
+    """decode_kernel.decode_into (v3 default; v1/v2 on request), block_decode.BlockPack.decode_into and the
+    lossless encoder (encode_kernel.encode_lossless_triton)."""
+    from thrifty.neuzip import block_decode as BD, decode_kernel as DK, encode_kernel as EK, reference as R
+
+    defaults = inspect.signature(DK.decode_into).parameters
+    warps = defaults["num_warps"].default
+
+    def layout(dtype, mantissa_bits):
+        bits, shift, _ = R.DTYPES[dtype]
+        kept = R.field_layout(dtype, mantissa_bits)[0]
+        return bits, dict(FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1)
+
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    # (dtype, mantissa bits (None: lossless), lane steps, legacy int16 lane lengths, small first-level table)
+    v3 = [(bf16, None, R.STEPS, False, False), (fp16, None, R.STEPS, False, False), (fp32, None, R.STEPS, False, False),
+          *[(bf16, m, R.STEPS, False, False) for m in R.LOSSY_MANTISSA_BITS if m != R.DTYPES[bf16][2]],
+          *[(bf16, None, s, False, False) for s in R.LANE_STEPS if s != R.STEPS],
+          (bf16, None, R.LEGACY_STEPS, True, False), (bf16, None, R.STEPS, False, True)]
+    for dtype, mbits, steps, legacy, small in v3:
+        bits, fields = layout(dtype, mbits)
+        lane_mask, lane_shift = (0xFFFF, 0) if legacy else (0xFF, R.lane_unit(steps).bit_length() - 1)
+        table_t = "*i16" if bits == 16 else "*i32"  # decompress's default table16 for 16-bit dtypes
+        label = f"{NAME[dtype]} m={mbits} steps={steps}" + " legacy" * legacy + " small" * small
+        yield entry(DK._decode_kernel_v3, label,
+                    dict(STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=4,  # literal in decode_into (v3)
+                         **fields, ASM=True,
+                         TSIZE=bits // 8, SMALL=small, LANE_MASK=lane_mask, LANE_SHIFT=lane_shift),
+                    {"words_ptr": "*i32", "lane_bits_ptr": "*i16" if legacy else "*u8", "group_off_ptr": "*i64",
+                     "raw_ptr": "*u8", "table_ptr small_ptr": table_t, "out_ptr": "*i16" if bits == 16 else "*i32"},
+                    num_warps=warps, num_stages=3)  # literal in decode_into
+    for kern in (DK._decode_kernel, DK._decode_kernel_pipelined):  # kernel="v1" / "v2"
+        for dtype, small in ((bf16, False), (bf16, True), (fp32, False)):
+            bits, fields = layout(dtype, None)
+            yield entry(kern, f"{NAME[dtype]} small={small}",
+                        dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=2,  # literal in decode_into (v1/v2)
+                             **fields,
+                             TABLE_BITS=R.MAX_CODE_BITS, SMALL_TABLE=small, LANE_MASK=0xFF,
+                             LANE_SHIFT=R.lane_unit(R.STEPS).bit_length() - 1),
+                        {"words_ptr table_ptr": "*i32", "lane_bits_ptr": "*u8", "group_off_ptr": "*i64",
+                         "raw_ptr": "*u8", "small_ptr": "*i16" if small else "*i32",
+                         "out_ptr": "*i16" if bits == 16 else "*i32"}, num_warps=warps)
+    for dtype, mbits in ((bf16, None), (bf16, 3), (fp16, None), (fp32, None)):
+        bits, fields = layout(dtype, mbits)
+        yield entry(BD._block_decode_kernel, f"{NAME[dtype]} m={mbits}",
+                    dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=BD.GROUPS_PER_PROG, **fields, ASM=True,
+                         TSIZE=bits // 8, LANE_SHIFT=R.lane_unit(R.STEPS).bit_length() - 1, META_W=BD.META),
+                    {"meta_ptr goff_ptr": "*i64", "words_ptr": "*i32", "lanes_ptr raw_ptr": "*u8",
+                     "tables_ptr out_ptr": "*i16" if bits == 16 else "*i32"},
+                    num_warps=BD.NUM_WARPS, num_stages=3)  # literal in BlockPack.decode_into
+    for dtype in (bf16, fp16, fp32):
+        bits, shift, kept = R.DTYPES[dtype]
+        common = dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=EK.GROUPS_PER_PROG, BITS=bits, SHIFT=shift)
+        x_t = "*i16" if bits == 16 else "*i32"
+        yield entry(EK._lane_bits_kernel, NAME[dtype], common, {"x_ptr": x_t, "len_ptr out_ptr": "*i32"})
+        yield entry(EK._pack_kernel, NAME[dtype],
+                    dict(common, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8),
+                    {"x_ptr": x_t, "len_ptr code_ptr words_ptr": "*i32", "start_ptr": "*i64", "raw_ptr": "*u8"})
+
+
+# --------------------------------------------------------------------------------------------- BitNet
+def _bitnet():
+    """bitnet.quant_kernel.quantize_rows for every fused quantizer a recipe uses."""
+    from thrifty.bitnet import quant_kernel as QK
+    from thrifty.bitnet.bitlinear import FUSED_KINDS
+    from thrifty.bitnet.recipes import RECIPES
+    from thrifty.bitnet.reference import EPS
+
+    used = {v[0] if isinstance(v, tuple) else v for r in RECIPES.values() if r for v in r.values()}
+    for kind in sorted(used & set(FUSED_KINDS)):
+        # SmolLM2's hidden size (576), its FFN width (1536), the longest row the kernel takes
+        for dtype, D in ((torch.bfloat16, 576), (torch.bfloat16, 1536), (torch.bfloat16, QK.MAX_ROW[kind]),
+                         (torch.float32, 576)):
+            block = triton.next_power_of_2(D)
+            yield entry(QK._quantize_rows_kernel, f"{kind} {NAME[dtype]} D={D}",
+                        dict(KIND=QK.KINDS[kind], BLOCK_D=block, EPS_=EPS),
+                        {"x_ptr y_ptr": PTR[dtype]}, fp32="beta_scale",
+                        num_warps=min(16, max(1, block // 256)))  # as quantize_rows
+
+
+SPECS = _unique([*_attention(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_bitnet()])
+
+
+# --------------------------------------------------------------------------------------------- scanning
+def package_modules(package: str = "thrifty") -> tuple[list, dict]:
+    """(every module of ``package``, imported; {module name: import error})."""
+    pkg = importlib.import_module(package)
+    modules, errors = [pkg], {}
+    for info in pkgutil.walk_packages(pkg.__path__, package + "."):
+        try:
+            modules.append(importlib.import_module(info.name))
+        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+            errors[info.name] = f"{type(e).__name__}: {e}"
+    return modules, errors
+
+
+def _resolve(node, scope):
+    """The object an ``f`` / ``mod.f`` call target names in ``scope`` (a module's globals), or None."""
+    if isinstance(node, ast.Name):
+        return scope.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _resolve(node.value, scope)
+        return getattr(base, node.attr, None) if base is not None else None
+    return None
+
+
+def _unwrap(obj):
+    """The JITFunction under ``triton.autotune`` / ``triton.heuristics`` wrappers (their ``.fn``), or None."""
+    while obj is not None and not isinstance(obj, JITFunction):
+        obj = getattr(obj, "fn", None) if hasattr(obj, "run") else None
+    return obj
+
+
+def jit_kernels(modules) -> dict:
+    """{"module:name": {"fn": JITFunction, "entry": bool}} for every ``@triton.jit`` function defined at module
+    level in ``modules``. Entry kernels are those no other jit function calls (the others are device helpers,
+    compiled inside the kernels that call them); calls are read from each function's AST and resolved in its
+    module's globals, so an aliased import (``from .x import f as g``) counts too."""
+    found = {}
+    for mod in modules:
+        for obj in map(_unwrap, vars(mod).values()):
+            if obj is not None and obj.fn.__module__ == mod.__name__:
+                found[kernel_key(obj)] = obj
+    called = set()
+    for fn in found.values():
+        for node in ast.walk(ast.parse(fn.src)):
+            if isinstance(node, ast.Call):
+                target = _resolve(node.func, fn.fn.__globals__)
+                if isinstance(target, JITFunction) and target is not fn:
+                    called.add(kernel_key(target))
+    return {k: {"fn": fn, "entry": k not in called} for k, fn in sorted(found.items())}
+
+
+def hidden_kernels(modules) -> list:
+    """``@triton.jit`` functions in the modules' source that are not module-level objects (nested in a
+    function, or rebound): the scanner cannot see them, so they cannot be checked."""
+    out = []
+    for mod in modules:
+        try:
+            tree = ast.parse(inspect.getsource(mod))
+        except (OSError, TypeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                obj = _unwrap(getattr(mod, node.name, None))
+                if not (obj is not None and obj.fn.__module__ == mod.__name__):
+                    out.append(f"{mod.__name__}:{node.name}")
+    return out
+
+
+def unlisted(kernels: dict, specs) -> list:
+    """Entry kernels with no compile entry."""
+    listed = {s.name for s in specs}
+    return [k for k, v in kernels.items() if v["entry"] and k not in listed]
+
+
+# --------------------------------------------------------------------------------------------- compiling
+def compile_spec(spec: Spec) -> dict:
+    """Compiles one entry for sm_90 (pointers 16-byte aligned, as fresh PyTorch allocations are)."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(spec.signature.values()) if t.startswith("*")}
+    t0 = time.perf_counter()
+    out = dict(kernel=spec.name, label=spec.label, options=spec.options)
+    try:
+        k = triton.compile(ASTSource(spec.kernel, spec.signature, spec.constexprs, attrs), target=SM90,
+                           options=spec.options)
+        out.update(ok=True, shared=k.metadata.shared, num_warps=k.metadata.num_warps)
+    except Exception as e:  # noqa: BLE001 - the compiler's message is the report
+        out.update(ok=False, error=f"{type(e).__name__}: {e}"[-3000:])
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def _compile_index(i: int) -> dict:
+    return compile_spec(SPECS[i])
+
+
+def report(jobs: int = 2, only: str | None = None) -> dict:
+    modules, import_errors = package_modules()
+    kernels = jit_kernels(modules)
+    specs = [s for s in SPECS if not only or only in s.name or only in s.label]
+    idx = [SPECS.index(s) for s in specs]
+    t0 = time.perf_counter()
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_compile_index, idx))
+    else:
+        results = [compile_spec(s) for s in specs]
+    return dict(
+        import_errors=import_errors,
+        kernels={k: dict(entry=v["entry"], specs=sum(s.name == k for s in SPECS)) for k, v in kernels.items()},
+        unlisted=unlisted(kernels, SPECS), hidden=hidden_kernels(modules),
+        stale=sorted({s.name for s in SPECS} - set(kernels)),
+        smem_limit=SMEM_LIMIT, results=results, compile_seconds=round(time.perf_counter() - t0, 1))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=min(8, len(os.sched_getaffinity(0))))
+    ap.add_argument("--only", help="compile only entries whose kernel or label contains this")
+    args = ap.parse_args(argv)
+    json.dump(report(args.jobs, args.only), sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()
