@@ -392,19 +392,20 @@ def _unwrap(obj):
 
 def jit_kernels(modules) -> dict:
     """{"module:name": {"fn": JITFunction, "entry": bool}} for every ``@triton.jit`` function defined at module
-    level in ``modules``. Entry kernels are those no other jit function calls (the others are device helpers,
-    compiled inside the kernels that call them); calls are read from each function's AST and resolved in its
+    level in ``modules``. Entry kernels are those no other jit function calls or names (the others are device
+    helpers and combine functions, compiled inside the kernels that use them); names are read from each
+    function's AST and resolved in its
     module's globals, so an aliased import (``from .x import f as g``) counts too."""
     found = {}
     for mod in modules:
         for obj in map(_unwrap, vars(mod).values()):
             if obj is not None and obj.fn.__module__ == mod.__name__:
                 found[kernel_key(obj)] = obj
-    called = set()
+    called = set()  # called, or passed as a combine function (tl.reduce(x, 1, f)): compiled inside its user
     for fn in found.values():
         for node in ast.walk(ast.parse(fn.src)):
-            if isinstance(node, ast.Call):
-                target = _resolve(node.func, fn.fn.__globals__)
+            if isinstance(node, (ast.Name, ast.Attribute)):
+                target = _resolve(node, fn.fn.__globals__)
                 if isinstance(target, JITFunction) and target is not fn:
                     called.add(kernel_key(target))
     return {k: {"fn": fn, "entry": k not in called} for k, fn in sorted(found.items())}
