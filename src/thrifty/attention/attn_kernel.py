@@ -190,14 +190,22 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, FirstBad, n_split, Out, Lse,
     out = acc * (tl.load(Stats + (BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :] / l_safe[:, None])
     if HAS_VMEAN:
         out = tl.where(l_i[:, None] > 0, out + tl.load(Stats + (2 * BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :], 0.0)
-    row_bad = q_bad | ~(q_scale < float("inf")) | _sees_bad_key(FirstBad + bh_kv * n_split, n_split, Sk, offs_m,
-                                                                causal_offset, CAUSAL, MAX_SPLIT)
-    out = tl.where(row_bad[:, None], float("nan"), out)
     o_ptr = Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    lse_ptr = Lse + pid_bh.to(tl.int64) * Sq + offs_m
     if RETURN_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.math.log2(l_safe / P_SCALE)) * 0.6931471805599453, float("-inf"))
-        tl.store(Lse + pid_bh.to(tl.int64) * Sq + offs_m, tl.where(row_bad, float("nan"), lse), mask=row_ok)
+        tl.store(lse_ptr, lse, mask=row_ok)
+    # NaN in -> NaN out, once the results are stored (the accumulator is dead: no register pressure added
+    # where the tile loop's values are live); the NaN stores are predicated off unless a row is bad, and the
+    # barrier orders them after the first stores of other threads.
+    row_bad = row_ok & (q_bad | ~(q_scale < float("inf")) | _sees_bad_key(FirstBad + bh_kv * n_split, n_split, Sk,
+                                                                         offs_m, causal_offset, CAUSAL, MAX_SPLIT))
+    tl.debug_barrier()
+    tl.store(o_ptr, tl.full((BLOCK_M, HEAD_DIM), float("nan"), tl.float32).to(Out.dtype.element_ty),
+             mask=row_bad[:, None])
+    if RETURN_LSE:
+        tl.store(lse_ptr, tl.full((BLOCK_M,), float("nan"), tl.float32), mask=row_bad)
 
 
 _FWD_LAUNCH = FastLauncher(_sage_fwd_kernel)
