@@ -339,22 +339,40 @@ def _neuzip():
 
 # --------------------------------------------------------------------------------------------- BitNet
 def _bitnet():
-    """bitnet.quant_kernel.quantize_rows for every fused quantizer a recipe uses."""
+    """bitnet.quant_kernel: the input kernel for every fused quantizer a recipe uses (with and without the
+    sub-norm, fp32 input -> bf16 out as under autocast, bf16 in and out), the sub-norm backward, the ternary
+    weight."""
     from thrifty.bitnet import quant_kernel as QK
     from thrifty.bitnet.bitlinear import FUSED_KINDS
     from thrifty.bitnet.recipes import RECIPES
     from thrifty.bitnet.reference import EPS
 
     used = {v[0] if isinstance(v, tuple) else v for r in RECIPES.values() if r for v in r.values()}
+    bf16, fp32 = torch.bfloat16, torch.float32
     for kind in sorted(used & set(FUSED_KINDS)):
-        # SmolLM2's hidden size (576), its FFN width (1536), the longest row the kernel takes
-        for dtype, D in ((torch.bfloat16, 576), (torch.bfloat16, 1536), (torch.bfloat16, QK.MAX_ROW[kind]),
-                         (torch.float32, 576)):
+        # the 30m preset's widths (384, 1024), SmolLM2's (576, 1536), the longest row the kernel takes
+        for x_dtype, y_dtype, D, norm in ((fp32, bf16, 384, False), (bf16, bf16, 384, True), (bf16, bf16, 1024, True),
+                                          (fp32, bf16, 576, False), (bf16, bf16, 1536, True),
+                                          (bf16, bf16, QK.MAX_ROW[kind], False), (fp32, fp32, 576, True)):
             block = triton.next_power_of_2(D)
-            yield entry(QK._quantize_rows_kernel, f"{kind} {NAME[dtype]} D={D}",
-                        dict(KIND=QK.KINDS[kind], BLOCK_D=block, EPS_=EPS),
-                        {"x_ptr y_ptr": PTR[dtype]}, fp32="beta_scale",
-                        num_warps=min(16, max(1, block // 256)))  # as quantize_rows
+            shift, key_bits = QK.KEYS[x_dtype]
+            yield entry(QK._quantize_rows_kernel, f"{kind} {NAME[x_dtype]}->{NAME[y_dtype]} D={D} norm={norm}",
+                        dict(KIND=QK.KINDS[kind], HAS_NORM=norm, KEY_SHIFT=shift, KEY_BITS=key_bits, BLOCK_D=block,
+                             EPS_=EPS),
+                        {"x_ptr": PTR[x_dtype], "y_ptr": PTR[y_dtype], "w_ptr rstd_ptr": "*fp32"},
+                        fp32="beta_scale norm_eps", num_warps=QK._num_warps(block))  # as _launch
+        yield entry(QK._quantize_rows_kernel, f"{kind} fp32 D=1 (Triton makes D a constant 1) norm=True",
+                    dict(KIND=QK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=0, KEY_BITS=31, BLOCK_D=1, EPS_=EPS),
+                    {"x_ptr y_ptr w_ptr rstd_ptr": "*fp32"}, fp32="beta_scale norm_eps", ones="D", num_warps=1)
+    for dtype, D in ((bf16, 384), (bf16, 1024), (bf16, 1536), (fp32, 576)):
+        block = triton.next_power_of_2(D)
+        yield entry(QK._norm_backward_kernel, f"{NAME[dtype]} D={D}", dict(ROWS=QK.NORM_BACKWARD_ROWS, BLOCK_D=block),
+                    {"x_ptr g_ptr dx_ptr": PTR[dtype], "w_ptr rstd_ptr dw_part_ptr": "*fp32"},
+                    num_warps=QK._num_warps(block))  # as norm_backward
+    for dtype in (bf16, fp32):
+        yield entry(QK._ternary_kernel, NAME[dtype], dict(BLOCK=QK.WEIGHT_BLOCK, EPS_=EPS),
+                    {"w_ptr alpha_ptr": "*fp32", "out_ptr": PTR[dtype]}, i64="",
+                    num_warps=8)  # literal in ternary_weight
 
 
 SPECS = _unique([*_attention(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_bitnet()])

@@ -207,7 +207,7 @@ def test_fused_kernel_bf16_nan_ties_and_backward():
         assert torch.isnan(y[0]).all() and not torch.isnan(y[1:]).any()
     x = rows((2, 7)).requires_grad_()
     g = torch.randn(2, 7)
-    (quant_kernel.FusedQuantizeSTE.apply(x, "int4", 1.0, 0.5) * g).sum().backward()
+    (quant_kernel.FusedQuantizeSTE.apply(x, None, "int4", 1.0, 0.5, 0.0, None) * g).sum().backward()
     assert torch.equal(x.grad, g)
     with pytest.raises(ValueError, match="kind"):
         quant_kernel.quantize_rows(x, "fp4")

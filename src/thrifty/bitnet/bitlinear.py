@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_choice, check_positive_int, check_range, check_tensor
+from ..triton_utils import kernels_available
 from ..models.llama import RMSNorm
 from . import reference as ref
 
@@ -38,14 +39,17 @@ class BitLinear(nn.Module):
     * ``strength`` λ in [0, 1] blends every change into the plain linear: input ``x + λ(Q(x) − x)``, weight
       ``W + λ(Q(W) − W)``, sub-norm ``x + λ(norm(x) − x)``. 1 is BitNet; ramp it from 0 when converting a
       pretrained full-precision model (see :func:`thrifty.bitnet.convert`).
-    * ``fused``: on CUDA, the INT8/INT4/TopK quantizers run as one Triton kernel per call (forward; the STE
-      backward is the identity and costs nothing); elsewhere, or with ``fused=False``, the reference runs.
-      ``last_path`` records which one the last forward took ("triton", "reference" or "none").
+    * ``fused``: ``True`` runs the Triton kernels on CUDA: the sub-norm and the INT8/INT4/TopK quantizer as one
+      kernel (backward: the STE's identity, through one RMSNorm-backward kernel when there is a norm), and the
+      ternary weight as one reduction + one kernel; both are written in the matmul's dtype (bf16 under
+      autocast). ``"triton"`` runs them wherever Triton runs (also on the CPU under ``TRITON_INTERPRET=1``),
+      ``False`` never. The reference runs instead for λ < 1, FP4 and over-long rows. ``last_path`` records
+      which one the last forward's input took ("triton", "reference" or "none").
     """
 
     def __init__(self, in_features: int, out_features: int, *, activation: str = "int8", bias: bool = False,
                  sub_norm: bool = False, norm_eps: float = 1e-5, weight_splits: Optional[Sequence[int]] = None,
-                 beta_scale: float = 1.0, topk_ratio: float = 0.5, strength: float = 1.0, fused: bool = True,
+                 beta_scale: float = 1.0, topk_ratio: float = 0.5, strength: float = 1.0, fused=True,
                  device=None):
         super().__init__()
         check_positive_int("in_features", in_features)
@@ -74,11 +78,12 @@ class BitLinear(nn.Module):
         self.configure(activation=activation, beta_scale=beta_scale, topk_ratio=topk_ratio, strength=strength,
                        fused=fused)
         self.last_path: Optional[str] = None
+        self.shared_input: Optional[SharedInput] = None  # set by convert() on q/k/v and on gate/up
         nn.init.normal_(self.weight, std=0.02)
 
     def configure(self, *, activation: Optional[str] = None, beta_scale: Optional[float] = None,
                   topk_ratio: Optional[float] = None, strength: Optional[float] = None,
-                  fused: Optional[bool] = None) -> "BitLinear":
+                  fused=None) -> "BitLinear":
         """Changes the quantization settings in place (parameters untouched: the optimizer state stays valid)."""
         if activation is not None:
             check_choice("activation", activation, ref.ACTIVATIONS)
@@ -93,8 +98,8 @@ class BitLinear(nn.Module):
             check_range("strength", strength, 0.0, 1.0)
             self.strength = float(strength)
         if fused is not None:
-            if not isinstance(fused, bool):
-                raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
+            if not isinstance(fused, bool) and fused != "triton":
+                raise TypeError(f"fused: expected a bool or 'triton', got {fused!r}")
             self.fused = fused
         return self
 
@@ -115,53 +120,110 @@ class BitLinear(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ forward
 
+    def _use_kernels(self, x: torch.Tensor) -> bool:
+        if self.fused == "triton":
+            if not kernels_available(x.device):
+                raise ValueError(f"fused: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
+            return True
+        return self.fused is True and x.is_cuda
+
+    def _matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype F.linear computes in: autocast's, else the input's."""
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
+
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is None:
             return x
         return _blend(x, self.norm(x).to(x.dtype), self.strength)
 
-    def _use_kernel(self, x: torch.Tensor) -> bool:
-        if not (self.fused and x.is_cuda and self.activation in FUSED_KINDS):
-            return False
-        from .quant_kernel import supports
+    def _quantized_input(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The (sub-normed) quantized input with the STE gradient (and the λ blend), in ``out_dtype``. Sibling
+        projections reading the same tensor (q/k/v, gate/up) share one quantization through ``shared_input``."""
+        key = (self.activation, self.beta_scale, self.topk_ratio, self.strength, self.fused, out_dtype,
+               torch.is_grad_enabled())
+        hit = self.shared_input.lookup(x, key) if self.shared_input is not None else None
+        if hit is not None:
+            q, self.last_path = hit
+            return q
+        q = self._quantize(x, out_dtype)
+        if self.shared_input is not None:
+            self.shared_input.store(x, key, q, self.last_path)
+        return q
 
-        return supports(self.activation, x.shape[-1])
+    def _quantize(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        from . import quant_kernel as QK
 
-    def _quantized_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The quantized input with the STE gradient (and the λ blend)."""
         if self.activation == "none":
             self.last_path = "none"
-            return x
-        if self._use_kernel(x):
-            from .quant_kernel import FusedQuantizeSTE
-
+            return self._normed(x).to(out_dtype)
+        exact = self.strength == 1.0
+        if self._use_kernels(x) and QK.supports(self.activation, x.shape[-1]) and x.dtype in QK.KEYS and exact:
             self.last_path = "triton"
-            q = FusedQuantizeSTE.apply(x, self.activation, self.beta_scale, self.topk_ratio)
-            return q if self.strength == 1.0 else ref.ste(x, _blend(x.detach(), q.detach(), self.strength))
+            weight = self.norm.weight if self.norm is not None else None
+            eps = self.norm.eps if self.norm is not None else 0.0
+            return QK.FusedQuantizeSTE.apply(x, weight, self.activation, self.beta_scale, self.topk_ratio, eps,
+                                             out_dtype)
         self.last_path = "reference"
-        q = ref.quantize_activation(x.detach(), self.activation, beta_scale=self.beta_scale,
+        xn = self._normed(x)
+        q = ref.quantize_activation(xn.detach(), self.activation, beta_scale=self.beta_scale,
                                     topk_ratio=self.topk_ratio)
-        return ref.ste(x, _blend(x.detach(), q, self.strength))
+        return ref.ste(xn, _blend(xn.detach(), q, self.strength)).to(out_dtype)
 
-    def quantized_weight(self) -> torch.Tensor:
+    def quantized_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The ternary weight with the STE gradient (and the λ blend), in ``dtype`` (default the weight's)."""
         w = self.weight
+        if self.strength == 1.0 and self._use_kernels(w):
+            from .quant_kernel import TernaryWeightSTE
+
+            return TernaryWeightSTE.apply(w, self.weight_splits, dtype or w.dtype)
         q = ref.quantize_weight_ternary(w.detach(), self.weight_splits)
-        return ref.ste(w, _blend(w.detach(), q, self.strength))
+        return ref.ste(w, _blend(w.detach(), q, self.strength)).to(dtype or w.dtype)
 
     @torch.no_grad()
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the matmul sees for input ``x`` (sub-norm and quantizer applied), without gradients; used by the
         sparsity measurement."""
-        return self._quantized_input(self._normed(x))
+        return self._quantized_input(x, self._matmul_dtype(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tensor("x", x, min_ndim=1, floating=True)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: expected {self.in_features} features in the last dimension, got shape "
                              f"{tuple(x.shape)}")
-        xq = self._quantized_input(self._normed(x))
-        w = self.quantized_weight()
-        if not torch.is_autocast_enabled(x.device.type):
-            w = w.to(xq.dtype)
-        bias = None if self.bias is None else self.bias.to(w.dtype)
+        dtype = self._matmul_dtype(x)
+        xq = self._quantized_input(x, dtype)
+        w = self.quantized_weight(dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
         return F.linear(xq, w, bias)
+
+
+class SharedInput:
+    """One quantized input for the sibling projections that read the same tensor (q/k/v, gate/up): the first
+    quantizes, the others reuse it while the tensor is the same object, unmodified (``_version``), quantized with
+    the same settings. The entry is dropped once every sibling has used it, so no activation outlives its
+    forward here. Lives on the modules (set by :func:`thrifty.bitnet.convert`), never in process-wide state."""
+
+    def __init__(self, members: int):
+        check_positive_int("members", members)
+        self.members = members
+        self._entry: Optional[list] = None  # [x, x._version, key, q, path, uses left]
+
+    def lookup(self, x: torch.Tensor, key: tuple):
+        e = self._entry
+        if e is None or e[0] is not x or e[1] != x._version or e[2] != key:
+            return None
+        e[5] -= 1
+        if e[5] <= 0:
+            self._entry = None
+        return e[3], e[4]
+
+    def store(self, x: torch.Tensor, key: tuple, q: torch.Tensor, path: str) -> None:
+        self._entry = [x, x._version, key, q, path, self.members - 1] if self.members > 1 else None
+
+    def __deepcopy__(self, memo):  # a copied model gets its own, empty cache
+        return SharedInput(self.members)
+
+    def __getstate__(self):  # nor is a cached activation pickled with the model
+        return {"members": self.members, "_entry": None}

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_range
-from .bitlinear import BitLinear
+from .bitlinear import BitLinear, SharedInput
 
 # Which quantizer feeds each projection; "other" is any Linear outside the Llama names (e.g. a custom head).
 # int4-all's FFN-down input uses β = 2·mean|x| (the paper's full-INT4 ablation), noted as ("int4", 2.0).
@@ -25,6 +25,9 @@ RECIPES: dict[str, Optional[dict]] = {
 ROLES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "out", "gate_proj": "gate",
          "up_proj": "up", "down_proj": "down"}
 SUB_NORM_ROLES = ("out", "down")  # the inputs no pre-norm of the Llama block normalizes
+# projections of one block that read the same input tensor: quantized once for all of them (SharedInput)
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+CHECKPOINT_KEY = "thrifty_bitnet"  # config.json key holding the recipe of a saved BitNet model
 
 
 @dataclass
@@ -35,7 +38,7 @@ class BitNetConfig:
     sub_norm: RMSNorm before the attention-output and FFN-down quantizers (BitNet's architecture).
     topk_ratio: share of each token's entries TopK keeps on the attention-output input (paper: 0.5).
     strength: λ of the gradual switch, 1 = the recipe exactly; start at 0 to convert a pretrained model.
-    fused: Triton quantizers on CUDA (the reference runs elsewhere either way).
+    fused: Triton kernels on CUDA (True), also on the CPU under TRITON_INTERPRET=1 ("triton"), or never (False).
     norm_eps: ε of the sub-norms.
     exclude: Linear names (last component) kept in full precision; the LM head always is.
     """
@@ -50,9 +53,10 @@ class BitNetConfig:
 
     def __post_init__(self):
         check_choice("recipe", self.recipe, tuple(RECIPES))
-        for name in ("sub_norm", "fused"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.sub_norm, bool):
+            raise TypeError(f"sub_norm: expected a bool, got {type(self.sub_norm).__name__}")
+        if not isinstance(self.fused, bool) and self.fused != "triton":
+            raise TypeError(f"fused: expected a bool or 'triton', got {self.fused!r}")
         check_range("topk_ratio", self.topk_ratio, 0.0, 1.0, lo_open=True)
         check_range("strength", self.strength, 0.0, 1.0)
         check_range("norm_eps", self.norm_eps, 0.0, 1.0, lo_open=True)
@@ -117,13 +121,21 @@ def linear_factory(recipe_or_config) -> Callable:
     """A factory for the reference model's Linear seam:
     ``LlamaForCausalLM(config, linear=linear_factory("a4.8"), activation=mlp_activation("a4.8"))``."""
     cfg = as_config(recipe_or_config)
+    shared: dict = {}  # (parent name, group) -> the SharedInput of those siblings
 
     def factory(in_features: int, out_features: int, *, name: str) -> nn.Module:
+        parent, _, leaf = name.rpartition(".")
         role = _role(name)
-        if not cfg.is_bitnet or name.rsplit(".", 1)[-1] in cfg.exclude:
+        if not cfg.is_bitnet or leaf in cfg.exclude:
             return nn.Linear(in_features, out_features, bias=False)
-        return BitLinear(in_features, out_features, sub_norm=cfg.sub_norm and role in SUB_NORM_ROLES,
-                         norm_eps=cfg.norm_eps, **_quantizer(cfg, role))
+        layer = BitLinear(in_features, out_features, sub_norm=cfg.sub_norm and role in SUB_NORM_ROLES,
+                          norm_eps=cfg.norm_eps, **_quantizer(cfg, role))
+        group = next((g for g in SHARED_INPUT_GROUPS if leaf in g), None)
+        if group is not None and layer.norm is None:
+            members = [n for n in group if n not in cfg.exclude]
+            if len(members) > 1:
+                layer.shared_input = shared.setdefault((parent, group), SharedInput(len(members)))
+        return layer
 
     return factory
 
@@ -166,6 +178,7 @@ def convert(model: nn.Module, recipe_or_config) -> nn.Module:
             elif isinstance(child, nn.Linear):
                 setattr(parent, child_name, BitLinear.from_linear(
                     child, sub_norm=cfg.sub_norm and role in SUB_NORM_ROLES, norm_eps=eps, **_quantizer(cfg, role)))
+        _share_inputs(parent)
         if hasattr(parent, "gate_proj") and hasattr(parent, "act_fn"):
             act = parent.act_fn
             if isinstance(act, RampedReLUSquared):
@@ -173,6 +186,47 @@ def convert(model: nn.Module, recipe_or_config) -> nn.Module:
             elif act is not relu_squared:
                 parent.act_fn = RampedReLUSquared(act, cfg.strength)
     return model
+
+
+def _share_inputs(parent: nn.Module) -> None:
+    """Gives the un-normed sibling BitLinears that read one input (q/k/v, gate/up) a common SharedInput."""
+    for group in SHARED_INPUT_GROUPS:
+        members = [m for n in group if isinstance(m := getattr(parent, n, None), BitLinear) and m.norm is None]
+        if len(members) > 1 and not all(m.shared_input is members[0].shared_input is not None for m in members):
+            cache = SharedInput(len(members))
+            for m in members:
+                m.shared_input = cache
+
+
+def checkpoint_record(model: nn.Module) -> Optional[dict]:
+    """The BitNet settings of ``model`` for its config.json (None when it has no BitLinear): the recipe its
+    layers carry now and the BitNetConfig options that rebuild them (see :func:`from_checkpoint_record`)."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, BitLinear)]
+    if not layers:
+        return None
+    recipe = current_recipe(model)
+    if recipe == "custom":
+        raise ValueError("model: its BitLinear layers follow no recipe of RECIPES, so a checkpoint could not "
+                         "rebuild them; save the state dict instead")
+    first = layers[0][1]
+    normed = [m for _, m in layers if m.norm is not None]
+    bitnet_names = {n.rsplit(".", 1)[-1] for n, _ in layers}
+    exclude = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in bitnet_names})
+    topk = [m.topk_ratio for _, m in layers if m.activation == "topk_int8"]
+    return dict(recipe=recipe, sub_norm=bool(normed), topk_ratio=topk[0] if topk else first.topk_ratio,
+                strength=first.strength, fused=first.fused, norm_eps=normed[0].norm.eps if normed else 1e-5,
+                exclude=exclude)
+
+
+def from_checkpoint_record(model: nn.Module, record) -> nn.Module:
+    """Converts a freshly built full-precision ``model`` as :func:`checkpoint_record` described it."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{CHECKPOINT_KEY}: expected an object of BitNetConfig fields, got {record!r}")
+    unknown = set(record) - {f for f in BitNetConfig.__dataclass_fields__}
+    if unknown:
+        raise ValueError(f"{CHECKPOINT_KEY}: unknown fields {sorted(unknown)}")
+    return convert(model, BitNetConfig(**{**record, "exclude": tuple(record.get("exclude", ()))}))
 
 
 def set_strength(model: nn.Module, strength: float) -> None:

@@ -385,6 +385,13 @@ class LlamaForCausalLM(nn.Module):
                 state[name], source[name] = t, f
         with torch.device(device):  # a new model: nothing the caller holds is touched before the checks pass
             model = cls(config, **seams)
+            if "thrifty_bitnet" in hf:  # a BitNet checkpoint: rebuild its BitLinears (and sub-norms) first
+                from ..bitnet.recipes import from_checkpoint_record
+
+                try:
+                    from_checkpoint_record(model, hf["thrifty_bitnet"])
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{path / 'config.json'}: {err}") from None
         expected = dict(model.state_dict())
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -402,11 +409,18 @@ class LlamaForCausalLM(nn.Module):
         return model.to(dtype)
 
     def save_pretrained(self, path) -> Path:
-        """Writes config.json + model.safetensors in HF layout (loadable by transformers too)."""
+        """Writes config.json + model.safetensors in HF layout (loadable by transformers too). A BitNet model
+        (thrifty.bitnet) also records its recipe in config.json (``thrifty_bitnet``), which
+        :meth:`from_pretrained` uses to rebuild the BitLinear layers."""
         from safetensors.torch import save_file
 
         from .._io import atomic_path, crc_metadata
+        from ..bitnet.recipes import checkpoint_record
 
+        hf = self.config.to_hf()
+        bitnet = checkpoint_record(self)  # before writing anything: a model no recipe describes is refused
+        if bitnet is not None:
+            hf["thrifty_bitnet"] = bitnet
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
@@ -415,5 +429,5 @@ class LlamaForCausalLM(nn.Module):
         with atomic_path(path / "model.safetensors") as tmp:
             save_file(state, str(tmp), metadata={"format": "pt", **crc_metadata(state)})
         with atomic_path(path / "config.json") as tmp:
-            tmp.write_text(json.dumps(self.config.to_hf(), indent=1))
+            tmp.write_text(json.dumps(hf, indent=1))
         return path

@@ -1,0 +1,163 @@
+"""BitNet training-step time (issue #31): one step (forward, backward, AdamW) of fp, b1.58, a4.8 with the fused
+kernels and a4.8 with the reference quantizers, in one run at the same batch; and the activation quantizers alone
+(INT8, INT4, TopK+INT8 at widths 384 / 1536 / 4096: GB/s and TopK time / INT8 time).
+
+Writes ``benchmarks/results/bitnet_step_<device>.json`` (summary keys ``train_step_time_ratio_a48_vs_fp``,
+``train_step_time_ratio_b158_vs_fp``, ``train_step_time_ratio_a48_reference_vs_fp``, ``topk_over_int8_time``
+(at width 4096; per width in the rows)) and a PNG. Batches are random token ids: the step time does not depend
+on the text, so no corpus travels. GPU box:
+
+    THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_step.py
+
+``--smoke``: tiny sizes on the CPU (kernels under TRITON_INTERPRET=1) into a temporary folder; measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from thrifty import bitnet
+from thrifty.bench import default_results_dir, detect_device, print_table, time_fn, write_result
+from thrifty.models import LlamaForCausalLM, preset
+from thrifty.train import Trainer, TrainConfig
+
+VARIANTS = (("fp", "fp", True), ("b1.58", "b1.58", True), ("a4.8", "a4.8", True),
+            ("a4.8 (reference quantizers)", "a4.8", False))
+KINDS = ("int8", "int4", "topk_int8")
+
+
+class RandomTokens:
+    """Stands in for a TokenDataset: uniform random ids (the timing does not depend on them)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def batch(self, batch_size, seq_len, generator=None):
+        ids = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=generator)
+        return ids[:, :-1], ids[:, 1:]
+
+
+def step_ms(recipe: str, fused, args, device) -> float:
+    """Median ms of one training step of ``recipe`` in its final stage (a4.8 as a4.8)."""
+    config = preset(args.preset, vocab_size=args.vocab_size)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).init_weights(seed=0)
+    if recipe != "fp":
+        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
+    cfg = TrainConfig(steps=10**6, batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-3, warmup_steps=1)
+    trainer = Trainer(model, RandomTokens(config.vocab_size), None, cfg)
+    ms = time_fn(trainer.train_step, warmup=args.warmup, reps=args.reps, device=device).median_ms
+    del trainer, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ms
+
+
+def quantizer_rows(args, device, fused) -> list[dict]:
+    """The input kernel alone on (tokens, width) bf16 activations: bytes moved = one read + one write."""
+    from thrifty.bitnet import quant_kernel as QK
+
+    rows = []
+    for d in args.widths:
+        x = torch.randn(args.tokens, d, device=device, dtype=torch.bfloat16)
+        times = {}
+        for kind in KINDS:
+            times[kind] = time_fn(lambda: QK.quantize_rows(x, kind), warmup=args.warmup, reps=args.reps * 3,
+                                  device=device).median_ms
+        for kind in KINDS:
+            moved = 2 * x.numel() * x.element_size()
+            rows.append({"what": "quantizer", "kind": kind, "tokens": args.tokens, "features": d,
+                         "ms": times[kind], "gbs": moved / times[kind] / 1e6,
+                         "over_int8_time": times[kind] / times["int8"]})
+    return rows
+
+
+def plot(rows: list, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    steps = [r for r in rows if r["what"] == "step"]
+    ax.barh([r["variant"] for r in steps], [r["step_ms"] for r in steps])
+    for i, r in enumerate(steps):
+        ax.text(r["step_ms"], i, f" {r['vs_fp']:.2f}× fp", va="center")
+    ax.set_xlabel("ms per training step")
+    ax.set_title(title)
+    quant = [r for r in rows if r["what"] == "quantizer"]
+    widths = sorted({r["features"] for r in quant})
+    for j, kind in enumerate(KINDS):
+        gbs = [next(r["gbs"] for r in quant if r["kind"] == kind and r["features"] == d) for d in widths]
+        bx.bar([i + j * 0.27 for i in range(len(widths))], gbs, 0.27, label=kind)
+    bx.set_xticks([i + 0.27 for i in range(len(widths))], [str(d) for d in widths])
+    bx.set_xlabel("features per token")
+    bx.set_ylabel("GB/s (bf16 read + write)")
+    bx.set_title("fused input quantizer")
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="30m")
+    ap.add_argument("--vocab-size", type=int, default=49152, help="the SmolLM2 tokenizer's")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=16384, help="rows of the quantizer table")
+    ap.add_argument("--widths", default="384,1536,4096")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--label", default=None, help="device tag in the result name (default: detected device)")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: a temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, results to a temporary folder")
+    args = ap.parse_args(argv)
+    fused = True
+    if args.smoke:  # the kernels under the interpreter: set TRITON_INTERPRET=1 before thrifty is imported
+        args.preset, args.vocab_size, args.batch_size, args.seq_len = "tiny", 256, 1, 8
+        args.tokens, args.widths = 4, "33,130"
+        args.warmup, args.reps, fused = 1, 1, "triton"
+        args.out = args.out or tempfile.mkdtemp(prefix="bitnet_step_smoke_")
+    args.widths = [int(w) for w in str(args.widths).split(",")]
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    label = args.label or detect_device(device)
+    torch.manual_seed(0)
+
+    timings = {}
+    for name, recipe, use_kernels in VARIANTS:
+        timings[name] = step_ms(recipe, fused if use_kernels else False, args, device)
+        print(f"  {name}: {timings[name]:.2f} ms per step", flush=True)
+    tokens = args.batch_size * args.seq_len
+    rows = [{"what": "step", "variant": name, "step_ms": ms, "tokens_per_s": tokens / (ms / 1e3),
+             "vs_fp": ms / timings["fp"]} for name, ms in timings.items()]
+    rows += quantizer_rows(args, device, fused)
+    topk = {r["features"]: r["over_int8_time"] for r in rows if r.get("kind") == "topk_int8"}
+    summary = {"train_step_time_ratio_a48_vs_fp": timings["a4.8"] / timings["fp"],
+               "train_step_time_ratio_b158_vs_fp": timings["b1.58"] / timings["fp"],
+               "train_step_time_ratio_a48_reference_vs_fp": timings["a4.8 (reference quantizers)"] / timings["fp"],
+               "topk_over_int8_time": topk[max(topk)],
+               **{f"topk_over_int8_time_d{d}": v for d, v in topk.items()},
+               "step_ms_fp": timings["fp"], "tokens_per_step": tokens}
+    extra = {"args": vars(args), "note": "smoke run: tiny sizes, measures nothing" if args.smoke else
+             "issue #31: a4.8 step time vs fp (goal <= 1.3x), TopK vs INT8 (goal <= ~2x)"}
+    results_dir = Path(args.out) if args.out else default_results_dir()
+    path = write_result("bitnet_step", rows, summary, device=label, extra=extra, results_dir=results_dir)
+    plot(rows, path.with_suffix(".png"), f"BitNet step, {args.preset}, {args.batch_size}×{args.seq_len}, {label}")
+    print_table([r for r in rows if r["what"] == "step"], ["variant", "step_ms", "tokens_per_s", "vs_fp"])
+    print_table([r for r in rows if r["what"] == "quantizer"], ["kind", "features", "ms", "gbs", "over_int8_time"])
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
