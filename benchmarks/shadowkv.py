@@ -32,6 +32,7 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 from thrifty import bench  # noqa: E402
 from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine  # noqa: E402
+from thrifty.kvcache import host as hostmem  # noqa: E402
 from thrifty.kvcache import reference as ref  # noqa: E402
 from thrifty.kvcache.attention_kernel import decode_attention  # noqa: E402
 from thrifty.kvcache.decode import kernel_decode_step, plan_reuse  # noqa: E402
@@ -115,7 +116,39 @@ class DenseAttention:
         return out
 
 
-def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device):
+class HostArena:
+    """One pinned host buffer for every variant's values (pinned once: registering ~90 GiB takes about a
+    minute), handed out as exact-size views. Without an arena (smoke runs, regress.py) each tensor is pinned
+    on its own through ``host.pinned_empty`` (also checked against the safe budget)."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int, budget: hostmem.HostBudget):
+        self.buf = hostmem.pinned_empty((nbytes,), torch.uint8, what="benchmark host arena", budget=budget)
+        self.offset = 0
+
+    def reset(self):
+        self.offset = 0
+
+    def take(self, shape, dtype) -> torch.Tensor:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        start = -(-self.offset // self.ALIGN) * self.ALIGN
+        if start + n > self.buf.numel():
+            raise MemoryError(f"host arena: {shape} {dtype} needs {n / 2**30:.2f} GiB at offset "
+                              f"{start / 2**30:.2f} GiB, past its {self.buf.numel() / 2**30:.2f} GiB")
+        self.offset = start + n
+        return self.buf[start:start + n].view(dtype).view(shape)
+
+
+def _host_tensor(shape, dtype, device, arena):
+    if arena is not None:
+        return arena.take(shape, dtype)
+    if device.type == "cuda":
+        return hostmem.pinned_empty(shape, dtype, what="benchmark host values").zero_()
+    return torch.zeros(shape, dtype=dtype)
+
+
+def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device, arena=None):
     """A LayerState with the shapes a prefill of T tokens leaves (random contents)."""
     c = cfg.chunk_size
     n_chunks = (T - cfg.local_chunks * c) // c
@@ -125,12 +158,11 @@ def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device):
     outliers = torch.stack([torch.randperm(n_chunks, device=device)[:cfg.outlier_chunks] for _ in range(batch * H)])
     selectable.view(batch * H, n_chunks).scatter_(1, outliers, False)
     nd = cfg.outlier_chunks * c + local
-    pin = host_device.type == "cpu" and device.type == "cuda"
     if cfg.host_values == "fp8":
-        values = ref.HostValues(torch.zeros(batch, H, T, D, dtype=ref.FP8, pin_memory=pin),
-                                torch.ones(batch, H, T, pin_memory=pin), bf)
+        values = ref.HostValues(_host_tensor((batch, H, T, D), ref.FP8, device, arena),
+                                _host_tensor((batch, H, T), torch.float32, device, arena), bf)
     else:
-        values = ref.HostValues(torch.zeros(batch, H, T, D, dtype=bf, pin_memory=pin), None, bf)
+        values = ref.HostValues(_host_tensor((batch, H, T, D), bf, device, arena), None, bf)
     return ref.LayerState(
         lengths=torch.full((batch,), T, device=device), n_chunks=torch.full((batch,), n_chunks, device=device),
         u=torch.randn(batch, T, cfg.rank, dtype=bf, device=device) / T ** 0.5,
@@ -145,12 +177,14 @@ def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device):
 
 
 class ShadowKVAttention:
-    def __init__(self, layers, batch, H, D, context, cfg, device, cos, sin):
+    def __init__(self, layers, batch, H, D, context, cfg, device, cos, sin, arena: "HostArena | None" = None):
         self.engine = ShadowKVEngine(cfg, layers, H, D, lambda n, dev: (cos[:n], sin[:n]))
         self.engine.cos, self.engine.sin = cos, sin
         host = torch.device("cpu")
+        if arena is not None:
+            arena.reset()  # the previous variant's views are gone
         for i in range(layers):
-            self.engine.states[i] = synthetic_state(batch, H, D, context, cfg, torch.device(device), host)
+            self.engine.states[i] = synthetic_state(batch, H, D, context, cfg, torch.device(device), host, arena)
 
     def __call__(self, i, q, k, v):
         return kernel_decode_step(self.engine, i, q, k, v, q.shape[-1] ** -0.5)
@@ -208,26 +242,46 @@ def layer_breakdown(att: ShadowKVAttention, q) -> dict:
     return {name: bench.time_fn(fn, [()], warmup=2, reps=20, min_reps=3).median_ms for name, fn in timed.items()}
 
 
-def max_batches(model, layers, H, D, T, gen, cfg_native, cfg_fp8, host_gib, device) -> dict:
+def host_seq_bytes(layers, H, D, T, cfg: ShadowKVConfig) -> int:
+    return ref.host_bytes_per_sequence(layers, H, D, T, 2, fp8=cfg.host_values == "fp8")
+
+
+def max_batches(model, layers, H, D, T, gen, cfg_native, cfg_fp8, host_limit: int, device) -> dict:
+    """Largest batch per method: dense by GPU memory, ShadowKV by GPU memory and ``host_limit`` pinned bytes.
+    ``why`` says which memory capped each one, with the arithmetic."""
     if device.type != "cuda":
-        return {"dense": 2, "shadowkv": 2, "shadowkv_fp8": 2}
+        return {"dense": 2, "shadowkv": 2, "shadowkv_fp8": 2, "why": {}}
     free = torch.cuda.mem_get_info()[0] - (4 << 30)  # workspace for activations, graphs, allocator slack
     dense_seq = 2 * layers * H * (T + gen) * D * 2
-    host = host_gib * (1 << 30)
     out = {"dense": max(free // dense_seq, 0)}
+    why = {"dense": f"GPU: {free / 2**30:.1f} GiB free // {dense_seq / 2**30:.2f} GiB KV per sequence"}
     for name, cfg in (("shadowkv", cfg_native), ("shadowkv_fp8", cfg_fp8)):
-        host_seq = ref.host_bytes_per_sequence(layers, H, D, T, 2, fp8=cfg.host_values == "fp8")
-        out[name] = int(min(free // gpu_bytes_shadowkv(layers, H, D, T, cfg, gen), host // host_seq))
+        gpu_seq, host_seq = gpu_bytes_shadowkv(layers, H, D, T, cfg, gen), host_seq_bytes(layers, H, D, T, cfg)
+        by_gpu, by_host = free // gpu_seq, host_limit // host_seq
+        out[name] = int(min(by_gpu, by_host))
+        why[name] = (f"{'host' if by_host < by_gpu else 'GPU'} caps it: host {host_limit / 2**30:.1f} GiB // "
+                     f"{host_seq / 2**30:.2f} GiB per sequence = {by_host}; GPU {free / 2**30:.1f} GiB // "
+                     f"{gpu_seq / 2**30:.2f} GiB per sequence = {by_gpu}")
+    out["why"] = why
     return out
 
 
-def host_gib_default() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-        return 0.75 * avail / 2**20
-    except (OSError, StopIteration):
-        return 8.0
+def host_limit_bytes(host_gib, budget: hostmem.HostBudget) -> int:
+    """The pinned bytes the run may use: the safe budget, or ``--host-gib`` when it asks for less. Asking for
+    more raises MemoryError with the numbers (the box's OOM killer would end the run without a message)."""
+    if host_gib is None:
+        return budget.budget
+    want = int(host_gib * 2**30)
+    budget.check(want, "--host-gib")
+    return want
+
+
+def configs_for(T: int, gen: int, smoke: bool) -> tuple[ShadowKVConfig, ShadowKVConfig]:
+    budget = 32 if smoke else (1024 if T < 100_000 else 2048)  # the paper's 1.56% / 1.67%
+    base = dict(PAPER_CFG, sparse_budget=budget, max_generated=gen, min_prompt_len=min(T, 4096))
+    if smoke:
+        base.update(rank=32, outlier_chunks=4)
+    return ShadowKVConfig(**base), ShadowKVConfig(**base, host_values="fp8")
 
 
 def main():
@@ -235,7 +289,9 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[61440, 124928])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--host-gib", type=float, default=None, help="pinnable host memory (default 75%% of available)")
+    ap.add_argument("--host-gib", type=float, default=None,
+                    help="pinned host memory to use (default: MemAvailable minus the margin of thrifty.kvcache.host; "
+                         "more than that is refused with a MemoryError)")
     ap.add_argument("--needle-json", default=None, help="a shadowkv_needle result whose accuracies go in the summary")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -243,19 +299,33 @@ def main():
     shape = TINY if args.smoke else LLAMA3_8B
     contexts = [384, 640] if args.smoke else args.contexts
     steps = 2 if args.smoke else args.steps
-    host_gib = args.host_gib or host_gib_default()
+    budget = hostmem.host_budget()
+    host_limit = host_limit_bytes(args.host_gib, budget)
+    print(f"host memory: {budget.explain()}; this run may pin {host_limit / 2**30:.1f} GiB", flush=True)
     model = build_model(shape, device)
     cfgm = model.config
     L, H, D = cfgm.num_hidden_layers, cfgm.num_key_value_heads, cfgm.head_dim
     gen = steps + 16  # rows for warm-up, capture and replays
-    rows, summary = [], {}
+
+    # plan every variant first, so that one pinned arena of exactly the largest need serves them all
+    plans = []
     for T in contexts:
-        budget = 32 if args.smoke else (1024 if T < 100_000 else 2048)  # the paper's 1.56% / 1.67%
-        base = dict(PAPER_CFG, sparse_budget=budget, max_generated=gen, min_prompt_len=min(T, 4096))
-        if args.smoke:
-            base.update(rank=32, outlier_chunks=4)
-        cfg_n, cfg_8 = ShadowKVConfig(**base), ShadowKVConfig(**base, host_values="fp8")
-        caps = max_batches(model, L, H, D, T, gen, cfg_n, cfg_8, host_gib, device)
+        cfg_n, cfg_8 = configs_for(T, gen, args.smoke)
+        caps = max_batches(model, L, H, D, T, gen, cfg_n, cfg_8, host_limit, device)
+        for name, why in caps["why"].items():
+            print(f"max batch {name} at {T}: {caps[name]} ({why})", flush=True)
+        plans.append((T, cfg_n, cfg_8, caps))
+    need = max((caps[n] * host_seq_bytes(L, H, D, T, cfg) for T, cfg_n, cfg_8, caps in plans
+                for n, cfg in (("shadowkv", cfg_n), ("shadowkv_fp8", cfg_8))), default=0)
+    arena = None
+    if device.type == "cuda" and need > 0:
+        t0 = time.perf_counter()
+        arena = HostArena(need, budget)
+        print(f"pinned host arena: {need / 2**30:.2f} GiB (the largest batch x per-sequence bytes) in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+    rows, summary = [], {}
+    for T, cfg_n, cfg_8, caps in plans:
         variants = [("dense", caps["dense"], None), ("dense", 1, None), ("shadowkv", caps["shadowkv"], cfg_n),
                     ("shadowkv", 1, cfg_n), ("shadowkv_fp8", caps["shadowkv_fp8"], cfg_8)]
         results = {}
@@ -270,7 +340,7 @@ def main():
                     step = DecodeStep(model, batch, T, att, device)
                 else:
                     step = DecodeStep(model, batch, T, None, device)
-                    att = ShadowKVAttention(L, batch, H, D, T, cfg, device, step.cos, step.sin)
+                    att = ShadowKVAttention(L, batch, H, D, T, cfg, device, step.cos, step.sin, arena)
                     step.attention = att
                 sec = run_graph(step, steps, use_graph)
                 row.update(step_ms=sec * 1e3, tokens_per_s=batch / sec)
@@ -311,7 +381,10 @@ def main():
                              "attention_ms_per_layer", "error"])
     extra = {"model": "Llama-3-8B shape, random bf16 weights (speed does not depend on the values)",
              "state": "synthetic ShadowKV state with the real shapes; prefill not timed",
-             "host_gib": host_gib, "cuda_graphs": use_graph, "smoke": args.smoke}
+             "host_budget": budget.explain(), "host_limit_gib": host_limit / 2**30,
+             "host_arena_gib": need / 2**30 if arena is not None else 0.0,
+             "caps_why": {str(T): caps["why"] for T, _, _, caps in plans},
+             "cuda_graphs": use_graph, "smoke": args.smoke}
     bench.write_result("shadowkv", rows, summary, extra=extra,
                        results_dir=None if not args.smoke else os.environ.get("TMPDIR", "/tmp"),
                        plot=dict(x="setting", y="tokens_per_s", hue="method", title="decode tokens/s"))
