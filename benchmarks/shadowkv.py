@@ -32,12 +32,12 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 from thrifty import bench  # noqa: E402
 from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine  # noqa: E402
+from thrifty.kvcache import host as hostmem  # noqa: E402
 from thrifty.kvcache import reference as ref  # noqa: E402
 from thrifty.kvcache.attention_kernel import decode_attention  # noqa: E402
-from thrifty.kvcache.decode import kernel_decode_step, plan_reuse  # noqa: E402
-from thrifty.kvcache.rebuild_kernel import rebuild_keys  # noqa: E402
-from thrifty.kvcache.score_kernel import landmark_scores  # noqa: E402
-from thrifty.kvcache.values_kernel import gather_values  # noqa: E402
+from thrifty.kvcache.decode import fast_layer, kernel_decode_step  # noqa: E402
+from thrifty.kvcache.fill_kernel import fill_slots  # noqa: E402
+from thrifty.kvcache.score_kernel import score_and_select  # noqa: E402
 from thrifty.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -46,6 +46,10 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=4096, tie_word_embeddings=False)
 PAPER_CFG = dict(rank=160, chunk_size=8, outlier_chunks=48, local_chunks=4)
+# Reuse rate of the selections between consecutive steps. Until benchmarks/shadowkv_hit_rate.py has measured it
+# on SmolLM2 (real text, the reuse buffer, 2K-8K), the paper's ~60% (arXiv 2410.21465 Fig. 5 right).
+DEFAULT_HIT_RATE = 0.6
+HIT_RATE_SOURCE = "paper Fig. 5 (~60%); measure with benchmarks/shadowkv_hit_rate.py"
 
 
 def build_model(shape: dict, device) -> LlamaForCausalLM:
@@ -115,7 +119,39 @@ class DenseAttention:
         return out
 
 
-def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device):
+class HostArena:
+    """One pinned host buffer for every variant's values (pinned once: registering ~90 GiB takes about a
+    minute), handed out as exact-size views. Without an arena (smoke runs, regress.py) each tensor is pinned
+    on its own through ``host.pinned_empty`` (also checked against the safe budget)."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int, budget: hostmem.HostBudget):
+        self.buf = hostmem.pinned_empty((nbytes,), torch.uint8, what="benchmark host arena", budget=budget)
+        self.offset = 0
+
+    def reset(self):
+        self.offset = 0
+
+    def take(self, shape, dtype) -> torch.Tensor:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        start = -(-self.offset // self.ALIGN) * self.ALIGN
+        if start + n > self.buf.numel():
+            raise MemoryError(f"host arena: {shape} {dtype} needs {n / 2**30:.2f} GiB at offset "
+                              f"{start / 2**30:.2f} GiB, past its {self.buf.numel() / 2**30:.2f} GiB")
+        self.offset = start + n
+        return self.buf[start:start + n].view(dtype).view(shape)
+
+
+def _host_tensor(shape, dtype, device, arena):
+    if arena is not None:
+        return arena.take(shape, dtype)
+    if device.type == "cuda":
+        return hostmem.pinned_empty(shape, dtype, what="benchmark host values").zero_()
+    return torch.zeros(shape, dtype=dtype)
+
+
+def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device, arena=None):
     """A LayerState with the shapes a prefill of T tokens leaves (random contents)."""
     c = cfg.chunk_size
     n_chunks = (T - cfg.local_chunks * c) // c
@@ -125,12 +161,11 @@ def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device):
     outliers = torch.stack([torch.randperm(n_chunks, device=device)[:cfg.outlier_chunks] for _ in range(batch * H)])
     selectable.view(batch * H, n_chunks).scatter_(1, outliers, False)
     nd = cfg.outlier_chunks * c + local
-    pin = host_device.type == "cpu" and device.type == "cuda"
     if cfg.host_values == "fp8":
-        values = ref.HostValues(torch.zeros(batch, H, T, D, dtype=ref.FP8, pin_memory=pin),
-                                torch.ones(batch, H, T, pin_memory=pin), bf)
+        values = ref.HostValues(_host_tensor((batch, H, T, D), ref.FP8, device, arena),
+                                _host_tensor((batch, H, T), torch.float32, device, arena), bf)
     else:
-        values = ref.HostValues(torch.zeros(batch, H, T, D, dtype=bf, pin_memory=pin), None, bf)
+        values = ref.HostValues(_host_tensor((batch, H, T, D), bf, device, arena), None, bf)
     return ref.LayerState(
         lengths=torch.full((batch,), T, device=device), n_chunks=torch.full((batch,), n_chunks, device=device),
         u=torch.randn(batch, T, cfg.rank, dtype=bf, device=device) / T ** 0.5,
@@ -145,15 +180,37 @@ def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device):
 
 
 class ShadowKVAttention:
-    def __init__(self, layers, batch, H, D, context, cfg, device, cos, sin):
+    """ShadowKV's kernel path over a synthetic state. ``hit_rate`` (None: whatever random data gives, ~0):
+    that fraction of the slots (a fixed random mask) has its fill work dropped after the select kernel, as if
+    those chunks had been selected at the previous step too. Selection and attention cost the same either
+    way; the fill (key rebuild + value fetch over the host link) scales with the misses."""
+
+    def __init__(self, layers, batch, H, D, context, cfg, device, cos, sin, arena: "HostArena | None" = None,
+                 hit_rate: float | None = None):
         self.engine = ShadowKVEngine(cfg, layers, H, D, lambda n, dev: (cos[:n], sin[:n]))
         self.engine.cos, self.engine.sin = cos, sin
         host = torch.device("cpu")
+        if arena is not None:
+            arena.reset()  # the previous variant's views are gone
         for i in range(layers):
-            self.engine.states[i] = synthetic_state(batch, H, D, context, cfg, torch.device(device), host)
+            self.engine.states[i] = synthetic_state(batch, H, D, context, cfg, torch.device(device), host, arena)
+        self.hit_mask = None
+        if hit_rate is not None:
+            K = min(cfg.select_chunks, self.engine.states[0].selectable.shape[-1])
+            g = torch.Generator().manual_seed(0)
+            self.hit_mask = (torch.rand(batch, H, K, generator=g) < hit_rate).to(device)
 
     def __call__(self, i, q, k, v):
-        return kernel_decode_step(self.engine, i, q, k, v, q.shape[-1] ** -0.5)
+        if self.hit_mask is None:
+            return kernel_decode_step(self.engine, i, q, k, v, q.shape[-1] ** -0.5)
+        e, st = self.engine, self.engine.states[i]
+        fl = fast_layer(e, i, q.shape[1] // k.shape[1])
+        score_and_select(q, k, v, st.landmarks, st.selectable, st.landmarks.shape[-1] ** -0.5, fl)
+        fl.n_generated += 1
+        fl.work.masked_fill_(self.hit_mask, -1)
+        fill_slots(fl.work, st.u, st.sv, e.cos, e.sin, st.values.data, st.values.scale, fl.k, fl.v, fl.sel_base,
+                   fl.chunk_size)
+        return decode_attention(q, fl.k, fl.v, fl.valid, q.shape[-1] ** -0.5)
 
     def hit_rate(self) -> float:
         return 1.0 - sum(f.last_miss.float().mean().item() for f in self.engine.fast) / len(self.engine.fast)
@@ -163,6 +220,7 @@ def gpu_bytes_shadowkv(layers, H, D, T, cfg: ShadowKVConfig, gen: int) -> int:
     c = cfg.chunk_size
     C = (T - cfg.local_chunks * c) // c
     per_layer = (T * cfg.rank * 2 + H * cfg.rank * D * 2 + H * C * D * 2 + H * C  # U, SV, landmarks, selectable
+                 + H * C * 4 + 3 * H * cfg.select_chunks * 4  # slot_of, slot_ids, work, miss list
                  + 2 * H * (cfg.outlier_chunks * c + 2 * c * cfg.local_chunks + cfg.sparse_budget + gen) * D * 2)
     return layers * per_layer
 
@@ -188,46 +246,127 @@ def run_graph(step: DecodeStep, steps: int, use_graph: bool) -> float:
     return t.median_ms / 1e3
 
 
-def layer_breakdown(att: ShadowKVAttention, q) -> dict:
-    """Milliseconds of each stage of layer 0's ShadowKV attention (after the step has run once)."""
+def graph_ms(fn, reps: int, device) -> float:
+    """Milliseconds per call of ``fn`` replayed inside one CUDA graph (``reps`` captured calls): kernel time
+    without the host's launch overhead, as in the decode step. Eager timing on the CPU."""
+    if device.type != "cuda":
+        return bench.time_fn(fn, [()], warmup=1, reps=2, min_reps=1).median_ms
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return bench.time_fn(graph.replay, [()], warmup=2, reps=10, min_reps=3).median_ms / reps
+
+
+def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
+    """Milliseconds of each stage of layer 0's ShadowKV attention inside a CUDA graph (after the step ran):
+    select = landmark logits + softmax/top-K/reuse plan (2 kernels); fill = key rebuild + value fetch of the
+    slots the last step filled (1 kernel); attention = split-K + merge (2 kernels)."""
     e, st = att.engine, att.engine.states[0]
-    fl, cfg = e.fast[0], e.config
-    c, K = cfg.chunk_size, fl.slot_ids.shape[-1]
+    fl = e.fast[0]
+    dev = q.device
     scale = q.shape[-1] ** -0.5
-    scores = landmark_scores(q, st.landmarks, st.selectable, scale)
-    top = scores.topk(K, dim=-1)
-    dest, miss, _ = plan_reuse(fl.slot_ids, top.indices)
+    work = fl.work.clone()  # the fill re-does the last step's work (the select below would leave none: all hits)
     timed = {
-        "score_topk": lambda: landmark_scores(q, st.landmarks, st.selectable, scale).topk(K, dim=-1),
-        "reuse_plan": lambda: plan_reuse(fl.slot_ids, top.indices),
-        "rebuild_k": lambda: rebuild_keys(st.u, st.sv, e.cos, e.sin, top.indices, dest, miss, fl.k, fl.sel_base, c),
-        "fetch_v": lambda: gather_values(st.values.data, st.values.scale, top.indices, dest, miss, fl.v,
-                                         fl.sel_base, c),
+        "select": lambda: score_and_select(q, k_new, v_new, st.landmarks, st.selectable, scale, fl),
+        "fill": lambda: fill_slots(work, st.u, st.sv, e.cos, e.sin, st.values.data, st.values.scale, fl.k, fl.v,
+                                   fl.sel_base, fl.chunk_size),
         "attention": lambda: decode_attention(q, fl.k, fl.v, fl.valid, scale),
     }
-    return {name: bench.time_fn(fn, [()], warmup=2, reps=20, min_reps=3).median_ms for name, fn in timed.items()}
-
-
-def max_batches(model, layers, H, D, T, gen, cfg_native, cfg_fp8, host_gib, device) -> dict:
-    if device.type != "cuda":
-        return {"dense": 2, "shadowkv": 2, "shadowkv_fp8": 2}
-    free = torch.cuda.mem_get_info()[0] - (4 << 30)  # workspace for activations, graphs, allocator slack
-    dense_seq = 2 * layers * H * (T + gen) * D * 2
-    host = host_gib * (1 << 30)
-    out = {"dense": max(free // dense_seq, 0)}
-    for name, cfg in (("shadowkv", cfg_native), ("shadowkv_fp8", cfg_fp8)):
-        host_seq = ref.host_bytes_per_sequence(layers, H, D, T, 2, fp8=cfg.host_values == "fp8")
-        out[name] = int(min(free // gpu_bytes_shadowkv(layers, H, D, T, cfg, gen), host // host_seq))
+    out = {name: graph_ms(fn, 20, dev) for name, fn in timed.items()}
+    out["fill_rows"] = int((work >= 0).sum()) * fl.chunk_size
     return out
 
 
-def host_gib_default() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable"))
-        return 0.75 * avail / 2**20
-    except (OSError, StopIteration):
-        return 8.0
+def host_seq_bytes(layers, H, D, T, cfg: ShadowKVConfig) -> int:
+    return ref.host_bytes_per_sequence(layers, H, D, T, 2, fp8=cfg.host_values == "fp8")
+
+
+def max_batches(model, layers, H, D, T, gen, cfg_native, cfg_fp8, host_limit: int, device) -> dict:
+    """Largest batch per method: dense by GPU memory, ShadowKV by GPU memory and ``host_limit`` pinned bytes.
+    ``why`` says which memory capped each one, with the arithmetic."""
+    if device.type != "cuda":
+        return {"dense": 2, "shadowkv": 2, "shadowkv_fp8": 2, "why": {}}
+    free = torch.cuda.mem_get_info()[0] - (4 << 30)  # workspace for activations, graphs, allocator slack
+    dense_seq = 2 * layers * H * (T + gen) * D * 2
+    out = {"dense": max(free // dense_seq, 0)}
+    why = {"dense": f"GPU: {free / 2**30:.1f} GiB free // {dense_seq / 2**30:.2f} GiB KV per sequence"}
+    for name, cfg in (("shadowkv", cfg_native), ("shadowkv_fp8", cfg_fp8)):
+        gpu_seq, host_seq = gpu_bytes_shadowkv(layers, H, D, T, cfg, gen), host_seq_bytes(layers, H, D, T, cfg)
+        by_gpu, by_host = free // gpu_seq, host_limit // host_seq
+        out[name] = int(min(by_gpu, by_host))
+        why[name] = (f"{'host' if by_host < by_gpu else 'GPU'} caps it: host {host_limit / 2**30:.1f} GiB // "
+                     f"{host_seq / 2**30:.2f} GiB per sequence = {by_host}; GPU {free / 2**30:.1f} GiB // "
+                     f"{gpu_seq / 2**30:.2f} GiB per sequence = {by_gpu}")
+    out["why"] = why
+    return out
+
+
+def host_limit_bytes(host_gib, budget: hostmem.HostBudget) -> int:
+    """The pinned bytes the run may use: the safe budget, or ``--host-gib`` when it asks for less. Asking for
+    more raises MemoryError with the numbers (the box's OOM killer would end the run without a message)."""
+    if host_gib is None:
+        return budget.budget
+    want = int(host_gib * 2**30)
+    budget.check(want, "--host-gib")
+    return want
+
+
+def run_variant(name, batch, cfg, model, T, gen, steps, use_graph, arena, hit_rate, device, backoff) -> dict:
+    """One row: the step time of ``name`` at ``batch`` (dense when ``cfg`` is None). With ``backoff``, an
+    out-of-memory at the computed cap retries one and two sequences lower (the cap is arithmetic)."""
+    c = model.config
+    L, H, D = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    tries = [b for b in (batch, batch - 1, batch - 2) if b >= 1] if backoff else [batch]
+    row = {}
+    for b in tries or [batch]:
+        step = att = None
+        row = {"method": name, "context": T, "batch": int(b), "setting": f"{name} {T // 1024}K bs{b}"}
+        try:
+            if b < 1:
+                raise RuntimeError("does not fit")
+            if cfg is None:
+                att = DenseAttention(L, b, H, D, T, gen + 8, device, splits=None)
+                step = DecodeStep(model, b, T, att, device)
+            else:
+                step = DecodeStep(model, b, T, None, device)
+                att = ShadowKVAttention(L, b, H, D, T, cfg, device, step.cos, step.sin, arena, hit_rate)
+                step.attention = att
+            sec = run_graph(step, steps, use_graph)
+            row.update(step_ms=sec * 1e3, tokens_per_s=b / sec)
+            if cfg is not None:
+                row["hit_rate"] = att.hit_rate()
+                row["host_gib_per_seq"] = att.engine.host_bytes_per_sequence() / 2**30
+                if b == 1:
+                    q = torch.randn(1, c.num_attention_heads, 1, D, dtype=torch.bfloat16, device=device)
+                    kv = torch.randn(2, 1, H, 1, D, dtype=torch.bfloat16, device=device)
+                    parts = layer_breakdown(att, q, kv[0], kv[1])
+                    row.update({f"{k}_ms_per_layer" if k != "fill_rows" else k: v for k, v in parts.items()})
+                    row["rest_ms"] = row["step_ms"] - L * sum(v for k, v in parts.items() if k != "fill_rows")
+            return row
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"OutOfMemoryError: {e}"[:300]
+        except Exception as e:  # a variant that fails stays in the JSON as an error row
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+            return row
+        finally:
+            del step, att
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return row
+
+
+def configs_for(T: int, gen: int, smoke: bool) -> tuple[ShadowKVConfig, ShadowKVConfig]:
+    budget = 32 if smoke else (1024 if T < 100_000 else 2048)  # the paper's 1.56% / 1.67%
+    base = dict(PAPER_CFG, sparse_budget=budget, max_generated=gen, min_prompt_len=min(T, 4096))
+    if smoke:
+        base.update(rank=32, outlier_chunks=4)
+    return ShadowKVConfig(**base), ShadowKVConfig(**base, host_values="fp8")
 
 
 def main():
@@ -235,7 +374,12 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[61440, 124928])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--host-gib", type=float, default=None, help="pinnable host memory (default 75%% of available)")
+    ap.add_argument("--host-gib", type=float, default=None,
+                    help="pinned host memory to use (default: MemAvailable minus the margin of thrifty.kvcache.host; "
+                         "more than that is refused with a MemoryError)")
+    ap.add_argument("--hit-rate", type=float, default=DEFAULT_HIT_RATE,
+                    help="fraction of selected chunks reused from the previous step (random data gives ~0; real "
+                         "text's rate is measured by benchmarks/shadowkv_hit_rate.py); negative: random data's own")
     ap.add_argument("--needle-json", default=None, help="a shadowkv_needle result whose accuracies go in the summary")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -243,52 +387,43 @@ def main():
     shape = TINY if args.smoke else LLAMA3_8B
     contexts = [384, 640] if args.smoke else args.contexts
     steps = 2 if args.smoke else args.steps
-    host_gib = args.host_gib or host_gib_default()
+    budget = hostmem.host_budget()
+    host_limit = host_limit_bytes(args.host_gib, budget)
+    print(f"host memory: {budget.explain()}; this run may pin {host_limit / 2**30:.1f} GiB", flush=True)
     model = build_model(shape, device)
     cfgm = model.config
     L, H, D = cfgm.num_hidden_layers, cfgm.num_key_value_heads, cfgm.head_dim
-    gen = steps + 16  # rows for warm-up, capture and replays
-    rows, summary = [], {}
+    gen = 2 * steps + 64  # rows for warm-up, capture, replays and the breakdown (the counter is not checked in a graph)
+    hit_rate = None if args.hit_rate < 0 else args.hit_rate
+
+    # plan every variant first, so that one pinned arena of exactly the largest need serves them all
+    plans = []
     for T in contexts:
-        budget = 32 if args.smoke else (1024 if T < 100_000 else 2048)  # the paper's 1.56% / 1.67%
-        base = dict(PAPER_CFG, sparse_budget=budget, max_generated=gen, min_prompt_len=min(T, 4096))
-        if args.smoke:
-            base.update(rank=32, outlier_chunks=4)
-        cfg_n, cfg_8 = ShadowKVConfig(**base), ShadowKVConfig(**base, host_values="fp8")
-        caps = max_batches(model, L, H, D, T, gen, cfg_n, cfg_8, host_gib, device)
+        cfg_n, cfg_8 = configs_for(T, gen, args.smoke)
+        caps = max_batches(model, L, H, D, T, gen, cfg_n, cfg_8, host_limit, device)
+        for name, why in caps["why"].items():
+            print(f"max batch {name} at {T}: {caps[name]} ({why})", flush=True)
+        plans.append((T, cfg_n, cfg_8, caps))
+    need = max((caps[n] * host_seq_bytes(L, H, D, T, cfg) for T, cfg_n, cfg_8, caps in plans
+                for n, cfg in (("shadowkv", cfg_n), ("shadowkv_fp8", cfg_8))), default=0)
+    arena = None
+    if device.type == "cuda" and need > 0:
+        t0 = time.perf_counter()
+        arena = HostArena(need, budget)
+        print(f"pinned host arena: {need / 2**30:.2f} GiB (the largest batch x per-sequence bytes) in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+    rows, summary = [], {}
+    for T, cfg_n, cfg_8, caps in plans:
         variants = [("dense", caps["dense"], None), ("dense", 1, None), ("shadowkv", caps["shadowkv"], cfg_n),
                     ("shadowkv", 1, cfg_n), ("shadowkv_fp8", caps["shadowkv_fp8"], cfg_8)]
         results = {}
         for name, batch, cfg in variants:
-            step = att = None
-            row = {"method": name, "context": T, "batch": int(batch), "setting": f"{name} {T // 1024}K bs{batch}"}
-            try:
-                if batch < 1:
-                    raise RuntimeError("does not fit")
-                if cfg is None:
-                    att = DenseAttention(L, batch, H, D, T, gen + 8, device, splits=max(8, T // 2048))
-                    step = DecodeStep(model, batch, T, att, device)
-                else:
-                    step = DecodeStep(model, batch, T, None, device)
-                    att = ShadowKVAttention(L, batch, H, D, T, cfg, device, step.cos, step.sin)
-                    step.attention = att
-                sec = run_graph(step, steps, use_graph)
-                row.update(step_ms=sec * 1e3, tokens_per_s=batch / sec)
-                if cfg is not None:
-                    row["hit_rate"] = att.hit_rate()
-                    row["host_gib_per_seq"] = att.engine.host_bytes_per_sequence() / 2**30
-                    if batch == 1:
-                        q = torch.randn(1, cfgm.num_attention_heads, 1, D, dtype=torch.bfloat16, device=device)
-                        parts = layer_breakdown(att, q)
-                        row.update({f"{k}_ms_per_layer": v for k, v in parts.items()})
-                        row["rest_ms"] = row["step_ms"] - L * sum(parts.values())
-                results[(name, batch == 1)] = row
-            except Exception as e:  # a variant that fails (OOM, pinning) stays in the JSON as an error row
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            row = run_variant(name, batch, cfg, model, T, gen, steps, use_graph, arena, hit_rate, device,
+                              backoff=batch > 1 and device.type == "cuda")
             rows.append(row)
-            del step, att
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            if "error" not in row:
+                results[(name, batch == 1)] = row
         tag = "60k" if T < 100_000 else "122k"
         if args.smoke:
             tag = f"{T}"
@@ -298,20 +433,26 @@ def main():
             summary[f"throughput_gain_{tag}"] = skv["tokens_per_s"] / dense["tokens_per_s"]
         if dense and fp8:
             summary[f"throughput_gain_{tag}_fp8"] = fp8["tokens_per_s"] / dense["tokens_per_s"]
-        summary[f"max_batch_dense_{tag}"] = caps["dense"]
-        summary[f"max_batch_shadowkv_{tag}"] = caps["shadowkv"]
-        summary[f"max_batch_shadowkv_fp8_{tag}"] = caps["shadowkv_fp8"]
+        d1, s1 = results.get(("dense", True)), results.get(("shadowkv", True))
+        if d1 and s1:
+            summary[f"batch1_step_ratio_vs_dense_{tag}"] = s1["step_ms"] / d1["step_ms"]
+        for name in ("dense", "shadowkv", "shadowkv_fp8"):  # the batch that ran (after any back-off)
+            ran = results.get((name, False))
+            summary[f"max_batch_{name}_{tag}"] = ran["batch"] if ran else 0
     needle = {}
     if args.needle_json:
         needle = json.load(open(args.needle_json))["summary"]
     for key in ("needle_acc_dense", "needle_acc_shadowkv", "needle_acc_quest", "needle_gap_vs_dense_points"):
         summary[key] = needle.get(key)
     bench.print_table(rows, ["method", "context", "batch", "step_ms", "tokens_per_s", "hit_rate", "rest_ms",
-                             "score_topk_ms_per_layer", "rebuild_k_ms_per_layer", "fetch_v_ms_per_layer",
-                             "attention_ms_per_layer", "error"])
+                             "select_ms_per_layer", "fill_ms_per_layer", "attention_ms_per_layer", "error"])
     extra = {"model": "Llama-3-8B shape, random bf16 weights (speed does not depend on the values)",
              "state": "synthetic ShadowKV state with the real shapes; prefill not timed",
-             "host_gib": host_gib, "cuda_graphs": use_graph, "smoke": args.smoke}
+             "host_budget": budget.explain(), "host_limit_gib": host_limit / 2**30,
+             "host_arena_gib": need / 2**30 if arena is not None else 0.0,
+             "caps_why": {str(T): caps["why"] for T, _, _, caps in plans},
+             "hit_rate": hit_rate, "hit_rate_source": HIT_RATE_SOURCE if hit_rate == DEFAULT_HIT_RATE else "--hit-rate",
+             "cuda_graphs": use_graph, "smoke": args.smoke}
     bench.write_result("shadowkv", rows, summary, extra=extra,
                        results_dir=None if not args.smoke else os.environ.get("TMPDIR", "/tmp"),
                        plot=dict(x="setting", y="tokens_per_s", hue="method", title="decode tokens/s"))

@@ -192,37 +192,45 @@ def _attention_decode():
 
 # --------------------------------------------------------------------------------------------- ShadowKV
 def _kvcache():
-    """kvcache.decode.kernel_decode_step: landmark scores, key rebuild, value gather, decode attention."""
-    from thrifty.kvcache import attention_kernel as AK, rebuild_kernel as RK, score_kernel as SK, values_kernel as VK
+    """kvcache.decode.kernel_decode_step: landmark logits + select (score_and_select), slot fill (fill_slots),
+    split-K attention + merge (decode_attention)."""
+    from thrifty.kvcache import attention_kernel as AK, fill_kernel as FK, score_kernel as SK
     from thrifty.kvcache.config import ShadowKVConfig
 
     chunk = ShadowKVConfig().chunk_size
-    chunks, block_t = RK.block_shape(chunk)
+    chunks, block_t = FK.block_shape(chunk)
     block_n = inspect.signature(AK.decode_attention).parameters["block_n"].default
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for D in (64, 128):
             for G in ((3, 8) if dtype == torch.bfloat16 else (4,)):  # SmolLM2's 9/3 heads; Llama's 32/4, 64/8
-                g_pad = max(16, triton.next_power_of_2(G))  # as landmark_scores / decode_attention
+                g_pad = max(16, triton.next_power_of_2(G))  # as score_and_select / decode_attention
                 label = f"D{D} {NAME[dtype]} G{G}"
-                yield entry(SK._landmark_score_kernel, label,
-                            dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=64),  # literal in landmark_scores
-                            {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8", "logit_ptr out_ptr": "*fp32"},
-                            fp32="scale")
+                yield entry(SK._landmark_logits_kernel, label,
+                            dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=SK.LOGIT_BLOCK),
+                            {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8",
+                             "logit_ptr part_m_ptr part_l_ptr": "*fp32"}, fp32="scale")
+                # splits: 1..128 (S_PAD), K: the paper's budgets 1024/2048/4096 at c=8 and SmolLM2's 256/512
+                for s_pad, k_pad in ((1, 32), (128, 128), (64, 256), (16, 512)):
+                    yield entry(SK._select_kernel, f"{label} S{s_pad} K{k_pad}",
+                                dict(G=G, G_PAD=g_pad, S_PAD=s_pad, K_PAD=k_pad, C_SIZE=chunk,
+                                     C_PAD=triton.next_power_of_2(chunk), D=D, BLOCK=SK.SELECT_BLOCK),
+                                {"logit_ptr part_m_ptr part_l_ptr score_ptr": "*fp32", "sel_ptr mark_ptr valid_ptr": "*i8",
+                                 "miss_ptr slot_ids_ptr slot_of_ptr work_ptr": "*i32",
+                                 "knew_ptr vnew_ptr kbuf_ptr vbuf_ptr": PTR[dtype], "ngen_ptr": "*i64"},
+                                num_warps=SK.SELECT_WARPS)
                 yield entry(AK._decode_attention_kernel, label, dict(G=G, G_PAD=g_pad, D=D, BLOCK_N=block_n),
                             {"q_ptr k_ptr v_ptr": PTR[dtype], "valid_ptr": "*i8", "m_ptr l_ptr acc_ptr": "*fp32"},
                             fp32="scale")
+                yield entry(AK._merge_splits_kernel, label, dict(G=G, G_PAD=g_pad, D=D),
+                            {"m_ptr l_ptr acc_ptr": "*fp32", "out_ptr": PTR[dtype]})
             label = f"D{D} {NAME[dtype]} c{chunk}"
-            yield entry(RK._rebuild_keys_kernel, label,
-                        dict(C_SIZE=chunk, CHUNKS=chunks, BLOCK_T=block_t, HALF=D // 2,
-                             BLOCK_R=32),  # literal in rebuild_keys
-                        {"u_ptr sv_ptr out_ptr": PTR[dtype], "cos_ptr sin_ptr": "*fp32", "ids_ptr dest_ptr": "*i64",
-                         "miss_ptr": "*i8"})
             for host in ("native", "fp8"):  # ShadowKVConfig.host_values
-                yield entry(VK._gather_values_kernel, f"{label} host={host}",
-                            dict(C_SIZE=chunk, CHUNKS=chunks, BLOCK_T=block_t, D=D, HAS_SCALE=host == "fp8"),
-                            {"src_ptr": "*fp8e4nv" if host == "fp8" else PTR[dtype],
-                             "scale_ptr": "*fp32" if host == "fp8" else PTR[dtype],
-                             "ids_ptr dest_ptr": "*i64", "miss_ptr": "*i8", "out_ptr": PTR[dtype]})
+                yield entry(FK._fill_slots_kernel, f"{label} host={host}",
+                            dict(C_SIZE=chunk, CHUNKS=chunks, BLOCK_T=block_t, HALF=D // 2, BLOCK_R=FK.BLOCK_R,
+                                 HAS_SCALE=host == "fp8"),
+                            {"work_ptr": "*i32", "u_ptr sv_ptr kbuf_ptr vbuf_ptr": PTR[dtype],
+                             "cos_ptr sin_ptr": "*fp32", "src_ptr": "*fp8e4nv" if host == "fp8" else PTR[dtype],
+                             "scale_ptr": "*fp32" if host == "fp8" else PTR[dtype]})
 
 
 # --------------------------------------------------------------------------------------------- CCE

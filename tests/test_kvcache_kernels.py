@@ -1,5 +1,6 @@
-"""ShadowKV's Triton kernels against the reference (interpreter on the CPU, small odd sizes), the kernel path
-against the reference path over many decode steps, and CUDA-graph capture of a step (GPU only)."""
+"""ShadowKV's Triton kernels against the reference and float64 (interpreter on the CPU, fresh random inputs, odd
+sizes), the kernel path against the reference path over many decode steps (asserting the kernels ran), and
+CUDA-graph capture of a step (GPU only)."""
 
 import pytest
 import torch
@@ -7,10 +8,9 @@ import torch
 from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine
 from thrifty.kvcache import reference as ref
 from thrifty.kvcache.attention_kernel import decode_attention
-from thrifty.kvcache.decode import plan_reuse
-from thrifty.kvcache.rebuild_kernel import rebuild_keys
-from thrifty.kvcache.score_kernel import landmark_scores
-from thrifty.kvcache.values_kernel import gather_values
+from thrifty.kvcache.decode import fast_layer
+from thrifty.kvcache.fill_kernel import fill_slots
+from thrifty.kvcache.score_kernel import score_and_select
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,84 +36,143 @@ def make_state(lengths, H=3, D=32, cfg=None, dtype=torch.float32, seed=0):
 CFG = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=20, outlier_chunks=2, local_chunks=2, min_prompt_len=16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_landmark_scores_kernel_matches_reference(dtype):
-    st, *_ = make_state([157, 130], cfg=CFG, dtype=dtype)
-    q = torch.randn(2, 9, 1, 32, device=DEV).to(dtype) * 3
+def f64_error_ok(got, ref_out, exact, slack):
+    """The kernel's error against float64 is no worse than the fp32 reference's, plus ``slack``."""
+    err_kernel = (got.double() - exact).abs().max().item()
+    err_ref = (ref_out.double() - exact).abs().max().item()
+    assert err_kernel <= 2 * err_ref + slack, (err_kernel, err_ref)
+
+
+def select_engine(lengths, H, G, D, cfg, dtype, seed):
+    st, k, v, cos, sin = make_state(lengths, H=H, D=D, cfg=cfg, dtype=dtype, seed=seed)
+    e = ShadowKVEngine(cfg, 1, H, D, lambda n, dev: (cos[:n], sin[:n]))
+    e.prefill(0, k, v, torch.tensor(lengths, device=DEV))
+    e.backend = "triton"
+    return e, fast_layer(e, 0, G)
+
+
+def scores_f64(q, st):
+    B, Hq, _, D = q.shape
+    H = st.selectable.shape[1]
+    lg = torch.einsum("bhgd,bhcd->bhgc", q[:, :, 0].double().view(B, H, Hq // H, D), st.landmarks.double()) / D ** 0.5
+    sel = st.selectable[:, :, None]
+    p = lg.masked_fill(~sel, float("-inf")).softmax(-1)
+    return torch.where(sel, p, -1.0).amax(2)
+
+
+@pytest.mark.parametrize("dtype, G, lengths, K", [(torch.float32, 1, [157, 130], 7), (torch.float32, 3, [333], 13),
+                                                  (torch.bfloat16, 4, [211, 99], 5)])
+def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K):
+    cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * K, outlier_chunks=2, local_chunks=2,
+                         min_prompt_len=16, max_generated=8)
+    H, D = 3, 32
+    e, fl = select_engine(lengths, H, G, D, cfg, dtype, seed=G)
+    st = e.states[0]
+    g = torch.Generator().manual_seed(11 + G)
+    q = (torch.randn(len(lengths), H * G, 1, D, generator=g) * 3).to(DEV, dtype)
+    kn = torch.randn(len(lengths), H, 1, D, generator=g).to(DEV, dtype)
+    vn = torch.randn(len(lengths), H, 1, D, generator=g).to(DEV, dtype)
+    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+    got = fl.scratch.scores
     want = ref.landmark_scores(q, st)
-    got = landmark_scores(q, st.landmarks, st.selectable, 32 ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    f64_error_ok(got, want, scores_f64(q, st), 1e-6 if dtype == torch.float32 else 1e-2)
     assert (got[~st.selectable] == -1).all()
-
-
-@pytest.mark.parametrize("chunk_size", [4, 8])
-def test_rebuild_kernel_matches_reference(chunk_size):
-    cfg = ShadowKVConfig(rank=20, chunk_size=chunk_size, sparse_budget=5 * chunk_size, outlier_chunks=1,
-                         local_chunks=1, min_prompt_len=16)
-    st, _, _, cos, sin = make_state([150, 121], cfg=cfg)
-    B, H, K, c = 2, 3, 5, chunk_size
-    g = torch.Generator().manual_seed(3)
-    ids = torch.stack([torch.randperm(int(st.n_chunks.min()), generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
-    dest = torch.stack([torch.randperm(K, generator=g) for _ in range(B * H)]).view(B, H, K)
-    miss = torch.rand(B, H, K, generator=g) < 0.6
-    ids, dest, miss = ids.to(DEV), dest.to(DEV), miss.to(DEV)
-    out = torch.full((B, H, 7 + K * c + 3, 32), 9.0, device=DEV)
-    rebuild_keys(st.u, st.sv, cos, sin, ids, dest, miss, out, 7, c)
-    want = ref.rebuild_keys(st, ref.chunk_positions(ids, c), cos, sin).view(B, H, K, c, 32)
-    slots = out[:, :, 7:7 + K * c].view(B, H, K, c, 32)
-    for b in range(B):
+    # the selection is the top K of the scores; every slot is filled at the first step; slot_of inverts slot_ids
+    top = got.topk(K, dim=-1)
+    assert torch.equal(fl.slot_ids.long().sort(-1).values, top.indices.sort(-1).values)
+    picked = st.selectable.gather(-1, fl.slot_ids.long())
+    assert torch.equal(fl.work, torch.where(picked, fl.slot_ids, -1))
+    for b in range(len(lengths)):
         for h in range(H):
-            for j in range(K):
-                got = slots[b, h, dest[b, h, j]]
-                if miss[b, h, j]:
-                    torch.testing.assert_close(got, want[b, h, j], atol=1e-4, rtol=1e-4)
-                else:
-                    assert (got == 9.0).all()  # hits are not touched
-    assert (out[:, :, :7] == 9.0).all() and (out[:, :, 7 + K * c:] == 9.0).all()
+            for s, chunk in enumerate(fl.slot_ids[b, h].tolist()):
+                assert fl.slot_of[b, h, chunk] == s
+            assert (fl.slot_of[b, h] >= 0).sum() == K
+    # the new token sits in the first generated row, valid; slot rows valid where the pick is selectable
+    assert torch.equal(fl.k[:, :, fl.gen_base], kn[:, :, 0].to(fl.k.dtype))
+    assert torch.equal(fl.v[:, :, fl.gen_base], vn[:, :, 0].to(fl.v.dtype))
+    assert fl.valid[:, :, fl.gen_base].all() and not fl.valid[:, :, fl.gen_base + 1].any()
+    assert torch.equal(fl.valid[:, :, fl.sel_base:fl.gen_base], picked.repeat_interleave(4, -1))
 
 
-@pytest.mark.parametrize("host", ["native", "fp8"])
-def test_values_kernel_matches_reference(host):
-    cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=20, outlier_chunks=2, local_chunks=2,
-                         min_prompt_len=16, host_values=host)
-    st, *_ = make_state([99, 131], cfg=cfg, dtype=torch.bfloat16)
-    B, H, K, c = 2, 3, 5, 4
-    ids = torch.arange(K, device=DEV).flip(0).expand(B, H, K).contiguous() * 3
-    dest = torch.arange(K, device=DEV).expand(B, H, K).contiguous()
-    miss = torch.ones(B, H, K, dtype=torch.bool, device=DEV)
-    miss[0, 1, 2] = False
-    out = torch.zeros(B, H, K * c, 32, dtype=torch.bfloat16, device=DEV)
-    gather_values(st.values.data, st.values.scale, ids, dest, miss, out, 0, c)
-    want = st.values.gather(ref.chunk_positions(ids, c))
-    m = miss[..., None].expand(-1, -1, -1, c).flatten(2)
-    torch.testing.assert_close(out[m], want[m], atol=1e-2, rtol=1e-2)
-    assert (out[~m] == 0).all()
+def test_select_breaks_ties_and_keeps_hits_in_place():
+    cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=24, outlier_chunks=1, local_chunks=1,
+                         min_prompt_len=16, max_generated=8)
+    H, G, D, K = 2, 2, 32, 6
+    e, fl = select_engine([123], H, G, D, cfg, torch.float32, seed=5)
+    st = e.states[0]
+    st.landmarks[:, :, ::3] = st.landmarks[:, :, :1]  # a third of the chunks score exactly alike
+    q = torch.randn(1, H * G, 1, D, generator=torch.Generator().manual_seed(1)).to(DEV) * 0.1
+    kn = vn = torch.zeros(1, H, 1, D, device=DEV)
+    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+    scores = fl.scratch.scores
+    ids = fl.slot_ids.long()
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct chunks
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True)
+    assert (scores.masked_fill(~chosen, 2).amin(-1) >= scores.masked_fill(chosen, -2).amax(-1)).all()
+    before = fl.slot_ids.clone()
+    fl.n_generated += 1
+    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)  # same query: all hits
+    assert torch.equal(fl.slot_ids, before) and (fl.work == -1).all()
+    q2 = q.clone()
+    q2[:, :G] = torch.randn(1, G, 1, D, generator=torch.Generator().manual_seed(2)).to(DEV) * 4  # head 0 moves
+    fl.n_generated += 1
+    score_and_select(q2, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+    now = fl.slot_ids
+    kept = (now == before)
+    assert kept[:, 1].all() and (fl.work[:, 1] == -1).all()  # head 1: same picks, same slots, no work
+    new_set = set(now[0, 0].tolist())
+    assert all(kept[0, 0, s] for s, c in enumerate(before[0, 0].tolist()) if c in new_set)  # hits stay put
+    assert set(fl.work[0, 0][fl.work[0, 0] >= 0].tolist()) == new_set - set(before[0, 0].tolist())
 
 
-@pytest.mark.parametrize("G, N", [(1, 37), (3, 150), (4, 333)])
-def test_decode_attention_kernel_matches_reference(G, N):
-    g = torch.Generator().manual_seed(G)
+@pytest.mark.parametrize("chunk_size, host", [(4, "native"), (8, "native"), (4, "fp8")])
+def test_fill_kernel_matches_reference(chunk_size, host):
+    cfg = ShadowKVConfig(rank=20, chunk_size=chunk_size, sparse_budget=5 * chunk_size, outlier_chunks=1,
+                         local_chunks=1, min_prompt_len=16, host_values=host)
+    st, _, _, cos, sin = make_state([150, 121], cfg=cfg, seed=chunk_size)
+    B, H, K, c, D = 2, 3, 5, chunk_size, 32
+    g = torch.Generator().manual_seed(3 + chunk_size)
+    ids = torch.stack([torch.randperm(int(st.n_chunks.min()), generator=g)[:K] for _ in range(B * H)]).view(B, H, K)
+    todo = torch.rand(B, H, K, generator=g) < 0.6
+    work = torch.where(todo, ids, -1).to(DEV, torch.int32)
+    k_out = torch.full((B, H, 7 + K * c + 3, D), 9.0, device=DEV)
+    v_out = torch.full((B, H, 7 + K * c + 3, D), 9.0, device=DEV)
+    fill_slots(work, st.u, st.sv, cos, sin, st.values.data, st.values.scale, k_out, v_out, 7, c)
+    pos = ref.chunk_positions(ids.to(DEV), c)
+    want_k = ref.rebuild_keys(st, pos, cos, sin).view(B, H, K, c, D)
+    u64 = st.u.double().gather(1, pos.reshape(B, H * K * c, 1).expand(-1, -1, st.u.shape[-1])).view(B, H, K * c, -1)
+    exact_k = ref.apply_rope(u64 @ st.sv.double(), cos[pos].double(), sin[pos].double()).view(B, H, K, c, D)
+    want_v = st.values.gather(pos).view(B, H, K, c, D)
+    k_slots = k_out[:, :, 7:7 + K * c].view(B, H, K, c, D)
+    v_slots = v_out[:, :, 7:7 + K * c].view(B, H, K, c, D)
+    torch.testing.assert_close(k_slots[todo], want_k[todo], atol=1e-4, rtol=1e-4)
+    f64_error_ok(k_slots[todo], want_k[todo], exact_k[todo], 1e-5)
+    torch.testing.assert_close(v_slots[todo], want_v[todo].float(), atol=1e-6, rtol=1e-6)
+    assert (k_slots[~todo] == 9.0).all() and (v_slots[~todo] == 9.0).all()  # hits are not touched
+    for out in (k_out, v_out):
+        assert (out[:, :, :7] == 9.0).all() and (out[:, :, 7 + K * c:] == 9.0).all()
+
+
+@pytest.mark.parametrize("G, N, splits", [(1, 37, 3), (3, 150, None), (4, 333, None), (4, 333, 1)])
+def test_decode_attention_kernel_matches_reference(G, N, splits):
+    g = torch.Generator().manual_seed(G + N)
     B, H, D = 2, 3, 32
     q = torch.randn(B, H * G, 1, D, generator=g).to(DEV)
     k = torch.randn(B, H, N, D, generator=g).to(DEV) * 2
     v = torch.randn(B, H, N, D, generator=g).to(DEV)
     valid = (torch.rand(B, H, N, generator=g) < 0.7).to(DEV)
     valid[..., -1] = True
-    got = decode_attention(q, k, v, valid, 0.3, splits=3, block_n=32)
-    torch.testing.assert_close(got, ref.attend(q, k, v, valid, 0.3), atol=1e-5, rtol=1e-4)
-
-
-def test_plan_reuse_keeps_hits_in_place():
-    slot_ids = torch.tensor([[[4, 9, 2, 7]]])
-    ids = torch.tensor([[[7, 1, 4, 5]]])
-    dest, miss, new = plan_reuse(slot_ids, ids)
-    assert miss.tolist() == [[[False, True, False, True]]]
-    assert dest[0, 0, 0] == 3 and dest[0, 0, 2] == 0  # hits stay where they are
-    assert sorted(new[0, 0].tolist()) == [1, 4, 5, 7] and new[0, 0, 0] == 4 and new[0, 0, 3] == 7
-    empty = torch.full((1, 1, 4), -1)
-    dest, miss, new = plan_reuse(empty, ids)
-    assert miss.all() and sorted(dest[0, 0].tolist()) == [0, 1, 2, 3]
+    k[~valid] = float("nan")  # stale or padding rows: whatever they hold must not leak
+    v[~valid] = float("nan")
+    got = decode_attention(q, k, v, valid, 0.3, splits=splits, block_n=32)
+    want = ref.attend(q, torch.where(valid[..., None], k, 0), torch.where(valid[..., None], v, 0), valid, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    kd, vd = (torch.where(valid[..., None], x, 0).double() for x in (k, v))
+    s = torch.einsum("bhgd,bhnd->bhgn", q.double().view(B, H, G, D), kd) * 0.3
+    exact = torch.einsum("bhgn,bhnd->bhgd", s.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1), vd)
+    f64_error_ok(got, want, exact.reshape(B, H * G, 1, D), 1e-5)  # fp32 online softmax over the splits
 
 
 def _engines(cfg, lengths, H=2, G=3, D=32, seed=0):
@@ -145,7 +204,7 @@ def test_kernel_path_matches_reference_over_many_steps(host):
         got = fast_e.decode(0, q, kn, vn, 0.2)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
         misses.append(fast_e.fast[0].last_miss.float().mean().item())
-    assert fast_e.stats["kernel_steps"] == 12 and ref_e.stats["reference_steps"] == 12
+    assert fast_e.stats["kernel_steps"] == 12 and ref_e.stats["reference_steps"] == 12  # the fast path ran
     assert misses[0] == 1.0 and min(misses[1:]) < 1.0  # the reuse buffer did reuse
 
 

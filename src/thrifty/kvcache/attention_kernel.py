@@ -1,8 +1,12 @@
 """Decode attention over one static buffer per (sequence, KV head): [outliers + local | selected slots |
 generated], with a validity byte per row (padding, unused generated rows, padding picks). Split-K
 (flash-decoding): program (b*H + h, split) runs an online softmax over its share of rows for the G query heads
-of the group at once (padded to 16 rows for the tensor-core dot), writes (max, sum, partial output); a torch
-epilogue merges the splits. Every shape is static, so the step can be captured in a CUDA graph.
+of the group at once (padded to 16 rows for the tensor-core dot), writes (max, sum, partial output); a second
+kernel merges the splits and writes the output in the query's dtype. The split count puts ~4 programs on every
+SM (batch 1 at 122K: 8 heads x ~2.5K rows -> 8 x 40 splits of 64 rows), so a few thousand selected rows cost
+what dense attention over as many rows costs. Invalid rows get weight 0 and their values are zeroed before
+the product, so whatever a stale or padding slot holds (NaN included) cannot leak. Every shape is static, so
+the step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import mma
-from .score_kernel import NEG
+from .score_kernel import NEG, target_programs
 
 
 @triton.jit
@@ -35,7 +39,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_p
         inb = nn < hi
         ok = (tl.load(valid_ptr + base + nn, mask=inb, other=0) != 0) & inb
         k = tl.load(k_ptr + (base + nn)[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
-        v = tl.load(v_ptr + (base + nn)[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
+        v = tl.load(v_ptr + (base + nn)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         s = mma(q, tl.trans(k), tl.zeros((G_PAD, BLOCK_N), tl.float32)) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -50,23 +54,57 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, m_ptr, l_ptr, acc_p
     tl.store(acc_ptr + out[:, None] * D + d[None, :], acc)
 
 
+@triton.jit
+def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, G: tl.constexpr, G_PAD: tl.constexpr,
+                         D: tl.constexpr):
+    pid = tl.program_id(0)  # b * H + h
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    m = tl.full((G_PAD,), NEG, tl.float32)
+    l = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    for sp in range(0, SPLITS):
+        part = (pid * SPLITS + sp) * G_PAD + g
+        m_s = tl.load(m_ptr + part)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp(m - m_new)
+        w = tl.exp(m_s - m_new)
+        l = l * a + tl.load(l_ptr + part) * w
+        acc = acc * a[:, None] + tl.load(acc_ptr + part[:, None] * D + d[None, :]) * w[:, None]
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + (pid * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(g < G)[:, None])
+
+
+def attention_splits(rows: int, N: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(splits, rows per split): ~4 programs per SM over ``rows`` (sequence, KV head) pairs, whole blocks."""
+    blocks = triton.cdiv(N, block_n)
+    splits = max(1, min(blocks, triton.cdiv(target_programs(device), rows)))
+    split_len = triton.cdiv(blocks, splits) * block_n
+    return triton.cdiv(N, split_len), split_len
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
-                     splits: int = 8, block_n: int = 64) -> torch.Tensor:
-    """q (B, Hq, 1, D); k/v (B, H, N, D); valid (B, H, N) bool -> (B, Hq, 1, D) in q's dtype."""
+                     splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """q (B, Hq, 1, D); k/v (B, H, N, D); valid (B, H, N) bool -> (B, Hq, 1, D) in q's dtype. ``splits``:
+    splits of the row axis (default: ~4 programs per SM)."""
     B, Hq, _, D = q.shape
     H, N = k.shape[1], k.shape[2]
     G = Hq // H
     G_PAD = max(16, triton.next_power_of_2(G))
-    split_len = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
-    splits = triton.cdiv(N, split_len)
+    if splits is None:
+        splits, split_len = attention_splits(B * H, N, block_n, q.device)
+    else:
+        split_len = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
+        splits = triton.cdiv(N, split_len)
     dev = q.device
     m = torch.empty(B * H, splits, G_PAD, dtype=torch.float32, device=dev)
     l = torch.empty_like(m)
     acc = torch.empty(B * H, splits, G_PAD, D, dtype=torch.float32, device=dev)
     _decode_attention_kernel[(B * H, splits)](
-        q.reshape(B * Hq, D).to(k.dtype).contiguous(), k, v, valid.view(torch.int8), m, l, acc, N, scale, H,
+        q.reshape(B * Hq, D).to(k.dtype), k, v, valid.view(torch.int8), m, l, acc, N, scale, H,
         splits, split_len, G=G, G_PAD=G_PAD, D=D, BLOCK_N=block_n)
-    # merge the splits: weights exp(m_s - max_s m)
-    w = torch.exp(m - m.amax(1, keepdim=True))
-    out = (acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
-    return out[:, :G].reshape(B, Hq, 1, D).to(q.dtype)
+    out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=dev)
+    _merge_splits_kernel[(B * H,)](m, l, acc, out, splits, G=G, G_PAD=G_PAD, D=D)
+    return out

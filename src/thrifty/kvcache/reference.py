@@ -103,8 +103,15 @@ class HostValues:
 
 
 def _to_host(x: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    x = x.to(device).contiguous()
-    return x.pin_memory() if pin else x
+    """Pinned: an exact-size registered host tensor, checked against the safe host budget (``host.py``: the
+    caching host allocator would round it up to a power of two), filled straight from the device."""
+    if not pin:
+        return x.to(device).contiguous()
+    from .host import pinned_empty
+
+    out = pinned_empty(x.shape, x.dtype, what=f"host values {tuple(x.shape)} {x.dtype}")
+    out.copy_(x)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- prefill
