@@ -2,17 +2,20 @@
 
 (1) Training (Table 1): a Llama-shaped model of ~1.1B parameters (TinyLlama shape, SmolLM2 vocabulary), **random
     init** (honest for memory and speed, not for loss values), bf16 weights, activation checkpointing on every
-    block (as in the paper), sequence 1024. Rows: vanilla AdamW (torch fused, bf16 states as torch keeps them
-    for bf16 weights), LOMO-style AdamW (thrifty.neuzip.lomo, bf16 states), LOMO-style AdamW + NeuZip lossless,
-    the same with 8-bit block-quantized AdamW states (``state_dtype=torch.int8``), and the paper's SGD pair
-    (LOMO SGD, LOMO SGD + NeuZip). Peak memory, iterations/s, the loss of every step.
+    block (as in the paper), B 4 x T 1024. Rows: vanilla AdamW (torch fused, bf16 states as torch keeps them for
+    bf16 weights, full logits); the same with thrifty's fused linear cross-entropy (CCE: no B*T*V logits); LOMO-style
+    AdamW (thrifty.neuzip.lomo: each weight updated in its backward, no gradient kept) with bf16 or 8-bit
+    block-quantized states, each without and with NeuZip lossless; LOMO SGD + NeuZip (the paper's setting). Every
+    LOMO row uses CCE. Headline: LOMO AdamW 8-bit states + NeuZip vs vanilla AdamW (memory, speed), and its losses
+    against LOMO AdamW 8-bit states without NeuZip (identical bits: lossless). Peak memory, iterations/s, the
+    loss of every step. Memory arithmetic: NOTES.md ("In models: arithmetic for the goals").
 (2) Inference (Table 3): a model trained here (``--checkpoint`` = a ``thrifty pretrain`` folder; without one a
     30m model is pre-trained here first, ``--train-steps``), bf16. Rows: bf16, NeuZip 7 (lossless) / 3 / 1 / 0
     bits, and per-block (64 weights along the input) INT8 and INT4 round-to-nearest (absmax scale) as reference
     points (weights fake-quantized: their perplexity is real, their memory is counted, their speed is not
     measured — no integer kernel here). Weight memory, tokens/s of a forward over a batch, validation perplexity.
-(3) Per-block decode: host time of one block decode call (``block_decode_host_us``), GPU time of the one launch
-    against a copy of the same bf16 bytes.
+(3) Per-block decode of the trained model's middle block: host time of one decode call, GPU time of the one
+    launch against a copy of the same bf16 bytes (the 1B-class block: ``benchmarks/neuzip_decode.py``).
 
     python benchmarks/neuzip_models.py [--checkpoint DIR] [--skip-train | --skip-infer --suffix=-train] [--smoke]
     python benchmarks/neuzip_models.py --cpu-accuracy DIR   # CPU: perplexity + memory only (no speed)
@@ -74,12 +77,20 @@ def train_rows(args, device):
     steps, warm = (3, 1) if args.smoke else (args.train_iters, 2)
     seq, bsz = (32, 2) if args.smoke else (1024, args.train_batch)
     bf16, int8 = torch.bfloat16, torch.int8  # LOMO AdamW state dtypes (int8: block-quantized 8-bit states)
-    variants = [("vanilla AdamW", "adamw", False, False, bf16), ("LOMO AdamW", "adamw", True, False, bf16),
-                ("LOMO AdamW + NeuZip lossless", "adamw", True, True, bf16),
-                ("LOMO AdamW 8-bit states + NeuZip lossless", "adamw", True, True, int8),
-                ("LOMO SGD", "sgd", True, False, bf16), ("LOMO SGD + NeuZip lossless", "sgd", True, True, bf16)]
+    # (name, optimizer, LOMO, NeuZip, state dtype, fused linear cross-entropy). Vanilla is plain torch training
+    # (full logits); the thrifty rows use the fused loss, so "vanilla AdamW + CCE" shows its share apart.
+    variants = [("vanilla AdamW", "adamw", False, False, bf16, False),
+                ("vanilla AdamW + CCE", "adamw", False, False, bf16, True),
+                ("LOMO AdamW", "adamw", True, False, bf16, True),
+                ("LOMO AdamW + NeuZip lossless", "adamw", True, True, bf16, True),
+                ("LOMO AdamW 8-bit states", "adamw", True, False, int8, True),
+                ("LOMO AdamW 8-bit states + NeuZip lossless", "adamw", True, True, int8, True),
+                ("LOMO SGD + NeuZip lossless", "sgd", True, True, bf16, True)]
+    if args.smoke:  # the smoke test runs every code path once, not every row
+        variants = [v for v in variants if v[0] in ("vanilla AdamW", "LOMO AdamW 8-bit states",
+                                                    "LOMO AdamW 8-bit states + NeuZip lossless")]
     rows, losses = [], {}
-    for name, opt_name, use_lomo, neuzip, state_dtype in variants:
+    for name, opt_name, use_lomo, neuzip, state_dtype, cce in variants:
         row = {"part": "train", "variant": name, "params_m": None}
         model = opt = adam = step_fn = batches = None
         try:
@@ -87,6 +98,10 @@ def train_rows(args, device):
             row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
             cfg = LomoConfig(optimizer=opt_name, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0,
                              state_dtype=state_dtype)
+            if cce:
+                from thrifty.loss import linear_cross_entropy
+
+                model.set_loss(lambda h, w, y: linear_cross_entropy(h, w, y))
             if neuzip:
                 compress_model(model)
                 row["weights_ratio_vs_bf16"] = model.neuzip.memory()["ratio_vs_bf16"]
@@ -284,14 +299,6 @@ def block_decode_rows(args, device, base):
         cp = bench.time_fn(lambda: dst.copy_(src), reps=100, flush_l2=True, gpu_only=True, device=device)
         row.update(block_decode_gpu_us=dec.median_ms * 1e3, block_copy_gpu_us=cp.median_ms * 1e3,
                    block_decode_vs_copy=dec.median_ms / cp.median_ms)
-        # the next block's decode overlapping this block's compute: one forward with and without the side stream
-        from thrifty.neuzip import NeuZipConfig
-
-        x = torch.randint(0, base.config.vocab_size, (args.speed_batch, args.eval_seq), device=device)
-        serial = compress_model(copy.deepcopy(base), config=NeuZipConfig(prefetch=False))
-        with torch.no_grad():
-            for name, m in (("forward_ms_prefetch", model), ("forward_ms_no_prefetch", serial)):
-                row[name] = bench.time_fn(lambda: m(x, logits_to_keep=1), warmup=2, reps=20, device=device).median_ms
     print(row, flush=True)
     return [row]
 
@@ -304,25 +311,23 @@ def _is_number(v) -> bool:
 def _summary(train, losses, infer, block):
     s = {}
     by = {r["variant"]: r for r in train if "error" not in r}
-    van, nz = by.get("vanilla AdamW"), by.get("LOMO AdamW + NeuZip lossless")
-    if van and nz:
-        s["train_mem_ratio_vs_vanilla"] = (nz["peak_gib"] / van["peak_gib"]) if van.get("peak_gib") else None
-        s["train_speed_ratio_vs_vanilla"] = nz["it_per_s"] / van["it_per_s"]
-    if "LOMO AdamW" in losses and "LOMO AdamW + NeuZip lossless" in losses:
-        s["train_loss_identical"] = int(losses["LOMO AdamW"] == losses["LOMO AdamW + NeuZip lossless"])
-    if "LOMO SGD" in losses and "LOMO SGD + NeuZip lossless" in losses:
-        s["train_loss_identical_sgd"] = int(losses["LOMO SGD"] == losses["LOMO SGD + NeuZip lossless"])
-    q8 = by.get("LOMO AdamW 8-bit states + NeuZip lossless")
-    if van and q8:
-        s["train_mem_ratio_int8_neuzip_vs_vanilla"] = (q8["peak_gib"] / van["peak_gib"]) if van.get("peak_gib") else None
-        s["train_speed_ratio_int8_neuzip_vs_vanilla"] = q8["it_per_s"] / van["it_per_s"]
-    if "LOMO AdamW" in losses and "LOMO AdamW 8-bit states + NeuZip lossless" in losses:  # 8-bit vs bf16 states
-        s["train_loss_max_gap_int8_vs_bf16_states"] = max(
-            abs(a - b) for a, b in zip(losses["LOMO AdamW"], losses["LOMO AdamW 8-bit states + NeuZip lossless"]))
-    sgd = by.get("LOMO SGD + NeuZip lossless")
-    if van and sgd and van.get("peak_gib"):
-        s["train_mem_ratio_sgd_neuzip_vs_vanilla"] = sgd["peak_gib"] / van["peak_gib"]
-        s["train_speed_ratio_sgd_neuzip_vs_vanilla"] = sgd["it_per_s"] / van["it_per_s"]
+    van = by.get("vanilla AdamW")
+    head, head_plain = "LOMO AdamW 8-bit states + NeuZip lossless", "LOMO AdamW 8-bit states"
+    pairs = {"": (head_plain, head), "_bf16_states": ("LOMO AdamW", "LOMO AdamW + NeuZip lossless")}
+    for suffix, (plain, packed) in pairs.items():
+        if van and packed in by:
+            if van.get("peak_gib"):
+                s["train_mem_ratio_vs_vanilla" + suffix] = by[packed]["peak_gib"] / van["peak_gib"]
+            s["train_speed_ratio_vs_vanilla" + suffix] = by[packed]["it_per_s"] / van["it_per_s"]
+        if plain in losses and packed in losses:
+            s["train_loss_identical" + suffix] = int(losses[plain] == losses[packed])
+    for name, key in (("vanilla AdamW + CCE", "cce"), ("LOMO AdamW", "lomo"), (head_plain, "lomo_int8"),
+                      ("LOMO SGD + NeuZip lossless", "sgd_neuzip")):
+        if van and van.get("peak_gib") and name in by:
+            s[f"train_mem_ratio_{key}_vs_vanilla"] = by[name]["peak_gib"] / van["peak_gib"]
+    if "LOMO AdamW" in losses and head_plain in losses:  # 8-bit vs bf16 states (not identical, by design)
+        s["train_loss_max_gap_int8_vs_bf16_states"] = max(abs(a - b) for a, b in zip(losses["LOMO AdamW"],
+                                                                                     losses[head_plain]))
     ib = {r["variant"]: r for r in infer if "error" not in r}
     bf, k3 = ib.get("bf16"), ib.get("NeuZip 3-bit")
     if bf and k3:
@@ -335,9 +340,9 @@ def _summary(train, losses, infer, block):
         if "val_ppl" in r:
             s["ppl_" + r["variant"].split(" (")[0].replace(" ", "_").replace("-", "").lower()] = r["val_ppl"]
     if block and "error" not in block[0]:
-        s["block_decode_host_us"] = block[0]["block_decode_host_us"]
+        s["block_decode_host_us_trained_block"] = block[0]["block_decode_host_us"]
         if "block_decode_vs_copy" in block[0]:
-            s["block_decode_vs_copy"] = block[0]["block_decode_vs_copy"]
+            s["block_decode_vs_copy_trained_block"] = block[0]["block_decode_vs_copy"]
     return s
 
 
@@ -406,11 +411,12 @@ def main(argv=None) -> int:
         results_dir = tempfile.mkdtemp(prefix="neuzip_models_smoke_")
     tag = ("smoke" if args.smoke else bench.detect_device(device)) + args.suffix
     path = bench.write_result("neuzip_models", rows, summary, device=tag, extra=extra, results_dir=results_dir)
-    try:
-        bench.plot_rows([r for r in infer if "error" not in r], x="variant", y="val_ppl",
-                        path=path.with_suffix(".png"), title="validation perplexity by weight format")
-    except Exception as err:  # a plot failure must not lose the numbers
-        print("plot failed:", err)
+    if any(_is_number(r.get("val_ppl")) for r in infer):
+        try:
+            bench.plot_rows([r for r in infer if "error" not in r], x="variant", y="val_ppl",
+                            path=path.with_suffix(".png"), title="validation perplexity by weight format")
+        except Exception as err:  # a plot failure must not lose the numbers
+            print("plot failed:", err)
     if any(_is_number(r.get("peak_gib")) for r in train):
         try:
             bench.plot_rows([r for r in train if "error" not in r], x="variant", y="peak_gib",

@@ -50,7 +50,7 @@ COMPRESS_LOSSY_ARGS = ArgSpec(
 NEUZIP_CONFIG_ARGS = ArgSpec(
     "neuzip.NeuZipConfig", NeuZipConfig, valid=dict,
     bad={"mode": ["fast", None], "mantissa_bits": [3, NAN, 1.0, True], "steps": [0, 32, NAN, 64.0],
-         "impl": ["cuda"], "prefetch": ["yes", 1, None]})
+         "impl": ["cuda"]})
 
 LOMO_CONFIG_ARGS = ArgSpec(
     "neuzip.LomoConfig", LomoConfig, valid=dict,

@@ -23,6 +23,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import itertools
 import json
 import math
 import multiprocessing
@@ -327,14 +328,16 @@ def _neuzip():
                         {"words_ptr table_ptr": "*i32", "lane_bits_ptr": "*u8", "group_off_ptr": "*i64",
                          "raw_ptr": "*u8", "small_ptr": "*i16" if small else "*i32",
                          "out_ptr": "*i16" if bits == 16 else "*i32"}, num_warps=warps)
-    for dtype, mbits in ((bf16, None), (bf16, 3), (fp16, None), (fp32, None)):
+    block = [(bf16, None, R.STEPS), (bf16, 3, R.STEPS), (bf16, 1, R.STEPS), (bf16, 0, R.STEPS), (fp16, None, R.STEPS),
+             (fp32, None, R.STEPS), *[(bf16, None, s) for s in R.LANE_STEPS if s != R.STEPS]]
+    for (dtype, mbits, steps), (gpp, warps) in itertools.product(block, (BD.WIDE, BD.NARROW)):
         bits, fields = layout(dtype, mbits)
-        yield entry(BD._block_decode_kernel, f"{NAME[dtype]} m={mbits}",
-                    dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=BD.GROUPS_PER_PROG, **fields, ASM=True,
-                         TSIZE=bits // 8, LANE_SHIFT=R.lane_unit(R.STEPS).bit_length() - 1, META_W=BD.META),
+        yield entry(BD._block_decode_kernel, f"{NAME[dtype]} m={mbits} steps={steps} g{gpp}w{warps}",
+                    dict(STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=gpp, **fields, ASM=True,
+                         TSIZE=bits // 8, LANE_SHIFT=R.lane_unit(steps).bit_length() - 1, META_W=BD.META),
                     {"meta_ptr goff_ptr": "*i64", "words_ptr": "*i32", "lanes_ptr raw_ptr": "*u8",
                      "tables_ptr out_ptr": "*i16" if bits == 16 else "*i32"},
-                    num_warps=BD.NUM_WARPS, num_stages=3)  # literal in BlockPack.decode_into
+                    num_warps=warps, num_stages=3)  # literal in BlockPack.decode_into
     for dtype in (bf16, fp16, fp32):
         bits, shift, kept = R.DTYPES[dtype]
         common = dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=EK.GROUPS_PER_PROG, BITS=bits, SHIFT=shift)

@@ -144,8 +144,14 @@ def test_transformers_llama_generates():
     assert lossy.neuzip.memory()["compressed_bytes"] < packed.neuzip.memory()["compressed_bytes"]
 
 
-def test_block_kernel_interpreter_matches_reference():
-    """The one-launch multi-tensor kernel (Triton interpreter) vs the reference, odd sizes, lossless and lossy."""
+@pytest.mark.parametrize("shape", ["wide", "narrow"])
+def test_block_kernel_interpreter_matches_reference(shape, monkeypatch):
+    """The one-launch multi-tensor kernel (Triton interpreter) vs the reference, odd sizes, lossless and lossy,
+    in both launch shapes (a small block launches NARROW; MIN_PROGRAMS_PER_SM = 0 forces WIDE)."""
+    from thrifty.neuzip import block_decode as BD
+
+    if shape == "wide":
+        monkeypatch.setattr(BD, "MIN_PROGRAMS_PER_SM", 0)
     g = torch.Generator().manual_seed(3)
     big = (R.GROUP * R.STEPS * 4 + 5,)  # one unmasked program (4 groups) and a masked one
     for dtype, k, shapes in ((torch.bfloat16, None, [(33, 17), big, (5, 3)]), (torch.bfloat16, 3, [(7, 9), (130,)]),
@@ -158,6 +164,7 @@ def test_block_kernel_interpreter_matches_reference():
         out = torch.full((pack.total_numel,), float("nan"), dtype=dtype)
         pack.decode_into(out, "triton")
         assert pack.launches == 1
+        assert pack.launch_table("cpu")[2:] == (BD.WIDE if shape == "wide" else BD.NARROW)
         assert torch.equal(int_bits(out), int_bits(ref))
         if k == 3:  # a second decode into the same buffer takes the cached launch arguments
             out.fill_(float("nan"))
@@ -166,6 +173,36 @@ def test_block_kernel_interpreter_matches_reference():
             assert torch.equal(int_bits(out), int_bits(ref))
         want = torch.cat([(R.round_mantissa(t, k) if k is not None else t).reshape(-1) for t in ts])
         assert torch.equal(int_bits(ref), int_bits(want))
+
+
+def test_block_kernel_real_weights_matches_reference():
+    """The block kernel (interpreter, both launch shapes) on real weights: the 7 matrices of a SmolLM2-135M block
+    (odd row counts, so every tensor ends in a masked program), bf16 and fp32."""
+    from safetensors import safe_open
+
+    from thrifty.neuzip import block_decode as BD
+    from thrifty.paths import data_dir
+
+    path = data_dir() / "smollm2-135m" / "model.safetensors"
+    if not path.is_file():
+        pytest.skip("SmolLM2 not converted (thrifty setup)")
+    with safe_open(str(path), "pt") as f:
+        names = sorted(n for n in f.keys() if "layers.7." in n and n.endswith("proj.weight"))
+        ws = [f.get_tensor(n)[: 11 + 2 * i] for i, n in enumerate(names)]
+    assert len(ws) == 7
+    for dtype, min_programs in ((torch.bfloat16, 0), (torch.bfloat16, BD.MIN_PROGRAMS_PER_SM), (torch.float32, 0)):
+        pack = pack_tensors([w.to(dtype) for w in ws])
+        pack._meta.clear()
+        old = BD.MIN_PROGRAMS_PER_SM
+        BD.MIN_PROGRAMS_PER_SM = min_programs
+        try:
+            out = torch.full((pack.total_numel,), float("nan"), dtype=dtype)
+            pack.decode_into(out, "triton")
+        finally:
+            BD.MIN_PROGRAMS_PER_SM = old
+        assert pack.launches == 1 and pack.launch_table("cpu")[2:] == (BD.WIDE if min_programs == 0 else BD.NARROW)
+        want = torch.cat([w.to(dtype).reshape(-1) for w in ws])
+        assert torch.equal(int_bits(out), int_bits(want))
 
 
 def test_model_runs_block_kernel_once_per_block():

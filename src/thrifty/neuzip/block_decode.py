@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,9 +28,13 @@ from .decode_kernel import _lanes_v3, kernel_table
 from .tensor import CompressedTensor
 from ..triton_utils import FastLauncher
 
-META = 12  # int64 fields per program row (11 used, padded)
-GROUPS_PER_PROG = 4  # v3's default launch (H100 sweep, NOTES.md)
-NUM_WARPS = 4
+META = 12  # int64 fields per program row
+# Launch shapes, (groups of 64 lanes per program, warps). WIDE: 2 lanes per thread, 40 registers (12 programs,
+# 3072 lanes in flight per SM on sm_90); v3's best launch on large tensors (H100 sweep, NOTES.md). NARROW: 1 lane
+# per thread, 32 registers, 4x the programs, for blocks whose WIDE grid would leave SMs idle or one program per SM.
+WIDE = (4, 4)
+NARROW = (1, 2)
+MIN_PROGRAMS_PER_SM = 2  # below this many WIDE programs per SM a block launches NARROW
 PACK_STREAMS = ("words", "lane_units", "group_offsets", "raw", "lengths")
 
 
@@ -54,15 +58,31 @@ def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tabl
     n_lanes = tl.load(row + 8)
     n_words = tl.load(row + 9)
     full = tl.load(row + 10)
-    lane = local.to(tl.int32) * LANES + tl.arange(0, LANES)
+    raw_bytes = tl.load(row + 11)
+    idx = tl.arange(0, LANES)
+    lane = local.to(tl.int32) * LANES + idx
     lane_ok = lane < n_lanes
+    # Warm-up loads, issued before the lane lengths arrive and waited on once with the first words (`junk` is
+    # 0, the compiler cannot know): every 32-byte sector of this program's raw fields into L2 (the loop reads
+    # them .cg one iteration ahead; from DRAM that was one round trip per 4 symbols) and of its code table
+    # into L1 (a warp's lookups touch most of its lines).
+    junk = tl.zeros([LANES], dtype=tl.int32)
+    RAW_SECTORS: tl.constexpr = GROUPS_PER_PROG * GROUP * STEPS * FIELD_BITS // 256
+    raw_start = local * (RAW_SECTORS * 32)
+    for k in tl.static_range((RAW_SECTORS + LANES - 1) // LANES):
+        rs = raw_start + (k * LANES + idx) * 32
+        ok = (k * LANES + idx < RAW_SECTORS) & (rs < raw_bytes)
+        junk |= tl.load(raw + rs, mask=ok, other=0, cache_modifier=".cg").to(tl.int32) & (lane < 0)
+    TABLE_SECTORS: tl.constexpr = 4096 * TSIZE // 32
+    for k in tl.static_range((TABLE_SECTORS + LANES - 1) // LANES):
+        ts = (k * LANES + idx) * (32 // TSIZE)
+        junk |= tl.load(table + ts, mask=ts < 4096, other=0).to(tl.int32) & (lane < 0)
     bits = (tl.load(lanes_ptr + lanes_base + lane, mask=lane_ok, other=0).to(tl.int32) & 0xFF) << LANE_SHIFT
     start = tl.load(goff + local * GROUPS_PER_PROG) + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
     word = (start >> 5).to(tl.int32)
     off = (start & 31).to(tl.int32)
     last_word = word + ((off + bits) >> 5) + 2
-    # touch every 32-byte sector of each lane's stream now (one wait); `junk` is 0, the compiler cannot know
-    junk = tl.zeros([LANES], dtype=tl.int32)
+    # touch every 32-byte sector of each lane's stream now (one wait)
     for k in tl.static_range(1, (STEPS * 12 + 255) // 256 + 1):
         pw = word + 8 * k
         junk |= tl.load(words + pw, mask=lane_ok & (pw <= last_word) & (pw < n_words), other=0) & (lane < 0)
@@ -178,16 +198,16 @@ class BlockPack:
             raise ValueError(f"impl: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {out.device}")
         if self.device != out.device:
             raise ValueError(f"out: expected a buffer on the pack's device {self.device}, got {out.device}")
-        meta, grid = self.launch_table(out.device)
+        meta, grid, groups_per_prog, num_warps = self.launch_table(out.device)
         bits, shift, _ = R.DTYPES[self.dtype]
         kept = R.field_layout(self.dtype, self.mantissa_bits)[0]
         tables = self.kernel_tables(out.device)
         asm = out.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
         args = ((grid,), meta, self.streams["words"], self.streams["lane_units"], self.streams["group_offsets"],
                 self.streams["raw"], tables, out.view(torch.int16 if bits == 16 else torch.int32))
-        kwargs = dict(STEPS=self.steps, GROUP=R.GROUP, GROUPS_PER_PROG=GROUPS_PER_PROG, FIELD_BITS=kept + 1,
+        kwargs = dict(STEPS=self.steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog, FIELD_BITS=kept + 1,
                       KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm, TSIZE=tables.element_size(),
-                      LANE_SHIFT=R.lane_unit(self.steps).bit_length() - 1, META_W=META, num_warps=NUM_WARPS,
+                      LANE_SHIFT=R.lane_unit(self.steps).bit_length() - 1, META_W=META, num_warps=num_warps,
                       num_stages=3)
         self._launches[(out.data_ptr(), out.numel(), out.dtype)] = (args, kwargs)  # holds `out`: no address reuse
         _LAUNCH(*args, **kwargs)
@@ -204,23 +224,35 @@ class BlockPack:
             self._tables[key] = torch.cat(parts).to(device)
         return self._tables[key]
 
-    def launch_table(self, device) -> tuple[torch.Tensor, int]:
-        """(meta int64[programs, META], programs): one row per program of every tensor (module docstring)."""
+    def launch_table(self, device) -> "Launch":
+        """The launch: one meta row (int64[META]) per program of every tensor (module docstring), and its shape."""
         key = str(device)
         if key not in self._meta:
+            device = torch.device(device)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+            groups = [R.n_groups(n, self.steps) for n in self.numels]
+            wide = sum(math.ceil(g / WIDE[0]) for g in groups)
+            gpp, warps = WIDE if wide >= MIN_PROGRAMS_PER_SM * sms else NARROW
             rows = []
-            per_prog = GROUPS_PER_PROG * R.GROUP * self.steps
-            for i, n in enumerate(self.numels):
-                groups = R.n_groups(n, self.steps)
-                progs = math.ceil(groups / GROUPS_PER_PROG)
+            per_prog = gpp * R.GROUP * self.steps
+            for i, (n, g) in enumerate(zip(self.numels, groups)):
+                progs = math.ceil(g / gpp)
                 n_full = min(n // per_prog, progs - 1)
                 for p in range(progs):
                     rows.append([p, self.bases["words"][i], self.bases["lane_units"][i],
                                  self.bases["group_offsets"][i], self.bases["raw"][i], i * (1 << R.MAX_CODE_BITS),
-                                 self.offsets[i], n, groups * R.GROUP, self.sizes["words"][i], int(p < n_full), 0])
+                                 self.offsets[i], n, g * R.GROUP, self.sizes["words"][i], int(p < n_full),
+                                 self.sizes["raw"][i]])
             meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META)
-            self._meta[key] = (meta.to(device), meta.shape[0])
+            self._meta[key] = Launch(meta.to(device), meta.shape[0], gpp, warps)
         return self._meta[key]
+
+
+class Launch(NamedTuple):
+    meta: torch.Tensor  # int64[programs, META]
+    programs: int
+    groups_per_prog: int
+    num_warps: int
 
 
 def pack_tensors(tensors: Sequence[torch.Tensor], mantissa_bits: Optional[int] = None,

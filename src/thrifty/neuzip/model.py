@@ -8,9 +8,8 @@ How it runs (NOTES.md has the arithmetic):
   :class:`CompressedLinear` that holds no weight, only (block, slot). Linears outside the blocks (``lm_head``)
   and the embedding stay as they are: see ``NOTES.md`` ("embedding and lm_head") for why.
 * A forward pre-hook on each block decodes the whole block in one launch into one of two reused flat buffers
-  (``buffers``); on CUDA the next block (forward) or the previous one (backward, checkpoint recompute) is
-  decoded ahead on a side stream, so its decode overlaps the current block's compute. On CPU the reference
-  decoder runs, synchronously.
+  (``buffers``), on the current stream (no decode ahead on a side stream: NOTES.md says why). On CPU the
+  reference decoder runs.
 * :class:`_CompressedLinearFn` keeps the input, not the weight: backward decodes the block again. It computes
   the input gradient and the weight gradient with the same matrix products as autograd's ``F.linear`` (so a
   plain model and a lossless compressed one give the same bits) and hands the weight gradient to the fused
@@ -39,7 +38,7 @@ from .tensor import CompressedTensor
 
 MODES = ("lossless", "lossy")
 IMPLS = ("auto", "triton", "reference")
-N_BUFFERS = 2  # the current block and the one decoded ahead
+N_BUFFERS = 2  # the block running now and the one before it (resident again in backward without recompute)
 
 
 @dataclass
@@ -48,14 +47,12 @@ class NeuZipConfig:
 
     mode: "lossless" (bit-exact, trainable) or "lossy" (bf16 weights rounded to ``mantissa_bits`` = 0, 1, 3;
     7 keeps every bf16 bit, the paper's "7-bit (lossless)"). steps: symbols per lane of the codec (64, 128,
-    256). impl: decoder ("auto": the block kernel on CUDA, the NumPy reference on CPU). prefetch: decode the
-    next block on a side stream (CUDA only)."""
+    256). impl: decoder ("auto": the block kernel on CUDA, the NumPy reference on CPU)."""
 
     mode: str = "lossless"
     mantissa_bits: Optional[int] = None
     steps: int = R.STEPS
     impl: str = "auto"
-    prefetch: bool = True
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -68,8 +65,6 @@ class NeuZipConfig:
             raise ValueError(f"mantissa_bits: lossy mode needs one of {list(R.LOSSY_MANTISSA_BITS)}, got {k!r}")
         R.check_steps(self.steps)
         check_choice("impl", self.impl, IMPLS)
-        if not isinstance(self.prefetch, bool):
-            raise TypeError(f"prefetch: expected a bool, got {type(self.prefetch).__name__}")
 
     @property
     def kept_bits(self) -> Optional[int]:
@@ -95,7 +90,7 @@ class _CompressedLinearFn(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         m = ctx.module
         state = m.state
-        w = state.weight(m.block, m.slot, backward=True)
+        w = state.weight(m.block, m.slot)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_b = None
         if ctx.needs_input_grad[0]:
@@ -146,7 +141,7 @@ class CompressedWeights:
         self.packs: list[BlockPack] = packs
         self.names: list[list[str]] = names  # parameter name of each slot, per block
         self.optimizer = None
-        self.stats = {"block_runs": 0, "decodes": 0, "prefetches": 0, "reencodes": 0}
+        self.stats = {"block_runs": 0, "decodes": 0, "reencodes": 0}
         self._model = weakref.ref(model)
         self.device = packs[0].device
         self.dtype = packs[0].dtype
@@ -154,13 +149,10 @@ class CompressedWeights:
         self.buffers = [torch.empty(size, dtype=self.dtype, device=self.device) for _ in range(N_BUFFERS)]
         self.owner = [-1] * N_BUFFERS  # block decoded in each buffer
         self.dirty = [False] * N_BUFFERS  # holds updates not re-encoded yet
-        self.current = 0  # buffer of the block running now (never taken by a prefetch)
-        self.ready: list = [None] * N_BUFFERS  # CUDA event: the side-stream decode into the buffer finished
+        self.current = 0  # buffer of the block running now
         self.updated: dict[int, set] = {}  # block -> slots updated in this backward
         self._view_cache: dict = {}  # (buffer, block) -> the block's weight views into that buffer
         self.cuda = self.device.type == "cuda"
-        self.side_stream = torch.cuda.Stream(self.device) if self.cuda and config.prefetch else None
-        self._events = [torch.cuda.Event() for _ in range(N_BUFFERS)] if self.side_stream is not None else []
 
     # ---------------------------------------------------------------------------------------- decoding
     def _impl(self) -> str:
@@ -176,11 +168,9 @@ class CompressedWeights:
         """A buffer to decode into: one not in use (the current block's is kept); re-encodes its updates first."""
         choices = [b for b in range(N_BUFFERS) if b != exclude]
         b = next((c for c in choices if self.owner[c] == -1), choices[0])
-        if self.ready[b] is not None:  # a decode ahead into it may still run on the side stream
-            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
         if self.dirty[b]:
             self._reencode(self.owner[b], b)
-        self.owner[b], self.ready[b] = -1, None
+        self.owner[b] = -1
         return b
 
     def _decode(self, block: int, b: int) -> None:
@@ -194,39 +184,17 @@ class CompressedWeights:
         if b is None:
             b = self._take(exclude=self.current if self.owner[self.current] != -1 else None)
             self._decode(block, b)
-        elif self.ready[b] is not None:  # decoded ahead on the side stream: wait for it on this stream
-            torch.cuda.current_stream(self.device).wait_event(self.ready[b])
-            self.ready[b] = None
         self.current = b
         return self.buffers[b]
 
-    def prefetch(self, block: int) -> None:
-        """Decodes ``block`` on the side stream into the buffer not in use (CUDA with prefetch on only)."""
-        if self.side_stream is None or not 0 <= block < len(self.packs) or self._find(block) is not None:
-            return
-        b = self._take(exclude=self.current)
-        main = torch.cuda.current_stream(self.device)
-        self.side_stream.wait_stream(main)  # the buffer's last readers (enqueued on main) finish first
-        with torch.cuda.stream(self.side_stream):
-            self._decode(block, b)
-        event = self._events[b]  # reused: a wait enqueued earlier keeps the record it saw
-        event.record(self.side_stream)
-        self.ready[b] = event
-        self.stats["prefetches"] += 1
-
     def before_block(self, block: int) -> None:
-        """Forward pre-hook: the block decoded now, its neighbour ahead (the previous one when called from
-        backward, i.e. an activation-checkpoint recompute)."""
+        """Forward pre-hook: the block decoded now (also in an activation-checkpoint recompute)."""
         self.stats["block_runs"] += 1
         self.acquire(block)
-        backward = torch._C._current_graph_task_id() != -1
-        self.prefetch(block - 1 if backward else block + 1)
 
-    def weight(self, block: int, slot: int, backward: bool = False) -> torch.Tensor:
+    def weight(self, block: int, slot: int) -> torch.Tensor:
         """Weight ``slot`` of ``block``: a view into the buffer holding the block (views cached per buffer)."""
         self.acquire(block)
-        if backward:
-            self.prefetch(block - 1)
         return self._views(self.current, block)[slot]
 
     def _views(self, b: int, block: int) -> list:
@@ -458,7 +426,9 @@ def load_compressed(path, device="cpu") -> nn.Module:
         config = json.loads(cfg_path.read_text())
         if not isinstance(config, dict):
             raise TypeError(f"expected a JSON object, got {type(config).__name__}")
-        nz = NeuZipConfig(**config.pop("thrifty_neuzip"))
+        nz = config.pop("thrifty_neuzip")
+        nz.pop("prefetch", None)  # an option of earlier checkpoints (the side-stream decode, removed)
+        nz = NeuZipConfig(**nz)
         kind = config.pop("thrifty_model")
         if kind not in ("reference", "transformers"):
             raise ValueError(f"thrifty_model: expected 'reference' or 'transformers', got {kind!r}")
