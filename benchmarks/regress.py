@@ -650,7 +650,10 @@ def sec_e2e(ctx: Ctx):
     # greedy decode after a prompt, stock DynamicCache (thrifty routes 1-16-row queries to SDPA)
     prompt = torch.randint(0, V, (1, S_prompt), generator=g, device=ctx.dev)
     n_warm, n_steps = (1, 1) if ctx.smoke else (3, 8)
-    for which in ("sdpa", "thrifty"):
+    # Two rounds, only the second recorded: in one round the first method measured paid for the process's first
+    # decode (SDPA at 77-92 ms/token beside thrifty's 17 ms, both on the same SDPA route, run of 2026-11-24).
+    rounds = [("sdpa", False), ("thrifty", False)] * (0 if ctx.smoke else 1) + [("sdpa", True), ("thrifty", True)]
+    for which, record in rounds:
         fig = "e2e_decode_4k_ms_per_token" if which == "thrifty" else "e2e_decode_4k_sdpa_ms_per_token"
         try:
             ctx.guard(fig, 5)
@@ -667,11 +670,12 @@ def sec_e2e(ctx: Ctx):
                     tok = model(tok, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
                     ctx.sync()
                     times.append((time.perf_counter() - t0) * 1e3)
-            ctx.add(fig, "ms", statistics.median(times), higher_is_better=False,
-                    kind="anchor" if which == "sdpa" else "thrifty",
-                    anchor="e2e_decode_4k_sdpa_ms_per_token" if which == "thrifty" else None, prompt=S_prompt,
-                    label=f"greedy decode after {S_prompt} tokens, {which} attention, DynamicCache",
-                    **_stats(times))
+            if record:
+                ctx.add(fig, "ms", statistics.median(times), higher_is_better=False,
+                        kind="anchor" if which == "sdpa" else "thrifty",
+                        anchor="e2e_decode_4k_sdpa_ms_per_token" if which == "thrifty" else None, prompt=S_prompt,
+                        label=f"greedy decode after {S_prompt} tokens, {which} attention, DynamicCache",
+                        **_stats(times))
             del cache
         except Exception as e:  # noqa: BLE001
             ctx.error(fig, e)
