@@ -153,3 +153,25 @@ def test_loss_seam_sees_autocast_dtype():
     assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)
     model(ids, labels=ids)
     assert seen["dtypes"] == (torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("name, expected", [
+    # SmolLM2-135M's published count
+    ("135m", 134_515_008),
+    # Llama-3.2-1B's shape, vocabulary 49152 tied: embedding 49152*2048, per block q/o 2048^2, k/v 512*2048,
+    # gate/up/down 2048*8192, two norms; 16 blocks; the final norm
+    ("1b", 49152 * 2048 + 16 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 8192 + 2 * 2048) + 2048),
+])
+def test_presets_build_on_meta_with_expected_parameter_count(name, expected):
+    from thrifty.models import preset
+
+    cfg = preset(name)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated: the 1b preset costs no memory here
+    assert sum(p.numel() for p in model.parameters()) == expected
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    if name == "1b":
+        assert 1.07e9 < expected < 1.08e9
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 64)
+        assert cfg.max_position_embeddings == 8192 and cfg.intermediate_size == 8192

@@ -15,6 +15,10 @@ PRESETS = {
     # the SmolLM2-135M shape
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, max_position_embeddings=8192),
+    # the Llama-3.2-1B shape (its 128k vocabulary replaced by 49152, tied): ~1.07B parameters, 100.7M of them
+    # the embedding; the multi-GPU benchmark's size where FSDP2 sharding lowers the peak memory per GPU
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, max_position_embeddings=8192),
 }
 
 
