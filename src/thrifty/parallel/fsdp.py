@@ -67,26 +67,40 @@ def _blocks(model: torch.nn.Module):
 
 
 def shard_model(model: torch.nn.Module, mesh: Optional[DeviceMesh] = None, *,
-                mixed_precision_enabled: Optional[bool] = None) -> torch.nn.Module:
+                mixed_precision_enabled: Optional[bool] = None, prefetch: int = 1) -> torch.nn.Module:
     """Applies FSDP2 in place and returns the model: one unit per decoder block (resharded after forward),
     the tail ``[final norm, lm_head]`` as one unit kept unsharded from forward to its backward (the loss reads
     ``lm_head.weight`` right after the norm ran, so it sees the all-gathered weight: no extra gather), and the
     root (embeddings; with tied embeddings the head too, since one parameter cannot live in two units).
 
+    ``prefetch``: in forward, each unit (the root, then every block) issues the all-gathers of the next
+    ``prefetch`` units in its pre-forward hook, before its own compute is queued (FSDP2's explicit forward
+    prefetch, as torchtitan sets it). 0 leaves FSDP2's implicit order: the next unit's all-gather is issued
+    only when the host reaches that unit, so it overlaps compute only while the host runs ahead of the GPU
+    (a host-heavy layer such as BitLinear's quantizers narrows that window). Backward keeps FSDP2's own
+    one-unit prefetch.
+
     Works for :class:`thrifty.models.LlamaForCausalLM` and transformers Llama-family ``*ForCausalLM``. The
     model must already be on this rank's device; ``mesh`` defaults to all ranks.
     """
+    check_positive_int("prefetch", prefetch, allow_zero=True)
     inner, layers = _blocks(model)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("model: already sharded with fully_shard")
     device = next(model.parameters()).device
     mesh = mesh if mesh is not None else data_parallel_mesh(device)
     mp = mixed_precision(device, mixed_precision_enabled)
+    units = []
     for block in layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
+        units.append(block)
     if model.lm_head.weight is not inner.embed_tokens.weight:
         fully_shard([inner.norm, model.lm_head], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        units.append(inner.norm)  # the tail's forward starts at the norm
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if prefetch:
+        for i, unit in enumerate([model] + units[:-1]):
+            unit.set_modules_to_forward_prefetch(units[i:i + prefetch])
     model.thrifty_mesh = mesh  # read by the Trainer (rank data, means, sharded checkpoints)
     return model
 
