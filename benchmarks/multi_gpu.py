@@ -75,6 +75,10 @@ LOSS_TOL = 0.02  # nats: bf16 all-reduce/reduce-scatter order noise over a short
 
 # ------------------------------------------------------------------------------------------------ the worker
 
+# per-preset defaults: per-GPU batch and sequence (--batch-size/--seq-len > 0 override them for every preset)
+PRESET_DEFAULTS = {"tiny": (2, 32), "30m": (8, 1024), "60m": (8, 1024), "135m": (8, 1024), "1b": (4, 1024)}
+
+
 class RandomTokens:
     """Synthetic token stream (smoke runs, or a box without the corpus): same duck type as TokenDataset."""
 
@@ -99,27 +103,54 @@ def _data(args, vocab):
     return RandomTokens(vocab), "random"
 
 
-def worker(args) -> None:
+def _init(args):
+    """Joins the group with a short timeout (a rank that fails must not hang its peer for NCCL's 10 minutes)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from thrifty import parallel
-    from thrifty.models import LlamaForCausalLM, preset
+
+    if not args.smoke and torch.cuda.is_available() and not dist.is_initialized():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", timeout=timedelta(seconds=args.nccl_timeout))
+    return parallel.init_distributed("gloo" if args.smoke else None)
+
+
+def _profile_step(trainer, device, path):
+    """One training step under torch.profiler; the kernel-overlap summary of its trace (thrifty.parallel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from thrifty.parallel.profiling import trace_summary
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        trainer.train_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    prof.export_chrome_trace(str(path))
+    out = trace_summary(path)
+    out["step_wall_ms_profiled"] = 1e3 * wall
+    return out
+
+
+def _one_recipe(args, recipe, base, device, rank, world, data, source):
+    import copy
+
+    from thrifty import parallel
     from thrifty.train import Trainer, TrainConfig
 
-    device = parallel.init_distributed("gloo" if args.smoke else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    loss_impl, convert = RECIPES[args.recipe]
-    cfg_model = preset(args.preset)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg_model).init_weights(seed=0)
+    loss_impl, convert = RECIPES[recipe]
+    model = copy.deepcopy(base).to(device)
     if loss_impl != "torch":
         from thrifty.loss import lm_loss
 
         model.set_loss(functools.partial(lm_loss, impl=loss_impl))
     if convert is not None:
         model = convert(model) or model
-    parallel.shard_model(model)
-    data, source = _data(args, cfg_model.vocab_size)
+    parallel.shard_model(model, prefetch=args.prefetch)
     cfg = TrainConfig(steps=args.warmup + args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=max(1, (args.warmup + args.steps) // 10), seed=0)
     trainer = Trainer(model, data, None, cfg)
@@ -136,77 +167,306 @@ def worker(args) -> None:
     peaks = torch.empty(world, device=device)
     torch.distributed.all_gather_into_tensor(peaks, peak)
     steady = step_s[args.warmup:]
+    part = {"recipe": recipe, "preset": args.preset, "gpus": world, "batch_per_gpu": args.batch_size,
+            "seq_len": args.seq_len, "tokens_per_s": world * args.batch_size * args.seq_len / statistics.median(steady),
+            "step_ms_median": 1e3 * statistics.median(steady), "peak_gib_per_gpu": [float(p) for p in peaks.cpu()],
+            "losses": losses, "data": source, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+            "timed_steps": len(steady), "prefetch": args.prefetch}
+    # untimed extra steps (after the curve): what one step communicates, then one profiled step
+    if world > 1:
+        from thrifty.parallel.profiling import CollectiveCounter
+
+        try:
+            with CollectiveCounter() as counter:
+                trainer.train_step()
+            part["comm_per_step"] = counter.summary()
+        except Exception as err:  # a measurement, never the run's failure
+            part["comm_per_step"] = {"error": f"{type(err).__name__}: {err}"}
+    if args.profile:
+        trace = Path(args.part).with_name(f"trace_{Path(args.part).stem}_{recipe}_rank{rank}.json")
+        try:
+            mine = _profile_step(trainer, device, trace)
+        except Exception as err:
+            mine = {"error": f"{type(err).__name__}: {err}"}
+        Path(str(trace) + ".summary").write_text(json.dumps(mine))
+        torch.distributed.barrier()
+        if rank == 0:
+            part["profile"] = [json.loads(Path(str(trace).replace("rank0", f"rank{r}") + ".summary").read_text())
+                               for r in range(world)]
+    return part
+
+
+def worker(args) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from thrifty.models import LlamaForCausalLM, preset
+
+    device = _init(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.ckpt:
+        return checkpoint_worker(args, device, rank, world)
+    cfg_model = preset(args.preset)
+    base = LlamaForCausalLM(cfg_model).init_weights(seed=0)  # once per launch, on the CPU; copied per recipe
+    data, source = _data(args, cfg_model.vocab_size)
+    parts = {}
+    for recipe in args.recipes.split(","):
+        try:
+            parts[recipe] = _one_recipe(args, recipe, base, device, rank, world, data, source)
+        except Exception as err:  # an OOM, a recipe whose API is missing ...: the next recipe still runs
+            parts[recipe] = {"recipe": recipe, "error": f"{type(err).__name__}: {err}"}
+            print(f"[rank {rank}] {recipe}: {parts[recipe]['error']}", flush=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if rank == 0:
-        tokens = world * args.batch_size * args.seq_len
-        part = {"recipe": args.recipe, "gpus": world, "batch_per_gpu": args.batch_size, "seq_len": args.seq_len,
-                "tokens_per_s": tokens / statistics.median(steady), "step_ms_median": 1e3 * statistics.median(steady),
-                "peak_gib_per_gpu": [float(p) for p in peaks.cpu()], "losses": losses, "data": source,
-                "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-        Path(args.part).write_text(json.dumps(part))
+        Path(args.part).write_text(json.dumps(parts))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def checkpoint_worker(args, device, rank, world) -> None:
+    """--ckpt save (N ranks): 3 steps, a sharded checkpoint, the full weights it holds and the next 2 losses.
+    --ckpt load (1 process, no sharding): loads it, compares every weight bit for bit and the next 2 losses."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from thrifty import parallel
+    from thrifty.models import LlamaForCausalLM, preset
+    from thrifty.train import Trainer, TrainConfig
+
+    folder = Path(args.ckpt_dir)
+    cfg_model = preset(args.preset)
+    model = LlamaForCausalLM(cfg_model).init_weights(seed=0).to(device)
+    data, _ = _data(args, cfg_model.vocab_size)
+    if args.ckpt == "save":
+        parallel.shard_model(model)
+        batch = args.batch_size
+    else:
+        batch = args.batch_size * args.ckpt_world  # one process reads the windows of all the saving ranks
+    trainer = Trainer(model, data, None, TrainConfig(steps=5, batch_size=batch, seq_len=args.seq_len, lr=args.lr,
+                                                     warmup_steps=1, seed=0))
+    if args.ckpt == "save":
+        for _ in range(3):
+            trainer.train_step()
+        trainer.save_checkpoint(folder / "ck")
+        full = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+        after = [trainer.train_step()["loss"] for _ in range(2)]
+        if rank == 0:
+            save_file(full, str(folder / "full_weights.safetensors"))
+            (folder / "save.json").write_text(json.dumps({"after": after, "world": world}))
+    else:
+        trainer.load_checkpoint(folder / "ck")
+        full = load_file(str(folder / "full_weights.safetensors"))
+        saved = json.loads((folder / "save.json").read_text())
+        mismatch = [n for n, p in model.named_parameters() if not torch.equal(p.detach().cpu(), full[n])]
+        after = [trainer.train_step()["loss"] for _ in range(2)]
+        diff = max(abs(a - b) for a, b in zip(after, saved["after"]))
+        ok = not mismatch and trainer.step == 5 and diff <= LOSS_TOL and saved["world"] == args.ckpt_world
+        (folder / "load.json").write_text(json.dumps({
+            "checkpoint_2to1_ok": ok, "weights_bit_equal": not mismatch, "mismatched": mismatch[:5],
+            "loss_after_saved_world": saved["after"], "loss_after_one_process": after, "loss_max_abs_diff": diff,
+            "saved_on_ranks": saved["world"], "device": str(device)}))
     dist.barrier()
     dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------ the driver
 
-def _launch(args, recipe, gpus, batch, part) -> dict:
+def _cmd(args, gpus, batch, part, recipes, extra=()):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           str(Path(__file__).resolve()), "--worker", "--recipe", recipe, "--preset", args.preset,
+           str(Path(__file__).resolve()), "--worker", "--recipes", recipes, "--preset", args.preset,
            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--lr", str(args.lr), "--part", str(part)] + (["--smoke"] if args.smoke else [])
+           "--warmup", str(args.warmup), "--lr", str(args.lr), "--part", str(part), "--prefetch", str(args.prefetch),
+           "--nccl-timeout", str(args.nccl_timeout)] + (["--smoke"] if args.smoke else []) + \
+        (["--profile"] if args.profile else []) + list(extra)
+    return cmd
+
+
+def _env(visible=None):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    print("NCCL_NVLS_ENABLE=0 " + " ".join(cmd[2:]).replace("torch.distributed.run", "torchrun", 1), flush=True)
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited with {proc.returncode}")
-    return json.loads(Path(part).read_text())
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return env
+
+
+def _show(cmd, visible=None):
+    pre = f"CUDA_VISIBLE_DEVICES={visible} " if visible is not None else ""
+    print(pre + "NCCL_NVLS_ENABLE=0 " + " ".join(cmd[2:]).replace("torch.distributed.run", "torchrun", 1), flush=True)
+
+
+def _launch_all(args, jobs):
+    """Runs [(cmd, visible devices)] at once; raises when one fails."""
+    procs = []
+    for cmd, visible in jobs:
+        _show(cmd, visible)
+        procs.append(subprocess.Popen(cmd, env=_env(visible)))
+    codes = [p.wait(timeout=args.launch_timeout) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"torchrun exited with {codes}")
+
+
+def _run_preset(args, gpus, tmp):
+    """The three launches of one preset -> {recipe: {"one": part, "many": part, "ref": part}} or error strings."""
+    b = args.batch_size
+    runnable = [r for r in args.recipes.split(",") if not _recipe_missing(r)]
+    out = {r: {"error": _recipe_missing(r)} for r in args.recipes.split(",") if _recipe_missing(r)}
+    if not runnable:
+        return out, False
+    rec = ",".join(runnable)
+    files = {k: tmp / f"{args.preset}_{k}.json" for k in ("many", "one", "ref")}
+    concurrent = torch.cuda.is_available() and gpus >= 2 and not args.sequential and not args.smoke
+    try:
+        _launch_all(args, [(_cmd(args, gpus, b, files["many"], rec), None)])
+        one = (_cmd(args, 1, b, files["one"], rec), "0" if concurrent else None)
+        ref_args = argparse.Namespace(**{**vars(args), "profile": False})
+        ref = (_cmd(ref_args, 1, gpus * b, files["ref"], rec), "1" if concurrent else None)
+        if concurrent:  # the 1-GPU baseline on GPU 0 beside the loss reference on GPU 1 (two processes, as on N)
+            _launch_all(args, [one, ref])
+        else:
+            _launch_all(args, [one])
+            _launch_all(args, [ref])
+    except Exception as err:  # keep whatever parts were written
+        print(f"{args.preset}: {type(err).__name__}: {err}", flush=True)
+    got = {k: json.loads(f.read_text()) if f.is_file() else {} for k, f in files.items()}
+    for r in runnable:
+        runs = {k: got[k].get(r, {"error": "no result (launch failed or timed out)"}) for k in files}
+        bad = [f"{k}: {v['error']}" for k, v in runs.items() if "error" in v]
+        out[r] = {"error": "; ".join(bad)} if bad else runs
+    return out, concurrent
+
+
+def _fold(preset, results, gpus, rows, summary, curves, extra):
+    for recipe, res in results.items():
+        if "error" in res:
+            rows.append({"preset": preset, "recipe": recipe, "error": res["error"]})
+            continue
+        one, many, ref = res["one"], res["many"], res["ref"]
+        key = f"{preset}_{recipe}"
+        for run, label in ((one, "1 GPU"), (many, f"{gpus} GPUs"), (ref, f"1 GPU, {gpus}x batch")):
+            rows.append({"preset": preset, "recipe": recipe, "run": label, "gpus": run["gpus"],
+                         "batch_per_gpu": run["batch_per_gpu"], "tokens_per_s": run["tokens_per_s"],
+                         "step_ms": run["step_ms_median"], "peak_gib_per_gpu": max(run["peak_gib_per_gpu"]),
+                         "final_loss": run["losses"][-1], "timed_steps": run["timed_steps"], "data": run["data"],
+                         "params_m": run["params_m"]})
+        summary[f"{key}_scaling_efficiency_{gpus}gpu"] = many["tokens_per_s"] / (gpus * one["tokens_per_s"])
+        summary[f"{key}_tokens_per_s_1gpu"] = one["tokens_per_s"]
+        summary[f"{key}_tokens_per_s_{gpus}gpu"] = many["tokens_per_s"]
+        p1, pn = max(one["peak_gib_per_gpu"]), max(many["peak_gib_per_gpu"])
+        summary[f"{key}_peak_gib_per_gpu_1gpu"] = p1
+        summary[f"{key}_peak_gib_per_gpu_{gpus}gpu"] = pn
+        summary[f"{key}_peak_reduction_gib"] = p1 - pn
+        summary[f"{key}_loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(many["losses"], ref["losses"]))
+        curves[key] = (many["losses"], ref["losses"])
+        extra.setdefault("comm_per_step", {})[key] = many.get("comm_per_step")
+        if "profile" in many:
+            extra.setdefault("profile", {})[key] = {"1gpu": one.get("profile"), f"{gpus}gpu": many["profile"]}
+            ranks = [p for p in many["profile"] if "error" not in p]
+            if ranks:
+                summary[f"{key}_nccl_exposed_ms_{gpus}gpu"] = max(p["nccl_exposed_ms"] for p in ranks)
+                summary[f"{key}_gpu_idle_ms_{gpus}gpu"] = max(p["gpu_idle_ms"] for p in ranks)
+
+
+def _finalize(summary, gpus):
+    """The headline keys from the per-(preset, recipe) ones."""
+    tail = f"_scaling_efficiency_{gpus}gpu"
+    effs = {k[:-len(tail)]: v for k, v in summary.items() if k.endswith(tail) and k != tail[1:]}
+    if effs:
+        summary[f"scaling_efficiency_{gpus}gpu"] = min(effs.values())
+        summary["scaling_efficiency_worst"] = min(effs, key=effs.get)
+        summary["loss_match"] = all(summary[f"{k}_loss_max_abs_diff"] <= LOSS_TOL for k in effs)
+        summary["runs"] = ",".join(sorted(effs))
+        for preset in {k.split("_")[0] for k in effs}:
+            red = {k: summary[f"{k}_peak_reduction_gib"] for k in effs if k.split("_")[0] == preset}
+            summary[f"{preset}_peak_reduction_gib_min"] = min(red.values())
+
+
+def _checkpoint_check(args, gpus, tmp):
+    folder = tmp / "ckpt"
+    folder.mkdir()
+    a = argparse.Namespace(**{**vars(args), "profile": False})
+    common = ["--ckpt-dir", str(folder), "--ckpt-world", str(gpus)]
+    try:
+        _launch_all(args, [(_cmd(a, gpus, a.batch_size, folder / "unused.json", "plain", ["--ckpt", "save"] + common),
+                            None)])
+        _launch_all(args, [(_cmd(a, 1, a.batch_size, folder / "unused.json", "plain", ["--ckpt", "load"] + common),
+                            None)])
+        return json.loads((folder / "load.json").read_text())
+    except Exception as err:
+        return {"checkpoint_2to1_ok": False, "error": f"{type(err).__name__}: {err}"}
+
+
+def _write(args, gpus, rows, summary, curves, extra, name):
+    from thrifty.bench import write_result
+
+    out_dir = Path(tempfile.mkdtemp(prefix="multi_gpu_smoke_")) if args.smoke else None
+    path = write_result(name, rows, summary, results_dir=out_dir, device=extra.get("device"),
+                        extra={**extra, "gpus": gpus, "loss_tol_nats": LOSS_TOL, "nccl_nvls_enable": 0,
+                               "curves": {k: {"n_gpu": a, "one_gpu_same_batches": b} for k, (a, b) in curves.items()}})
+    _plot(rows, curves, gpus, path.with_suffix(".png"))
+    return path
 
 
 def driver(args) -> None:
-    from thrifty.bench import print_table, write_result
+    from thrifty.bench import print_table
 
     gpus = args.gpus or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     if not args.smoke and gpus < 2:
         raise SystemExit(f"--gpus: need at least 2 GPUs for a scaling figure, have {gpus}")
     rows, summary, curves = [], {}, {}
+    extra = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "recipe", "part")},
+             "presets": {}}
     tmp = Path(tempfile.mkdtemp(prefix="multi_gpu_"))
-    for recipe in args.recipes.split(","):
-        missing = _recipe_missing(recipe)
-        if missing:
-            rows.append({"recipe": recipe, "error": missing})
-            continue
-        try:
-            one = _launch(args, recipe, 1, args.batch_size, tmp / f"{recipe}_1.json")
-            many = _launch(args, recipe, gpus, args.batch_size, tmp / f"{recipe}_{gpus}.json")
-            ref = _launch(args, recipe, 1, gpus * args.batch_size, tmp / f"{recipe}_1x{gpus}.json")
-        except Exception as err:  # a recipe whose API is not on this checkout, an OOM, ...
-            rows.append({"recipe": recipe, "error": f"{type(err).__name__}: {err}"})
-            continue
-        eff = many["tokens_per_s"] / (gpus * one["tokens_per_s"])
-        diff = [abs(a - b) for a, b in zip(many["losses"], ref["losses"])]
-        for run, label in ((one, "1 GPU"), (many, f"{gpus} GPUs"), (ref, f"1 GPU, {gpus}x batch")):
-            rows.append({"recipe": recipe, "run": label, "gpus": run["gpus"], "batch_per_gpu": run["batch_per_gpu"],
-                         "tokens_per_s": run["tokens_per_s"], "step_ms": run["step_ms_median"],
-                         "peak_gib_per_gpu": max(run["peak_gib_per_gpu"]), "final_loss": run["losses"][-1],
-                         "data": run["data"]})
-        summary[f"{recipe}_scaling_efficiency_{gpus}gpu"] = eff
-        summary[f"{recipe}_tokens_per_s_1gpu"] = one["tokens_per_s"]
-        summary[f"{recipe}_tokens_per_s_{gpus}gpu"] = many["tokens_per_s"]
-        summary[f"{recipe}_peak_gib_per_gpu_1gpu"] = max(one["peak_gib_per_gpu"])
-        summary[f"{recipe}_peak_gib_per_gpu_{gpus}gpu"] = max(many["peak_gib_per_gpu"])
-        summary[f"{recipe}_loss_max_abs_diff"] = max(diff)
-        curves[recipe] = (many["losses"], ref["losses"])
-    done = [r for r in args.recipes.split(",") if r in curves]
-    if done:
-        summary[f"scaling_efficiency_{gpus}gpu"] = min(summary[f"{r}_scaling_efficiency_{gpus}gpu"] for r in done)
-        summary["loss_match"] = all(summary[f"{r}_loss_max_abs_diff"] <= LOSS_TOL for r in done)
-        summary["recipes_run"] = ",".join(done)
-    out_dir = Path(tempfile.mkdtemp(prefix="multi_gpu_smoke_")) if args.smoke else None
-    path = write_result("multi_gpu", rows, summary, results_dir=out_dir,
-                        extra={**vars(args), "gpus": gpus, "loss_tol_nats": LOSS_TOL, "nccl_nvls_enable": 0,
-                               "curves": {k: {"n_gpu": a, "one_gpu_same_batches": b} for k, (a, b) in curves.items()}})
-    _plot(rows, curves, gpus, path.with_suffix(".png"))
+    name = f"multi_gpu_part_{args.part_name}" if args.part_name else "multi_gpu"
+    path = None
+    for preset in args.presets.split(","):
+        b, t = PRESET_DEFAULTS.get(preset, (8, 1024))
+        pa = argparse.Namespace(**{**vars(args), "preset": preset, "batch_size": args.batch_size or b,
+                                   "seq_len": args.seq_len or t})
+        t0 = time.perf_counter()
+        results, concurrent = _run_preset(pa, gpus, tmp)
+        extra["presets"][preset] = {"batch_per_gpu": pa.batch_size, "seq_len": pa.seq_len, "wall_s": time.perf_counter() - t0,
+                                    "baseline_concurrent_with_reference": concurrent}
+        _fold(preset, results, gpus, rows, summary, curves, extra)
+        _finalize(summary, gpus)
+        path = _write(args, gpus, rows, summary, curves, extra, name)  # after every preset: a timeout keeps these
+    if args.checkpoint_check:
+        pa = argparse.Namespace(**{**vars(args), "preset": args.presets.split(",")[0] if args.smoke else "135m",
+                                   "batch_size": 2, "seq_len": args.seq_len or (32 if args.smoke else 512)})
+        extra["checkpoint_check"] = _checkpoint_check(pa, gpus, tmp)
+        summary["checkpoint_2to1_ok"] = bool(extra["checkpoint_check"].get("checkpoint_2to1_ok"))
+        path = _write(args, gpus, rows, summary, curves, extra, name)
+    print_table(rows)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
+
+
+def merge(args) -> None:
+    """Folds part files (--part-name runs, e.g. one per call) into benchmarks/results/multi_gpu_<device>.json."""
+    from thrifty.bench import print_table, read_result
+
+    docs = [read_result(p) for p in args.merge]
+    devices = {d["device"] for d in docs}
+    gpus = {d["extra"]["gpus"] for d in docs}
+    if len(devices) != 1 or len(gpus) != 1:
+        raise SystemExit(f"--merge: parts from different devices/GPU counts {sorted(devices)} {sorted(gpus)}")
+    rows, summary, curves = [], {}, {}
+    extra = {"merged_from": [str(p) for p in args.merge], "device": devices.pop(), "presets": {}}
+    for d in docs:
+        rows += d["rows"]
+        summary.update({k: v for k, v in d["summary"].items()})
+        curves.update({k: (v["n_gpu"], v["one_gpu_same_batches"]) for k, v in d["extra"].get("curves", {}).items()})
+        for key in ("presets", "comm_per_step", "profile"):
+            extra.setdefault(key, {}).update(d["extra"].get(key) or {})
+        if "checkpoint_check" in d["extra"]:
+            extra["checkpoint_check"] = d["extra"]["checkpoint_check"]
+        extra.setdefault("parts_meta", []).append(d.get("meta"))
+    gpus = gpus.pop()
+    _finalize(summary, gpus)
+    args.smoke = False
+    path = _write(args, gpus, rows, summary, curves, extra, "multi_gpu")
     print_table(rows)
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
@@ -218,25 +478,32 @@ def _plot(rows, curves, gpus, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ok = [r for r in rows if "tokens_per_s" in r and r["batch_per_gpu"] == rows[0].get("batch_per_gpu")]
-    recipes = list(dict.fromkeys(r["recipe"] for r in ok))
-    for i, n in enumerate(sorted({r["gpus"] for r in ok})):
-        vals = [next((r["tokens_per_s"] for r in ok if r["recipe"] == rc and r["gpus"] == n), 0) for rc in recipes]
-        ax1.bar([j + 0.4 * i for j in range(len(recipes))], vals, width=0.4, label=f"{n} GPU(s)")
-    ax1.set_xticks([j + 0.2 for j in range(len(recipes))], recipes)
-    ax1.set_ylabel("tokens/s (all GPUs)")
-    ax1.set_title("throughput, same batch per GPU")
-    ax1.legend()
-    for recipe, (many, ref) in curves.items():
-        line = ax2.plot(many, label=f"{recipe}: {gpus} GPUs")[0]
-        ax2.plot(ref, "--", color=line.get_color(), label=f"{recipe}: 1 GPU, same batches")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("train loss (nats/token)")
-    ax2.set_title("loss curves")
-    ax2.legend(fontsize=8)
+    ok = [r for r in rows if "tokens_per_s" in r and "x batch" not in r["run"]]
+    presets = list(dict.fromkeys(r["preset"] for r in ok)) or ["-"]
+    fig, axes = plt.subplots(len(presets), 2, figsize=(12, 4 * len(presets)), squeeze=False)
+    for (ax1, ax2), preset in zip(axes, presets):
+        mine = [r for r in ok if r["preset"] == preset]
+        recipes = list(dict.fromkeys(r["recipe"] for r in mine))
+        for i, n in enumerate(sorted({r["gpus"] for r in mine})):
+            sel = [next((r for r in mine if r["recipe"] == rc and r["gpus"] == n), None) for rc in recipes]
+            bars = ax1.bar([j + 0.4 * i for j in range(len(recipes))], [r["tokens_per_s"] if r else 0 for r in sel],
+                           width=0.4, label=f"{n} GPU(s)")
+            ax1.bar_label(bars, labels=[f"{r['peak_gib_per_gpu']:.1f} GiB" if r else "" for r in sel], fontsize=7)
+        ax1.set_xticks([j + 0.2 for j in range(len(recipes))], recipes)
+        ax1.set_ylabel("tokens/s (all GPUs)")
+        ax1.set_title(f"{preset}: throughput, same batch per GPU (labels: peak GiB per GPU)")
+        ax1.legend()
+        for key, (many, ref) in curves.items():
+            if not key.startswith(preset + "_"):
+                continue
+            line = ax2.plot(many, label=f"{key[len(preset) + 1:]}: {gpus} GPUs")[0]
+            ax2.plot(ref, "--", color=line.get_color(), label="1 GPU, same batches")
+        ax2.set_xlabel("step")
+        ax2.set_ylabel("train loss (nats/token)")
+        ax2.set_title(f"{preset}: loss curves")
+        ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -244,21 +511,37 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=0, help="N (default: every visible GPU; 2 for --smoke)")
     ap.add_argument("--recipes", default="plain,cce,bitnet,neuzip")
-    ap.add_argument("--preset", default="135m")
-    ap.add_argument("--batch-size", type=int, default=8, help="per GPU")
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=30, help="timed steps (after --warmup)")
+    ap.add_argument("--presets", default="135m,1b", help="model presets, run one after the other")
+    ap.add_argument("--batch-size", type=int, default=0, help="per GPU (0: the preset's, PRESET_DEFAULTS)")
+    ap.add_argument("--seq-len", type=int, default=0, help="0: the preset's")
+    ap.add_argument("--steps", type=int, default=55, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--prefetch", type=int, default=1, help="shard_model(prefetch=): 0 = FSDP2's implicit order")
+    ap.add_argument("--profile", action="store_true",
+                    help="one extra step per recipe under torch.profiler: NCCL vs compute, exposed NCCL, idle GPU")
+    ap.add_argument("--checkpoint-check", action="store_true",
+                    help="save a sharded checkpoint on N ranks, load it in 1 process: checkpoint_2to1_ok")
+    ap.add_argument("--part-name", default="", help="write multi_gpu_part_<name>_<device>.json (fold with --merge)")
+    ap.add_argument("--merge", nargs="+", default=None, help="part files to fold into multi_gpu_<device>.json")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the 1-GPU baseline and the 1-GPU loss reference one after the other")
+    ap.add_argument("--launch-timeout", type=float, default=540, help="seconds per torchrun launch")
+    ap.add_argument("--nccl-timeout", type=float, default=180, help="seconds before a stuck collective fails")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, tiny sizes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--recipe", default="plain", help=argparse.SUPPRESS)
+    ap.add_argument("--preset", default="135m", help=argparse.SUPPRESS)
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", choices=("save", "load"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt-world", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.smoke and not args.worker:
-        args.preset, args.batch_size, args.seq_len, args.steps, args.warmup = "tiny", 2, 32, 4, 1
+        args.presets, args.steps, args.warmup = "tiny", 4, 1
         args.gpus = args.gpus or 2
-    if args.worker:
+    if args.merge:
+        merge(args)
+    elif args.worker:
         worker(args)
     else:
         driver(args)
