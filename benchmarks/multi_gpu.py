@@ -3,22 +3,31 @@ GPUs, per recipe. Reports tokens/s and peak memory per GPU, scaling efficiency (
 tokens/s on 1 GPU, same per-GPU batch) and whether the N-GPU loss curve equals the 1-GPU curve on the same
 global batches (1 GPU with N x the per-GPU batch reads exactly the windows the N ranks read together).
 
-Run on the GPU box (NVLink multicast off: NCCL_NVLS_ENABLE=0, set by this driver for its torchrun children):
+Run on the GPU box (NVLink multicast off: NCCL_NVLS_ENABLE=0, set by this driver for its torchrun children).
+Per preset, three torchrun launches, each running every recipe in turn (one start-up, one model init per
+launch): N GPUs x b (throughput, loss curve, bytes per step, --profile), then at once 1 GPU x b on GPU 0 (the
+throughput baseline) beside 1 GPU x N.b on GPU 1 (the loss reference; --sequential runs them one by one).
+Defaults: 55 timed steps after 5 warm-up, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
 
-    THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --gpus 2
+Budget (10-minute calls; step times from the 2xH200 run of issue 33, 1b estimated at ~40% bf16 MFU): 135m,
+60 steps x (sum over recipes of the 2-GPU step, ~1.1 s) ~ 70 s, then the 1 x 2b reference (~2.1 s per
+4-recipe step, the longer of the concurrent pair) ~ 125 s, + ~3 x 30 s start-up/JIT: ~4.5 min; 1b
+(2-GPU ~0.16 s, 1 x 2b ~0.3 s per recipe step): ~4 min. Both presets in one call would leave no margin, so
+run them as two calls and fold them:
 
-The driver starts, per recipe, three torchrun jobs (each printed before it runs), e.g.
+    bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 135m --part-name 135m --profile --checkpoint-check
+    bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 1b --part-name 1b --profile
+    python benchmarks/multi_gpu.py --merge benchmarks/results/multi_gpu_part_135m_<dev>.json \
+        benchmarks/results/multi_gpu_part_1b_<dev>.json     # -> multi_gpu_<dev>.json + PNG, anywhere
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/multi_gpu.py --worker --recipe cce --batch-size 8 ...
+Summary: scaling_efficiency_2gpu (the worst preset x recipe), loss_match, per preset x recipe the scaling,
+tokens/s, peak GiB per GPU on 1 and N GPUs and its reduction, the loss difference, with --profile the exposed
+NCCL and idle GPU time; checkpoint_2to1_ok with --checkpoint-check. The result is written after every preset,
+so a launch that times out (--launch-timeout) keeps what finished. ``--smoke``: 2 CPU processes on gloo, tiny
+model, synthetic tokens, results into a temporary folder -- proves the script runs, measures nothing.
 
-(1 GPU x b: throughput baseline; N GPUs x b: throughput + loss curve; 1 GPU x N.b: the loss reference), then
-writes benchmarks/results/multi_gpu_<device>.json (summary: scaling_efficiency_2gpu = the worst recipe's,
-loss_match, per-recipe figures) and a PNG. ``--smoke``: 2 CPU processes on gloo, tiny model, synthetic tokens,
-results into a temporary folder -- proves the script runs, measures nothing.
-
-Recipes: plain (logits + torch CE), cce (thrifty cut cross-entropy). Hooks for bitnet (thrifty.bitnet.convert(
-model, "a4.8")) and neuzip (thrifty.neuzip.compress_model(model)) are in RECIPES: they run when those APIs
-exist on the checkout (other branches today) and give an error row otherwise.
+Recipes: plain (logits + torch CE), cce (thrifty cut cross-entropy), bitnet (thrifty.bitnet.convert(model,
+"a4.8")), neuzip (thrifty.neuzip.compress_model(model)); a recipe whose API is missing gives an error row.
 """
 
 from __future__ import annotations
@@ -379,8 +388,9 @@ def _finalize(summary, gpus):
         summary["loss_match"] = all(summary[f"{k}_loss_max_abs_diff"] <= LOSS_TOL for k in effs)
         summary["runs"] = ",".join(sorted(effs))
         for preset in {k.split("_")[0] for k in effs}:
-            red = {k: summary[f"{k}_peak_reduction_gib"] for k in effs if k.split("_")[0] == preset}
-            summary[f"{preset}_peak_reduction_gib_min"] = min(red.values())
+            red = [summary.get(f"{k}_peak_reduction_gib") for k in effs if k.split("_")[0] == preset]
+            red = [v for v in red if isinstance(v, (int, float)) and v == v]  # no NaN/None (CPU runs)
+            summary[f"{preset}_peak_reduction_gib_min"] = min(red) if red else None
 
 
 def _checkpoint_check(args, gpus, tmp):
@@ -488,7 +498,8 @@ def _plot(rows, curves, gpus, path):
             sel = [next((r for r in mine if r["recipe"] == rc and r["gpus"] == n), None) for rc in recipes]
             bars = ax1.bar([j + 0.4 * i for j in range(len(recipes))], [r["tokens_per_s"] if r else 0 for r in sel],
                            width=0.4, label=f"{n} GPU(s)")
-            ax1.bar_label(bars, labels=[f"{r['peak_gib_per_gpu']:.1f} GiB" if r else "" for r in sel], fontsize=7)
+            ax1.bar_label(bars, labels=[f"{r['peak_gib_per_gpu']:.1f} GiB" if r and r.get("peak_gib_per_gpu") is not None
+                                         else "" for r in sel], fontsize=7)
         ax1.set_xticks([j + 0.2 for j in range(len(recipes))], recipes)
         ax1.set_ylabel("tokens/s (all GPUs)")
         ax1.set_title(f"{preset}: throughput, same batch per GPU (labels: peak GiB per GPU)")
