@@ -23,6 +23,8 @@ from . import reference as ref
 
 ATTN_NAME = "thrifty_shadowkv"
 _PENDING = "_thrifty_shadowkv_pending"
+# set True on a model whose attention implementation routes ShadowKV's marked calls itself (see _setup_model)
+ROUTES_SHADOWKV_ATTR = "_thrifty_routes_shadowkv"
 BACKENDS = ("auto", "reference", "triton")
 
 
@@ -293,7 +295,10 @@ class ShadowKVCache(_cache_base()):
 
     def _setup_model(self, model) -> None:
         register_attention()
-        model.set_attn_implementation(ATTN_NAME)
+        # A model whose attention function already hands marked calls to shadowkv_attention (thrifty.optimize's
+        # dispatcher, which also runs quantized attention) keeps it: switching would drop that attention.
+        if not getattr(model, ROUTES_SHADOWKV_ATTR, False):
+            model.set_attn_implementation(ATTN_NAME)
         self._modules = {}
         for m in model.modules():
             if hasattr(m, "layer_idx") and hasattr(m, "o_proj"):
