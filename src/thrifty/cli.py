@@ -8,8 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-DEMO_PROMPT = "The Linux kernel manages memory by"
-
 
 def _device(name: str):
     import torch
@@ -47,48 +45,15 @@ def cmd_setup(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The reference model end to end on the corpus: perplexity, a few training steps, perplexity, generation."""
-    import torch
-
-    from . import pretrained
-    from .data import TokenDataset
-    from .models import LlamaForCausalLM, generate
-    from .train import Trainer, TrainConfig
+    """The five techniques on the real SmolLM2 and corpus against the plain model (see thrifty.demo)."""
+    from .demo import SIZES, format_table, run_demo
 
     device = _device(args.device)
-    on_gpu = device.type == "cuda"
-    steps = args.steps if args.steps is not None else (50 if on_gpu else 4)
-    seq_len = args.seq_len or (512 if on_gpu else 256)
-    batch = args.batch_size or (16 if on_gpu else 4)
-    t0 = time.perf_counter()
-    model_dir = pretrained.ensure_converted()
-    tokenizer = pretrained.load_tokenizer()
-    corpus = _corpus(args.corpus, reuse=True)
-    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "validation")
-    model = LlamaForCausalLM.from_pretrained(model_dir, device=device)
-    cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq_len, lr=2e-5, warmup_steps=min(5, steps),
-                      min_lr_ratio=1.0, weight_decay=0.0, eval_batches=args.eval_batches)
-    trainer = Trainer(model, train, val, cfg)
-
-    before = trainer.evaluate()
-    history = trainer.fit(progress=True)
-    after = history[-1]  # fit() evaluates after its last step: no second pass over the validation batches
-    prompt = torch.tensor([tokenizer.encode(args.prompt).ids], device=device)
-    out = generate(model, prompt, args.new_tokens)
-    continuation = tokenizer.decode(out[0, prompt.shape[1]:].tolist())
-    report = {
-        "device": str(device), "model": "SmolLM2-135M-Instruct (Q4_1 dequantized)",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "corpus": str(corpus), "train_tokens": train.num_tokens, "val_tokens": val.num_tokens,
-        "val_ppl_before": before["val_ppl"], "val_ppl_after": after["val_ppl"],
-        "eval_tokens": before["val_batches"] * batch * seq_len,
-        "train_steps": steps, "train_loss_first": history[0]["loss"], "train_loss_last": history[-1]["loss"],
-        "tokens_per_s": history[-1]["tokens_per_s"], "prompt": args.prompt, "continuation": continuation,
-        "seconds": time.perf_counter() - t0,
-    }
-    _print_report(report)
-    if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=1))
+    size = SIZES["quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu")]
+    report = run_demo(device, size, Path(args.out))
+    print(format_table(report))
+    print(f"report, loss curves and memory bars: {Path(args.out).resolve()}/"
+          "{demo.json, loss_curves.png, memory.png}")
     return 0
 
 
@@ -165,39 +130,17 @@ def _plot_history(history, path, title):
     plt.close(fig)
 
 
-def _print_report(r: dict) -> None:
-    line = "-" * 72
-    print(line)
-    print(f"thrifty demo  ·  {r['model']}  ·  {r['parameters'] / 1e6:.1f}M params  ·  {r['device']}")
-    print(line)
-    print(f"corpus          {r['corpus']}")
-    print(f"                train {r['train_tokens']:,} tokens · validation {r['val_tokens']:,} tokens")
-    print(f"perplexity      {r['val_ppl_before']:.2f} before  ->  {r['val_ppl_after']:.2f} after "
-          f"{r['train_steps']} steps   (on {r['eval_tokens']:,} validation tokens)")
-    print(f"train loss      {r['train_loss_first']:.3f} -> {r['train_loss_last']:.3f}   "
-          f"({r['tokens_per_s']:,.0f} tokens/s)")
-    print(f"generation      {r['prompt']!r} ->")
-    print(f"                {r['continuation']!r}")
-    print(f"time            {r['seconds']:.0f} s")
-    print(line)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="thrifty", description="thrifty: cheaper LLM training and serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("setup", help="fetch and prepare the real model and the corpus (idempotent)")
     s.add_argument("--corpus", default=None, help="a folder of text files to use instead of the Debian docs")
     s.add_argument("--max-mb", type=float, default=None, help="cap the cleaned corpus (MB)")
-    d = sub.add_parser("demo", help="run the reference pipeline end to end (CPU by default, GPU when present)")
-    d.add_argument("--corpus", default=None, help="a folder of text files to use instead of the Debian docs")
-    d.add_argument("--device", default="auto")
-    d.add_argument("--steps", type=int, default=None, help="training steps (default 4 on CPU, 50 on GPU)")
-    d.add_argument("--eval-batches", type=int, default=4)
-    d.add_argument("--seq-len", type=int, default=None, help="default 256 on CPU, 512 on GPU")
-    d.add_argument("--batch-size", type=int, default=None, help="default 4 on CPU, 16 on GPU")
-    d.add_argument("--prompt", default=DEMO_PROMPT)
-    d.add_argument("--new-tokens", type=int, default=30)
-    d.add_argument("--report", default=None, help="also write the report as JSON here")
+    d = sub.add_parser("demo", help="the five techniques on the real SmolLM2 against the plain model, one table "
+                                     "(CPU by default, the whole model on a GPU when present)")
+    d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    d.add_argument("--quick", action="store_true", help="the smallest sizes (seconds; for tests)")
+    d.add_argument("--out", default="runs/demo", help="folder for demo.json, loss_curves.png, memory.png")
     t = sub.add_parser("pretrain", help="pre-train a preset-sized model from scratch on the corpus")
     t.add_argument("--preset", default="30m")
     t.add_argument("--corpus", default=None)
