@@ -12,14 +12,30 @@ needs_corpus = pytest.mark.skipif(not (data_dir() / "corpus" / "manifest.json").
 
 
 @needs_corpus
-def test_demo_runs_end_to_end(tmp_path, capsys):
-    report = tmp_path / "demo.json"
-    assert main(["demo", "--steps", "1", "--eval-batches", "1", "--seq-len", "64", "--batch-size", "2",
-                 "--new-tokens", "5", "--device", "cpu", "--report", str(report)]) == 0
-    r = json.loads(report.read_text())
-    assert r["val_ppl_before"] < 100 and r["val_ppl_after"] < 100  # a real model on real text
-    assert r["train_tokens"] > 10_000_000 and len(r["continuation"]) > 0
-    assert "perplexity" in capsys.readouterr().out
+def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
+    assert main(["demo", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "demo.json").read_text())
+    rows = {row["technique"]: row["figures"] for row in r["rows"]}
+    assert set(rows) == {"bitnet", "cce", "neuzip", "attention", "shadowkv"}
+    assert abs(rows["cce"]["loss"] - rows["cce"]["loss_plain"]) < 1e-3 * rows["cce"]["loss_plain"]
+    assert rows["neuzip"]["val_loss"] == rows["neuzip"]["val_loss_plain"]  # lossless
+    assert rows["neuzip"]["compressed_bytes"] < rows["neuzip"]["original_bytes"]
+    assert rows["attention"]["quantized_calls"] > 0 and rows["attention"]["val_loss"] != rows["attention"]["val_loss_plain"]
+    assert rows["shadowkv"]["host_bytes"] > 0
+    assert len(r["loss_curves"]["plain"]) == r["size"]["train_steps"]
+    assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and (tmp_path / "memory.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert all(t in out for t in rows) and "vs" in out
+
+
+def test_python_m_thrifty_help():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "thrifty", "--help"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and "demo" in done.stdout and "pretrain" in done.stdout
 
 
 @needs_corpus

@@ -50,7 +50,7 @@ def cmd_demo(args) -> int:
 
     device = _device(args.device)
     size = SIZES["quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu")]
-    report = run_demo(device, size, Path(args.out))
+    report = run_demo(device, size, Path(args.out), corpus_dir=args.corpus)
     print(format_table(report))
     print(f"report, loss curves and memory bars: {Path(args.out).resolve()}/"
           "{demo.json, loss_curves.png, memory.png}")
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     s.add_argument("--max-mb", type=float, default=None, help="cap the cleaned corpus (MB)")
     d = sub.add_parser("demo", help="the five techniques on the real SmolLM2 against the plain model, one table "
                                      "(CPU by default, the whole model on a GPU when present)")
+    d.add_argument("--corpus", default=None, help="a folder of text files to use instead of the Debian docs")
     d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     d.add_argument("--quick", action="store_true", help="the smallest sizes (seconds; for tests)")
     d.add_argument("--out", default="runs/demo", help="folder for demo.json, loss_curves.png, memory.png")

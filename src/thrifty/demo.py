@@ -7,7 +7,7 @@ The stages:
    ``"train-bitnet"`` preset (BitNet a4.8 + cut cross-entropy). A pretrained model cannot be converted to BitNet
    without retraining (thrifty.bitnet.convert says why), so the BitNet model learns here from scratch.
 2. **cce**: one training step of SmolLM2 with and without cut cross-entropy (same loss; no logits).
-3. **neuzip**: the plain model trained in stage 1, lossless-compressed (same outputs, fewer weight bytes). The
+3. **neuzip**: the plain model trained in stage 1, in bf16, lossless-compressed (same outputs, fewer weight bytes). The
    BitNet model is not compressed: thrifty.optimize refuses BitNet with NeuZip and says why.
 4. **attention**: SmolLM2's validation loss with quantized attention against exact attention.
 5. **serve**: SmolLM2 generating from a long prompt with quantized attention + ShadowKV (``"serve-long-context"``)
@@ -222,14 +222,15 @@ def stage_neuzip(run: DemoRun) -> list:
     import thrifty
 
     val, size, device = run.val, run.size, run.device
-    plain = run.results["trained_plain"]
+    # in bf16, the dtype NeuZip is built for: its exponents are what entropy coding saves (fp32 mantissas are noise)
+    plain = copy.deepcopy(run.results["trained_plain"]).to(torch.bfloat16)
     model = copy.deepcopy(plain)
     base_loss, base_seconds, _ = measure(lambda: validation_loss(plain, val, size, device), device)
     thrifty.optimize(model, thrifty.OptimizeConfig(neuzip="lossless"))
     loss, seconds, _ = measure(lambda: validation_loss(model, val, size, device), device)
     mem = model.neuzip.memory()
     require(model.neuzip.stats["block_runs"] > 0 and loss == base_loss, "lossless NeuZip did not run or changed the loss")
-    return [row("neuzip", "lossless, the model trained above (block weights)",
+    return [row("neuzip", "lossless, the model trained above in bf16 (block weights)",
                 f"{_mb(mem['original_bytes'])} -> {_mb(mem['compressed_bytes'])} (x{mem['ratio_vs_original']:.3f})",
                 f"eval {seconds:.2f} s vs {base_seconds:.2f} s", f"val loss {loss:.4f} vs {base_loss:.4f} (exact)",
                 compressed_bytes=mem["compressed_bytes"], original_bytes=mem["original_bytes"],
@@ -302,7 +303,7 @@ STAGES = (("bitnet + cce from scratch", stage_train), ("cut cross-entropy", stag
           ("quantized attention", stage_attention), ("ShadowKV serving", stage_serve))
 
 
-def run_demo(device: torch.device, size: DemoSize, out_dir: Path, *, progress: bool = True) -> dict:
+def run_demo(device: torch.device, size: DemoSize, out_dir: Path, *, corpus_dir=None, progress: bool = True) -> dict:
     """Runs every stage, writes ``demo.json``, ``loss_curves.png`` and ``memory.png`` to ``out_dir``; returns
     the report (``rows``: one per technique)."""
     from tqdm.auto import tqdm
@@ -311,7 +312,7 @@ def run_demo(device: torch.device, size: DemoSize, out_dir: Path, *, progress: b
     from .data import TokenDataset
 
     t0 = time.perf_counter()
-    corpus = _corpus(None, reuse=True)
+    corpus = _corpus(corpus_dir, reuse=True)
     run = DemoRun(smol=load_smollm2(size, device), train=TokenDataset(corpus, "train"),
                   val=TokenDataset(corpus, "validation"), size=size, device=device, results={})
     rows = []
