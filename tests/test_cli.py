@@ -87,3 +87,23 @@ def test_setup_with_own_corpus_folder(tmp_path):
         assert train.num_tokens > 1000
     finally:
         shutil.rmtree(built)
+
+
+def test_optimize_verb_describes_the_real_model(capsys):
+    from thrifty.cli import OPTIMIZE_PRESETS
+    from thrifty.compose import PRESETS
+
+    assert OPTIMIZE_PRESETS == PRESETS
+    if not (data_dir() / "smollm2-135m" / "model.safetensors").is_file():
+        pytest.skip("run `thrifty setup` first")
+    assert main(["optimize", "train-bitnet", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "bitnet    recipe a4.8: 210 BitLinear layers" in out and "cce" in out
+
+
+def test_optimize_verb_user_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # argparse: an unknown preset
+        main(["optimize", "train-fast"])
+    assert main(["optimize", "train-bitnet", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("thrifty optimize:")

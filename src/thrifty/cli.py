@@ -1,37 +1,27 @@
-"""``thrifty`` command line: ``setup`` (real model + corpus), ``demo`` (the pipeline end to end), ``stage``."""
+"""``thrifty`` command line: ``setup`` (real model + corpus), ``demo`` (the five techniques against the plain model),
+``pretrain``, ``stage``, and NeuZip's ``compress`` / ``decompress`` / ``eval``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
+
+# thrifty.compose.PRESETS, spelled out so that `thrifty --help` imports no torch (a test keeps them equal)
+OPTIMIZE_PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small")
 
 
 def _device(name: str):
-    import torch
+    from .data.locate import resolve_device  # imported on use: `thrifty --help` loads no data code
 
-    from ._checks import check_device
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return check_device("--device", name)
+    return resolve_device(name)
 
 
 def _corpus(corpus_dir, max_mb=None, reuse=False):
-    """The Debian corpus by default; with ``--corpus DIR`` only that folder, built into its own data folder.
-    ``reuse``: take a corpus already built by ``thrifty setup`` (whatever its size cap) as it is."""
-    from .data import prepare_corpus
-    from .paths import data_dir
+    from .data.locate import corpus_path
 
-    if corpus_dir is None:
-        built = data_dir() / "corpus"
-        if reuse and (built / "manifest.json").is_file():
-            return built
-        return prepare_corpus(max_mb=max_mb)
-    name = Path(corpus_dir).resolve().name or "root"
-    return prepare_corpus(out_dir=data_dir() / f"corpus-{name}", sources=(), corpus_dir=corpus_dir, max_mb=max_mb)
+    return corpus_path(corpus_dir, max_mb, reuse)
 
 
 def cmd_setup(args) -> int:
@@ -54,6 +44,25 @@ def cmd_demo(args) -> int:
     print(format_table(report))
     print(f"report, loss curves and memory bars: {Path(args.out).resolve()}/"
           "{demo.json, loss_curves.png, memory.png}")
+    return 0
+
+
+def cmd_optimize(args) -> int:
+    """Applies a preset to a transformers checkpoint (default: the real SmolLM2) and prints thrifty.describe."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import thrifty
+
+    from . import pretrained
+
+    config = thrifty.OptimizeConfig.preset(args.preset)
+    path = args.model or pretrained.ensure_converted(progress=False)
+    # lossy NeuZip codes bf16 weights; the other presets keep the checkpoint's fp32
+    dtype = torch.bfloat16 if config.neuzip is not None and config.neuzip.kept_bits is not None else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(_device(args.device)).eval()
+    thrifty.optimize(model, config)
+    print(thrifty.describe(model))
     return 0
 
 
@@ -142,6 +151,10 @@ def main(argv=None) -> int:
     d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     d.add_argument("--quick", action="store_true", help="the smallest sizes (seconds; for tests)")
     d.add_argument("--out", default="runs/demo", help="folder for demo.json, loss_curves.png, memory.png")
+    o = sub.add_parser("optimize", help="apply a thrifty.optimize preset to a transformers model and describe it")
+    o.add_argument("preset", choices=OPTIMIZE_PRESETS)
+    o.add_argument("--model", default=None, help="a transformers checkpoint folder (default: the real SmolLM2)")
+    o.add_argument("--device", default="auto")
     t = sub.add_parser("pretrain", help="pre-train a preset-sized model from scratch on the corpus")
     t.add_argument("--preset", default="30m")
     t.add_argument("--corpus", default=None)
@@ -177,8 +190,8 @@ def main(argv=None) -> int:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain}[args.cmd](args)
-    except (ValueError, FileNotFoundError) as err:  # bad input (thrifty's checks raise these): one line, exit 2
+        return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain, "optimize": cmd_optimize}[args.cmd](args)
+    except (ValueError, OSError) as err:  # bad input (thrifty's checks, missing files): one line, exit 2
         print(f"thrifty {args.cmd}: {err}", file=sys.stderr)
         return 2
 

@@ -308,11 +308,11 @@ def run_demo(device: torch.device, size: DemoSize, out_dir: Path, *, corpus_dir=
     the report (``rows``: one per technique)."""
     from tqdm.auto import tqdm
 
-    from .cli import _corpus
     from .data import TokenDataset
+    from .data.locate import corpus_path
 
     t0 = time.perf_counter()
-    corpus = _corpus(corpus_dir, reuse=True)
+    corpus = corpus_path(corpus_dir, reuse=True)
     run = DemoRun(smol=load_smollm2(size, device), train=TokenDataset(corpus, "train"),
                   val=TokenDataset(corpus, "validation"), size=size, device=device, results={})
     rows = []
@@ -394,12 +394,15 @@ def plot_memory(rows: list, path: Path) -> None:
             plain.append(f["logits_bytes_avoided"])
             thrifty_.append(0)
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    y = range(len(labels))
-    ax.barh([i + 0.2 for i in y], [b / 2**20 for b in plain], height=0.4, label="plain")
-    ax.barh([i - 0.2 for i in y], [b / 2**20 for b in thrifty_], height=0.4, label="thrifty")
-    ax.set_yticks(list(y), labels)
-    ax.set_xlabel("MB")
-    ax.legend()
+    ratios = [t / p for t, p in zip(thrifty_, plain)]  # techniques differ by orders of magnitude in bytes
+    bars = ax.barh(labels, ratios, color="tab:orange")
+    for bar, t, p in zip(bars, thrifty_, plain):
+        ax.text(bar.get_width() + 0.02, bar.get_y() + bar.get_height() / 2, f"{t / 2**20:.2f} of {p / 2**20:.2f} MB",
+                va="center", fontsize=8)
+    ax.axvline(1.0, color="tab:blue", linestyle="--", label="plain model")
+    ax.set_xlim(0, 1.5)
+    ax.set_xlabel("bytes with the technique / bytes of the plain model")
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
