@@ -104,6 +104,7 @@ def test_optimize_verb_describes_the_real_model(capsys):
 def test_optimize_verb_user_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):  # argparse: an unknown preset
         main(["optimize", "train-fast"])
+    assert "invalid choice: 'train-fast'" in capsys.readouterr().err
     assert main(["optimize", "train-bitnet", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("thrifty optimize:")

@@ -58,6 +58,8 @@ def cmd_optimize(args) -> int:
 
     config = thrifty.OptimizeConfig.preset(args.preset)
     path = args.model or pretrained.ensure_converted(progress=False)
+    if not (Path(path) / "config.json").is_file():  # transformers would take it for a hub name
+        raise FileNotFoundError(f"--model: {path} is not a transformers checkpoint folder (no config.json)")
     # lossy NeuZip codes bf16 weights; the other presets keep the checkpoint's fp32
     dtype = torch.bfloat16 if config.neuzip is not None and config.neuzip.kept_bits is not None else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(_device(args.device)).eval()
