@@ -45,7 +45,7 @@ SIZES = {
     "quick": DemoSize(smol_layers=2, seq_len=64, batch=2, train_steps=4, prompt_len=192, new_tokens=4, tiny_hidden=64),
     "cpu": DemoSize(smol_layers=None, seq_len=128, batch=2, train_steps=30, prompt_len=512, new_tokens=8,
                     tiny_hidden=128),
-    "gpu": DemoSize(smol_layers=None, seq_len=1024, batch=8, train_steps=300, prompt_len=8192, new_tokens=64,
+    "gpu": DemoSize(smol_layers=None, seq_len=1024, batch=8, train_steps=300, prompt_len=8000, new_tokens=64,
                     tiny_hidden=512),
 }
 
