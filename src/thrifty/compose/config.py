@@ -20,9 +20,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from .._checks import check_bool, check_choice, check_range
+
+if TYPE_CHECKING:  # the technique packages are imported on first use, so `import thrifty` stays cheap
+    from ..bitnet import BitNetConfig
+    from ..kvcache import ShadowKVConfig
+    from ..neuzip import LomoConfig, NeuZipConfig
 
 IMPLS = ("auto", "triton", "reference")
 IMPL_ENV = "THRIFTY_IMPL"  # overrides OptimizeConfig.impl when set (e.g. THRIFTY_IMPL=reference on a CI box)
@@ -115,14 +120,14 @@ class OptimizeConfig:
     the ``THRIFTY_IMPL`` environment variable overrides it.
     """
 
-    attention: Optional[AttentionConfig] = None
-    bitnet: Optional[object] = None
-    neuzip: Optional[object] = None
-    cce: Optional[CCEConfig] = None
-    kv_cache: Optional[object] = None
+    attention: Union[AttentionConfig, bool, None] = None
+    bitnet: Union["BitNetConfig", str, None] = None
+    neuzip: Union["NeuZipConfig", str, None] = None
+    cce: Union[CCEConfig, bool, None] = None
+    kv_cache: Union["ShadowKVConfig", LowBitKVConfig, str, None] = None
     training: bool = False
     skip_layers: tuple = ()
-    lomo: Optional[object] = None
+    lomo: Optional["LomoConfig"] = None
     impl: str = "auto"
 
     def __post_init__(self):
