@@ -20,6 +20,7 @@ from .config import OptimizeConfig, LowBitKVConfig
 
 CONFIG_ATTR = "thrifty_config"
 UNDO_ATTR = "_thrifty_undo"  # [(technique, function that takes it off)], in the order applied
+IMPL_ATTR = "_thrifty_impl"  # the implementation chosen when optimize ran (THRIFTY_IMPL may change later)
 CACHE_ATTR = "_thrifty_last_cache"  # the cache the wrapped generate built last (describe reads it)
 
 
@@ -48,6 +49,7 @@ def optimize(model: nn.Module, config) -> nn.Module:
         _take_off(model)
         raise
     model.__dict__[CONFIG_ATTR] = config
+    model.__dict__[IMPL_ATTR] = impl
     return model
 
 
@@ -63,6 +65,7 @@ def undo(model: nn.Module) -> nn.Module:
                          "that cannot be restored; reload the model instead")
     _take_off(model)
     del model.__dict__[CONFIG_ATTR]
+    model.__dict__.pop(IMPL_ATTR, None)
     return model
 
 
@@ -72,7 +75,7 @@ def describe(model: nn.Module) -> str:
     config = model.__dict__.get(CONFIG_ATTR) if isinstance(model, nn.Module) else None
     if config is None:
         return "thrifty: nothing applied (thrifty.optimize was not called on this model)"
-    lines = [f"thrifty.optimize: {', '.join(config.techniques)} (impl={config.resolved_impl()}, "
+    lines = [f"thrifty.optimize: {', '.join(config.techniques)} (impl={model.__dict__[IMPL_ATTR]}, "
              f"training={config.training})"]
     for name in config.techniques:
         lines.append(f"  {name:9s} " + _DESCRIBE[name](model, config))
@@ -96,8 +99,10 @@ def _model_kind(model) -> str:
                         "(compiled graphs would keep the old layers)")
     if isinstance(model, LlamaForCausalLM):
         return "reference"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     is_hf = hasattr(getattr(model, "config", None), "_attn_implementation")
-    if isinstance(model, nn.Module) and is_hf and hasattr(model, "model") and hasattr(model, "lm_head"):
+    if is_hf and hasattr(model, "model") and hasattr(model, "lm_head"):
         return "transformers"
     raise TypeError(f"model: expected a transformers *ForCausalLM (.model, .lm_head) or "
                     f"thrifty.models.LlamaForCausalLM, got {type(model).__name__}")
@@ -266,6 +271,7 @@ def _apply_kv_cache(model, config, kind, layers, impl):
 
     def take_off():
         model.__dict__.pop(CACHE_ATTR, None)
+        _forget_shadowkv_marks(model)
         if had_generate:
             model.generate = stock_generate
         else:
@@ -273,6 +279,15 @@ def _apply_kv_cache(model, config, kind, layers, impl):
         if restore_dispatch is not None:
             restore_dispatch()
     return take_off
+
+
+def _forget_shadowkv_marks(model) -> None:
+    """The per-module notes a ShadowKVCache leaves on the attention modules (see kvcache/cache.py)."""
+    from ..kvcache.cache import _PENDING, _PREVIOUS
+
+    for m in model.modules():
+        m.__dict__.pop(_PENDING, None)
+        m.__dict__.pop(_PREVIOUS, None)
 
 
 def _apply_reference_kv_cache(model, kv_config, impl):
