@@ -321,6 +321,26 @@ def test_convert_a_transformers_llama():
         bitnet.convert(model, "fp")
 
 
+def test_revert_undoes_convert_bit_for_bit():
+    model = hf_tiny_llama().to(torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 9))
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    logits = model(ids).logits
+    act_fn = model.model.layers[0].mlp.act_fn
+    bitnet.revert(bitnet.convert(model, "a4.8"))
+    assert not any(isinstance(m, BitLinear) for m in model.modules())
+    assert model.model.layers[0].mlp.act_fn is act_fn
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], p) and after[n].dtype == p.dtype for n, p in before.items())
+    assert torch.equal(model(ids).logits, logits)
+    born = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2),
+                            linear=bitnet.linear_factory("b1.58"))
+    with pytest.raises(ValueError, match="built as a BitLinear"):
+        bitnet.revert(born)
+
+
 def test_sparsity_table_shape():
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)

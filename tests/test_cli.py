@@ -12,14 +12,30 @@ needs_corpus = pytest.mark.skipif(not (data_dir() / "corpus" / "manifest.json").
 
 
 @needs_corpus
-def test_demo_runs_end_to_end(tmp_path, capsys):
-    report = tmp_path / "demo.json"
-    assert main(["demo", "--steps", "1", "--eval-batches", "1", "--seq-len", "64", "--batch-size", "2",
-                 "--new-tokens", "5", "--device", "cpu", "--report", str(report)]) == 0
-    r = json.loads(report.read_text())
-    assert r["val_ppl_before"] < 100 and r["val_ppl_after"] < 100  # a real model on real text
-    assert r["train_tokens"] > 10_000_000 and len(r["continuation"]) > 0
-    assert "perplexity" in capsys.readouterr().out
+def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
+    assert main(["demo", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "demo.json").read_text())
+    rows = {row["technique"]: row["figures"] for row in r["rows"]}
+    assert set(rows) == {"bitnet", "cce", "neuzip", "attention", "shadowkv"}
+    assert abs(rows["cce"]["loss"] - rows["cce"]["loss_plain"]) < 1e-3 * rows["cce"]["loss_plain"]
+    assert rows["neuzip"]["val_loss"] == rows["neuzip"]["val_loss_plain"]  # lossless
+    assert rows["neuzip"]["compressed_bytes"] < rows["neuzip"]["original_bytes"]
+    assert rows["attention"]["quantized_calls"] > 0 and rows["attention"]["val_loss"] != rows["attention"]["val_loss_plain"]
+    assert rows["shadowkv"]["host_bytes"] > 0
+    assert len(r["loss_curves"]["plain"]) == r["size"]["train_steps"]
+    assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and (tmp_path / "memory.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert all(t in out for t in rows) and "vs" in out
+
+
+def test_python_m_thrifty_help():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "thrifty", "--help"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and "demo" in done.stdout and "pretrain" in done.stdout
 
 
 @needs_corpus
@@ -71,3 +87,28 @@ def test_setup_with_own_corpus_folder(tmp_path):
         assert train.num_tokens > 1000
     finally:
         shutil.rmtree(built)
+
+
+def test_optimize_verb_describes_the_model(tmp_path, capsys):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from thrifty.cli import OPTIMIZE_PRESETS
+    from thrifty.compose import PRESETS
+
+    assert OPTIMIZE_PRESETS == PRESETS
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    assert main(["optimize", "train-bitnet", "--model", str(tmp_path), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "bitnet    recipe a4.8: 14 BitLinear layers" in out and "cce       loss without logits" in out
+
+
+def test_optimize_verb_user_errors_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # argparse: an unknown preset
+        main(["optimize", "train-fast"])
+    assert "invalid choice: 'train-fast'" in capsys.readouterr().err
+    assert main(["optimize", "train-bitnet", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("thrifty optimize:")

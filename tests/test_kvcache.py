@@ -331,3 +331,22 @@ def test_non_finite_prompt_key_empty_prompt_and_bad_model_are_refused():
     for model in (None, torch.nn.Linear(2, 2)):
         with pytest.raises(TypeError, match="model"):
             ShadowKVCache(model, small_config())
+
+
+def test_hf_quantized_attention_survives_a_shadowkv_generate(hf_model):
+    import copy
+
+    from thrifty.attention import enable_hf
+
+    model = copy.deepcopy(hf_model)
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exact = model(ids).logits
+        enable_hf(model, qk_bits=4)
+        quantized = model(ids).logits
+    assert not torch.equal(quantized, exact)
+    cache = ShadowKVCache(model, small_config(rank=32, sparse_budget=400, min_prompt_len=20))
+    _greedy(model, ids, torch.ones_like(ids), cache)
+    assert not cache.dense and cache.engine.stats["reference_steps"] > 0
+    with torch.no_grad():  # the calls ShadowKV does not take still run quantized attention, not plain SDPA
+        assert torch.equal(model(ids).logits, quantized)

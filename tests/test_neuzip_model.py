@@ -44,6 +44,26 @@ def test_lossless_logits_equal(dtype):
         assert torch.equal(int_bits(w), int_bits(base.get_parameter(name)))
 
 
+def test_decompress_model_restores_the_linears_bit_for_bit():
+    from thrifty.neuzip import decompress_model
+
+    base = tiny(torch.bfloat16)
+    base.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    x, _ = batch()
+    model = decompress_model(compress_model(copy.deepcopy(base)))
+    assert not hasattr(model, "neuzip") and all(not b._forward_pre_hooks for b in model.model.layers)
+    assert [type(m) for m in model.modules()] == [type(m) for m in base.modules()]
+    for name, p in base.named_parameters():
+        q = model.get_parameter(name)
+        assert torch.equal(int_bits(q), int_bits(p)) and q.requires_grad == p.requires_grad
+    assert torch.equal(model(x), base(x))
+    with pytest.raises(ValueError, match="not NeuZip-compressed"):
+        decompress_model(model)
+    lossy = compress_model(copy.deepcopy(base), "lossy", mantissa_bits=3)
+    with pytest.raises(ValueError, match="lossy NeuZip .* cannot be restored"):
+        decompress_model(lossy)
+
+
 @pytest.mark.parametrize("k", [7, 3, 1, 0])
 def test_lossy_logits_within_bound(k):
     base = tiny(torch.bfloat16)

@@ -1,5 +1,7 @@
 """thrifty: cheaper LLM training and serving (Cut Cross-Entropy, quantized attention, BitNet a4.8, NeuZip, ShadowKV).
 
+    model = thrifty.optimize(model, "train-memory")   # or an OptimizeConfig; thrifty.undo / thrifty.describe
+
 Submodules are imported on first use so that ``import thrifty`` stays cheap and never compiles kernels.
 """
 
@@ -10,6 +12,13 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
+    "optimize": ("thrifty.compose", "optimize"),
+    "undo": ("thrifty.compose", "undo"),
+    "describe": ("thrifty.compose", "describe"),
+    "OptimizeConfig": ("thrifty.compose", "OptimizeConfig"),
+    "AttentionConfig": ("thrifty.compose", "AttentionConfig"),
+    "CCEConfig": ("thrifty.compose", "CCEConfig"),
+    "LowBitKVConfig": ("thrifty.compose", "LowBitKVConfig"),
     "linear_cross_entropy": ("thrifty.loss", "linear_cross_entropy"),
     "sage_attention": ("thrifty.attention", "sage_attention"),
     "compress": ("thrifty.neuzip", "compress"),

@@ -1,39 +1,27 @@
-"""``thrifty`` command line: ``setup`` (real model + corpus), ``demo`` (the pipeline end to end), ``stage``."""
+"""``thrifty`` command line: ``setup`` (real model + corpus), ``demo`` (the five techniques against the plain model),
+``pretrain``, ``stage``, and NeuZip's ``compress`` / ``decompress`` / ``eval``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-DEMO_PROMPT = "The Linux kernel manages memory by"
+# thrifty.compose.PRESETS, spelled out so that `thrifty --help` imports no torch (a test keeps them equal)
+OPTIMIZE_PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small")
 
 
 def _device(name: str):
-    import torch
+    from .data.locate import resolve_device  # imported on use: `thrifty --help` loads no data code
 
-    from ._checks import check_device
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return check_device("--device", name)
+    return resolve_device(name)
 
 
 def _corpus(corpus_dir, max_mb=None, reuse=False):
-    """The Debian corpus by default; with ``--corpus DIR`` only that folder, built into its own data folder.
-    ``reuse``: take a corpus already built by ``thrifty setup`` (whatever its size cap) as it is."""
-    from .data import prepare_corpus
-    from .paths import data_dir
+    from .data.locate import corpus_path
 
-    if corpus_dir is None:
-        built = data_dir() / "corpus"
-        if reuse and (built / "manifest.json").is_file():
-            return built
-        return prepare_corpus(max_mb=max_mb)
-    name = Path(corpus_dir).resolve().name or "root"
-    return prepare_corpus(out_dir=data_dir() / f"corpus-{name}", sources=(), corpus_dir=corpus_dir, max_mb=max_mb)
+    return corpus_path(corpus_dir, max_mb, reuse)
 
 
 def cmd_setup(args) -> int:
@@ -47,48 +35,36 @@ def cmd_setup(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The reference model end to end on the corpus: perplexity, a few training steps, perplexity, generation."""
-    import torch
-
-    from . import pretrained
-    from .data import TokenDataset
-    from .models import LlamaForCausalLM, generate
-    from .train import Trainer, TrainConfig
+    """The five techniques on the real SmolLM2 and corpus against the plain model (see thrifty.demo)."""
+    from .demo import SIZES, format_table, run_demo
 
     device = _device(args.device)
-    on_gpu = device.type == "cuda"
-    steps = args.steps if args.steps is not None else (50 if on_gpu else 4)
-    seq_len = args.seq_len or (512 if on_gpu else 256)
-    batch = args.batch_size or (16 if on_gpu else 4)
-    t0 = time.perf_counter()
-    model_dir = pretrained.ensure_converted()
-    tokenizer = pretrained.load_tokenizer()
-    corpus = _corpus(args.corpus, reuse=True)
-    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "validation")
-    model = LlamaForCausalLM.from_pretrained(model_dir, device=device)
-    cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq_len, lr=2e-5, warmup_steps=min(5, steps),
-                      min_lr_ratio=1.0, weight_decay=0.0, eval_batches=args.eval_batches)
-    trainer = Trainer(model, train, val, cfg)
+    size = SIZES["quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu")]
+    report = run_demo(device, size, Path(args.out), corpus_dir=args.corpus)
+    print(format_table(report))
+    print(f"report, loss curves and memory bars: {Path(args.out).resolve()}/"
+          "{demo.json, loss_curves.png, memory.png}")
+    return 0
 
-    before = trainer.evaluate()
-    history = trainer.fit(progress=True)
-    after = history[-1]  # fit() evaluates after its last step: no second pass over the validation batches
-    prompt = torch.tensor([tokenizer.encode(args.prompt).ids], device=device)
-    out = generate(model, prompt, args.new_tokens)
-    continuation = tokenizer.decode(out[0, prompt.shape[1]:].tolist())
-    report = {
-        "device": str(device), "model": "SmolLM2-135M-Instruct (Q4_1 dequantized)",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "corpus": str(corpus), "train_tokens": train.num_tokens, "val_tokens": val.num_tokens,
-        "val_ppl_before": before["val_ppl"], "val_ppl_after": after["val_ppl"],
-        "eval_tokens": before["val_batches"] * batch * seq_len,
-        "train_steps": steps, "train_loss_first": history[0]["loss"], "train_loss_last": history[-1]["loss"],
-        "tokens_per_s": history[-1]["tokens_per_s"], "prompt": args.prompt, "continuation": continuation,
-        "seconds": time.perf_counter() - t0,
-    }
-    _print_report(report)
-    if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=1))
+
+def cmd_optimize(args) -> int:
+    """Applies a preset to a transformers checkpoint (default: the real SmolLM2) and prints thrifty.describe."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import thrifty
+
+    from . import pretrained
+
+    config = thrifty.OptimizeConfig.preset(args.preset)
+    path = args.model or pretrained.ensure_converted(progress=False)
+    if not (Path(path) / "config.json").is_file():  # transformers would take it for a hub name
+        raise FileNotFoundError(f"--model: {path} is not a transformers checkpoint folder (no config.json)")
+    # lossy NeuZip codes bf16 weights; the other presets keep the checkpoint's fp32
+    dtype = torch.bfloat16 if config.neuzip is not None and config.neuzip.kept_bits is not None else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(_device(args.device)).eval()
+    thrifty.optimize(model, config)
+    print(thrifty.describe(model))
     return 0
 
 
@@ -165,39 +141,22 @@ def _plot_history(history, path, title):
     plt.close(fig)
 
 
-def _print_report(r: dict) -> None:
-    line = "-" * 72
-    print(line)
-    print(f"thrifty demo  ·  {r['model']}  ·  {r['parameters'] / 1e6:.1f}M params  ·  {r['device']}")
-    print(line)
-    print(f"corpus          {r['corpus']}")
-    print(f"                train {r['train_tokens']:,} tokens · validation {r['val_tokens']:,} tokens")
-    print(f"perplexity      {r['val_ppl_before']:.2f} before  ->  {r['val_ppl_after']:.2f} after "
-          f"{r['train_steps']} steps   (on {r['eval_tokens']:,} validation tokens)")
-    print(f"train loss      {r['train_loss_first']:.3f} -> {r['train_loss_last']:.3f}   "
-          f"({r['tokens_per_s']:,.0f} tokens/s)")
-    print(f"generation      {r['prompt']!r} ->")
-    print(f"                {r['continuation']!r}")
-    print(f"time            {r['seconds']:.0f} s")
-    print(line)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="thrifty", description="thrifty: cheaper LLM training and serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("setup", help="fetch and prepare the real model and the corpus (idempotent)")
     s.add_argument("--corpus", default=None, help="a folder of text files to use instead of the Debian docs")
     s.add_argument("--max-mb", type=float, default=None, help="cap the cleaned corpus (MB)")
-    d = sub.add_parser("demo", help="run the reference pipeline end to end (CPU by default, GPU when present)")
+    d = sub.add_parser("demo", help="the five techniques on the real SmolLM2 against the plain model, one table "
+                                     "(CPU by default, the whole model on a GPU when present)")
     d.add_argument("--corpus", default=None, help="a folder of text files to use instead of the Debian docs")
-    d.add_argument("--device", default="auto")
-    d.add_argument("--steps", type=int, default=None, help="training steps (default 4 on CPU, 50 on GPU)")
-    d.add_argument("--eval-batches", type=int, default=4)
-    d.add_argument("--seq-len", type=int, default=None, help="default 256 on CPU, 512 on GPU")
-    d.add_argument("--batch-size", type=int, default=None, help="default 4 on CPU, 16 on GPU")
-    d.add_argument("--prompt", default=DEMO_PROMPT)
-    d.add_argument("--new-tokens", type=int, default=30)
-    d.add_argument("--report", default=None, help="also write the report as JSON here")
+    d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    d.add_argument("--quick", action="store_true", help="the smallest sizes (seconds; for tests)")
+    d.add_argument("--out", default="runs/demo", help="folder for demo.json, loss_curves.png, memory.png")
+    o = sub.add_parser("optimize", help="apply a thrifty.optimize preset to a transformers model and describe it")
+    o.add_argument("preset", choices=OPTIMIZE_PRESETS)
+    o.add_argument("--model", default=None, help="a transformers checkpoint folder (default: the real SmolLM2)")
+    o.add_argument("--device", default="auto")
     t = sub.add_parser("pretrain", help="pre-train a preset-sized model from scratch on the corpus")
     t.add_argument("--preset", default="30m")
     t.add_argument("--corpus", default=None)
@@ -233,8 +192,8 @@ def main(argv=None) -> int:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain}[args.cmd](args)
-    except (ValueError, FileNotFoundError) as err:  # bad input (thrifty's checks raise these): one line, exit 2
+        return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain, "optimize": cmd_optimize}[args.cmd](args)
+    except (ValueError, OSError) as err:  # bad input (thrifty's checks, missing files): one line, exit 2
         print(f"thrifty {args.cmd}: {err}", file=sys.stderr)
         return 2
 

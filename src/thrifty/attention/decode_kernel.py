@@ -25,16 +25,17 @@ call can be captured in a CUDA graph (the split count and the cache length are b
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
-from .kv_cache import QuantizedKV
 from .quant_kernel import INTERPRET, LOG2E, _finite_or_zero, cdiv, launch_with
 
+if TYPE_CHECKING:  # annotations only: kv_cache imports this module to append with the kernel
+    from .kv_cache import QuantizedKV
 
 
 @triton.jit

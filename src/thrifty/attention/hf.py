@@ -28,6 +28,9 @@ from .kv_cache import QuantizedKV
 from .routing import DECODE_MAX_ROWS
 
 NAME = "thrifty_sage"
+# attention implementations that read a thrifty_kv_cache's int8 codes through hf_sage_attention (a dispatcher
+# that forwards to it registers its name here); under any other the cache hands out dequantized K/V
+INT8_KV_READERS = {NAME}
 OPTIONS_ATTR = "_thrifty_sage_options"  # per attention module: sage_attention keywords for that layer
 _sdpa_forward = None  # transformers' SDPA attention, imported on first use
 
@@ -152,7 +155,7 @@ def _layer_class():
                                             capacity=key_states.shape[2] + 256)
                 return key_states, value_states
             self.kv.append(key_states, value_states)
-            if key_states.shape[2] <= DECODE_MAX_ROWS and self.config._attn_implementation == NAME:
+            if key_states.shape[2] <= DECODE_MAX_ROWS and self.config._attn_implementation in INT8_KV_READERS:
                 key_states._thrifty_kv = self.kv
                 return key_states, value_states
             return tuple(x.to(self.dtype) for x in self.kv.dequantize())

@@ -5,17 +5,18 @@ Public API::
     from thrifty import bitnet
     model = LlamaForCausalLM(cfg, linear=bitnet.linear_factory("b1.58"), activation=bitnet.mlp_activation("b1.58"))
     bitnet.convert(hf_model, "a4.8")                       # or a BitNetConfig; in place, every Linear but lm_head
+    bitnet.revert(hf_model)                               # undoes convert (the latent weights, original dtype)
     Trainer(model, train, val, cfg, schedule=bitnet.TwoStageSchedule(stage1_share=0.95))
     bitnet.measure_sparsity(model, batches)               # Table 2 of the paper
 """
 
 from .bitlinear import BitLinear
 from .recipes import (RECIPES, BitNetConfig, convert, current_recipe, linear_factory, mlp_activation,
-                      relu_squared, set_strength)
+                      relu_squared, revert, set_strength)
 from .schedule import TwoStageSchedule
 from .sparsity import format_table, measure_sparsity
 
-__all__ = ["BitLinear", "BitNetConfig", "RECIPES", "convert", "current_recipe", "linear_factory",
+__all__ = ["BitLinear", "BitNetConfig", "RECIPES", "convert", "revert", "current_recipe", "linear_factory",
            "mlp_activation", "relu_squared", "set_strength", "TwoStageSchedule", "measure_sparsity",
            "format_table", "build_for_pretraining"]
 

@@ -112,6 +112,7 @@ class BitLinear(nn.Module):
             new.weight.copy_(linear.weight.float())
             if linear.bias is not None:
                 new.bias.copy_(linear.bias.float())
+        new.source_dtype = linear.weight.dtype  # the fp32 latent copy is exact: revert() casts back bit for bit
         return new
 
     def extra_repr(self) -> str:

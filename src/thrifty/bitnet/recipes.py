@@ -188,6 +188,38 @@ def convert(model: nn.Module, recipe_or_config) -> nn.Module:
     return model
 
 
+def revert(model: nn.Module) -> nn.Module:
+    """Undoes :func:`convert` in place: each BitLinear made from an ``nn.Linear`` becomes an ``nn.Linear`` again,
+    holding its latent weight in the dtype it came in (bit for bit the original while untrained), and each
+    ReLU² gate gets its original activation back. Sub-norms go with their BitLinear. A BitLinear built as one
+    (:func:`linear_factory`) has no full-precision original: ValueError."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    born_bitnet = [n for n, m in model.named_modules() if isinstance(m, BitLinear) and not hasattr(m, "source_dtype")]
+    if born_bitnet:
+        raise ValueError(f"model: {born_bitnet[0]} was built as a BitLinear, not converted from an nn.Linear; "
+                         "there is no full-precision layer to revert to")
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, BitLinear):
+                setattr(parent, child_name, _as_linear(child))
+            elif isinstance(child, RampedReLUSquared):
+                delattr(parent, child_name)  # the original may be a plain function, not a submodule
+                setattr(parent, child_name, child.original)
+    return model
+
+
+def _as_linear(layer: BitLinear) -> nn.Linear:
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                       device=layer.weight.device, dtype=layer.source_dtype)
+    with torch.no_grad():
+        linear.weight.copy_(layer.weight)
+        if layer.bias is not None:
+            linear.bias.copy_(layer.bias)
+    linear.weight.requires_grad_(layer.weight.requires_grad)
+    return linear
+
+
 def _share_inputs(parent: nn.Module) -> None:
     """Gives the un-normed sibling BitLinears that read one input (q/k/v, gate/up) a common SharedInput."""
     for group in SHARED_INPUT_GROUPS:

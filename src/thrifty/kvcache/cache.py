@@ -5,8 +5,9 @@ Why an attention function as well as a cache: the decode step needs the query to
 ``update`` never sees it. So the cache marks the attention module of the layer it just updated, and the
 attention function registered under :data:`ATTN_NAME` (transformers ``AttentionInterface``, with SDPA's mask
 builder under the same name in ``AttentionMaskInterface``) finds the mark and hands the query to the cache.
-Calls without a mark (another cache, no cache, a dense ShadowKV cache) run plain SDPA, so the switch is safe to
-leave on a model. The mark lives on the model's own modules: nothing process-wide but the name.
+Calls without a mark (another cache, no cache, a dense ShadowKV cache) run the attention the model had before the
+switch when it takes SDPA's masks (quantized attention, say), else plain SDPA, so the switch is safe to leave on a
+model. The mark lives on the model's own modules: nothing process-wide but the name.
 
 transformers gives caches post-RoPE keys; the prefill un-rotates them with the model's own rotary embedding
 (exact up to rounding, RoPE being a rotation) before the SVD.
@@ -23,6 +24,9 @@ from . import reference as ref
 
 ATTN_NAME = "thrifty_shadowkv"
 _PENDING = "_thrifty_shadowkv_pending"
+_PREVIOUS = "_thrifty_shadowkv_previous"  # per attention module: the implementation before the switch
+# set True on a model whose attention implementation routes ShadowKV's marked calls itself (see _setup_model)
+ROUTES_SHADOWKV_ATTR = "_thrifty_routes_shadowkv"
 BACKENDS = ("auto", "reference", "triton")
 
 
@@ -119,8 +123,9 @@ def shadowkv_attention(module, query, key, value, attention_mask, dropout: float
 
     cache = module.__dict__.pop(_PENDING, None)
     if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        attention = _previous_attention(module) or sdpa_attention_forward
+        return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
     if cache.engine.compressed(layer):
@@ -130,6 +135,21 @@ def shadowkv_attention(module, query, key, value, attention_mask, dropout: float
                                  is_causal=is_causal, **kwargs)
     cache._compress_hf(layer, key, value, attention_mask, kwargs.get("position_ids"))
     return out
+
+
+def _previous_attention(module):
+    """The attention function the model ran before a ShadowKVCache switched it (e.g. quantized attention), for
+    the calls ShadowKV does not take; None when it was SDPA or eager, or when it needs a mask of another shape
+    than SDPA's (the mask builder registered for ShadowKV), e.g. flash attention: those calls run SDPA."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = module.__dict__.get(_PREVIOUS)
+    if name in (None, "sdpa", ATTN_NAME) or name not in ALL_ATTENTION_FUNCTIONS:
+        return None
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(name) is not sdpa_mask:
+        return None
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def register_attention() -> None:
@@ -293,11 +313,17 @@ class ShadowKVCache(_cache_base()):
 
     def _setup_model(self, model) -> None:
         register_attention()
-        model.set_attn_implementation(ATTN_NAME)
+        # A model whose attention function already hands marked calls to shadowkv_attention (thrifty.optimize's
+        # dispatcher, which also runs quantized attention) keeps it: switching would drop that attention.
+        previous = model.config._attn_implementation
         self._modules = {}
         for m in model.modules():
             if hasattr(m, "layer_idx") and hasattr(m, "o_proj"):
                 self._modules[m.layer_idx] = m
+                if previous != ATTN_NAME:  # the calls ShadowKV does not take keep running it
+                    m.__dict__[_PREVIOUS] = previous
+        if not getattr(model, ROUTES_SHADOWKV_ATTR, False):
+            model.set_attn_implementation(ATTN_NAME)
 
     def _update_hf(self, layer: "ShadowKVLayer", k, v):
         idx = layer.layer_idx

@@ -9,18 +9,23 @@ import torch
 from .._checks import check_positive_int, check_range, check_tensor
 from .llama import KVCache, LlamaForCausalLM
 
+CACHE_FACTORY_ATTR = "thrifty_cache_factory"  # on a model: the cache generate builds when given none
+
 
 @torch.no_grad()
 def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: int, *,
              temperature: float = 0.0, eos_token_id: Optional[int] = None,
-             cache_factory: Callable[[], object] = KVCache, generator: Optional[torch.Generator] = None):
+             cache_factory: Optional[Callable[[], object]] = None, generator: Optional[torch.Generator] = None):
     """Prefills ``input_ids`` (B, T) once, then decodes one token at a time through the cache.
-    ``temperature=0`` is greedy. Returns (B, T + new) token ids; stops early when every row hit ``eos_token_id``."""
+    ``cache_factory``: default the model's ``thrifty_cache_factory`` (set by ``thrifty.optimize`` with a
+    ``kv_cache``), else a plain :class:`KVCache`. ``temperature=0`` is greedy. Returns (B, T + new) token ids; stops early when every row hit ``eos_token_id``."""
     check_tensor("input_ids", input_ids, ndim=2, integer=True)
     check_positive_int("max_new_tokens", max_new_tokens)
     check_range("temperature", temperature, 0.0, 100.0)
     if eos_token_id is not None:
         check_positive_int("eos_token_id", eos_token_id, allow_zero=True)
+    if cache_factory is None:
+        cache_factory = model.__dict__.get(CACHE_FACTORY_ATTR, KVCache)
     cache = cache_factory()
     logits = model(input_ids, cache=cache, logits_to_keep=1)
     out = [input_ids]

@@ -203,7 +203,8 @@ def load_any_model(path: Path, device, dtype=None):
 def eval_main(argv=None) -> int:
     import torch
 
-    from ..cli import _corpus, _device
+    from ..data.locate import corpus_path as _corpus
+    from ..data.locate import resolve_device as _device
     from ..data import TokenDataset
     from .model import compress_model
 

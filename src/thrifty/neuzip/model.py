@@ -141,6 +141,8 @@ class CompressedWeights:
         self.packs: list[BlockPack] = packs
         self.names: list[list[str]] = names  # parameter name of each slot, per block
         self.optimizer = None
+        self.hooks: list = []  # the blocks' forward pre-hooks (removed by decompress_model)
+        self.frozen: set = set()  # weights that had requires_grad=False
         self.stats = {"block_runs": 0, "decodes": 0, "reencodes": 0}
         self._model = weakref.ref(model)
         self.device = packs[0].device
@@ -292,6 +294,10 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             counts = [sum(isinstance(c, (nn.Linear, CompressedLinear)) for c in b.modules()) for b in m]
             if all(counts) and (best is None or sum(counts) > best[0]):
                 best = (sum(counts), name, m)
+    if best is None and any(type(m).__name__ == "BitLinear" for m in model.modules()):
+        raise ValueError("model: its linear layers are BitNet BitLinears, which NeuZip does not code: a BitLinear "
+                         "re-quantizes its latent weight to ternary on every forward, so a compressed copy would "
+                         "drop the quantizer (thrifty.optimize refuses bitnet with neuzip for this reason)")
     if best is None:
         raise ValueError("model: no nn.ModuleList of blocks holding nn.Linear layers found (expected a "
                          "transformer like thrifty's LlamaForCausalLM or transformers' LlamaForCausalLM)")
@@ -359,11 +365,38 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
 def _install(model: nn.Module, blocks: nn.ModuleList, groups: list, packs: list, config: NeuZipConfig) -> None:
     names = [[f"{n}.weight" for n, _ in linears] for linears in groups]
     state = CompressedWeights(model, config, packs, names)
+    state.frozen = {f"{name}.weight" for linears in groups for name, m in linears if not m.weight.requires_grad}
     for i, linears in enumerate(groups):
         for j, (name, m) in enumerate(linears):
             _set_module(model, name, CompressedLinear(m.in_features, m.out_features, m.bias, state, i, j, name))
-        blocks[i].register_forward_pre_hook(lambda _m, _args, i=i: state.before_block(i))
+        state.hooks.append(blocks[i].register_forward_pre_hook(lambda _m, _args, i=i: state.before_block(i)))
     model.neuzip = state
+
+
+def decompress_model(model: nn.Module) -> nn.Module:
+    """Undoes :func:`compress_model` in place: each CompressedLinear becomes an ``nn.Linear`` holding its
+    decoded weight (bit for bit the weight it was built from, lossless mode), the block hooks and any fused
+    optimizer are removed. Lossy mode raises: its dropped mantissa bits cannot be restored."""
+    state = getattr(model, "neuzip", None)
+    if not isinstance(state, CompressedWeights):
+        raise ValueError("model: not NeuZip-compressed (model.neuzip is not set)")
+    if state.config.kept_bits is not None:
+        raise ValueError(f"model: lossy NeuZip (mantissa_bits={state.config.mantissa_bits}) dropped mantissa bits "
+                         "that cannot be restored; reload the model instead")
+    if state.optimizer is not None:
+        state.optimizer.remove()
+        state.optimizer = None
+    for name, weight in state.decoded_weights().items():
+        module_name = name[: -len(".weight")]
+        compressed = model.get_submodule(module_name)
+        linear = nn.Linear(compressed.in_features, compressed.out_features, bias=False, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=name not in state.frozen)
+        linear.bias = compressed.bias
+        _set_module(model, module_name, linear)
+    for hook in state.hooks:
+        hook.remove()
+    del model.neuzip
+    return model
 
 
 # ---------------------------------------------------------------------------------------------- save / load
