@@ -51,6 +51,9 @@ def parse(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prefill-batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-seconds", type=float, default=540,
+                    help="start no new row after this many seconds (the result says complete: false); results are "
+                         "also rewritten after every row, so a killed run leaves the rows it finished")
     ap.add_argument("--name", default="shadowkv_needle")
     ap.add_argument("--device-tag", default=None, help="file-name tag (default: detect_device(); smoke: cpu-smoke)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -106,14 +109,14 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(rows, args) -> dict:
+def summarize(rows, args, rows_done: int = None) -> dict:
     def acc(method, budget=None, length=None):
         sel = [r for r in rows if r["method"] == method and (budget is None or r["budget"] == budget)
                and (length is None or r["length"] == length)]
         return mean([r["accuracy"] for r in sel])  # every row has the same trial count: the mean of rows
 
-    s = {"trials_per_row": args.trials, "rows_per_method": len(list(row_specs(args))),
-         "trials_per_method": args.trials * len(list(row_specs(args)))}
+    n_rows = len(list(row_specs(args))) if rows_done is None else rows_done
+    s = {"trials_per_row": args.trials, "rows_per_method": n_rows, "trials_per_method": args.trials * n_rows}
     ref_b = 512 if 512 in args.budgets else args.budgets[len(args.budgets) // 2]
     s["needle_reference_budget"] = ref_b
     s["needle_acc_dense"] = acc("dense")
@@ -183,46 +186,64 @@ def main(argv=None):
     specs = list(row_specs(args))
     methods = methods_for(args, max_generated=32)
     rng = random.Random(args.seed)
-    timings, rows = {}, []
-    per_len = {}
-    for n, task, d in tqdm(specs, desc="needle rows", file=sys.stdout):
+    timings, rows, per_len, out = {}, [], {}, None
+    for i, (n, task, d) in enumerate(tqdm(specs, desc="needle rows", file=sys.stdout)):
+        if time.time() - t_start > args.max_seconds:
+            print(f"--max-seconds {args.max_seconds}: stopping after {i} of {len(specs)} rows", flush=True)
+            break
         tasks = [make_needle_task(task, encode, filler, n, rng.random() if d is None else d, rng,
                                   filler_sub=nl[0]) for _ in range(args.trials)]
         t0 = time.perf_counter()
-        tl = {}
-        scores = evaluate_batch(model, tasks, methods, decode, prefill_batch=args.prefill_batch, timings=tl)
+        tl, texts = {}, {}
+        scores = evaluate_batch(model, tasks, methods, decode, prefill_batch=args.prefill_batch, timings=tl,
+                                texts=texts)
         for k, v in tl.items():
             timings[k] = timings.get(k, 0.0) + v
         per_len.setdefault(n, []).append(time.perf_counter() - t0)
         for name, sc in scores.items():
             method, _, budget = name.partition("@")
             rows.append({"method": method, "budget": int(budget) if budget else None, "length": n, "task": task,
-                         "depth": d, "accuracy": mean(sc), "n": len(sc)})
-    summary = summarize(rows, args)
-    table = [{"method": m, "budget": b, **{f"{n // 1024}K" if n >= 1024 else str(n):
-                                           summary[f"needle_acc_{m}_b{b}_{n}"] for n in args.lengths},
+                         "depth": d, "accuracy": mean(sc), "n": len(sc), "answer0": tasks[0].answers,
+                         "output0": texts[name][0].replace("\n", "\\n")})
+        out = report(rows, args, path, timings, per_len, t_start, complete=i + 1 == len(specs), final=False)
+    return report(rows, args, path, timings, per_len, t_start, complete=len(rows) == len(specs) * len(methods),
+                  final=True)
+
+
+def report(rows, args, path, timings, per_len, t_start, *, complete: bool, final: bool):
+    done = dict(args=args)
+    specs_done = {(r["length"], r["task"], r["depth"]) for r in rows}
+    summary = summarize(rows, args, rows_done=len(specs_done))
+    summary["complete"] = complete
+    table = [{"method": m, "budget": b, **{_len_tag(n): summary[f"needle_acc_{m}_b{b}_{n}"] for n in args.lengths},
               "all": summary[f"needle_acc_{m}_b{b}"]} for m in ("shadowkv", "quest") for b in args.budgets]
-    table.insert(0, {"method": "dense", "budget": None, **{f"{n // 1024}K" if n >= 1024 else str(n):
-                                                          summary[f"needle_acc_dense_{n}"] for n in args.lengths},
+    table.insert(0, {"method": "dense", "budget": None,
+                     **{_len_tag(n): summary[f"needle_acc_dense_{n}"] for n in args.lengths},
                      "all": summary["needle_acc_dense"]})
-    bench.print_table([r for r in rows], ["method", "budget", "length", "task", "depth", "accuracy", "n"])
-    print()
-    bench.print_table(table)
-    print({k: summary[k] for k in ("needle_acc_dense", "needle_acc_shadowkv", "needle_acc_quest",
-                                   "needle_gap_vs_dense_points", "needle_goal_vs_dense_met",
-                                   "needle_goal_vs_quest_met")})
+    if final:
+        bench.print_table(rows, ["method", "budget", "length", "task", "depth", "accuracy", "n", "output0"])
+        print()
+        bench.print_table(table)
+        print({k: summary[k] for k in ("needle_acc_dense", "needle_acc_shadowkv", "needle_acc_quest",
+                                       "needle_gap_vs_dense_points", "needle_goal_vs_dense_met",
+                                       "needle_goal_vs_quest_met", "complete")})
     wall = time.time() - t_start
-    extra = {"model": path, "settings": vars(args), "wall_s": wall, "timings_s": timings,
+    extra = {"model": path, "settings": vars(done["args"]), "wall_s": wall, "timings_s": timings,
              "row_seconds_by_length": per_len, "table": table,
              "protocol": "prefill prompt[:-1] densely once per row batch; each method decodes the last prompt "
                          "token + the answer greedily through its own cache; single/multikey: first number == key; "
                          "multivalue: recall of the values"}
     device_tag = args.device_tag or bench.detect_device()
     out = bench.write_result(args.name, rows, summary, device=device_tag, extra=extra, results_dir=args.out)
-    plot(rows, summary, args, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')} in {wall:.1f} s")
+    if rows:
+        plot(rows, summary, args, out.with_suffix(".png"))
+    if final:
+        print(f"wrote {out} and {out.with_suffix('.png')} in {wall:.1f} s")
     return out
 
+
+def _len_tag(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 if __name__ == "__main__":
     main()

@@ -211,7 +211,7 @@ def _sync(device):
 
 
 def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Callable[[list], str], *,
-                   prefill_batch: int = 8, timings: Optional[dict] = None) -> dict:
+                   prefill_batch: int = 8, timings: Optional[dict] = None, texts: Optional[dict] = None) -> dict:
     """Scores of every method on a batch of tasks of one length and kind. ``methods``: name -> a ShadowKVConfig,
     or None for dense attention.
 
@@ -220,7 +220,8 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
     attention (with transformers' ``generate`` the first answer token would come from the dense prefill).
     Configs that differ only in ``sparse_budget`` / ``max_generated`` share one compression
     (:meth:`ShadowKVCache.fork`). Returns name -> list of scores (one per task, see :func:`score_answer`);
-    ``timings`` (when given) accumulates seconds of prefill / compress / decode and the decode steps."""
+    ``timings`` (when given) accumulates seconds of prefill / compress / decode and the decode steps; ``texts``
+    (when given) receives name -> the decoded answers."""
     import time
 
     from .cache import ShadowKVCache
@@ -265,6 +266,9 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
         tm["compress_s"] += t1 - t0
         tm["decode_s"] += time.perf_counter() - t1
         tm["decode_steps"] += steps
-        scores[name] = [score_answer(decode(row.tolist()), t) for row, t in zip(out.cpu(), tasks)]
+        answers = [decode(row.tolist()) for row in out.cpu()]
+        scores[name] = [score_answer(a, t) for a, t in zip(answers, tasks)]
+        if texts is not None:
+            texts[name] = answers
         del cache
     return scores
