@@ -211,7 +211,8 @@ def _sync(device):
 
 
 def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Callable[[list], str], *,
-                   prefill_batch: int = 8, timings: Optional[dict] = None, texts: Optional[dict] = None) -> dict:
+                   prefill_batch: int = 8, timings: Optional[dict] = None, texts: Optional[dict] = None,
+                   backend: str = "auto") -> dict:
     """Scores of every method on a batch of tasks of one length and kind. ``methods``: name -> a ShadowKVConfig,
     or None for dense attention.
 
@@ -221,7 +222,8 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
     Configs that differ only in ``sparse_budget`` / ``max_generated`` share one compression
     (:meth:`ShadowKVCache.fork`). Returns name -> list of scores (one per task, see :func:`score_answer`);
     ``timings`` (when given) accumulates seconds of prefill / compress / decode and the decode steps; ``texts``
-    (when given) receives name -> the decoded answers."""
+    (when given) receives name -> the decoded answers. ``backend``: the ShadowKV engines' backend ("auto":
+    kernels on CUDA where they apply, else the reference)."""
     import time
 
     from .cache import ShadowKVCache
@@ -256,6 +258,7 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
                 from dataclasses import replace
 
                 base = ShadowKVCache(model, replace(cfg, min_prompt_len=1))
+                base.engine.backend = backend if cfg.selector == "shadowkv" else "auto"  # Quest: reference only
                 base.load_prompt(kv)
                 compressed[key] = base
             cache = compressed[key].fork(model, cfg)
