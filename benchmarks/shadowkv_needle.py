@@ -2,7 +2,7 @@
 attention, ShadowKV and the Quest-style selector at several sparse budgets; accuracy against budget.
 
 Rows per prompt length: ``single`` (one pass key) at each of ``--depths``, ``multikey`` (4 keys, one asked) and
-``multivalue`` (one key, 2 values, both must come back: recall). The haystack is real text (the corpus'
+``multivalue`` (one key, 2 values, both must come back: recall; weak for SmolLM2-135M even densely). The haystack is real text (the corpus'
 validation split), every method sees the same prompts. The prompt minus its last token is prefilled densely
 once; each method then decodes the last prompt token and the whole answer through its own cache (so no answer
 token comes from the dense prefill). Configs that differ only in the budget share one compression.
@@ -14,7 +14,8 @@ token comes from the dense prefill). Configs that differ only in the budget shar
 
 Summary keys (budget 512 unless suffixed): ``needle_acc_dense``, ``needle_acc_shadowkv``, ``needle_acc_quest``,
 ``needle_gap_vs_dense_points`` (ShadowKV - dense, points), ``needle_acc_{shadowkv,quest}_b<budget>``,
-``needle_gap_vs_quest_points_b<budget>``, per length ``needle_acc_<method>_<L>`` and the trial counts.
+``needle_gap_vs_quest_points_b<budget>``, per length ``needle_acc_<method>_<L>``, per task
+``needle_acc_<method>_<task>`` and the trial counts.
 """
 
 from __future__ import annotations
@@ -135,6 +136,13 @@ def summarize(rows, args, rows_done: int = None) -> dict:
         for b in args.budgets:
             s[f"needle_acc_shadowkv_b{b}_{n}"] = acc("shadowkv", b, n)
             s[f"needle_acc_quest_b{b}_{n}"] = acc("quest", b, n)
+    for task in args.tasks:
+        sel = lambda m, b=None: mean([r["accuracy"] for r in rows if r["method"] == m and r["task"] == task  # noqa: E731
+                                      and (b is None or r["budget"] == b)])
+        s[f"needle_acc_dense_{task}"] = sel("dense")
+        for b in args.budgets:
+            s[f"needle_acc_shadowkv_b{b}_{task}"] = sel("shadowkv", b)
+            s[f"needle_acc_quest_b{b}_{task}"] = sel("quest", b)
     p, N = s["needle_acc_dense"], s["trials_per_method"]
     s["needle_dense_se_points"] = 100 * math.sqrt(max(p * (1 - p), 0.0) / N) if N else float("nan")
     s["needle_goal_vs_dense_met"] = bool(s["needle_gap_vs_dense_points"] >= -2.0)

@@ -137,7 +137,10 @@ def make_needle_task(kind: str, encode: Callable[[str], list], filler: Sequence[
         nums = rng.sample(range(10000, 100000), values)
         needles = [(depth if i == 0 else rng.random(), f"\nOne of the pass keys of the {w} is {n}. Remember it.\n")
                    for i, n in enumerate(nums)]
-        question = f"\nWhat are the pass keys of the {w}? The pass keys of the {w} are"
+        many = {2: "two", 3: "three", 4: "four"}.get(values, str(values))
+        # "The pass keys of the <w> are" drew " the following:" from SmolLM2-135M; naming the count draws
+        # "<n> and <n>" (the format), though this model still misses the values on CPU probes
+        question = f"\nWhat are the {many} pass keys of the {w}? The {many} pass keys of the {w} are"
         answers = [str(n) for n in nums]
     head, tail = encode(INTRO_RULER), encode(question)
     parts = [(d, encode(t)) for d, t in needles]
