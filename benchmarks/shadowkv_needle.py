@@ -196,7 +196,7 @@ def main(argv=None):
     specs = list(row_specs(args))
     methods = methods_for(args, max_generated=32)
     rng = random.Random(args.seed)
-    timings, rows, per_len, out = {}, [], {}, None
+    timings, rows, per_len = {}, [], {}
     for i, (n, task, d) in enumerate(tqdm(specs, desc="needle rows", file=sys.stdout)):
         if time.time() - t_start > args.max_seconds:
             print(f"--max-seconds {args.max_seconds}: stopping after {i} of {len(specs)} rows", flush=True)
@@ -215,13 +215,12 @@ def main(argv=None):
             rows.append({"method": method, "budget": int(budget) if budget else None, "length": n, "task": task,
                          "depth": d, "accuracy": mean(sc), "n": len(sc), "answer0": tasks[0].answers,
                          "output0": texts[name][0].replace("\n", "\\n")})
-        out = report(rows, args, path, timings, per_len, t_start, complete=i + 1 == len(specs), final=False)
+        report(rows, args, path, timings, per_len, t_start, complete=False, final=False)  # a checkpoint
     return report(rows, args, path, timings, per_len, t_start, complete=len(rows) == len(specs) * len(methods),
                   final=True)
 
 
 def report(rows, args, path, timings, per_len, t_start, *, complete: bool, final: bool):
-    done = dict(args=args)
     specs_done = {(r["length"], r["task"], r["depth"]) for r in rows}
     summary = summarize(rows, args, rows_done=len(specs_done))
     summary["complete"] = complete
@@ -238,7 +237,7 @@ def report(rows, args, path, timings, per_len, t_start, *, complete: bool, final
                                        "needle_gap_vs_dense_points", "needle_goal_vs_dense_met",
                                        "needle_goal_vs_quest_met", "complete")})
     wall = time.time() - t_start
-    extra = {"model": path, "settings": vars(done["args"]), "wall_s": wall, "timings_s": timings,
+    extra = {"model": path, "settings": vars(args), "wall_s": wall, "timings_s": timings,
              "row_seconds_by_length": per_len, "table": table,
              "protocol": "prefill prompt[:-1] densely once per row batch; each method decodes the last prompt "
                          "token + the answer greedily through its own cache; single/multikey: first number == key; "
