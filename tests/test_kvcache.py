@@ -350,3 +350,104 @@ def test_hf_quantized_attention_survives_a_shadowkv_generate(hf_model):
     assert not cache.dense and cache.engine.stats["reference_steps"] > 0
     with torch.no_grad():  # the calls ShadowKV does not take still run quantized attention, not plain SDPA
         assert torch.equal(model(ids).logits, quantized)
+
+
+# ----------------------------------------------------------------------------- RULER-style rows, shared compression
+
+def _toy_codec():
+    encode = lambda s: [ord(ch) % 100 + 1 for ch in s]  # noqa: E731  (never 0: the filler's separator)
+    return encode, [(7 * i + 3) % 101 for i in range(3000)]
+
+
+def test_fork_decodes_like_a_fresh_cache_and_checks_its_config(hf_model):
+    from thrifty.kvcache.needle import dense_prefill, greedy_steps
+
+    ids = torch.randint(0, 101, (2, 90), generator=torch.Generator().manual_seed(3))
+    kv = dense_prefill(hf_model, ids[:, :-1], batch=1)  # two sub-batches, concatenated
+    base = ShadowKVCache(hf_model, small_config(rank=20, sparse_budget=8, min_prompt_len=16))
+    base.load_prompt(kv)
+    for budget in (8, 16):
+        cfg = small_config(rank=20, sparse_budget=budget, min_prompt_len=16)
+        fresh = ShadowKVCache(hf_model, cfg)
+        fresh.load_prompt(kv)
+        want = greedy_steps(hf_model, fresh, ids[:, -1:], 5)
+        got = greedy_steps(hf_model, base.fork(hf_model, cfg), ids[:, -1:], 5)
+        assert torch.equal(got, want)
+    assert base.engine.generated(0) == 0 and base.engine.states[0].gen_k.shape[2] == 0  # the source is untouched
+    with pytest.raises(ValueError, match="rank"):
+        base.fork(hf_model, small_config(rank=12, min_prompt_len=16))
+    with pytest.raises(ValueError, match="selector"):
+        base.fork(hf_model, small_config(rank=20, min_prompt_len=16, selector="quest"))
+    used = ShadowKVCache(hf_model, small_config(rank=20, min_prompt_len=16))
+    used.load_prompt(kv)
+    greedy_steps(hf_model, used, ids[:, -1:], 1)
+    with pytest.raises(ValueError, match="already decoded"):
+        used.fork(hf_model, small_config(rank=20, min_prompt_len=16))
+    with pytest.raises(ValueError, match="no compressed prompt"):
+        ShadowKVCache(hf_model, small_config(rank=20)).fork(hf_model, small_config(rank=20))
+
+
+def test_needle_tasks_layout():
+    import random
+
+    from thrifty.kvcache.needle import make_needle_task
+
+    encode, filler = _toy_codec()
+    rng = random.Random(0)
+    for kind in ("single", "multikey", "multivalue"):
+        for depth in (0.0, 0.3, 1.0):
+            t = make_needle_task(kind, encode, filler, 600, depth, rng, keys=3, values=3, filler_sub=5)
+            ids = t.input_ids[0].tolist()
+            assert len(ids) == 600 and t.kind == kind and 0 not in ids  # filler_sub replaced the separator
+            assert len(t.answers) == (3 if kind == "multivalue" else 1) and len(set(t.answers)) == len(t.answers)
+            for a in t.answers:
+                assert _find(ids, encode(f" {a}.")), (kind, a)
+            # the asked needle sits at ``depth`` of the filler (the frame is ~100 tokens here)
+            first = min(_find(ids, encode(f" {t.answers[0]}.")))
+            assert abs(first / 600 - depth) < 0.35, (kind, depth, first)
+    with pytest.raises(ValueError, match="kind"):
+        make_needle_task("twokeys", encode, filler, 600, 0.5, rng)
+    with pytest.raises(ValueError, match="length"):
+        make_needle_task("multikey", encode, filler, 120, 0.5, rng)
+
+
+def _find(ids, pat):
+    return [i for i in range(len(ids) - len(pat) + 1) if ids[i:i + len(pat)] == pat]
+
+
+def test_score_answer():
+    from thrifty.kvcache.needle import NeedleTask, score_answer
+
+    one = NeedleTask("single", torch.zeros(1, 1), ["12345"], 1, 0.5)
+    assert score_answer(" 12345.", one) == 1.0
+    assert score_answer(" 1234.", one) == 0.0 and score_answer(" the 12345", one) == 1.0
+    assert score_answer(" 7, 12345", one) == 0.0 and score_answer("", one) == 0.0
+    mv = NeedleTask("multivalue", torch.zeros(1, 1), ["11111", "22222"], 1, 0.5)
+    assert score_answer(" 22222 and 11111", mv) == 1.0 and score_answer(" 22222, 3", mv) == 0.5
+    assert score_answer(" 222223", mv) == 0.0
+
+
+def test_evaluate_batch_full_budget_matches_dense_and_small_budget_runs(hf_model):
+    import random
+
+    from thrifty.kvcache.needle import evaluate_batch, make_needle_task
+
+    encode, filler = _toy_codec()
+    rng = random.Random(1)
+    tasks = [make_needle_task("single", encode, filler, 300, 0.5, rng) for _ in range(3)]
+    seen = []
+    decode = lambda ids: seen.append(list(ids)) or "".join(str(i % 10) for i in ids)  # noqa: E731
+    methods = {"dense": None,
+               "full": small_config(rank=32, sparse_budget=400, max_generated=16, min_prompt_len=1),  # everything
+               "small": small_config(rank=32, sparse_budget=8, max_generated=16, min_prompt_len=1),
+               "quest": small_config(rank=32, sparse_budget=8, max_generated=16, selector="quest")}
+    timings = {}
+    scores = evaluate_batch(hf_model, tasks, methods, decode, prefill_batch=2, timings=timings)
+    assert list(scores) == list(methods) and all(len(s) == 3 for s in scores.values())
+    dense, full = seen[0:3], seen[3:6]
+    assert dense == full and len(dense[0]) == 8  # 7 steps per answer + 1
+    assert scores["dense"] == scores["full"]
+    assert timings["decode_steps"] == 4 * 8 and timings["prefill_s"] > 0
+    with pytest.raises(ValueError, match="one prompt length"):
+        evaluate_batch(hf_model, tasks[:1] + [make_needle_task("single", encode, filler, 310, 0.5, rng)],
+                       methods, decode)

@@ -287,6 +287,31 @@ class ShadowKVCache(_cache_base()):
         for i, (k, v) in enumerate(keys_values):
             self.engine.prefill(i, k, v, lengths)
 
+    def fork(self, model, config: ShadowKVConfig) -> "ShadowKVCache":
+        """A new cache over this cache's compressed prompt with another ``sparse_budget`` / ``max_generated``
+        (the compression, which does not depend on them, is done once: a sweep over budgets shares it). Only
+        before this cache decodes; the compression settings (rank, chunk_size, outlier_chunks, local_chunks,
+        host_values, selector) must match. The prompt state is shared read-only: each cache decodes on its own
+        (the reference path appends into new tensors, the kernel path into its own buffers)."""
+        import dataclasses
+
+        if not isinstance(config, ShadowKVConfig):
+            raise TypeError(f"config: expected a ShadowKVConfig, got {type(config).__name__}")
+        if self._dense is not False:
+            raise ValueError("fork: this cache holds no compressed prompt (none yet, or a dense one)")
+        if any(self.engine.generated(i) for i in range(self.engine.num_layers)):
+            raise ValueError("fork: this cache has already decoded; fork it before its first decode step")
+        shared = ("rank", "chunk_size", "outlier_chunks", "local_chunks", "host_values", "selector")
+        diff = [f"{f} ({getattr(self.config, f)!r} vs {getattr(config, f)!r})" for f in shared
+                if getattr(config, f) != getattr(self.config, f)]
+        if diff:
+            raise ValueError(f"config: a fork shares the compressed prompt, so these must match: {', '.join(diff)}")
+        new = type(self)(model, config)
+        new._dense, new._prompt_width = False, self._prompt_width
+        new.engine.states = [dataclasses.replace(st) for st in self.engine.states]
+        new.engine.cos, new.engine.sin, new.engine.backend = self.engine.cos, self.engine.sin, self.engine.backend
+        return new
+
     def _decide(self, prompt_len: int) -> bool:
         if self._dense is None:
             self._dense = prompt_len < self.config.min_prompt_len
