@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -49,7 +50,8 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaLaunchCooperativeKernel")
 VIEW_OPS = {"view", "t", "transpose", "detach", "_unsafe_view", "slice", "expand", "unsqueeze", "squeeze",
             "split", "alias", "as_strided", "permute", "select", "_reshape_alias", "unbind", "split_with_sizes"}
-BITNET_KERNELS = ("_quantize_rows_kernel", "_norm_backward_kernel", "_ternary_kernel")
+BITNET_LAUNCHERS = {"_QUANTIZE_LAUNCH": "_quantize_rows_kernel", "_NORM_BACKWARD_LAUNCH": "_norm_backward_kernel",
+                    "_TERNARY_LAUNCH": "_ternary_kernel"}
 
 
 class RandomTokens:
@@ -81,23 +83,19 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-class _CountedKernel:
-    """Stands in for a @triton.jit kernel of quant_kernel while counting: ``kernel[grid](...)`` counted."""
+class _CountedLaunch:
+    """Stands in for a launcher of quant_kernel (``_QUANTIZE_LAUNCH`` ...) while counting its launches."""
 
-    def __init__(self, kernel, name, counter: OpCounter, launches: collections.Counter):
-        self.kernel, self.name, self.counter, self.launches = kernel, name, counter, launches
+    def __init__(self, launch, name, counter: OpCounter, launches: collections.Counter):
+        self.launch, self.name, self.counter, self.launches = launch, name, counter, launches
 
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.launches[(self.counter.phase, self.name)] += 1
-            self.counter.inside_kernel += 1
-            try:
-                return launch(*args, **kwargs)
-            finally:
-                self.counter.inside_kernel -= 1
-        return run
+    def __call__(self, *args, **kwargs):
+        self.launches[(self.counter.phase, self.name)] += 1
+        self.counter.inside_kernel += 1
+        try:
+            return self.launch(*args, **kwargs)
+        finally:
+            self.counter.inside_kernel -= 1
 
 
 def make_trainer(recipe: str, fused, args, device) -> Trainer:
@@ -114,9 +112,9 @@ def make_trainer(recipe: str, fused, args, device) -> Trainer:
 def count_step(trainer: Trainer) -> dict:
     """One step under the op counter: aten ops per phase, conversions, syncs, BitLinear paths, Triton launches."""
     counter, launches = OpCounter(), collections.Counter()
-    saved = {n: getattr(QK, n) for n in BITNET_KERNELS}
-    for n in BITNET_KERNELS:
-        setattr(QK, n, _CountedKernel(saved[n], n, counter, launches))
+    saved = {n: getattr(QK, n) for n in BITNET_LAUNCHERS}
+    for n, kernel in BITNET_LAUNCHERS.items():
+        setattr(QK, n, _CountedLaunch(saved[n], kernel, counter, launches))
     original_loss, original_clip = trainer._loss, torch.nn.utils.clip_grad_norm_
 
     def loss(inputs, labels):
@@ -232,11 +230,20 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
 
     rows, tables, per = [], {}, {}
+    trainers = {}
     for recipe in recipes:
-        trainer = make_trainer(recipe, fused, args, device)
+        trainers[recipe] = trainer = make_trainer(recipe, fused, args, device)
         for _ in range(args.warmup):
             trainer.train_step()
-        step_ms = time_fn(trainer.train_step, warmup=0, reps=args.reps, device=device).median_ms
+    # step times interleaved (fp, b1.58, a4.8, fp, ...): no recipe pays for running later in the process
+    # (bitnet_step.py times them one after the other)
+    times = collections.defaultdict(list)
+    for _ in range(args.reps):
+        for recipe in recipes:
+            times[recipe] += time_fn(trainers[recipe].train_step, warmup=0, reps=1, device=device).times_ms
+    for recipe in recipes:
+        trainer = trainers.pop(recipe)
+        step_ms = statistics.median(times[recipe])
         counts = count_step(trainer)
         prof, table = profile_step(trainer, device, args.top)
         tables[recipe] = table

@@ -14,6 +14,10 @@ from ..models.llama import RMSNorm
 from . import reference as ref
 
 FUSED_KINDS = ("int8", "int4", "topk_int8")
+# Read once: the kernels were jitted for the interpreter or the GPU when quant_kernel was imported, and the
+# checks per forward (an environment read and a torch.device each) were ~10 µs of host time per BitLinear call.
+_TRITON = kernels_available("cuda")
+_KERNELS_ON_CPU = kernels_available("cpu")
 
 
 def _blend(x: torch.Tensor, q: torch.Tensor, strength: float) -> torch.Tensor:
@@ -121,11 +125,13 @@ class BitLinear(nn.Module):
     # ------------------------------------------------------------------------------------------------ forward
 
     def _use_kernels(self, x: torch.Tensor) -> bool:
+        if self.fused is True:
+            return x.is_cuda
         if self.fused == "triton":
-            if not kernels_available(x.device):
+            if not (_TRITON and x.is_cuda) and not (_KERNELS_ON_CPU and x.device.type == "cpu"):
                 raise ValueError(f"fused: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
             return True
-        return self.fused is True and x.is_cuda
+        return False
 
     def _matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype F.linear computes in: autocast's, else the input's."""
