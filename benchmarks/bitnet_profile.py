@@ -153,6 +153,38 @@ def count_step(trainer: Trainer) -> dict:
     return out
 
 
+def phase_split(trainer: Trainer, device) -> dict:
+    """Host-bound or GPU-bound, per phase: one forward + backward (the Trainer's, without the optimizer) with a
+    host clock and a CUDA event at the same three points. The event after the forward completes when the GPU
+    has run the forward; the host reaches that point when it has enqueued it. GPU ms ≈ host ms: the GPU waited
+    for the host (launch overhead); GPU ms ≫ host ms: the GPU is the bottleneck."""
+    cuda = device.type == "cuda"
+    inputs, labels = trainer.train_data.batch(trainer.cfg.batch_size, trainer.cfg.seq_len, generator=trainer.generator)
+    inputs, labels = inputs.to(device), labels.to(device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else None
+    if cuda:
+        torch.cuda.synchronize()
+    t = [time.perf_counter()]
+    if cuda:
+        events[0].record()
+    with trainer._autocast():
+        loss = trainer._loss(inputs, labels)
+    t.append(time.perf_counter())
+    if cuda:
+        events[1].record()
+    loss.backward()
+    t.append(time.perf_counter())
+    if cuda:
+        events[2].record()
+        torch.cuda.synchronize()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    out = {"fwd_host_ms": (t[1] - t[0]) * 1e3, "bwd_host_ms": (t[2] - t[1]) * 1e3,
+           "loss_finite": bool(torch.isfinite(loss.detach()).item())}
+    if cuda:
+        out.update(fwd_gpu_ms=events[0].elapsed_time(events[1]), bwd_gpu_ms=events[1].elapsed_time(events[2]))
+    return out
+
+
 def profile_step(trainer: Trainer, device, top: int) -> tuple:
     """(step summary, top kernel rows) of one profiled step."""
     cuda = device.type == "cuda"
@@ -246,17 +278,21 @@ def main(argv=None) -> int:
         step_ms = statistics.median(times[recipe])
         counts = count_step(trainer)
         prof, table = profile_step(trainer, device, args.top)
+        split = phase_split(trainer, device)
         tables[recipe] = table
-        per[recipe] = {"step_ms": step_ms, **prof, **counts}
+        per[recipe] = {"step_ms": step_ms, **prof, **counts, **split}
         rows.append({"what": "step", "recipe": recipe, "step_ms": step_ms, "host_ms": prof["host_ms"],
                      "gpu_busy_ms": prof["gpu_busy_ms"], "kernel_launches": prof["kernel_launches"],
                      "cuda_syncs": prof["cuda_syncs"], "item_syncs": counts["item_syncs"],
                      "aten_ops": counts["aten_ops"], "to_copy": counts["to_copy_fwd"] + counts["to_copy_bwd"],
-                     "triton_launches": sum(counts[f"triton_launches_{p}"] for p in ("fwd", "bwd", "opt"))})
+                     "triton_launches": sum(counts[f"triton_launches_{p}"] for p in ("fwd", "bwd", "opt")),
+                     **{k: v for k, v in split.items()}})
         rows += [{"what": "kernel", "recipe": recipe, **r} for r in table[:args.top]]
         print(f"\n== {recipe}: step {step_ms:.2f} ms, GPU busy {prof['gpu_busy_ms']:.2f} ms, host "
               f"{prof['host_ms']:.2f} ms, launches {prof['kernel_launches']}, syncs {prof['cuda_syncs']} "
               f"(item {counts['item_syncs']}), aten ops {counts['aten_ops']}", flush=True)
+        print("   forward/backward, host vs GPU ms:", {k: round(v, 2) if isinstance(v, float) else v
+                                                      for k, v in split.items()})
         print("   paths:", counts["bitlinear_paths"], " triton:", counts["triton_launches_by_kernel"])
         print_table(table[:args.top], ["kernel", "calls", "total_us", "us_per_call"], max_width=90)
         print_table(prof["host_top"], ["op", "calls", "self_cpu_us"], max_width=80)
@@ -276,7 +312,10 @@ def main(argv=None) -> int:
         summary.update({f"step_ms_{tag}": v["step_ms"], f"gpu_busy_ms_{tag}": v["gpu_busy_ms"],
                         f"host_ms_{tag}": v["host_ms"], f"kernel_launches_{tag}": v["kernel_launches"],
                         f"cuda_syncs_{tag}": v["cuda_syncs"], f"item_syncs_{tag}": v["item_syncs"],
-                        f"aten_ops_{tag}": v["aten_ops"]})
+                        f"aten_ops_{tag}": v["aten_ops"], f"fwd_host_ms_{tag}": v["fwd_host_ms"],
+                        f"bwd_host_ms_{tag}": v["bwd_host_ms"],
+                        **({f"fwd_gpu_ms_{tag}": v["fwd_gpu_ms"], f"bwd_gpu_ms_{tag}": v["bwd_gpu_ms"]}
+                           if "fwd_gpu_ms" in v else {})})
     summary["seconds"] = time.perf_counter() - t_start
     extra = {"args": vars(args), "per_recipe": per,
              "note": "smoke run: tiny sizes, CPU profiler, measures nothing" if args.smoke else
@@ -284,8 +323,8 @@ def main(argv=None) -> int:
     results_dir = Path(args.out) if args.out else default_results_dir()
     path = write_result("bitnet_profile", rows, summary, device=label, extra=extra, results_dir=results_dir)
     print_table([r for r in rows if r["what"] == "step"],
-                ["recipe", "step_ms", "gpu_busy_ms", "host_ms", "kernel_launches", "cuda_syncs", "item_syncs",
-                 "aten_ops", "to_copy", "triton_launches"])
+                ["recipe", "step_ms", "gpu_busy_ms", "host_ms", "fwd_host_ms", "fwd_gpu_ms", "bwd_host_ms",
+                 "bwd_gpu_ms", "kernel_launches", "cuda_syncs", "item_syncs", "aten_ops", "triton_launches"])
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
     print(f"wrote {path} in {summary['seconds']:.1f} s")
     return 0

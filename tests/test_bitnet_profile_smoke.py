@@ -21,7 +21,8 @@ def test_bitnet_profile_smoke(tmp_path):
     result = json.loads((tmp_path / "bitnet_profile_cpu.json").read_text())
     steps = {r["recipe"]: r for r in result["rows"] if r["what"] == "step"}
     assert set(steps) == {"fp", "b1.58", "a4.8"}
-    assert all(r["step_ms"] > 0 and r["aten_ops"] > 0 for r in steps.values())
+    for r in steps.values():
+        assert r["step_ms"] > 0 and r["aten_ops"] > 0 and r["fwd_host_ms"] > 0 and r["loss_finite"], r
     assert {r["recipe"] for r in result["rows"] if r["what"] == "diff"} == {"a4.8 - b1.58", "b1.58 - fp"}
     assert any(r["what"] == "kernel" and r["recipe"] == "a4.8" and r["calls"] > 0 for r in result["rows"])
     per = result["extra"]["per_recipe"]
