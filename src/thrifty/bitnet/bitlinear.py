@@ -18,6 +18,18 @@ FUSED_KINDS = ("int8", "int4", "topk_int8")
 # checks per forward (an environment read and a torch.device each) were ~10 µs of host time per BitLinear call.
 _TRITON = kernels_available("cuda")
 _KERNELS_ON_CPU = kernels_available("cpu")
+_QK = None
+
+
+def _quant_kernel():
+    """thrifty.bitnet.quant_kernel, imported on first use (it needs Triton), then from a global: an import
+    statement per forward is a few µs of host time."""
+    global _QK
+    if _QK is None:
+        from . import quant_kernel
+
+        _QK = quant_kernel
+    return _QK
 
 
 def _blend(x: torch.Tensor, q: torch.Tensor, strength: float) -> torch.Tensor:
@@ -159,8 +171,7 @@ class BitLinear(nn.Module):
         return q
 
     def _quantize(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        from . import quant_kernel as QK
-
+        QK = _quant_kernel()
         if self.activation == "none":
             self.last_path = "none"
             return self._normed(x).to(out_dtype)
@@ -181,9 +192,7 @@ class BitLinear(nn.Module):
         """The ternary weight with the STE gradient (and the λ blend), in ``dtype`` (default the weight's)."""
         w = self.weight
         if self.strength == 1.0 and self._use_kernels(w):
-            from .quant_kernel import TernaryWeightSTE
-
-            return TernaryWeightSTE.apply(w, self.weight_splits, dtype or w.dtype)
+            return _quant_kernel().TernaryWeightSTE.apply(w, self.weight_splits, dtype or w.dtype)
         q = ref.quantize_weight_ternary(w.detach(), self.weight_splits)
         return ref.ste(w, _blend(w.detach(), q, self.strength)).to(dtype or w.dtype)
 

@@ -181,6 +181,16 @@ _NORM_BACKWARD_LAUNCH = FastLauncher(_norm_backward_kernel)
 _TERNARY_LAUNCH = FastLauncher(_ternary_kernel)
 
 
+def _pow2(n: int) -> int:
+    """``triton.next_power_of_2`` in plain Python: Triton 3.6's is a constexpr_function, ~10 µs per host call."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` in plain Python (also a constexpr_function in Triton 3.6)."""
+    return -(-a // b)
+
+
 def supports(kind: str, dim: int) -> bool:
     """True when the fused kernel handles quantizer ``kind`` on rows of ``dim`` features."""
     return kind in KINDS and dim <= MAX_ROW[kind]
@@ -206,7 +216,7 @@ def _launch(x, kind, beta_scale, topk_ratio, norm_weight, norm_eps, out_dtype):
     out = torch.empty((rows.shape[0], D), dtype=out_dtype, device=x.device)
     rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if norm_weight is not None else None
     if rows.shape[0] and D:
-        block = triton.next_power_of_2(D)
+        block = _pow2(D)
         shift, key_bits = KEYS[x.dtype]
         _QUANTIZE_LAUNCH(
             (rows.shape[0],), rows, norm_weight if norm_weight is not None else rows, out,
@@ -233,10 +243,10 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, gra
     g = grad.reshape(xr.shape).contiguous()
     dx = torch.empty_like(xr)
     n = xr.shape[0]
-    programs = triton.cdiv(n, NORM_BACKWARD_ROWS)
+    programs = _cdiv(n, NORM_BACKWARD_ROWS)
     parts = torch.empty((max(programs, 1), D), dtype=torch.float32, device=x.device)
     if programs:
-        block = triton.next_power_of_2(D)
+        block = _pow2(D)
         _NORM_BACKWARD_LAUNCH((programs,), xr, g, weight, rstd, dx, parts, n, D, xr.stride(0), g.stride(0),
                               dx.stride(0), ROWS=NORM_BACKWARD_ROWS, BLOCK_D=block, num_warps=_num_warps(block),
                               num_stages=3)
@@ -276,7 +286,7 @@ def ternary_weight(w: torch.Tensor, splits: Optional[Sequence[int]] = None,
     if not splits:  # the common case, one matrix: no split views, no slicing of the output
         if w.numel():
             l1 = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
-            _TERNARY_LAUNCH((triton.cdiv(w.numel(), WEIGHT_BLOCK),), w, l1, out, w.numel(), BLOCK=WEIGHT_BLOCK,
+            _TERNARY_LAUNCH((_cdiv(w.numel(), WEIGHT_BLOCK),), w, l1, out, w.numel(), BLOCK=WEIGHT_BLOCK,
                             EPS_=EPS, num_warps=8, num_stages=3)
         return out
     row = 0
@@ -284,7 +294,7 @@ def ternary_weight(w: torch.Tensor, splits: Optional[Sequence[int]] = None,
         n = part.numel()
         if n:
             l1 = torch.linalg.vector_norm(part, 1, dtype=torch.float32)
-            _TERNARY_LAUNCH((triton.cdiv(n, WEIGHT_BLOCK),), part, l1, out[row:row + part.shape[0]], n,
+            _TERNARY_LAUNCH((_cdiv(n, WEIGHT_BLOCK),), part, l1, out[row:row + part.shape[0]], n,
                             BLOCK=WEIGHT_BLOCK, EPS_=EPS, num_warps=8, num_stages=3)
         row += part.shape[0]
     return out
