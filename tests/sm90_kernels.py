@@ -371,19 +371,20 @@ def _bitnet():
                         dict(KIND=QK.KINDS[kind], HAS_NORM=norm, KEY_SHIFT=shift, KEY_BITS=key_bits, BLOCK_D=block,
                              EPS_=EPS),
                         {"x_ptr": PTR[x_dtype], "y_ptr": PTR[y_dtype], "w_ptr rstd_ptr": "*fp32"},
-                        fp32="beta_scale norm_eps", num_warps=QK._num_warps(block))  # as _launch
+                        fp32="beta_scale norm_eps", num_warps=QK._num_warps(block), num_stages=3)  # as _launch
         yield entry(QK._quantize_rows_kernel, f"{kind} fp32 D=1 (Triton makes D a constant 1) norm=True",
                     dict(KIND=QK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=0, KEY_BITS=31, BLOCK_D=1, EPS_=EPS),
-                    {"x_ptr y_ptr w_ptr rstd_ptr": "*fp32"}, fp32="beta_scale norm_eps", ones="D", num_warps=1)
+                    {"x_ptr y_ptr w_ptr rstd_ptr": "*fp32"}, fp32="beta_scale norm_eps", ones="D", num_warps=1,
+                    num_stages=3)
     for dtype, D in ((bf16, 384), (bf16, 1024), (bf16, 1536), (fp32, 576)):
         block = triton.next_power_of_2(D)
         yield entry(QK._norm_backward_kernel, f"{NAME[dtype]} D={D}", dict(ROWS=QK.NORM_BACKWARD_ROWS, BLOCK_D=block),
                     {"x_ptr g_ptr dx_ptr": PTR[dtype], "w_ptr rstd_ptr dw_part_ptr": "*fp32"},
-                    num_warps=QK._num_warps(block))  # as norm_backward
+                    num_warps=QK._num_warps(block), num_stages=3)  # as norm_backward
     for dtype in (bf16, fp32):
         yield entry(QK._ternary_kernel, NAME[dtype], dict(BLOCK=QK.WEIGHT_BLOCK, EPS_=EPS),
-                    {"w_ptr alpha_ptr": "*fp32", "out_ptr": PTR[dtype]}, i64="",
-                    num_warps=8)  # literal in ternary_weight
+                    {"w_ptr l1_ptr": "*fp32", "out_ptr": PTR[dtype]}, i64="",
+                    num_warps=8, num_stages=3)  # literal in ternary_weight
 
 
 SPECS = _unique([*_attention(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_bitnet()])

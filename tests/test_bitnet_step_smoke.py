@@ -17,7 +17,8 @@ def test_bitnet_step_smoke(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(tmp_path.glob("bitnet_step_*.json")).read_text())
-    for key in ("train_step_time_ratio_a48_vs_fp", "train_step_time_ratio_b158_vs_fp", "topk_over_int8_time"):
+    for key in ("train_step_time_ratio_a48_vs_fp", "train_step_time_ratio_b158_vs_fp", "topk_over_int8_time",
+                "topk_over_int8_gpu_time"):
         assert result["summary"][key] > 0, key
     assert {r["variant"] for r in result["rows"] if r["what"] == "step"} == {
         "fp", "b1.58", "a4.8", "a4.8 (reference quantizers)"}

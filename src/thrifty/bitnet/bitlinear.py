@@ -14,6 +14,22 @@ from ..models.llama import RMSNorm
 from . import reference as ref
 
 FUSED_KINDS = ("int8", "int4", "topk_int8")
+# Read once: the kernels were jitted for the interpreter or the GPU when quant_kernel was imported, and the
+# checks per forward (an environment read and a torch.device each) were ~10 µs of host time per BitLinear call.
+_TRITON = kernels_available("cuda")
+_KERNELS_ON_CPU = kernels_available("cpu")
+_QK = None
+
+
+def _quant_kernel():
+    """thrifty.bitnet.quant_kernel, imported on first use (it needs Triton), then from a global: an import
+    statement per forward is a few µs of host time."""
+    global _QK
+    if _QK is None:
+        from . import quant_kernel
+
+        _QK = quant_kernel
+    return _QK
 
 
 def _blend(x: torch.Tensor, q: torch.Tensor, strength: float) -> torch.Tensor:
@@ -122,11 +138,13 @@ class BitLinear(nn.Module):
     # ------------------------------------------------------------------------------------------------ forward
 
     def _use_kernels(self, x: torch.Tensor) -> bool:
+        if self.fused is True:
+            return x.is_cuda
         if self.fused == "triton":
-            if not kernels_available(x.device):
+            if not (_TRITON and x.is_cuda) and not (_KERNELS_ON_CPU and x.device.type == "cpu"):
                 raise ValueError(f"fused: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
             return True
-        return self.fused is True and x.is_cuda
+        return False
 
     def _matmul_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype F.linear computes in: autocast's, else the input's."""
@@ -154,8 +172,7 @@ class BitLinear(nn.Module):
         return q
 
     def _quantize(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        from . import quant_kernel as QK
-
+        QK = _quant_kernel()
         if self.activation == "none":
             self.last_path = "none"
             return self._normed(x).to(out_dtype)
@@ -176,9 +193,7 @@ class BitLinear(nn.Module):
         """The ternary weight with the STE gradient (and the λ blend), in ``dtype`` (default the weight's)."""
         w = self.weight
         if self.strength == 1.0 and self._use_kernels(w):
-            from .quant_kernel import TernaryWeightSTE
-
-            return TernaryWeightSTE.apply(w, self.weight_splits, dtype or w.dtype)
+            return _quant_kernel().TernaryWeightSTE.apply(w, self.weight_splits, dtype or w.dtype)
         q = ref.quantize_weight_ternary(w.detach(), self.weight_splits)
         return ref.ste(w, _blend(w.detach(), q, self.strength)).to(dtype or w.dtype)
 
