@@ -1,5 +1,6 @@
 """BitNet training-step time (issue #31): one step (forward, backward, AdamW) of fp, b1.58, a4.8 with the fused
-kernels and a4.8 with the reference quantizers, in one run at the same batch; and the activation quantizers alone
+kernels and a4.8 with the reference quantizers, in one run at the same batch, the variants timed in interleaved
+rounds (all four built first; each round visits every variant) so run order favours none; and the activation quantizers alone
 (INT8, INT4, TopK+INT8 at widths 384 / 1536 / 4096: GB/s and TopK time / INT8 time).
 
 Writes ``benchmarks/results/bitnet_step_<device>.json`` (summary keys ``train_step_time_ratio_a48_vs_fp``,
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -43,20 +46,35 @@ class RandomTokens:
         return ids[:, :-1], ids[:, 1:]
 
 
-def step_ms(recipe: str, fused, args, device) -> float:
-    """Median ms of one training step of ``recipe`` in its final stage (a4.8 as a4.8)."""
+def build_trainer(recipe: str, fused, args, device) -> Trainer:
+    """A trainer for one step of ``recipe`` in its final stage (a4.8 as a4.8), same init and batch for all."""
     config = preset(args.preset, vocab_size=args.vocab_size)
     with torch.device(device):
         model = LlamaForCausalLM(config).init_weights(seed=0)
     if recipe != "fp":
         bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
     cfg = TrainConfig(steps=10**6, batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-3, warmup_steps=1)
-    trainer = Trainer(model, RandomTokens(config.vocab_size), None, cfg)
-    ms = time_fn(trainer.train_step, warmup=args.warmup, reps=args.reps, device=device).median_ms
-    del trainer, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return ms
+    return Trainer(model, RandomTokens(config.vocab_size), None, cfg)
+
+
+def interleaved_step_ms(trainers: dict, args, device) -> dict[str, list[float]]:
+    """ms per step of every trainer, timed in rounds that visit the variants in turn: timed one after another,
+    the variants' times rose in run order (H100, 65ebb36: 36, 53, 72, 101 ms), so order must not favour one.
+    ``train_step`` ends with a host sync (``float(loss)``), so the wall clock is the step time."""
+    for trainer in trainers.values():
+        for _ in range(args.warmup):
+            trainer.train_step()
+    per_round = max(1, args.reps // args.rounds)
+    samples = {name: [] for name in trainers}
+    for _ in range(args.rounds):
+        for name, trainer in trainers.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                trainer.train_step()
+            samples[name].append((time.perf_counter() - t0) * 1e3 / per_round)
+    return samples
 
 
 def quantizer_rows(args, device, fused) -> list[dict]:
@@ -120,30 +138,36 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16384, help="rows of the quantizer table")
     ap.add_argument("--widths", default="384,1536,4096")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="timed steps per variant, spread over --rounds")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each visits every variant)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--label", default=None, help="device tag in the result name (default: detected device)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, results to a temporary folder")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.reps < args.rounds:
+        ap.error(f"--rounds/--reps: need 1 <= rounds <= reps, got rounds={args.rounds}, reps={args.reps}")
     fused = True
     if args.smoke:  # the kernels under the interpreter: set TRITON_INTERPRET=1 before thrifty is imported
         args.preset, args.vocab_size, args.batch_size, args.seq_len = "tiny", 256, 1, 8
         args.tokens, args.widths = 4, "33,130"
-        args.warmup, args.reps, fused = 1, 1, "triton"
+        args.warmup, args.reps, args.rounds, fused = 1, 2, 2, "triton"
         args.out = args.out or tempfile.mkdtemp(prefix="bitnet_step_smoke_")
     args.widths = [int(w) for w in str(args.widths).split(",")]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     label = args.label or detect_device(device)
     torch.manual_seed(0)
 
-    timings = {}
-    for name, recipe, use_kernels in VARIANTS:
-        timings[name] = step_ms(recipe, fused if use_kernels else False, args, device)
-        print(f"  {name}: {timings[name]:.2f} ms per step", flush=True)
+    trainers = {name: build_trainer(recipe, fused if use_kernels else False, args, device)
+                for name, recipe, use_kernels in VARIANTS}
+    samples = interleaved_step_ms(trainers, args, device)
+    del trainers
+    timings = {name: statistics.median(ms) for name, ms in samples.items()}
+    for name, ms in samples.items():
+        print(f"  {name}: {timings[name]:.2f} ms per step (rounds: {', '.join(f'{m:.1f}' for m in ms)})", flush=True)
     tokens = args.batch_size * args.seq_len
     rows = [{"what": "step", "variant": name, "step_ms": ms, "tokens_per_s": tokens / (ms / 1e3),
-             "vs_fp": ms / timings["fp"]} for name, ms in timings.items()]
+             "vs_fp": ms / timings["fp"], "round_ms": samples[name]} for name, ms in timings.items()]
     rows += quantizer_rows(args, device, fused)
     topk = {r["features"]: r["over_int8_time"] for r in rows if r.get("kind") == "topk_int8"}
     summary = {"train_step_time_ratio_a48_vs_fp": timings["a4.8"] / timings["fp"],
