@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from thrifty import bitnet
-from thrifty.bench import default_results_dir, detect_device, print_table, time_fn, write_result
+from thrifty.bench import RandomTokens, default_results_dir, detect_device, print_table, time_fn, write_result
 from thrifty.bitnet import quant_kernel as QK
 from thrifty.bitnet.bitlinear import BitLinear
 from thrifty.models import LlamaForCausalLM, preset
@@ -52,17 +52,6 @@ VIEW_OPS = {"view", "t", "transpose", "detach", "_unsafe_view", "slice", "expand
             "split", "alias", "as_strided", "permute", "select", "_reshape_alias", "unbind", "split_with_sizes"}
 BITNET_LAUNCHERS = {"_QUANTIZE_LAUNCH": "_quantize_rows_kernel", "_NORM_BACKWARD_LAUNCH": "_norm_backward_kernel",
                     "_TERNARY_LAUNCH": "_ternary_kernel"}
-
-
-class RandomTokens:
-    """Uniform random ids (the step time does not depend on the text)."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def batch(self, batch_size, seq_len, generator=None):
-        ids = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=generator)
-        return ids[:, :-1], ids[:, 1:]
 
 
 class OpCounter(TorchDispatchMode):

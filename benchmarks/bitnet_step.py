@@ -26,24 +26,13 @@ from pathlib import Path
 import torch
 
 from thrifty import bitnet
-from thrifty.bench import default_results_dir, detect_device, print_table, time_fn, write_result
+from thrifty.bench import RandomTokens, default_results_dir, detect_device, print_table, time_fn, write_result
 from thrifty.models import LlamaForCausalLM, preset
 from thrifty.train import Trainer, TrainConfig
 
 VARIANTS = (("fp", "fp", True), ("b1.58", "b1.58", True), ("a4.8", "a4.8", True),
             ("a4.8 (reference quantizers)", "a4.8", False))
 KINDS = ("int8", "int4", "topk_int8")
-
-
-class RandomTokens:
-    """Stands in for a TokenDataset: uniform random ids (the timing does not depend on them)."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def batch(self, batch_size, seq_len, generator=None):
-        ids = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=generator)
-        return ids[:, :-1], ids[:, 1:]
 
 
 def build_trainer(recipe: str, fused, args, device) -> Trainer:

@@ -277,6 +277,18 @@ def peak_memory(fn: Callable, *args, device: Optional[torch.device | str] = None
 
 
 # --------------------------------------------------------------------------------------------------- schema
+class RandomTokens:
+    """Stands in for a ``TokenDataset`` in step timings: uniform random ids (the time does not depend on the text,
+    so no corpus has to travel to the GPU box)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def batch(self, batch_size, seq_len, generator=None):
+        ids = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=generator)
+        return ids[:, :-1], ids[:, 1:]
+
+
 def default_results_dir() -> Path:
     """``$THRIFTY_RESULTS``, else ``<checkout>/benchmarks/results``, else ``./benchmarks/results``."""
     env = os.environ.get("THRIFTY_RESULTS")

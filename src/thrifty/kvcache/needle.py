@@ -17,6 +17,17 @@ INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and
 QUESTION = "\nWhat is the pass key? The pass key is"
 
 
+def _haystack(filler, n_fill: int, length: int, rng) -> list[int]:
+    """``n_fill`` consecutive filler tokens from a random offset; the frame (intro, needles, question) takes the
+    rest of ``length``."""
+    if n_fill < 1:
+        raise ValueError(f"length: expected more than {length - n_fill} tokens for the prompt frame, got {length}")
+    if len(filler) < n_fill:
+        raise ValueError(f"filler: expected at least {n_fill} tokens, got {len(filler)}")
+    start = rng.randrange(0, len(filler) - n_fill + 1)
+    return [int(t) for t in filler[start:start + n_fill]]
+
+
 def needle_text(key: int) -> str:
     return f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 
@@ -38,12 +49,7 @@ def make_passkey_task(encode: Callable[[str], list], filler: Sequence[int], leng
     key = rng.randint(10000, 99999)
     head, needle, tail = encode(INTRO), encode(needle_text(key)), encode(QUESTION)
     n_fill = length - len(head) - len(needle) - len(tail)
-    if n_fill < 1:
-        raise ValueError(f"length: expected more than {length - n_fill} tokens for the prompt frame, got {length}")
-    if len(filler) < n_fill:
-        raise ValueError(f"filler: expected at least {n_fill} tokens, got {len(filler)}")
-    start = rng.randrange(0, len(filler) - n_fill + 1)
-    fill = [int(t) for t in filler[start:start + n_fill]]
+    fill = _haystack(filler, n_fill, length, rng)
     cut = round(depth * n_fill)
     ids = head + fill[:cut] + needle + fill[cut:] + tail
     return PasskeyTask(torch.tensor([ids]), key, length, depth)
@@ -145,12 +151,7 @@ def make_needle_task(kind: str, encode: Callable[[str], list], filler: Sequence[
     head, tail = encode(INTRO_RULER), encode(question)
     parts = [(d, encode(t)) for d, t in needles]
     n_fill = length - len(head) - len(tail) - sum(len(p) for _, p in parts)
-    if n_fill < 1:
-        raise ValueError(f"length: expected more than {length - n_fill} tokens for the prompt frame, got {length}")
-    if len(filler) < n_fill:
-        raise ValueError(f"filler: expected at least {n_fill} tokens, got {len(filler)}")
-    start = rng.randrange(0, len(filler) - n_fill + 1)
-    fill = [int(t) for t in filler[start:start + n_fill]]
+    fill = _haystack(filler, n_fill, length, rng)
     if filler_sub is not None:
         fill = [t if t else filler_sub for t in fill]
     ids, prev = list(head), 0
