@@ -697,15 +697,19 @@ def sec_e2e(ctx: Ctx):
         model.zero_grad(set_to_none=True)
         return loss
 
-    for which in ("sdpa", "thrifty"):
+    # Two rounds here too, only the second recorded: on 2026-11-25 (H200) the first-measured CCE-only step read
+    # 65 ms in the new tree against 45 ms in the old, while thrifty attention + CCE read 53 ms after it.
+    rounds = [("sdpa", False), ("thrifty", False)] * (0 if ctx.smoke else 1) + [("sdpa", True), ("thrifty", True)]
+    for which, record in rounds:
         fig = "e2e_train_2k_ms" if which == "thrifty" else "e2e_train_2k_cce_only_ms"
         try:
             ctx.guard(fig, 5)
             switch(which)
             t = ctx.time_wall(train_step, warmup=2, reps=6, budget_s=4.0)
-            ctx.add(fig, "ms", t["ms"], higher_is_better=False, kind="anchor" if which == "sdpa" else "thrifty",
-                    anchor="e2e_train_2k_cce_only_ms" if which == "thrifty" else None, S=S_train,
-                    label=f"train step 1x{S_train}, CCE loss, {which} attention", **t)
+            if record:
+                ctx.add(fig, "ms", t["ms"], higher_is_better=False, kind="anchor" if which == "sdpa" else "thrifty",
+                        anchor="e2e_train_2k_cce_only_ms" if which == "thrifty" else None, S=S_train,
+                        label=f"train step 1x{S_train}, CCE loss, {which} attention", **t)
         except Exception as e:  # noqa: BLE001
             ctx.error(fig, e)
         finally:
