@@ -1,12 +1,16 @@
 """The structure of ``src/thrifty`` as a newcomer reads it from its imports.
 
-    python scripts/import_graph.py [--json]
+    python scripts/import_graph.py [--json] [--src DIR]
+
+``--src`` measures another tree's ``src`` folder, e.g. an older commit's:
+``git archive <sha> src | tar -x -C /tmp/old && python scripts/import_graph.py --src /tmp/old/src``.
 
 A *room* is a subpackage of ``thrifty`` (``loss/``, ``neuzip/``, ...) or a top-level module (``cli.py``,
 ``bench.py``, ...); ``thrifty/__init__.py`` and ``__main__.py`` are the entrance, not rooms. A *floor* is a
 room's height: rooms that import no other room are on floor 0, every other room sits one floor above the
-highest room it imports (the rooms of an import cycle share a floor). Every import counts, also those inside
-functions: a lazy import still ties the two rooms together. Imports a package's ``__init__`` runs implicitly
+highest room it imports (the rooms of an import cycle share a floor). Every import that runs counts, also
+those inside functions (a lazy import still ties the two rooms together); those under ``if TYPE_CHECKING:``
+do not (they never run). Imports a package's ``__init__`` runs implicitly
 do not count (every submodule would otherwise import its whole package).
 
 Prints rooms, floors, the import cycles between modules and between rooms, and the largest room by lines.
@@ -48,10 +52,20 @@ def _resolve(node: ast.ImportFrom, module: str, files: dict[str, Path]) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node except those under ``if TYPE_CHECKING:``: annotation-only imports never run."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (n for child in node.orelse for n in ast.walk(child))
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
 def imports_of(module: str, files: dict[str, Path]) -> set[str]:
     """The package's own modules that ``module`` imports (``from pkg import sub`` imports the submodule only)."""
     found = set()
-    for node in ast.walk(ast.parse(files[module].read_text())):
+    for node in _runtime_nodes(ast.parse(files[module].read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -170,8 +184,11 @@ def report(m: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the measures as JSON")
+    ap.add_argument("--src", type=Path, default=ROOT, help="the folder that holds the thrifty package")
     args = ap.parse_args(argv)
-    m = measure()
+    if not (args.src / PACKAGE / "__init__.py").is_file():
+        ap.error(f"--src: {args.src} holds no {PACKAGE}/__init__.py")
+    m = measure(args.src)
     print(json.dumps(m, indent=1) if args.json else report(m))
     return 0
 
