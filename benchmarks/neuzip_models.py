@@ -207,7 +207,7 @@ def trained_model(args, device):
 
 
 def infer_rows(args, device, base, val, measure_speed=True):
-    from thrifty.neuzip.cli import validation_perplexity
+    from thrifty.evaluate import validation_perplexity
 
     seq, bsz, batches = (64, 2, 2) if args.smoke else (args.eval_seq, args.eval_batch, args.eval_batches)
     x = torch.randint(0, base.config.vocab_size, (args.speed_batch if not args.smoke else 2, seq), device=device)
@@ -253,7 +253,7 @@ def infer_rows(args, device, base, val, measure_speed=True):
 
 def fp32_rows(args, device, val):
     """The checkpoint's fp32 weights, plain and NeuZip lossless (same perplexity by construction; the ratio)."""
-    from thrifty.neuzip.cli import validation_perplexity
+    from thrifty.evaluate import validation_perplexity
 
     seq, bsz, batches = (64, 2, 2) if args.smoke else (args.eval_seq, args.eval_batch, args.eval_batches)
     rows = []

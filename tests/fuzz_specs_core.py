@@ -286,11 +286,11 @@ def safetensors_models(draw):
 def _cli_write(model, path):
     from safetensors.torch import save_file
 
-    from thrifty.neuzip.cli import compress_main
+    from thrifty.cli import main
 
     src = path.parent / (path.name + ".in.safetensors")
     save_file(model, str(src))
-    assert compress_main([str(src), str(path)]) == 0
+    assert main(["compress", str(src), str(path)]) == 0
 
 
 def _cli_read(path):
@@ -299,12 +299,12 @@ def _cli_read(path):
 
     from safetensors.torch import load_file
 
-    from thrifty.neuzip.cli import decompress_main
+    from thrifty.cli import main
 
     out = path.parent / (path.name + ".out.safetensors")
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        rc = decompress_main([str(path), str(out)])
+        rc = main(["decompress", str(path), str(out)])
     if rc == 2:  # a user error: one line on stderr, no traceback
         lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("thrifty")]
         assert len(lines) == 1 and "Traceback" not in err.getvalue(), err.getvalue()
@@ -313,7 +313,7 @@ def _cli_read(path):
     return load_file(str(out))
 
 
-NEUZIP_CLI = FileSpec("neuzip.cli", safetensors_models(), _cli_write, _cli_read,
+NEUZIP_CLI = FileSpec("cli.neuzip", safetensors_models(), _cli_write, _cli_read,
                       lambda a, b: set(a) == set(b) and all(same_bits(a[k], b[k]) for k in a), max_examples=15)
 
 

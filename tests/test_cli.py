@@ -30,12 +30,16 @@ def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
 
 def test_python_m_thrifty_help():
     import os
+    import re
     import subprocess
     import sys
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-m", "thrifty", "--help"], capture_output=True, text=True, env=env)
-    assert done.returncode == 0 and "demo" in done.stdout and "pretrain" in done.stdout
+    # -X importtime lists every module the command imported: the help of every verb needs no torch
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "thrifty", "--help"], capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 0 and all(verb in done.stdout for verb in VERBS)
+    assert not re.search(r"\|\s+torch$", done.stderr, re.MULTILINE)
 
 
 @needs_corpus
@@ -71,7 +75,7 @@ def test_compress_decompress_subcommands(tmp_path):
 def test_setup_with_own_corpus_folder(tmp_path):
     import shutil
 
-    from thrifty.cli import _corpus
+    from thrifty.cli.commands import _corpus
     from thrifty.data import TokenDataset
 
     folder = tmp_path / "my_texts"
@@ -93,7 +97,7 @@ def test_optimize_verb_describes_the_model(tmp_path, capsys):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from thrifty.cli import OPTIMIZE_PRESETS
+    from thrifty.cli.commands import OPTIMIZE_PRESETS
     from thrifty.compose import PRESETS
 
     assert OPTIMIZE_PRESETS == PRESETS
@@ -105,10 +109,70 @@ def test_optimize_verb_describes_the_model(tmp_path, capsys):
     assert "bitnet    recipe a4.8: 14 BitLinear layers" in out and "cce       loss without logits" in out
 
 
+def _one_line_error(capsys, argv, says):
+    """A user error: exit status 2 and one line on stderr that names the verb and the problem."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"thrifty {argv[0]}") and says in err, err
+
+
 def test_optimize_verb_user_errors_are_one_line(tmp_path, capsys):
-    with pytest.raises(SystemExit):  # argparse: an unknown preset
-        main(["optimize", "train-fast"])
-    assert "invalid choice: 'train-fast'" in capsys.readouterr().err
-    assert main(["optimize", "train-bitnet", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("thrifty optimize:")
+    _one_line_error(capsys, ["optimize", "train-fast"], "invalid choice: 'train-fast'")
+    _one_line_error(capsys, ["optimize", "train-bitnet", "--model", str(tmp_path / "missing"), "--device", "cpu"],
+                    "no config.json")
+
+
+VERBS = ("setup", "demo", "optimize", "pretrain", "eval", "compress", "decompress", "stage")
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_has_help(verb, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([verb, "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: thrifty {verb}")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["fly"], "invalid choice: 'fly'"),
+    ([], "the following arguments are required: VERB"),
+    (["demo", "--quik"], "unrecognized arguments: --quik"),
+    (["pretrain", "--steps", "many"], "--steps: invalid int value: 'many'"),
+    (["eval"], "the following arguments are required: model"),
+    (["compress", "in.safetensors"], "the following arguments are required: out"),
+    (["compress", "a", "b", "--steps", "100"], "--steps: invalid choice: 100"),
+    (["decompress", "missing.nz", "out.safetensors", "--impl", "cuda"], "--impl: invalid choice: 'cuda'"),
+    (["stage", "unpack"], "invalid choice: 'unpack'"),
+])
+def test_argument_errors_are_one_line(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("thrifty") and says in err and "--help" in err, err
+
+
+def test_missing_input_files_are_one_line(tmp_path, capsys):
+    _one_line_error(capsys, ["decompress", str(tmp_path / "missing.nz"), str(tmp_path / "out.safetensors")],
+                    "missing.nz")
+    _one_line_error(capsys, ["compress", str(tmp_path / "missing.safetensors"), str(tmp_path / "out.nz")],
+                    "cannot read")
+
+
+def test_compress_choices_match_neuzip():
+    from thrifty.cli import neuzip as verbs
+    from thrifty.neuzip import reference
+
+    assert (verbs.LANE_STEPS, verbs.DEFAULT_STEPS) == (reference.LANE_STEPS, reference.STEPS)
+
+
+def test_no_technique_package_imports_the_cli():
+    import ast
+    from pathlib import Path
+
+    import thrifty
+
+    root = Path(thrifty.__file__).parent
+    for package in ("attention", "bitnet", "kvcache", "loss", "neuzip"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    assert "cli" not in (node.module or "").split("."), f"{path} imports {node.module}"

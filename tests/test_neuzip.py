@@ -10,7 +10,7 @@ import torch
 
 from thrifty.neuzip import CompressedTensor, compress, load, save
 from thrifty.neuzip import reference as R
-from thrifty.neuzip.cli import compress_main, decompress_main
+from thrifty.cli import main
 from thrifty.neuzip.tensor import _from_streams
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -445,17 +445,17 @@ def test_cli_round_trip(tmp_path, capsys, trained_weights):
              "steps": torch.tensor([3, 4])}
     src, mid, dst = tmp_path / "m.safetensors", tmp_path / "m.nz", tmp_path / "back.safetensors"
     save_file(model, str(src))
-    assert compress_main([str(src), str(mid)]) == 0
+    assert main(["compress", str(src), str(mid)]) == 0
     summary = capsys.readouterr().out
     assert "before" in summary and "bits per exponent" in summary and "entropy" in summary
-    assert decompress_main([str(mid), str(dst)]) == 0
+    assert main(["decompress", str(mid), str(dst)]) == 0
     back = load_file(str(dst))
     assert all(torch.equal(back[k].view(torch.uint8), model[k].view(torch.uint8)) for k in model)
-    assert compress_main([str(src), str(mid), "--mantissa-bits", "3", "--steps", "128"]) == 0
-    assert decompress_main([str(mid), str(dst)]) == 0
+    assert main(["compress", str(src), str(mid), "--mantissa-bits", "3", "--steps", "128"]) == 0
+    assert main(["decompress", str(mid), str(dst)]) == 0
     capsys.readouterr()  # drop the compress/decompress summaries above
     mid.write_bytes(mid.read_bytes()[:-10])
-    assert decompress_main([str(mid), str(dst)]) == 2
+    assert main(["decompress", str(mid), str(dst)]) == 2
     err = capsys.readouterr().err
     assert "truncated" in err and str(mid) in err and len(err.strip().splitlines()) == 1
 

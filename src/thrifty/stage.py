@@ -116,27 +116,39 @@ def receive(carry: Path, out: Path | None = None) -> str:
     return f"unpacked {len(index['files'])} files into {out}"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="thrifty stage", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ``pack`` / ``next`` / ``receive`` sub-verbs, on ``thrifty stage`` or ``python -m thrifty.stage``."""
+    dest = str((repo_root() or Path.cwd()) / ".stage")
+    sub = ap.add_subparsers(dest="step", required=True)
     p = sub.add_parser("pack", help="split model + corpus into parts under .stage/")
-    p.add_argument("--dest", default=str((repo_root() or Path.cwd()) / ".stage"))
+    p.add_argument("--dest", default=dest)
     p.add_argument("--part-mib", type=int, default=60)
     n = sub.add_parser("next", help="put the next unsent part into .stage/carry/")
-    n.add_argument("--dest", default=str((repo_root() or Path.cwd()) / ".stage"))
+    n.add_argument("--dest", default=dest)
     r = sub.add_parser("receive", help="(on the GPU box) take the carried part")
     r.add_argument("carry")
-    args = ap.parse_args(argv)
-    if args.cmd == "pack":
+    ap.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.step == "pack":
         index = pack(Path(args.dest), default_payload(), args.part_mib)
         print(f"{len(index['parts'])} parts, {index['total_bytes'] / 2**20:.1f} MiB in {args.dest}")
-    elif args.cmd == "next":
+    elif args.step == "next":
         name = next_part(Path(args.dest))
         print(name or "all parts sent")
     else:
         print(receive(Path(args.carry)))
     return 0
+
+
+def main(argv=None) -> int:
+    """``python3 -m thrifty.stage receive DIR`` on the GPU box, where the ``thrifty`` command is not installed."""
+    ap = argparse.ArgumentParser(prog="thrifty stage", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from .._checks import check_bool, check_choice, check_positive_int, check_range, check_tensor
 from ..triton_utils import kernels_available
-from ..models.llama import RMSNorm
+from ..layers import RMSNorm
 from . import reference as ref
 
 FUSED_KINDS = ("int8", "int4", "topk_int8")

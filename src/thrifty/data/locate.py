@@ -1,5 +1,4 @@
-"""Where the commands find their corpus and device (shared by ``thrifty`` and its NeuZip verbs, so no command
-imports another's module)."""
+"""Where the commands and the demo find their corpus and device."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ and Liger) the only way to skip them is to replace the model's ``forward``. Only
 Works for models whose forward is ``self.model(...)`` -> hidden states -> ``self.lm_head`` (Llama, Mistral,
 Qwen2, SmolLM2, ...). An FSDP2-sharded ``lm_head`` works: sharded with its final norm
 (thrifty.parallel.shard_model, transformers' own FSDP plan) its weight is already gathered when the loss runs;
-sharded alone, the loss runs inside its all-gather (thrifty.parallel.run_with_gathered_head).
+sharded alone, the loss runs inside its all-gather (loss.gathered_head.run_with_gathered_head).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _classifier_loss(head, hidden, targets, **kw):
 def _head_loss(head, hidden, targets, **kw):
     """The loss on ``head``'s weight; an FSDP2 head whose forward did not run is all-gathered around it."""
     if type(head.weight).__name__ == "DTensor":
-        from ..parallel import run_with_gathered_head
+        from .gathered_head import run_with_gathered_head
         return run_with_gathered_head(head, _classifier_loss, hidden, targets, **kw)
     return _classifier_loss(head, hidden, targets, **kw)
 

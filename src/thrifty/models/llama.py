@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_positive_int, check_range, check_tensor
+from ..layers import RMSNorm  # noqa: F401 (importable from here too)
 
 
 @dataclass
@@ -130,19 +131,6 @@ def _is_dtensor(x) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        # normalize in fp32 like HF, then cast back before the scale
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
 
 class RotaryEmbedding(nn.Module):
     """Default (unscaled) RoPE in the rotate-half layout HF uses; cos/sin come from a table built once per

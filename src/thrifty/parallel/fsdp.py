@@ -1,6 +1,7 @@
 """FSDP2 for thrifty's models: process-group start-up from the torchrun environment, ``shard_model``
-(per-block units, the (norm, lm_head) tail, the root), the classifier call that works on a sharded lm_head (run_with_gathered_head),
-per-rank data, and the cross-rank means the trainer reports.
+(per-block units, the (norm, lm_head) tail, the root), per-rank data, and the cross-rank means the trainer
+reports. The classifier call that works on a sharded lm_head (``run_with_gathered_head``, re-exported here)
+lives in ``thrifty.loss.gathered_head``: the loss seam needs it, and this package builds on the loss kernels.
 
 Everything here is PyTorch's own engine (``torch.distributed``, ``fully_shard``); thrifty adds only the wiring.
 """
@@ -8,16 +9,15 @@ Everything here is PyTorch's own engine (``torch.distributed``, ``fully_shard``)
 from __future__ import annotations
 
 import os
-import types
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .._checks import check_positive_int
+from ..loss.gathered_head import run_with_gathered_head  # noqa: F401 (public here too)
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -108,29 +108,6 @@ def shard_model(model: torch.nn.Module, mesh: Optional[DeviceMesh] = None, *,
 def mesh_of(model: torch.nn.Module) -> Optional[DeviceMesh]:
     """The data-parallel mesh of a model sharded by :func:`shard_model`, else None."""
     return getattr(model, "thrifty_mesh", None)
-
-
-def _head_call(self, fn, *args, **kwargs):
-    return fn(self, *args, **kwargs)
-
-
-def run_with_gathered_head(head: torch.nn.Module, fn: Callable, *args, **kwargs):
-    """``fn(head, *args, **kwargs)`` with ``head``'s parameters all-gathered when ``head`` is an FSDP2 unit
-    whose forward has not run (its weight is then a sharded DTensor, which no kernel can use); a plain call
-    otherwise (a plain head, or the head of :func:`shard_model`, already gathered with the final norm).
-
-    The call goes through a method registered with ``register_fsdp_forward_method``, so FSDP2 runs its
-    pre-forward all-gather (with the mixed-precision cast of the parameters and of float arguments), its
-    post-forward reshard and, in backward, the re-gather and the reduce-scatter of the gradients -- exactly
-    as for ``head(x)``. A head that is not an FSDP2 unit is called as is (a tensor-parallel classifier keeps
-    its DTensor weight: give it to thrifty.parallel.vocab_parallel_cross_entropy).
-    """
-    if not (isinstance(head, FSDPModule) and isinstance(head.weight, DTensor)):
-        return fn(head, *args, **kwargs)
-    if "_thrifty_head_call" not in head.__dict__:
-        head._thrifty_head_call = types.MethodType(_head_call, head)
-        register_fsdp_forward_method(head, "_thrifty_head_call")
-    return head._thrifty_head_call(fn, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- data and means

@@ -1,31 +1,32 @@
-"""``thrifty`` command line: ``setup`` (real model + corpus), ``demo`` (the five techniques against the plain model),
-``pretrain``, ``stage``, and NeuZip's ``compress`` / ``decompress`` / ``eval``."""
+"""The model verbs: ``setup`` (real model + corpus), ``demo`` (the five techniques against the plain model),
+``optimize``, ``pretrain`` and ``eval``. Each ``add_<verb>`` declares its arguments; torch and the data code are
+imported when a verb runs, so that ``thrifty --help`` stays instant."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
+import time
 from pathlib import Path
 
 # thrifty.compose.PRESETS, spelled out so that `thrifty --help` imports no torch (a test keeps them equal)
 OPTIMIZE_PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small")
+CORPUS_HELP = "a folder of text files to use instead of the Debian docs"
 
 
 def _device(name: str):
-    from .data.locate import resolve_device  # imported on use: `thrifty --help` loads no data code
+    from ..data.locate import resolve_device
 
     return resolve_device(name)
 
 
 def _corpus(corpus_dir, max_mb=None, reuse=False):
-    from .data.locate import corpus_path
+    from ..data.locate import corpus_path
 
     return corpus_path(corpus_dir, max_mb, reuse)
 
 
 def cmd_setup(args) -> int:
-    from . import pretrained
+    from .. import pretrained
 
     path = pretrained.ensure_converted()
     print(f"model: {path}")
@@ -36,7 +37,7 @@ def cmd_setup(args) -> int:
 
 def cmd_demo(args) -> int:
     """The five techniques on the real SmolLM2 and corpus against the plain model (see thrifty.demo)."""
-    from .demo import SIZES, format_table, run_demo
+    from ..demo import SIZES, format_table, run_demo
 
     device = _device(args.device)
     size = SIZES["quick" if args.quick else ("gpu" if device.type == "cuda" else "cpu")]
@@ -54,7 +55,7 @@ def cmd_optimize(args) -> int:
 
     import thrifty
 
-    from . import pretrained
+    from .. import pretrained
 
     config = thrifty.OptimizeConfig.preset(args.preset)
     path = args.model or pretrained.ensure_converted(progress=False)
@@ -74,10 +75,10 @@ def cmd_pretrain(args) -> int:
     then per rank, and rank 0 writes history and plot (every rank its checkpoint shard)."""
     import torch
 
-    from . import parallel
-    from .data import TokenDataset
-    from .models import LlamaForCausalLM, preset
-    from .train import Trainer, TrainConfig
+    from .. import parallel
+    from ..data import TokenDataset
+    from ..models import LlamaForCausalLM, preset
+    from ..train import Trainer, TrainConfig
 
     distributed = parallel.launched_by_torchrun()
     device = parallel.init_distributed() if distributed else _device(args.device)
@@ -93,12 +94,12 @@ def cmd_pretrain(args) -> int:
     if args.loss != "torch":
         import functools
 
-        from .loss import lm_loss
+        from ..loss import lm_loss
 
         model.set_loss(functools.partial(lm_loss, impl=args.loss))
     schedule = None
     if args.recipe != "fp":  # BitNet: ternary weights, quantized activations; a4.8 trains two-stage from b1.58
-        from .bitnet import build_for_pretraining
+        from ..bitnet import build_for_pretraining
 
         schedule = build_for_pretraining(model, args.recipe, stage1_share=args.stage1_share)
     if args.compile:
@@ -141,26 +142,75 @@ def _plot_history(history, path, title):
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="thrifty", description="thrifty: cheaper LLM training and serving")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("setup", help="fetch and prepare the real model and the corpus (idempotent)")
-    s.add_argument("--corpus", default=None, help="a folder of text files to use instead of the Debian docs")
+def cmd_eval(args) -> int:
+    """Validation perplexity of a checkpoint (NeuZip-compressed or not), optionally NeuZip-compressed first."""
+    import torch
+
+    from ..data import TokenDataset
+    from ..evaluate import load_any_model, validation_perplexity
+    from ..neuzip import compress_model
+
+    for flag, n in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if n < 1:  # --batches 0 would print a perplexity of 1.0 over no tokens
+            raise ValueError(f"{flag}: expected an int >= 1, got {n}")
+    device = _device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" or args.neuzip not in (None, "lossless") else torch.float32
+    model = load_any_model(Path(args.model), device, dtype)
+    if args.neuzip is not None:
+        if getattr(model, "neuzip", None) is not None:
+            raise ValueError("--neuzip: the checkpoint is already compressed")
+        mode = "lossless" if args.neuzip == "lossless" else "lossy"
+        compress_model(model, mode, None if mode == "lossless" else int(args.neuzip))
+    val = TokenDataset(_corpus(args.corpus, reuse=True), "validation")
+    t0 = time.perf_counter()
+    r = validation_perplexity(model, val, args.batch_size, args.seq_len, args.batches, device)
+    print(f"model: {args.model} ({_weights(model)}, {next(model.parameters()).dtype}, {device})")
+    print(f"validation: {r['val_tokens']:,} tokens  loss {r['val_loss']:.4f}  perplexity {r['val_ppl']:.3f}  "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _weights(model) -> str:
+    """How the block weights are stored: uncompressed, or NeuZip's mode and ratio."""
+    state = getattr(model, "neuzip", None)
+    if state is None:
+        return "uncompressed"
+    lossy = f" k={state.config.mantissa_bits}" if state.config.mode == "lossy" else ""
+    return f"NeuZip {state.config.mode}{lossy}, block weights {state.memory()['ratio_vs_bf16']:.3f}x bf16"
+
+
+def add_setup(verbs) -> None:
+    s = verbs.add_parser("setup", help="fetch and prepare the real model and the corpus (idempotent)")
+    s.add_argument("--corpus", default=None, help=CORPUS_HELP)
     s.add_argument("--max-mb", type=float, default=None, help="cap the cleaned corpus (MB)")
-    d = sub.add_parser("demo", help="the five techniques on the real SmolLM2 against the plain model, one table "
-                                     "(CPU by default, the whole model on a GPU when present)")
-    d.add_argument("--corpus", default=None, help="a folder of text files to use instead of the Debian docs")
+    s.set_defaults(run=cmd_setup)
+
+
+def add_demo(verbs) -> None:
+    d = verbs.add_parser("demo", help="the five techniques on the real SmolLM2 against the plain model, one table "
+                                      "(CPU by default, the whole model on a GPU when present)")
+    d.add_argument("--corpus", default=None, help=CORPUS_HELP)
     d.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     d.add_argument("--quick", action="store_true", help="the smallest sizes (seconds; for tests)")
     d.add_argument("--out", default="runs/demo", help="folder for demo.json, loss_curves.png, memory.png")
-    o = sub.add_parser("optimize", help="apply a thrifty.optimize preset to a transformers model and describe it")
+    d.set_defaults(run=cmd_demo)
+
+
+def add_optimize(verbs) -> None:
+    o = verbs.add_parser("optimize", help="apply a thrifty.optimize preset to a transformers model and describe it")
     o.add_argument("preset", choices=OPTIMIZE_PRESETS)
     o.add_argument("--model", default=None, help="a transformers checkpoint folder (default: the real SmolLM2)")
-    o.add_argument("--device", default="auto")
-    t = sub.add_parser("pretrain", help="pre-train a preset-sized model from scratch on the corpus")
-    t.add_argument("--preset", default="30m")
-    t.add_argument("--corpus", default=None)
-    t.add_argument("--device", default="auto")
+    o.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    o.set_defaults(run=cmd_optimize)
+
+
+def add_pretrain(verbs) -> None:
+    t = verbs.add_parser("pretrain", help="pre-train a preset-sized model from scratch on the corpus")
+    t.add_argument("--preset", default="30m", help="model size (thrifty.models.PRESETS)")
+    t.add_argument("--corpus", default=None, help=CORPUS_HELP)
+    t.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--seq-len", type=int, default=512)
@@ -172,31 +222,20 @@ def main(argv=None) -> int:
     t.add_argument("--stage1-share", type=float, default=0.95,
                    help="BitNet: share of the steps in stage 1 (W1.58A8) before the recipe's own quantizers")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", default="runs/pretrain")
-    sub.add_parser("stage", help="stage model + corpus onto the GPU box in parts (see thrifty stage -h)",
-                   add_help=False)
-    sub.add_parser("compress", help="NeuZip-compress a .safetensors file (see thrifty compress -h)", add_help=False)
-    sub.add_parser("decompress", help="restore a NeuZip file to .safetensors (see thrifty decompress -h)",
-                   add_help=False)
-    sub.add_parser("eval", help="validation perplexity of a model, NeuZip-compressed or not (see thrifty eval -h)",
-                   add_help=False)
-    args, rest = ap.parse_known_args(argv)
-    if args.cmd == "stage":
-        from .stage import main as stage_main
-
-        return stage_main(rest)
-    if args.cmd in ("compress", "decompress", "eval"):
-        from .neuzip import cli as neuzip_cli
-
-        return getattr(neuzip_cli, f"{args.cmd}_main")(rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    try:
-        return {"setup": cmd_setup, "demo": cmd_demo, "pretrain": cmd_pretrain, "optimize": cmd_optimize}[args.cmd](args)
-    except (ValueError, OSError) as err:  # bad input (thrifty's checks, missing files): one line, exit 2
-        print(f"thrifty {args.cmd}: {err}", file=sys.stderr)
-        return 2
+    t.add_argument("--out", default="runs/pretrain", help="folder for the checkpoint, history.json and loss.png")
+    t.set_defaults(run=cmd_pretrain)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_eval(verbs) -> None:
+    e = verbs.add_parser("eval", help="validation perplexity of a model, NeuZip-compressed or not")
+    e.add_argument("model", help="checkpoint folder (NeuZip, thrifty or HF Llama layout) or 'smollm2'")
+    e.add_argument("--corpus", default=None, help=CORPUS_HELP)
+    e.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    e.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="weights of an uncompressed model (auto: bf16 on CUDA, fp32 on CPU)")
+    e.add_argument("--neuzip", default=None, choices=("lossless", "0", "1", "3", "7"),
+                   help="compress an uncompressed model first: lossless, or lossy k mantissa bits (bf16)")
+    e.add_argument("--batches", type=int, default=8)
+    e.add_argument("--batch-size", type=int, default=4)
+    e.add_argument("--seq-len", type=int, default=256)
+    e.set_defaults(run=cmd_eval)
