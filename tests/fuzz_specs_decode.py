@@ -93,15 +93,15 @@ SPECS = [DECODE_ARGS, CACHE_ARGS, CACHE_EMPTY_ARGS, DECODE_REFERENCE, DECODE_KER
 
 
 def _fields(B=1, H=2, C=4, D=8):
-    return dict(k=torch.zeros(B, H, C, D, dtype=torch.int8), k_scale=torch.ones(B, H, C),
-                v=torch.zeros(B, H, C, D, dtype=torch.int8), v_scale=torch.ones(B, H, C), length=2, bits=8)
+    return dict(k=torch.zeros(B, H, C, D, dtype=torch.uint8), k_scale=torch.ones(B, H, C),
+                v=torch.zeros(B, H, C, D, dtype=torch.uint8), v_scale=torch.ones(B, H, C), length=2, bits=8)
 
 
 QUANTIZED_KV_FIELDS = ArgSpec(  # the cache dataclass: every field validated at construction
     "attention.QuantizedKV", QuantizedKV, valid=_fields,
-    bad={"k": [torch.zeros(1, 2, 4, 8), torch.zeros(2, 4, 8, dtype=torch.int8), torch.zeros(1, 0, 4, 8, dtype=torch.int8),
-               torch.zeros(1, 2, 8, 4, dtype=torch.int8).transpose(-1, -2)],
-         "v": [torch.zeros(1, 2, 5, 8, dtype=torch.int8)], "k_scale": [torch.ones(1, 2, 4).double(), torch.ones(1, 2, 5)],
+    bad={"k": [torch.zeros(1, 2, 4, 8), torch.zeros(2, 4, 8, dtype=torch.uint8), torch.zeros(1, 0, 4, 8, dtype=torch.uint8),
+               torch.zeros(1, 2, 8, 4, dtype=torch.uint8).transpose(-1, -2)],
+         "v": [torch.zeros(1, 2, 5, 8, dtype=torch.uint8)], "k_scale": [torch.ones(1, 2, 4).double(), torch.ones(1, 2, 5)],
          "v_scale": [torch.ones(1, 2)], "length": [-1, 5, 1.0, None], "bits": [2, 8.0, True]},
     mention={"v": "v", "v_scale": "v_scale", "k_scale": "k_scale"})
 

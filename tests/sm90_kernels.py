@@ -162,10 +162,11 @@ def _attention():
 
 
 def _attention_decode():
-    """decode_kernel.decode_forward_triton (split + combine) and append_triton, for 1–16 query rows."""
+    """decode_kernel.decode_forward_triton (split + combine) and append_triton, for 1–16 query rows and every
+    cache width (packed 8/4/3-bit codes; the 3-bit mode reads its first-token plane)."""
     from thrifty.attention import decode_kernel as K
     from thrifty.attention.decode import DECODE_HEAD_DIMS
-    from thrifty.attention.kv_cache import CACHE_BITS, qmax_of
+    from thrifty.attention.kv_cache import CACHE_BITS
 
     cfg = K.DECODE_CONFIG
     assert K.decode_config() is cfg
@@ -176,18 +177,18 @@ def _attention_decode():
                                      (fp16, 3, 1, True), (fp32, 3, 1, True)):
             rows = max(16, 1 << (G * Sq - 1).bit_length())  # as decode_forward_triton
             label = f"D{D} {NAME[dtype]} G{G} Sq{Sq} rows{rows} {'causal' if causal else 'full'}"
-            yield entry(K._decode_split_kernel, label,
-                        dict(G=G, ROWS=rows, HEAD_DIM=D, BLOCK_N=cfg["block_n"], CAUSAL=causal),
-                        {"Q": PTR[dtype], "K V": "*i8", "Ks Vs Part ML": "*fp32"}, fp32="qk_scale", ones="s_qd",
-                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            for bits in CACHE_BITS:
+                yield entry(K._decode_split_kernel, f"{label} {bits}-bit",
+                            dict(G=G, ROWS=rows, HEAD_DIM=D, BLOCK_N=cfg["block_n"], CAUSAL=causal, BITS=bits),
+                            {"Q": PTR[dtype], "K V Ksink Vsink": "*u8", "Ks Vs Part ML": "*fp32"}, fp32="qk_scale",
+                            ones="s_qd", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             yield entry(K._decode_combine_kernel, label, dict(G=G, ROWS=rows, HEAD_DIM=D),
                         {"Part ML": "*fp32", "Out": PTR[dtype]}, ones="s_od",
                         num_warps=4, num_stages=1)  # literal in decode_forward_triton
         for bits in CACHE_BITS:
             for dtype in ((bf16, fp16, fp32) if bits == 8 else (bf16,)):
-                yield entry(K._append_kernel, f"D{D} {NAME[dtype]} int{bits}",
-                            dict(QMAX=float(qmax_of(bits)), HEAD_DIM=D),
-                            {"X": PTR[dtype], "Codes": "*i8", "Scale": "*fp32"}, ones="s_xd",
+                yield entry(K._append_kernel, f"D{D} {NAME[dtype]} {bits}-bit", dict(BITS=bits, HEAD_DIM=D),
+                            {"X": PTR[dtype], "Codes Sink": "*u8", "Scale": "*fp32"}, ones="s_xd",
                             num_warps=1, num_stages=1)  # literal in append_triton
 
 

@@ -7,7 +7,8 @@ import torch
 
 from thrifty.attention import (QuantizedKV, accuracy_metrics, decode_attention, enable_hf, exact_attention,
                                quantize_kv_cache, sage_attention, thrifty_kv_cache)
-from thrifty.attention.kv_cache import decode_attention_reference, quantize_per_token
+from thrifty.attention.kv_cache import (QuantizedKVCache, bytes_per_token, decode_attention_reference, pack_codes,
+                                        quantize_per_token, unpack_codes)
 from thrifty.triton_utils import interpreting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,22 +33,85 @@ def test_cache_append_grows_and_round_trips():
     assert cache.length == 21 and cache.k.shape[2] >= 21 and cache.shape == (2, 2, 21, 64)
     kd, vd = cache.dequantize()
     codes, scale = quantize_per_token(k, 8)
-    assert torch.equal(cache.k[:, :, :21], codes) and torch.equal(kd, codes.float() * scale[..., None])
-    assert accuracy_metrics(vd, v)["cos_sim"] > 0.9999 and cache.k.dtype == torch.int8
+    assert torch.equal(cache.k[:, :, :21], codes) and torch.equal(kd, (codes.float() - 127.5) * scale[..., None])
+    assert accuracy_metrics(vd, v)["cos_sim"] > 0.9999 and cache.k.dtype == torch.uint8
 
 
-@pytest.mark.parametrize("bits, qmax", [(8, 127), (4, 7), (3, 3)])
-def test_low_bit_codes_share_the_layout(bits, qmax):
-    _, k, v = _qkv(1, 1, 1, 1, 9, 64)
-    cache = quantize_kv_cache(k, v, bits=bits)
-    assert cache.k.dtype == torch.int8 and int(cache.k.abs().max()) == qmax
+@pytest.mark.parametrize("bits", [8, 4, 3])
+@pytest.mark.parametrize("D", [8, 64, 72])
+def test_packing_round_trips_every_code_in_every_channel(bits, D):
+    top = (1 << bits) - 1
+    codes = ((torch.arange(top + 1)[:, None] + torch.arange(D)[None, :]) % (top + 1)).to(torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (top + 1, D * bits // 8)  # exactly `bits` per value
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_packed_layout_by_hand():
+    """Byte j of a w-bit field holds channels j, j + n, ... at shifts 0, w, ...; 3 bits = a 2-bit field then a
+    1-bit field (the layout the decode kernel reads)."""
+    assert pack_codes(torch.tensor([1, 2, 3, 4], dtype=torch.uint8), 4).tolist() == [0x31, 0x42]
+    # low 2 bits 0,1,2,3,0,1,2,3 -> bytes 0|2<<2|0<<4|2<<6, 1|3<<2|1<<4|3<<6; bit 2: 0,0,0,0,1,1,1,1 -> 0xF0
+    assert pack_codes(torch.arange(8, dtype=torch.uint8), 3).tolist() == [136, 221, 240]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3])
+def test_quantizer_is_the_unsigned_absmax_grid(bits):
+    """Codes 0..2^bits − 1 spread evenly over [−absmax, absmax] of each token and head (no level at zero), so
+    the error is at most half a step, absmax / (2^bits − 1), and every token uses an end of the range."""
+    _, k, _ = _qkv(2, 3, 3, 1, 17, 64)
+    top = (1 << bits) - 1
+    codes, scale = quantize_per_token(k, bits)
+    absmax = k.abs().amax(-1)
+    assert codes.dtype == torch.uint8 and int(codes.max()) == top and int(codes.min()) == 0
+    assert ((codes == 0) | (codes == top)).any(-1).all()
+    grid = absmax[..., None] * (2 * codes.float() - top) / top  # the paper's levels, written independently
+    torch.testing.assert_close((codes.float() - top / 2) * scale[..., None], grid, rtol=1e-6, atol=1e-6)
+    assert ((grid - k).abs() <= absmax[..., None] / top * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_3bit_cache_keeps_the_first_token_at_4_bits(splits):
+    """The first token (BOS / attention sink) at 4 bits, whichever way it is appended; the others at 3."""
+    _, k, v = _qkv(1, 2, 2, 1, 12, 64)
+    cache = QuantizedKV.empty(1, 2, 4, 64, bits=3)
+    for chunk in torch.arange(12).chunk(splits):
+        cache.append(k[:, :, chunk], v[:, :, chunk])
+    kc, vc, zero = cache.codes()
+    assert zero.tolist() == [7.5] + [3.5] * 11
+    assert int(kc[:, :, 0].max()) == 15 and int(kc[:, :, 1:].max()) == 7
+    kd, vd = cache.dequantize()
+    for x, xd in ((k, kd), (v, vd)):
+        step = 2 * x.abs().amax(-1, keepdim=True)
+        err = (xd - x).abs()
+        assert (err[:, :, :1] <= step[:, :, :1] / 15 / 2 * 1.001).all() and (err <= step / 7 / 2 * 1.001).all()
+        assert err[:, :, :1].max() < err[:, :, 1:].max() / 1.5
+    assert cache.k.shape[-1] == 64 * 3 // 8 and cache.k_sink.shape == (1, 2, 8)
+
+
+def test_cache_bytes_are_bits_per_value_plus_scales():
+    _, k, v = _qkv(2, 2, 2, 1, 30, 128)
+    for bits, ratio in ((8, 0.516), (4, 0.266), (3, 0.203)):
+        cache = quantize_kv_cache(k, v, bits=bits)
+        assert bytes_per_token(128, bits) / bytes_per_token(128, None) == pytest.approx(ratio, abs=1e-3)
+        held = sum(t[:, :, :30].numel() * t.element_size() for t in (cache.k, cache.v, cache.k_scale, cache.v_scale))
+        sink = 0 if cache.k_sink is None else 2 * cache.k_sink.numel()
+        assert cache.nbytes() == held + sink == 2 * 2 * 2 * 30 * bytes_per_token(128, bits) + sink
 
 
 @pytest.mark.parametrize("make, err, match", [
     (lambda k, v: quantize_kv_cache(k, v, bits=5), ValueError, "bits"),
     (lambda k, v: quantize_kv_cache(k, v).append(k[:, :, :2, :32], v[:, :, :2, :32]), ValueError, "k, v"),
-    (lambda k, v: QuantizedKV(k, k[..., 0], v, v[..., 0], 0), TypeError, "int8"),
+    (lambda k, v: QuantizedKV(k, k[..., 0], v, v[..., 0], 0), TypeError, "uint8"),
     (lambda k, v: QuantizedKV.empty(1, 2, 0, 64), ValueError, "capacity"),
+    (lambda k, v: QuantizedKV.empty(1, 2, 4, 36, bits=3), ValueError, "head_dim"),
+    (lambda k, v: QuantizedKV.empty(1, 2, 4, 7, bits=4), ValueError, "head_dim"),
+    (lambda k, v: QuantizedKV(**{**QuantizedKV.empty(1, 2, 4, 64, bits=3).__dict__, "k_sink": None}), TypeError,
+     "k_sink"),
+    (lambda k, v: QuantizedKV(**{**QuantizedKV.empty(1, 2, 4, 64).__dict__,
+                                 "k_sink": torch.zeros(1, 2, 8, dtype=torch.uint8)}), ValueError, "k_sink"),
+    (lambda k, v: QuantizedKVCache(bits=2), ValueError, "bits"),
+    (lambda k, v: QuantizedKVCache(reads_codes=1), TypeError, "reads_codes"),
 ])
 def test_cache_bad_input(make, err, match):
     _, k, v = _qkv(1, 2, 2, 1, 4, 64)
@@ -80,6 +144,26 @@ def test_decode_kernel_matches_reference_and_float64(monkeypatch, splits, B, H, 
     assert (out.double() - ref.double()).abs().max() < 2e-3
     exact = exact_attention(q, k, v, causal=causal)  # unquantized K/V, float64
     assert accuracy_metrics(out, exact)["cos_sim"] > 0.999
+
+
+@needs_kernels
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize("bits", [4, 3])
+@pytest.mark.parametrize("B,H,Hkv,Sq,L,D,causal", CASES[:2])
+def test_decode_kernel_reads_packed_low_bit_codes(monkeypatch, bits, splits, B, H, Hkv, Sq, L, D, causal):
+    """The kernel unpacks 4- and 3-bit rows (and the 3-bit mode's 4-bit first token, which only split 0 sees)
+    to the reference's values."""
+    from thrifty.attention import decode_kernel
+    monkeypatch.setitem(decode_kernel._INTERPRET_CONFIG, "target_programs", splits * B * Hkv)
+    q, k, v = _qkv(B, H, Hkv, Sq, L, D, seed=L + bits)
+    cache = quantize_kv_cache(k, v, bits=bits)
+    out = decode_attention(q, cache, causal=causal, impl="triton")
+    ref = decode_attention_reference(q, cache, causal=causal, dtype=torch.float64)
+    assert (out.double() - ref.double()).abs().max() < 2e-3
+    if bits == 3:  # the same cache read as if the first token had 3 bits gives a different answer
+        cache.k_sink.zero_()
+        wrong = decode_attention_reference(q, cache, causal=causal, dtype=torch.float64)
+        assert (wrong - ref).abs().max() > 1e-2
 
 
 @needs_kernels
@@ -213,6 +297,68 @@ def test_quantized_cache_hands_out_full_kv_when_thrifty_attention_is_off():
     assert torch.equal(out, ref)
 
 
+def test_hf_3bit_cache_kernel_reads_what_the_cache_dequantizes(monkeypatch):
+    """Decode steps through the kernel on the packed 3-bit cache give the logits of SDPA on its dequantized
+    K/V (the same cache handed out dequantized when thrifty attention is off)."""
+    from thrifty.attention import decode, decode_kernel
+    model = _tiny_llama()
+    ids = torch.randint(0, 128, (1, 12))  # ≤ 16 rows: the prompt goes to SDPA both ways, on unquantized K/V
+    gen = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        dequantized = model.generate(ids, past_key_values=thrifty_kv_cache(model, bits=3), **gen)
+        enable_hf(model)
+        if not torch.cuda.is_available():
+            monkeypatch.setattr(decode, "decode_path", lambda q, impl="auto": "triton")
+        kernel = _spy(monkeypatch, decode_kernel, "decode_forward_triton")
+        cache = thrifty_kv_cache(model, bits=3)
+        packed = model.generate(ids, past_key_values=cache, **gen)
+    assert len(kernel) == 3 * 2 and cache.layers[0].kv.bits == 3 and cache.layers[0].kv.length == 15
+    assert torch.equal(packed.sequences, dequantized.sequences)
+    for a, b in zip(packed.logits, dequantized.logits):
+        assert (a - b).abs().max() < 1e-3 * b.abs().max()
+
+
+# ---------------------------------------------------------------------------------------- reference model
+def _tiny_reference():
+    from thrifty.models import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).init_weights(seed=0).eval()
+
+
+@pytest.mark.parametrize("bits", [8, 3])
+def test_reference_model_cache_stores_post_rope_keys(bits):
+    from thrifty.models.llama import KVCache
+    model = _tiny_reference()
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(0))
+    plain, quantized = KVCache(), QuantizedKVCache(bits)
+    with torch.no_grad():
+        model(ids, cache=plain)
+        model(ids, cache=quantized)
+    assert len(quantized) == 21
+    kd, vd = quantized.layers[0].dequantize()  # layer 0 (the next layers' inputs already differ)
+    for exact, got in ((plain.keys[0], kd), (plain.values[0], vd)):
+        step = 2 * exact.abs().amax(-1, keepdim=True) / ((1 << bits) - 1)  # post-RoPE: within half a step
+        step[:, :, :1] *= 0.5 if bits == 3 else 1.0  # the 3-bit mode's first token at 4 bits
+        assert ((got - exact).abs() <= step / 2 * 1.001).all()
+
+
+def test_reference_model_decodes_through_the_kernel_on_the_packed_cache(monkeypatch):
+    from thrifty.attention import decode, decode_kernel, sage_seam
+    from thrifty.models.generate import generate
+    model = _tiny_reference()
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        dequantized = generate(model, ids, 5, cache_factory=lambda: QuantizedKVCache(3))  # SDPA on dequantized K/V
+        model.set_attention(sage_seam())
+        if not torch.cuda.is_available():
+            monkeypatch.setattr(decode, "decode_path", lambda q, impl="auto": "triton")
+        kernel = _spy(monkeypatch, decode_kernel, "decode_forward_triton")
+        packed = generate(model, ids, 5, cache_factory=lambda: QuantizedKVCache(3, reads_codes=True))
+    assert len(kernel) == 6 * 2  # the 9-token prompt and 5 steps (generate runs one after the last token), 2 layers
+    assert torch.equal(packed, dequantized)
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
 @pytest.mark.cuda
 @pytest.mark.parametrize("what", ["prefill", "decode", "short_query"])
@@ -247,7 +393,7 @@ def test_cuda_decode_kernel_real_sizes():
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 3])
 def test_append_kernel_matches_the_torch_quantizer(bits):
     """The fused append (one launch per tensor, what CUDA caches use) writes the reference's codes and scales."""
     from thrifty.attention.decode_kernel import append_triton
@@ -256,8 +402,12 @@ def test_append_kernel_matches_the_torch_quantizer(bits):
     ref._append_torch(k[:, :, 5:], v[:, :, 5:], 13)
     fused = quantize_kv_cache(k[:, :, :5], v[:, :, :5], bits=bits, capacity=20)
     append_triton(fused, k[:, :, 5:], v[:, :, 5:])
-    for a, b in ((fused.k, ref.k), (fused.v, ref.v), (fused.k_scale, ref.k_scale), (fused.v_scale, ref.v_scale)):
-        assert torch.equal(a, b)
+    from_start = QuantizedKV.empty(2, 3, 20, 64, bits=bits)  # the first token too (4 bits in the 3-bit mode)
+    append_triton(from_start, k, v)
+    for cache in (fused, from_start):
+        for a, b in ((cache.k, ref.k), (cache.v, ref.v), (cache.k_scale, ref.k_scale), (cache.v_scale, ref.v_scale),
+                     (cache.k_sink, ref.k_sink), (cache.v_sink, ref.v_sink)):
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 # ------------------------------------------------------------------------------ NaN in -> NaN out, edge sizes
@@ -280,7 +430,8 @@ def test_quantizer_marks_a_nonfinite_token_and_leaves_the_others_alone():
     bad[0, 0, 2] = bad[0, 1, 4] = True
     assert scale[bad].isnan().all() and torch.equal(scale[~bad], clean_scale[~bad])
     assert torch.equal(codes[~bad], clean_codes[~bad])
-    assert codes[0, 0, 2, 5] == 0 and codes[0, 1, 4, 0] == 0  # no int8 conversion of a NaN (undefined)
+    zero_code = 128  # the code of 0.0: floor(127.5 + 0.5); a NaN never reaches the integer conversion (undefined)
+    assert codes[0, 0, 2, 5] == zero_code and codes[0, 1, 4, 0] == zero_code
     kd, _ = quantize_kv_cache(k, k).dequantize()
     assert kd[bad].isnan().all() and kd[~bad].isfinite().all()
 
@@ -333,7 +484,7 @@ def test_append_kernel_marks_nonfinite_tokens_like_the_torch_quantizer():
     (lambda: decode_attention(torch.randn(1, 2, 1, 64), QuantizedKV.empty(1, 2, 4, 64)), "cache"),  # no tokens
     (lambda: quantize_kv_cache(torch.randn(0, 2, 4, 64), torch.randn(0, 2, 4, 64)), "k"),
     (lambda: quantize_kv_cache(torch.randn(1, 2, 4, 0), torch.randn(1, 2, 4, 0)), "k"),
-    (lambda: QuantizedKV(*(torch.zeros(1, 0, 4, 8, dtype=torch.int8), torch.ones(1, 0, 4)) * 2, 0), "k"),
+    (lambda: QuantizedKV(*(torch.zeros(1, 0, 4, 8, dtype=torch.uint8), torch.ones(1, 0, 4)) * 2, 0), "k"),
 ])
 def test_decode_degenerate_sizes_and_bad_scale_are_refused(make, match):
     with pytest.raises(ValueError, match=match):

@@ -6,17 +6,18 @@ FP8 P̃·V with two-level accumulation, a Triton forward for CUDA and a readable
 
 Models: ``model.set_attention(sage_seam())`` (reference Llama), ``enable_hf(model)`` (transformers),
 ``apply_plan(model, calibrate(model, batches))`` (per-layer 4/8 bits). Decoding:
-``decode_attention(q, cache)`` over a ``QuantizedKV`` (int8 cache, split-K kernel); ``thrifty_kv_cache(model)``
-for ``generate``. See NOTES.md for the kernel's numbers.
+``decode_attention(q, cache)`` over a ``QuantizedKV`` (packed 8/4/3-bit cache, split-K kernel);
+``thrifty_kv_cache(model, bits)`` for transformers' ``generate``, ``QuantizedKVCache(bits)`` for the reference
+model's. See NOTES.md for the kernel's numbers.
 """
 
 from .api import (apply_plan, calibrate, load_plan, plan_from_scores, sage_attention, sage_seam,
                   save_plan)
 from .decode import decode_attention
 from .hf import disable_hf, enable_hf, thrifty_kv_cache
-from .kv_cache import QuantizedKV, quantize_kv_cache
+from .kv_cache import QuantizedKV, QuantizedKVCache, quantize_kv_cache
 from .reference import accuracy_metrics, exact_attention, sage_attention_reference
 
 __all__ = ["sage_attention", "sage_seam", "calibrate", "plan_from_scores", "save_plan", "load_plan",
            "apply_plan", "enable_hf", "disable_hf", "sage_attention_reference", "exact_attention", "accuracy_metrics",
-           "decode_attention", "QuantizedKV", "quantize_kv_cache", "thrifty_kv_cache"]
+           "decode_attention", "QuantizedKV", "QuantizedKVCache", "quantize_kv_cache", "thrifty_kv_cache"]

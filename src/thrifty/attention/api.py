@@ -196,6 +196,7 @@ def sage_seam(**options) -> Callable:
     check_sage_options(options)
     fn = functools.partial(_seam_call, options=options)
     fn.options = options
+    fn.reads_kv_codes = True  # a QuantizedKVCache hands it tagged keys for decode steps (see _seam_call)
     return fn
 
 
@@ -212,6 +213,10 @@ def check_sage_options(options: dict) -> None:
 
 
 def _seam_call(q, k, v, *, causal, scale, options):
+    cache = getattr(k, "_thrifty_kv", None)  # a decode step's keys from a QuantizedKVCache: read its codes
+    if cache is not None:
+        from .decode import decode_attention
+        return decode_attention(q, cache, causal=causal, sm_scale=scale)
     return sage_attention(q, k, v, causal=causal, sm_scale=scale, **options)
 
 

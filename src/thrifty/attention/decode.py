@@ -24,7 +24,7 @@ def _validate_decode(q, cache):
     B, H, Sq, D = q.shape
     if H == 0:
         raise ValueError(f"q: expected at least one head, got shape {tuple(q.shape)}")
-    Bc, Hkv, _, Dc = cache.k.shape
+    Bc, Hkv, _, Dc = cache.shape
     if B != Bc or D != Dc:
         raise ValueError(f"q: expected batch {Bc} and head_dim {Dc} like the cache, got {tuple(q.shape)}")
     if H % Hkv:

@@ -1,6 +1,6 @@
-"""Split-K decode attention over a :class:`~thrifty.attention.kv_cache.QuantizedKV` (int8 codes, per-token
-scales): for queries of 1–16 rows, where the prefill kernel (64-row tiles, a K/V pre-pass every call) is the
-wrong tool.
+"""Split-K decode attention over a :class:`~thrifty.attention.kv_cache.QuantizedKV` (packed unsigned 8/4/3-bit
+codes, per-token scales): for queries of 1–16 rows, where the prefill kernel (64-row tiles, a K/V pre-pass every
+call) is the wrong tool.
 
 Decode is a memory-bound pass over the cache: the kernel's job is to read every cache byte once, at full
 bandwidth, with enough programs in flight. Two launches:
@@ -8,14 +8,15 @@ bandwidth, with enough programs in flight. Two launches:
 1. ``_decode_split_kernel``, grid (B·Hkv, n_split): one program takes ALL query rows that share one kv head
    (G = H/Hkv heads × Sq positions, padded to ≥ 16 rows for the tensor cores) and one chunk of the cache.
    Each KV head's codes are read once per split, never once per query head (GQA for free). Per tile of
-   BLOCK_N tokens:
+   BLOCK_N tokens, the packed codes are unpacked in registers (``_load_codes``: a shift and a mask per bit
+   field) and centred on the token's zero point z (top/2; 7.5 for the 3-bit mode's 4-bit first token):
 
-       s   = (q·sm_scale·log2e)_fp16 · k_codesᵀ  ·  k_scale[token]      (fp32 accumulation)
+       s   = (q·sm_scale·log2e)_fp16 · (k_codes − z)ᵀ  ·  k_scale[token]      (fp32 accumulation)
        m   = max(m, rowmax(s));  p = 2^(s − m);  l = l·α + Σp
-       acc = acc·α + (p · v_scale[token])_fp16 · v_codes
+       acc = acc·α + (p · v_scale[token])_fp16 · (v_codes − z)
 
-   int8 codes are exact in fp16, so the only roundings beyond the cache's own are q and p·v_scale in fp16
-   (2^-11 relative; SDPA in bf16 rounds at 2^-8). Writes (m, l, acc) per row and split in fp32.
+   code − z is a half-integer ≤ 127.5, exact in fp16, so the only roundings beyond the cache's own are q and
+   p·v_scale in fp16 (2^-11 relative; SDPA in bf16 rounds at 2^-8). Writes (m, l, acc) per row and split in fp32.
 2. ``_decode_combine_kernel``, grid (B·Hkv,): merges the splits (log-sum-exp rescaling), divides by l,
    writes the output in q's dtype and layout.
 
@@ -39,11 +40,50 @@ if TYPE_CHECKING:  # annotations only: kv_cache imports this module to append wi
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
-                         s_qb, s_qh, s_qs, s_qd, c_b, c_h, c_s, cs_b, cs_h,
+def _field(rows, d, mask, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One bit field of packed rows (kv_cache layout): channel d sits in byte OFFSET + d % n of its row
+    (n = HEAD_DIM·WIDTH/8 bytes per field) at bit shift WIDTH·(d // n). ``rows``: pointers to the rows,
+    broadcast against the channel indices ``d``."""
+    n = HEAD_DIM * WIDTH // 8
+    byte = tl.load(rows + OFFSET + d % n, mask=mask, other=0).to(tl.int32)
+    return (byte >> (WIDTH * (d // n))) & ((1 << WIDTH) - 1)
+
+
+@triton.jit
+def _load_codes(rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """int32 codes of channels d from packed rows: the fields of kv_cache.FIELDS (8: one; 4: one; 3: 2 + 1)."""
+    if BITS == 3:
+        codes = _field(rows, d, mask, 0, 2, HEAD_DIM) | (_field(rows, d, mask, HEAD_DIM // 4, 1, HEAD_DIM) << 2)
+    else:
+        codes = _field(rows, d, mask, 0, BITS, HEAD_DIM)
+    return codes
+
+
+@triton.jit
+def _centred(codes, cols, sink_row, d, start, AXIS: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """fp16 (code − zero point) of a tile of codes whose tokens ``cols`` run along AXIS. In the 3-bit mode the
+    first token's 4th bit comes from its plane ``sink_row`` and its zero point is 7.5 (kv_cache: first token at
+    4 bits); only the tile starting at token 0 loads it."""
+    half = ((1 << BITS) - 1) * 0.5
+    zero = tl.full(cols.shape, half, tl.float32)
+    if BITS == 3:
+        zero = tl.where(cols == 0, 7.5, zero)
+        if start == 0:
+            top_bit = _field(sink_row, d, d < HEAD_DIM, 0, 1, HEAD_DIM) << 3
+            if AXIS == 1:  # codes (D, BLOCK_N)
+                codes = codes | tl.where(cols[None, :] == 0, top_bit[:, None], 0)
+            else:  # codes (BLOCK_N, D)
+                codes = codes | tl.where(cols[:, None] == 0, top_bit[None, :], 0)
+    zero = zero[None, :] if AXIS == 1 else zero[:, None]
+    return (codes.to(tl.float32) - zero).to(tl.float16)
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, Ks, V, Vs, Ksink, Vsink, Part, ML,
+                         s_qb, s_qh, s_qs, s_qd, c_b, c_h, c_s, cs_b, cs_h, sk_b, sk_h,
                          H_KV, Sq, L, chunk, n_split, qk_scale,
                          G: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                         CAUSAL: tl.constexpr):
+                         CAUSAL: tl.constexpr, BITS: tl.constexpr):
     pid_bh, pid_s = tl.program_id(0), tl.program_id(1)
     b, hkv = pid_bh // H_KV, pid_bh % H_KV
     rows = tl.arange(0, ROWS)
@@ -62,6 +102,8 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
     v_base = V + b.to(tl.int64) * c_b + hkv * c_h
     ks_base = Ks + b.to(tl.int64) * cs_b + hkv * cs_h
     vs_base = Vs + b.to(tl.int64) * cs_b + hkv * cs_h
+    ksink = Ksink + b.to(tl.int64) * sk_b + hkv * sk_h  # 3-bit mode only (else a placeholder, never read)
+    vsink = Vsink + b.to(tl.int64) * sk_b + hkv * sk_h
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, L)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
@@ -71,12 +113,13 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         col_ok = cols < hi
-        k = tl.load(k_base + cols[None, :].to(tl.int64) * c_s + d[:, None], mask=col_ok[None, :], other=0)
+        k = _load_codes(k_base + cols[None, :].to(tl.int64) * c_s, d[:, None], col_ok[None, :], BITS, HEAD_DIM)
+        k = _centred(k, cols, ksink, d, start, 1, BITS, HEAD_DIM)
         ks = tl.load(ks_base + cols, mask=col_ok, other=0.0)
         vs = tl.load(vs_base + cols, mask=col_ok, other=0.0)
         col_finite = (tl.abs(ks) < float("inf")) & (tl.abs(vs) < float("inf"))
         ks, vs = _finite_or_zero(ks), _finite_or_zero(vs)
-        s = mma(q, k.to(tl.float16), tl.zeros((ROWS, BLOCK_N), tl.float32)) * ks[None, :]
+        s = mma(q, k, tl.zeros((ROWS, BLOCK_N), tl.float32)) * ks[None, :]
         keep = col_ok[None, :]
         if CAUSAL:
             keep = keep & (cols[None, :] <= last_key[:, None])
@@ -88,8 +131,9 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Part, ML,
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None].to(tl.int64) * c_s + d[None, :], mask=col_ok[:, None], other=0)
-        acc = mma((p * vs[None, :]).to(tl.float16), v.to(tl.float16), acc * alpha[:, None])
+        v = _load_codes(v_base + cols[:, None].to(tl.int64) * c_s, d[None, :], col_ok[:, None], BITS, HEAD_DIM)
+        v = _centred(v, cols, vsink, d, start, 0, BITS, HEAD_DIM)
+        acc = mma((p * vs[None, :]).to(tl.float16), v, acc * alpha[:, None])
         m_i = m_new
     acc = tl.where(row_bad[:, None] > 0, float("nan"), acc)  # NaN survives the combine's rescaling and l
     part = Part + ((pid_bh * n_split + pid_s) * ROWS + rows[:, None]).to(tl.int64) * HEAD_DIM + d[None, :]
@@ -131,7 +175,7 @@ _SPLIT_LAUNCH = FastLauncher(_decode_split_kernel)
 _COMBINE_LAUNCH = FastLauncher(_decode_combine_kernel)
 
 # Launch shape. GPU values are a design choice (not swept: no GPU this session): BLOCK_N tokens per step
-# (64 KB of int8 K+V at D=128 per 4 warps in flight with 3 stages), and enough splits that about
+# (64 KB of 8-bit K+V at D=128 per 4 warps in flight with 3 stages), and enough splits that about
 # TARGET_PROGRAMS programs stream the cache (2 per SM on an H100 keep its HBM busy).
 DECODE_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, target_programs=264, min_chunk=256)
 _INTERPRET_CONFIG = dict(block_n=16, num_warps=4, num_stages=1, target_programs=4, min_chunk=16)
@@ -155,6 +199,8 @@ def decode_forward_triton(q: torch.Tensor, cache: QuantizedKV, *, causal: bool, 
     """The two launches on validated inputs: q ``(B, H, Sq, D)`` (any strides), Sq ≤ 16."""
     B, H, Sq, D = q.shape
     H_kv, L = cache.k.shape[1], cache.length
+    k_sink = cache.k if cache.k_sink is None else cache.k_sink  # a placeholder pointer when there is no plane
+    v_sink = cache.v if cache.v_sink is None else cache.v_sink
     G = H // H_kv
     rows = max(16, 1 << (G * Sq - 1).bit_length())  # a power of two ≥ 16: the dot's M
     cfg = decode_config()
@@ -164,12 +210,12 @@ def decode_forward_triton(q: torch.Tensor, cache: QuantizedKV, *, causal: bool, 
     out = torch.empty_like(q)
     spec = FastLauncher._spec
     sig = (q.shape, q.stride(), q.dtype, q.data_ptr() % 16, cache.k.shape, cache.k.stride(), cache.k_scale.stride(),
-           causal, spec(L), spec(chunk), spec(n_split), spec(Sq), cfg["block_n"])  # see sage_forward_triton
+           causal, spec(L), spec(chunk), spec(n_split), spec(Sq), cfg["block_n"], cache.bits)  # see sage_forward_triton
     launch_with(_SPLIT_LAUNCH, sig, (B * H_kv, n_split),
-        q, cache.k, cache.k_scale, cache.v, cache.v_scale, part, ml,
-        *q.stride(), *cache.k.stride()[:3], *cache.k_scale.stride()[:2],
+        q, cache.k, cache.k_scale, cache.v, cache.v_scale, k_sink, v_sink, part, ml,
+        *q.stride(), *cache.k.stride()[:3], *cache.k_scale.stride()[:2], *k_sink.stride()[:2],
         H_kv, Sq, L, chunk, n_split, sm_scale * LOG2E,
-        G=G, ROWS=rows, HEAD_DIM=D, BLOCK_N=cfg["block_n"], CAUSAL=causal,
+        G=G, ROWS=rows, HEAD_DIM=D, BLOCK_N=cfg["block_n"], CAUSAL=causal, BITS=cache.bits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     launch_with(_COMBINE_LAUNCH, sig, (B * H_kv,),
         part, ml, out, *out.stride(), H_kv, Sq, n_split,
@@ -180,21 +226,44 @@ def decode_forward_triton(q: torch.Tensor, cache: QuantizedKV, *, causal: bool, 
 
 
 @triton.jit
-def _append_kernel(X, Codes, Scale, s_xb, s_xh, s_xs, s_xd, c_b, c_h, c_s, cs_b, cs_h, H_KV, start,
-                   QMAX: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Program (b·Hkv + h, i): token i of the new ones → int8 codes and its scale at slot start + i."""
+def _store_field(row, codes, OFFSET: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, mask):
+    """Bits [SHIFT, SHIFT + WIDTH) of one token's HEAD_DIM codes packed into the field at byte OFFSET of its
+    row (the layout ``_field`` reads): byte j gets channels j, j + n, ... at shifts 0, WIDTH, ..."""
+    n: tl.constexpr = HEAD_DIM * WIDTH // 8
+    per_byte: tl.constexpr = 8 // WIDTH
+    parts = (tl.reshape(codes, (per_byte, n)) >> SHIFT) & ((1 << WIDTH) - 1)  # [r, j] = channel r·n + j
+    byte = tl.sum(parts << (WIDTH * tl.arange(0, per_byte))[:, None], axis=0)
+    tl.store(row + OFFSET + tl.arange(0, n), byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _append_kernel(X, Codes, Scale, Sink, s_xb, s_xh, s_xs, s_xd, c_b, c_h, c_s, cs_b, cs_h, sk_b, sk_h, H_KV,
+                   start, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (b·Hkv + h, i): token i of the new ones → packed codes and its scale at slot start + i, on the
+    unsigned absmax grid of kv_cache.quantize_per_token (same operations, same bits)."""
     pid_bh, i = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H_KV, pid_bh % H_KV
     d = tl.arange(0, HEAD_DIM)
     x = tl.load(X + b.to(tl.int64) * s_xb + h * s_xh + i * s_xs + d * s_xd).to(tl.float32)
     bad = tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=0)
     x = _finite_or_zero(x)  # as quantize_per_token: codes of the finite values, a NaN scale marks the token
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-12)
-    y = x / scale
-    codes = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)  # round half away from zero, as the reference
-    scale = tl.where(bad > 0, float("nan"), scale)
     slot = start + i
-    tl.store(Codes + b.to(tl.int64) * c_b + h * c_h + slot.to(tl.int64) * c_s + d, codes)
+    top = (1 << BITS) - 1
+    if BITS == 3:
+        top = tl.where(slot == 0, 15, top)  # the first token at 4 bits (kv_cache.SINK_BITS)
+    half = top * 0.5
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / half, 1e-12)
+    y = x / scale + (half + 0.5)  # ≥ 0 up to rounding: truncation is floor once clamped at 0
+    codes = tl.minimum(tl.maximum(y, 0.0), top).to(tl.int32)
+    scale = tl.where(bad > 0, float("nan"), scale)
+    row = Codes + b.to(tl.int64) * c_b + h * c_h + slot.to(tl.int64) * c_s
+    if BITS == 3:
+        _store_field(row, codes, 0, 2, 0, HEAD_DIM, None)
+        _store_field(row, codes, HEAD_DIM // 4, 1, 2, HEAD_DIM, None)
+        _store_field(Sink + b.to(tl.int64) * sk_b + h * sk_h, codes, 0, 1, 3, HEAD_DIM, slot == 0)
+    else:
+        _store_field(row, codes, 0, BITS, 0, HEAD_DIM, None)
     tl.store(Scale + b.to(tl.int64) * cs_b + h * cs_h + slot, scale)
 
 
@@ -205,12 +274,13 @@ def append_triton(cache: QuantizedKV, k: torch.Tensor, v: torch.Tensor) -> None:
     """Quantizes ``(B, Hkv, n, D)`` K and V into slots ``[length, length + n)`` of ``cache`` (room made by
     the caller): one launch each, instead of ~6 torch ops per tensor."""
     B, H, n, D = k.shape
-    qmax = float((1 << (cache.bits - 1)) - 1)
     spec = FastLauncher._spec
-    for x, codes, scale in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
-        sig = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16, codes.shape, spec(cache.length))
-        launch_with(_APPEND_LAUNCH, sig, (B * H, n), x, codes, scale, *x.stride(), *codes.stride()[:3], *scale.stride()[:2], H,
-                       cache.length, QMAX=qmax, HEAD_DIM=D, num_warps=1, num_stages=1)
+    for x, codes, scale, sink in ((k, cache.k, cache.k_scale, cache.k_sink), (v, cache.v, cache.v_scale, cache.v_sink)):
+        sink = codes if sink is None else sink  # a placeholder pointer when there is no plane
+        sig = (x.shape, x.stride(), x.dtype, x.data_ptr() % 16, codes.shape, spec(cache.length), cache.bits)
+        launch_with(_APPEND_LAUNCH, sig, (B * H, n), x, codes, scale, sink, *x.stride(), *codes.stride()[:3],
+                    *scale.stride()[:2], *sink.stride()[:2], H, cache.length, BITS=cache.bits, HEAD_DIM=D,
+                    num_warps=1, num_stages=1)
 
 
 __all__ = ["decode_forward_triton", "append_triton", "split_plan", "DECODE_CONFIG"]
