@@ -150,29 +150,31 @@ def _profile_step(trainer, device, path):
     return out
 
 
-class _DoubledGrad(torch.autograd.Function):
-    """Identity forward, gradient x2 backward: one rank's gradients doubled before the reduce-scatter while the
-    loss it reports stays right (--inject-bug grad_x2_rank0)."""
+class _ScaledGrad(torch.autograd.Function):
+    """Identity forward, gradient x factor backward: a rank's gradients scaled before the reduce-scatter while
+    the loss it reports stays right (--inject-bug)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, factor):
+        ctx.factor = factor
         return x.clone()  # not a view: FSDP2 hooks the root output, and warns about views
 
     @staticmethod
     def backward(ctx, g):
-        return 2 * g
+        return ctx.factor * g, None
 
 
-def _inject_bug(bug, model, trainer, rank):
+def _scale_grads(model, factor):
+    loss_fn = model.loss_fn
+    model.set_loss(lambda *a, **kw: _ScaledGrad.apply(loss_fn(*a, **kw), factor))
+
+
+def _inject_bug(bug, model, trainer, rank, world):
     """Test-only sharding bugs (--inject-bug, --smoke only): the equivalence phase must flag each of them."""
-    from torch.distributed.fsdp import FSDPModule
-
     if bug == "grad_x2_rank0" and rank == 0:
-        loss_fn = model.loss_fn
-        model.set_loss(lambda *a, **kw: _DoubledGrad.apply(loss_fn(*a, **kw)))
-    elif bug == "grad_sum":  # gradients summed over ranks, not averaged
-        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
-            unit.set_gradient_divide_factor(1.0)
+        _scale_grads(model, 2.0)
+    elif bug == "grad_sum":  # every rank x world before FSDP2's average: the sum over ranks, not the mean
+        _scale_grads(model, float(world))
     elif bug == "skip_update_rank1" and rank == 1:  # rank 1's shard of one weight never updated
         victim = next(p for p in model.model.layers[0].parameters() if p.ndim >= 2)
 
@@ -200,7 +202,7 @@ def _trainer(args, recipe, base, device, world, rank, data, cfg):
     parallel.shard_model(model, prefetch=args.prefetch, block_units=args.block_units)
     trainer = Trainer(model, data, None, cfg)
     if args.inject_bug and world > 1:
-        _inject_bug(args.inject_bug, model, trainer, rank)
+        _inject_bug(args.inject_bug, model, trainer, rank, world)
     return trainer
 
 
