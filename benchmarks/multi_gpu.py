@@ -1,7 +1,15 @@
 """Training beyond one GPU: thrifty's Trainer under torchrun + FSDP2 (thrifty.parallel.shard_model), 1 vs N
 GPUs, per recipe. Reports tokens/s and peak memory per GPU, scaling efficiency (tokens/s on N GPUs over N x
-tokens/s on 1 GPU, same per-GPU batch) and whether the N-GPU loss curve equals the 1-GPU curve on the same
+tokens/s on 1 GPU, same per-GPU batch) and whether the N-GPU training step equals the 1-GPU step on the same
 global batches (1 GPU with N x the per-GPU batch reads exactly the windows the N ranks read together).
+
+loss_match comes from an equivalence phase per recipe, before the timed run: --equiv-steps (10) steps from the
+same initial weights at the preset's constant equivalence lr (135m 1e-4, 1b 3e-5: PRESET_DEFAULTS says why),
+comparing per step the loss (0.02 nats) and the pre-clip gradient norm (5%), and per parameter the update norm
+(10%) -- thrifty.parallel.equivalence. The timed run's long curves (peak lr 6e-4 / 3e-4, warm-up a quarter of
+the steps) are kept as information only (<key>_loss_max_abs_diff, <key>_loss_tail_mean_abs_diff): at a305afd,
+with lr 1e-3 and 6 warm-up steps, one run of a pair spiked and the curves parted by up to 1.9 nats and met again.
+--smoke --inject-bug {grad_x2_rank0,grad_sum,skip_update_rank1} (test-only) must turn loss_match false.
 
 Run on the GPU box (NVLink multicast off: NCCL_NVLS_ENABLE=0, set by this driver for its torchrun children).
 Per preset, three torchrun launches, each running every recipe in turn (one start-up, one model init per
@@ -9,20 +17,19 @@ launch): N GPUs x b (throughput, loss curve, bytes per step, --profile), then at
 throughput baseline) beside 1 GPU x N.b on GPU 1 (the loss reference; --sequential runs them one by one).
 Defaults: 55 timed steps after 5 warm-up, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
 
-Budget (10-minute calls; step times from the 2xH200 run of issue 33, 1b estimated at ~40% bf16 MFU): 135m,
-60 steps x (sum over recipes of the 2-GPU step, ~1.1 s) ~ 70 s, then the 1 x 2b reference (~2.1 s per
-4-recipe step, the longer of the concurrent pair) ~ 125 s, + ~3 x 30 s start-up/JIT: ~4.5 min; 1b
-(2-GPU ~0.16 s, 1 x 2b ~0.3 s per recipe step): ~4 min. Both presets in one call would leave no margin, so
-run them as two calls and fold them:
+Budget (10-minute calls): measured on 2xH200 at a305afd, 135m 238 s and 1b 176 s per call (3 launches, 4
+recipes, 60 steps each); the equivalence phase adds 10 steps and one model build per recipe and launch, ~+20%.
+Both presets in one call would leave little margin, so run them as two calls and fold them:
 
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 135m --part-name 135m --profile --checkpoint-check
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 1b --part-name 1b --profile
     python benchmarks/multi_gpu.py --merge benchmarks/results/multi_gpu_part_135m_<dev>.json \
         benchmarks/results/multi_gpu_part_1b_<dev>.json     # -> multi_gpu_<dev>.json + PNG, anywhere
 
-Summary: scaling_efficiency_2gpu (the worst preset x recipe), loss_match, per preset x recipe the scaling,
-tokens/s, peak GiB per GPU on 1 and N GPUs and its reduction, the loss difference, with --profile the exposed
-NCCL and idle GPU time; checkpoint_2to1_ok with --checkpoint-check. The result is written after every preset,
+Summary: scaling_efficiency_2gpu (the worst preset x recipe), loss_match (and loss_match_failed), per preset x
+recipe the scaling, tokens/s, peak GiB per GPU on 1 and N GPUs and its reduction, the equivalence phase's
+differences (<key>_equiv_*), the long curves' differences, with --profile the exposed NCCL and idle GPU time;
+checkpoint_2to1_ok with --checkpoint-check. The result is written after every preset,
 so a launch that times out (--launch-timeout) keeps what finished. ``--smoke``: 2 CPU processes on gloo, tiny
 model, synthetic tokens, results into a temporary folder -- proves the script runs, measures nothing.
 
@@ -79,25 +86,21 @@ RECIPES = {
     "neuzip": ("auto", _neuzip),   # NeuZip lossless (its branch): see src/thrifty/parallel/NOTES.md
 }
 
-LOSS_TOL = 0.02  # nats: bf16 all-reduce/reduce-scatter order noise over a short curve, far below a real bug
+LOSS_TOL = 0.02  # nats: the checkpoint check's loss tolerance (equivalence tolerances: thrifty.parallel.equivalence)
+TAIL = 10  # steps: the trailing window of the long curve whose mean losses are compared (information)
 
 
 # ------------------------------------------------------------------------------------------------ the worker
 
-# per-preset defaults: per-GPU batch and sequence (--batch-size/--seq-len > 0 override them for every preset)
-PRESET_DEFAULTS = {"tiny": (2, 32), "30m": (8, 1024), "60m": (8, 1024), "135m": (8, 1024), "1b": (4, 1024)}
-
-
-class RandomTokens:
-    """Synthetic token stream (smoke runs, or a box without the corpus): same duck type as TokenDataset."""
-
-    def __init__(self, vocab, n=1 << 20, seed=0):
-        self.tokens = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-    def batch(self, batch_size, seq_len, generator=None):
-        starts = torch.randint(0, len(self.tokens) - seq_len - 1, (batch_size,), generator=generator)
-        w = self.tokens[starts[:, None] + torch.arange(seq_len + 1)]
-        return w[:, :-1], w[:, 1:]
+# per-preset defaults (--batch-size/--seq-len/--lr/--equiv-lr > 0 override them for every preset):
+# per-GPU batch, sequence, the timed run's peak lr (warm-up a quarter of the steps, then cosine), and the constant
+# lr of the equivalence phase. Peak lrs: 6e-4 / 3e-4 are the usual values at these sizes (GPT-3 125M, Llama 1B
+# class); at a305afd, 1e-3 with 6 warm-up steps spiked both sizes within 4 steps (135m 9.87 -> 12.21 after an
+# update at 5e-4; 1b 9.69 -> 13.25 after one at 3.3e-4). The equivalence lr sits 3-5x below the lr of the first
+# spike and shrinks ~1/width (576 -> 2048): 135m 1e-4, 1b 3e-5; each step still moves the loss by > 0.1 nat.
+PRESET_DEFAULTS = {"tiny": (2, 32, 1e-3, 1e-3), "30m": (8, 1024, 6e-4, 2e-4), "60m": (8, 1024, 6e-4, 2e-4),
+                   "135m": (8, 1024, 6e-4, 1e-4), "1b": (4, 1024, 3e-4, 3e-5)}
+EQUIV_STEPS = 10  # steps of the equivalence phase (the first ~5 at a305afd matched to < 0.01 even at lr 1e-3)
 
 
 def _data(args, vocab):
@@ -109,6 +112,8 @@ def _data(args, vocab):
             return TokenDataset(data_dir() / "corpus", "train"), "corpus"
         except (ValueError, OSError):
             pass
+    from thrifty.bench import RandomTokens
+
     return RandomTokens(vocab), "random"
 
 
@@ -145,11 +150,46 @@ def _profile_step(trainer, device, path):
     return out
 
 
-def _one_recipe(args, recipe, base, device, rank, world, data, source):
+class _ScaledGrad(torch.autograd.Function):
+    """Identity forward, gradient x factor backward: a rank's gradients scaled before the reduce-scatter while
+    the loss it reports stays right (--inject-bug)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()  # not a view: FSDP2 hooks the root output, and warns about views
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.factor * g, None
+
+
+def _scale_grads(model, factor):
+    loss_fn = model.loss_fn
+    model.set_loss(lambda *a, **kw: _ScaledGrad.apply(loss_fn(*a, **kw), factor))
+
+
+def _inject_bug(bug, model, trainer, rank, world):
+    """Test-only sharding bugs (--inject-bug, --smoke only): the equivalence phase must flag each of them."""
+    if bug == "grad_x2_rank0" and rank == 0:
+        _scale_grads(model, 2.0)
+    elif bug == "grad_sum":  # every rank x world before FSDP2's average: the sum over ranks, not the mean
+        _scale_grads(model, float(world))
+    elif bug == "skip_update_rank1" and rank == 1:  # rank 1's shard of one weight never updated
+        victim = next(p for p in model.model.layers[0].parameters() if p.ndim >= 2)
+
+        def drop(optimizer, args, kwargs):
+            victim.grad = None
+
+        trainer.optimizer.register_step_pre_hook(drop)
+
+
+def _trainer(args, recipe, base, device, world, rank, data, cfg):
+    """A fresh copy of the base model with the recipe's loss and conversion, sharded, in a Trainer."""
     import copy
 
     from thrifty import parallel
-    from thrifty.train import Trainer, TrainConfig
+    from thrifty.train import Trainer
 
     loss_impl, convert = RECIPES[recipe]
     model = copy.deepcopy(base).to(device)
@@ -159,10 +199,41 @@ def _one_recipe(args, recipe, base, device, rank, world, data, source):
         model.set_loss(functools.partial(lm_loss, impl=loss_impl))
     if convert is not None:
         model = convert(model) or model
-    parallel.shard_model(model, prefetch=args.prefetch)
-    cfg = TrainConfig(steps=args.warmup + args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      warmup_steps=max(1, (args.warmup + args.steps) // 10), seed=0)
+    parallel.shard_model(model, prefetch=args.prefetch, block_units=args.block_units)
     trainer = Trainer(model, data, None, cfg)
+    if args.inject_bug and world > 1:
+        _inject_bug(args.inject_bug, model, trainer, rank, world)
+    return trainer
+
+
+def _equivalence_phase(args, recipe, base, device, world, rank, data):
+    """EQUIV_STEPS at the preset's constant equivalence lr from the base weights: losses, gradient norms,
+    update norms (thrifty.parallel.equivalence), compared by the driver with the 1-GPU run on the same batches."""
+    import gc
+
+    from thrifty.parallel.equivalence import record_steps
+    from thrifty.train import TrainConfig
+
+    cfg = TrainConfig(steps=args.equiv_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.equiv_lr,
+                      warmup_steps=0, min_lr_ratio=1.0, seed=0)  # constant lr: no schedule in the comparison
+    trainer = _trainer(args, recipe, base, device, world, rank, data, cfg)
+    record = {**record_steps(trainer, args.equiv_steps), "lr": args.equiv_lr}
+    del trainer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def _one_recipe(args, recipe, base, device, rank, world, data, source):
+    from thrifty.train import TrainConfig
+
+    equivalence = _equivalence_phase(args, recipe, base, device, world, rank, data) if args.equiv_steps else None
+    total = args.warmup + args.steps
+    cfg = TrainConfig(steps=total, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup_steps=max(1, total // 4), seed=0)
+    trainer = _trainer(args, recipe, base, device, world, rank, data, cfg)
+    model = trainer.model
     cuda = device.type == "cuda"
     losses, step_s = [], []
     for i in range(cfg.steps):
@@ -180,7 +251,8 @@ def _one_recipe(args, recipe, base, device, rank, world, data, source):
             "seq_len": args.seq_len, "tokens_per_s": world * args.batch_size * args.seq_len / statistics.median(steady),
             "step_ms_median": 1e3 * statistics.median(steady), "peak_gib_per_gpu": [float(p) for p in peaks.cpu()],
             "losses": losses, "data": source, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-            "timed_steps": len(steady), "prefetch": args.prefetch}
+            "timed_steps": len(steady), "prefetch": args.prefetch, "block_units": args.block_units, "lr": args.lr,
+            "equivalence": equivalence}
     # untimed extra steps (after the curve): what one step communicates, then one profiled step
     if world > 1:
         from thrifty.parallel.profiling import CollectiveCounter
@@ -288,8 +360,10 @@ def _cmd(args, gpus, batch, part, recipes, extra=()):
            str(Path(__file__).resolve()), "--worker", "--recipes", recipes, "--preset", args.preset,
            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--lr", str(args.lr), "--part", str(part), "--prefetch", str(args.prefetch),
-           "--nccl-timeout", str(args.nccl_timeout)] + (["--smoke"] if args.smoke else []) + \
-        (["--profile"] if args.profile else []) + list(extra)
+           "--nccl-timeout", str(args.nccl_timeout), "--equiv-steps", str(args.equiv_steps),
+           "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units] + \
+        (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + \
+        (["--inject-bug", args.inject_bug] if args.inject_bug else []) + list(extra)
     return cmd
 
 
@@ -367,8 +441,9 @@ def _fold(preset, results, gpus, rows, summary, curves, extra):
         summary[f"{key}_peak_gib_per_gpu_1gpu"] = p1
         summary[f"{key}_peak_gib_per_gpu_{gpus}gpu"] = pn
         summary[f"{key}_peak_reduction_gib"] = p1 - pn
-        summary[f"{key}_loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(many["losses"], ref["losses"]))
         curves[key] = (many["losses"], ref["losses"])
+        _curve_info(key, many["losses"], ref["losses"], summary)
+        _equivalence_keys(key, many.get("equivalence"), ref.get("equivalence"), summary, extra)
         extra.setdefault("comm_per_step", {})[key] = many.get("comm_per_step")
         if "profile" in many:
             extra.setdefault("profile", {})[key] = {"1gpu": one.get("profile"), f"{gpus}gpu": many["profile"]}
@@ -378,14 +453,41 @@ def _fold(preset, results, gpus, rows, summary, curves, extra):
                 summary[f"{key}_gpu_idle_ms_{gpus}gpu"] = max(p["gpu_idle_ms"] for p in ranks)
 
 
+def _curve_info(key, many, ref, summary):
+    """Information only (not loss_match): the long curves' largest gap, where a spike in one run makes it
+    large without any bug, and the gap of their trailing-window means, which says whether they end together."""
+    summary[f"{key}_loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(many, ref))
+    window = min(TAIL, len(ref))
+    summary[f"{key}_loss_tail_mean_abs_diff"] = abs(statistics.fmean(many[-window:]) - statistics.fmean(ref[-window:]))
+
+
+def _equivalence_keys(key, many, ref, summary, extra):
+    """The equivalence phase of one preset x recipe (thrifty.parallel.equivalence.compare) into the summary."""
+    from thrifty.parallel.equivalence import compare
+
+    if not many or not ref:
+        return
+    verdict = compare(many, ref)
+    for name in ("loss_max_abs_diff", "grad_norm_max_rel_diff", "update_norm_max_rel_diff"):
+        summary[f"{key}_equiv_{name}"] = verdict[name]
+    summary[f"{key}_equiv_ok"] = verdict["ok"]
+    extra.setdefault("equivalence", {})[key] = {**verdict, "n_gpu": many, "one_gpu_same_batches": ref}
+
+
 def _finalize(summary, gpus):
-    """The headline keys from the per-(preset, recipe) ones."""
+    """The headline keys from the per-(preset, recipe) ones. loss_match: every preset x recipe passed its
+    equivalence phase; None when a run has none (parts made before it existed)."""
     tail = f"_scaling_efficiency_{gpus}gpu"
     effs = {k[:-len(tail)]: v for k, v in summary.items() if k.endswith(tail) and k != tail[1:]}
     if effs:
         summary[f"scaling_efficiency_{gpus}gpu"] = min(effs.values())
         summary["scaling_efficiency_worst"] = min(effs, key=effs.get)
-        summary["loss_match"] = all(summary[f"{k}_loss_max_abs_diff"] <= LOSS_TOL for k in effs)
+        verdicts = [summary.get(f"{k}_equiv_ok") for k in effs]
+        summary["loss_match"] = None if None in verdicts else all(verdicts)
+        if summary["loss_match"] is None:
+            summary["loss_match_note"] = "no equivalence phase (parts made before it): " + \
+                ",".join(sorted(k for k in effs if summary.get(f"{k}_equiv_ok") is None))
+        summary["loss_match_failed"] = ",".join(sorted(k for k in effs if summary.get(f"{k}_equiv_ok") is False))
         summary["runs"] = ",".join(sorted(effs))
         for preset in {k.split("_")[0] for k in effs}:
             red = [summary.get(f"{k}_peak_reduction_gib") for k in effs if k.split("_")[0] == preset]
@@ -432,19 +534,22 @@ def driver(args) -> None:
     name = f"multi_gpu_part_{args.part_name}" if args.part_name else "multi_gpu"
     path = None
     for preset in args.presets.split(","):
-        b, t = PRESET_DEFAULTS.get(preset, (8, 1024))
+        b, t, lr, equiv_lr = PRESET_DEFAULTS.get(preset, PRESET_DEFAULTS["135m"])
         pa = argparse.Namespace(**{**vars(args), "preset": preset, "batch_size": args.batch_size or b,
-                                   "seq_len": args.seq_len or t})
+                                   "seq_len": args.seq_len or t, "lr": args.lr or lr,
+                                   "equiv_lr": args.equiv_lr or equiv_lr})
         t0 = time.perf_counter()
         results, concurrent = _run_preset(pa, gpus, tmp)
-        extra["presets"][preset] = {"batch_per_gpu": pa.batch_size, "seq_len": pa.seq_len, "wall_s": time.perf_counter() - t0,
-                                    "baseline_concurrent_with_reference": concurrent}
+        extra["presets"][preset] = {"batch_per_gpu": pa.batch_size, "seq_len": pa.seq_len, "lr": pa.lr,
+                                    "equiv_lr": pa.equiv_lr, "equiv_steps": pa.equiv_steps,
+                                    "wall_s": time.perf_counter() - t0, "baseline_concurrent_with_reference": concurrent}
         _fold(preset, results, gpus, rows, summary, curves, extra)
         _finalize(summary, gpus)
         path = _write(args, gpus, rows, summary, curves, extra, name)  # after every preset: a timeout keeps these
     if args.checkpoint_check:
         pa = argparse.Namespace(**{**vars(args), "preset": args.presets.split(",")[0] if args.smoke else "135m",
-                                   "batch_size": 2, "seq_len": args.seq_len or (32 if args.smoke else 512)})
+                                   "batch_size": 2, "seq_len": args.seq_len or (32 if args.smoke else 512),
+                                   "lr": args.lr or 1e-3, "equiv_lr": 0.0})
         extra["checkpoint_check"] = _checkpoint_check(pa, gpus, tmp)
         summary["checkpoint_2to1_ok"] = bool(extra["checkpoint_check"].get("checkpoint_2to1_ok"))
         path = _write(args, gpus, rows, summary, curves, extra, name)
@@ -468,12 +573,14 @@ def merge(args) -> None:
         rows += d["rows"]
         summary.update({k: v for k, v in d["summary"].items()})
         curves.update({k: (v["n_gpu"], v["one_gpu_same_batches"]) for k, v in d["extra"].get("curves", {}).items()})
-        for key in ("presets", "comm_per_step", "profile"):
+        for key in ("presets", "comm_per_step", "profile", "equivalence"):
             extra.setdefault(key, {}).update(d["extra"].get(key) or {})
         if "checkpoint_check" in d["extra"]:
             extra["checkpoint_check"] = d["extra"]["checkpoint_check"]
         extra.setdefault("parts_meta", []).append(d.get("meta"))
     gpus = gpus.pop()
+    for key, (many, ref) in curves.items():  # the same information keys for parts of every version
+        _curve_info(key, many, ref, summary)
     _finalize(summary, gpus)
     args.smoke = False
     path = _write(args, gpus, rows, summary, curves, extra, "multi_gpu")
@@ -527,8 +634,13 @@ def main():
     ap.add_argument("--seq-len", type=int, default=0, help="0: the preset's")
     ap.add_argument("--steps", type=int, default=55, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=0.0, help="the timed run's peak lr (0: the preset's)")
+    ap.add_argument("--equiv-steps", type=int, default=EQUIV_STEPS,
+                    help="steps of the equivalence phase that decides loss_match (0: none)")
+    ap.add_argument("--equiv-lr", type=float, default=0.0, help="its constant lr (0: the preset's)")
     ap.add_argument("--prefetch", type=int, default=1, help="shard_model(prefetch=): 0 = FSDP2's implicit order")
+    ap.add_argument("--block-units", choices=("auto", "all"), default="auto",
+                    help="shard_model(block_units=): all = a unit per block even without weight matrices (NeuZip)")
     ap.add_argument("--profile", action="store_true",
                     help="one extra step per recipe under torch.profiler: NCCL vs compute, exposed NCCL, idle GPU")
     ap.add_argument("--checkpoint-check", action="store_true",
@@ -540,6 +652,8 @@ def main():
     ap.add_argument("--launch-timeout", type=float, default=540, help="seconds per torchrun launch")
     ap.add_argument("--nccl-timeout", type=float, default=180, help="seconds before a stuck collective fails")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, tiny sizes")
+    ap.add_argument("--inject-bug", choices=("grad_x2_rank0", "grad_sum", "skip_update_rank1"), default=None,
+                    help=argparse.SUPPRESS)  # test-only (--smoke): a sharding bug loss_match must catch
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--preset", default="135m", help=argparse.SUPPRESS)
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -547,8 +661,13 @@ def main():
     ap.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt-world", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.inject_bug and not args.smoke:
+        ap.error("--inject-bug: test-only, allowed with --smoke alone (it would make a real run's result wrong)")
+    if args.equiv_steps < 0:
+        ap.error(f"--equiv-steps: expected 0 or more, got {args.equiv_steps}")
     if args.smoke and not args.worker:
         args.presets, args.steps, args.warmup = "tiny", 4, 1
+        args.equiv_steps = min(args.equiv_steps, 4)
         args.gpus = args.gpus or 2
     if args.merge:
         merge(args)

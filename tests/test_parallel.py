@@ -443,6 +443,8 @@ def test_bad_arguments_get_clear_errors():
         RankData(make_data(), 2, 2)
     with pytest.raises(TypeError, match="model"):
         shard_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="block_units"):
+        shard_model(ref_model(), block_units="some")
     e, c, t = vp_inputs()
     with pytest.raises(RuntimeError, match="process group"):
         vocab_parallel_cross_entropy(e, c, t, vocab_start=0, vocab_size=V_VP)

@@ -1,0 +1,95 @@
+"""Is an N-rank training step the 1-process step? A short, well-posed comparison for sharded training.
+
+Comparing whole loss curves is not well posed: after a loss spike (large learning rate from random init) the
+trajectories of two runs that differ only in the reduction order of bf16/fp32 sums separate by up to a nat and
+later re-converge, so a long curve cannot tell rounding from a bug. The equivalence phase is instead a few steps
+from the same initial weights, on the same global batches, at a constant learning rate small enough that the
+run stays in its smooth regime (chosen per model size, a priori). Three things are compared per step/parameter:
+
+- the loss, to ``LOSS_TOL_NATS``: a sharding bug that changes the trajectory (a missed reduction, a wrong
+  average) moves it;
+- the pre-clip gradient norm, to ``GRAD_NORM_RTOL`` relative: AdamW (and clipping) are blind to a uniform
+  gradient scale, so a sum-instead-of-mean or one rank's gradients doubled barely moves the loss; the norm
+  moves by 1.5-2x;
+- each parameter's update ``||w_K - w_0||``, to ``UPDATE_NORM_RTOL`` relative: a parameter (or one rank's
+  shard of it) that the optimizer never updates has a smaller (or zero) update. AdamW's update magnitude is
+  ~lr per element whatever the gradient's rounding noise, so its norm over a tensor is stable bit-noise-wise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import check_positive_int
+
+LOSS_TOL_NATS = 0.02  # bf16 reduction-order noise over a few smooth steps is ~1e-3; a real bug moves more
+GRAD_NORM_RTOL = 0.05  # noise ~1e-3 relative; one rank's gradients x2 gives ~1.5x, a missed 1/N gives N x
+UPDATE_NORM_RTOL = 0.10  # a shard not updated on one of 2 ranks shrinks the update norm to ~0.71x
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value (its norm is a Partial/Replicate DTensor); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _trainable(model: torch.nn.Module):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def record_steps(trainer, steps: int) -> dict:
+    """Runs ``steps`` training steps; returns their losses, pre-clip gradient norms and every trainable
+    parameter's update norm ``||w_after - w_before||`` (global over ranks for sharded parameters)."""
+    check_positive_int("steps", steps)
+    before = {n: p.detach().clone() for n, p in _trainable(trainer.model)}  # one copy of the (sharded) weights
+    losses, grad_norms = [], []
+    for _ in range(steps):
+        row = trainer.train_step()
+        losses.append(float(row["loss"]))
+        grad_norms.append(float(row["grad_norm"]))
+    updates = {n: float(_full(torch.linalg.vector_norm((p.detach() - before[n]).float())))
+               for n, p in _trainable(trainer.model)}
+    return {"losses": losses, "grad_norms": grad_norms, "update_norms": updates}
+
+
+def _check_record(name: str, rec) -> None:
+    if not isinstance(rec, dict) or not {"losses", "grad_norms", "update_norms"} <= set(rec):
+        raise ValueError(f"{name}: expected a record_steps() dict with losses, grad_norms, update_norms")
+    if not rec["losses"] or len(rec["losses"]) != len(rec["grad_norms"]):
+        raise ValueError(f"{name}: expected as many losses as gradient norms (at least one step), got "
+                         f"{len(rec['losses'])} and {len(rec['grad_norms'])}")
+
+
+def _rel(a: float, b: float) -> float:
+    """|a - b| relative to b; 0 when both are 0 (a frozen row set, or nothing to update)."""
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b != 0 else math.inf
+
+
+def _worst(diffs) -> float:
+    """The largest difference; NaN anywhere counts as the worst (Python's max would skip it by position)."""
+    diffs = list(diffs)
+    return math.nan if any(d != d for d in diffs) else max(diffs, default=0.0)
+
+
+def compare(many: dict, ref: dict, *, loss_tol: float = LOSS_TOL_NATS, grad_rtol: float = GRAD_NORM_RTOL,
+            update_rtol: float = UPDATE_NORM_RTOL) -> dict:
+    """The N-rank record against the 1-process record of the same phase: the largest differences, the worst
+    parameter, and ``ok`` (every one within its tolerance; a NaN anywhere is not ok)."""
+    _check_record("many", many)
+    _check_record("ref", ref)
+    if len(many["losses"]) != len(ref["losses"]):
+        raise ValueError(f"many: {len(many['losses'])} steps, ref: {len(ref['losses'])}; expected the same phase")
+    if set(many["update_norms"]) != set(ref["update_norms"]):
+        odd = sorted(set(many["update_norms"]) ^ set(ref["update_norms"]))[:5]
+        raise ValueError(f"many: trainable parameters differ from ref's (e.g. {odd})")
+    loss = _worst(abs(a - b) for a, b in zip(many["losses"], ref["losses"]))
+    grad = _worst(_rel(a, b) for a, b in zip(many["grad_norms"], ref["grad_norms"]))
+    upd = {n: _rel(many["update_norms"][n], ref["update_norms"][n]) for n in ref["update_norms"]}
+    upd_max = _worst(upd.values())
+    worst = next((n for n, d in upd.items() if d == upd_max or d != d), None) if upd else None
+    ok = loss <= loss_tol and grad <= grad_rtol and upd_max <= update_rtol  # False for NaN
+    return {"loss_max_abs_diff": loss, "grad_norm_max_rel_diff": grad, "update_norm_max_rel_diff": upd_max,
+            "worst_parameter": worst, "steps": len(ref["losses"]), "ok": bool(ok)}
