@@ -15,6 +15,12 @@ rebuild, fetch, attention) vs the whole step ("the rest" = everything else).
 
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/shadowkv.py
     python benchmarks/shadowkv.py --smoke         # tiny shapes on the CPU (Triton interpreter), no graphs
+
+Per-stage times only (batch 1, one layer's state, no model, no host arena; about a minute), this tree against
+another one in the same run (``git archive <old> | tar -x -C .base``, carry ``.base``):
+
+    THRIFTY_COMMIT=<sha> THRIFTY_NO_INSTALL=1 bash benchmarks/run_on_gpu.sh benchmarks/shadowkv.py \
+        --stages-only --baseline-src .base/src
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -283,6 +290,85 @@ def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
     return out
 
 
+ROWS_MARK = "STAGE_ROWS "  # the line a --rows-only subprocess prints its rows on
+
+
+def rope_table(n: int, D: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) (n, D) fp32 of the rotate-half RoPE, without building a model."""
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)
+    emb = torch.arange(n, dtype=torch.float32, device=device)[:, None] * inv
+    emb = torch.cat((emb, emb), -1)
+    return emb.cos(), emb.sin()
+
+
+def stage_row(shape: dict, T: int, gen: int, hit_rate, device, smoke: bool) -> dict:
+    """One layer's ShadowKV stages at batch 1 and context T (``layer_breakdown``), after a few decode steps with
+    fresh random queries (so the reuse buffer misses at the rate ``hit_rate`` leaves)."""
+    Hq, H = shape["num_attention_heads"], shape["num_key_value_heads"]
+    D = shape["hidden_size"] // Hq
+    cfg, _ = configs_for(T, gen, smoke)
+    cos, sin = rope_table(T + gen, D, shape["rope_theta"], device)
+    att = ShadowKVAttention(1, 1, H, D, T, cfg, device, cos, sin, None, hit_rate)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g, device=device, dtype=torch.bfloat16)
+
+    for _ in range(3):
+        att(0, rand(1, Hq, 1, D), rand(1, H, 1, D), rand(1, H, 1, D))
+    row = {"method": "stages", "context": T, "batch": 1, "hit_rate": att.hit_rate()}  # before the breakdown's hits
+    parts = layer_breakdown(att, rand(1, Hq, 1, D), rand(1, H, 1, D), rand(1, H, 1, D))
+    row.update({f"{k}_ms_per_layer" if k != "fill_rows" else k: v for k, v in parts.items()})
+    del att
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def stage_rows(shape, contexts, gen, hit_rate, device, smoke) -> list:
+    rows = []
+    for T in contexts:
+        rows.append(stage_row(shape, T, gen, hit_rate, device, smoke))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def baseline_stage_rows(src: str, argv: list) -> list:
+    """The same per-stage rows with another tree's thrifty (``src``: its src/ directory), in a subprocess."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
+    out = subprocess.run([sys.executable, __file__, *argv, "--rows-only"], env=env, capture_output=True, text=True,
+                         timeout=540)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(ROWS_MARK)]
+    if out.returncode != 0 or not lines:
+        return [{"method": "stages", "tree": "baseline", "error": out.stderr[-800:]}]
+    return [dict(r, tree="baseline") for r in json.loads(lines[-1][len(ROWS_MARK):])]
+
+
+def stages_main(args, shape, contexts, gen, hit_rate, device) -> None:
+    """``--stages-only``: per-stage rows of this tree (and of ``--baseline-src``), one table, one result file."""
+    rows = stage_rows(shape, contexts, gen, hit_rate, device, args.smoke)
+    if args.rows_only:
+        print(ROWS_MARK + json.dumps(rows), flush=True)
+        return
+    rows = [dict(r, tree="this") for r in rows]
+    if args.baseline_src:
+        argv = ["--stages-only", "--contexts", *map(str, args.contexts), "--hit-rate", str(args.hit_rate)]
+        rows += baseline_stage_rows(args.baseline_src, argv + (["--smoke"] if args.smoke else []))
+    summary = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        tag = f"{r['context'] // 1024}k" + ("_baseline" if r["tree"] == "baseline" else "")
+        for stage in ("select", "fill", "attention"):
+            summary[f"{stage}_us_{tag}"] = 1e3 * r[f"{stage}_ms_per_layer"]
+    bench.print_table(rows, ["tree", "context", "hit_rate", "fill_rows", "select_ms_per_layer", "fill_ms_per_layer",
+                             "attention_ms_per_layer", "error"])
+    bench.write_result("shadowkv_stages", rows, summary,
+                       extra={"what": "one layer's ShadowKV stages at batch 1 inside a CUDA graph, synthetic state",
+                              "baseline_src": args.baseline_src, "hit_rate": hit_rate, "smoke": args.smoke},
+                       results_dir=None if not args.smoke else os.environ.get("TMPDIR", "/tmp"))
+
+
 def host_seq_bytes(layers, H, D, T, cfg: ShadowKVConfig) -> int:
     return ref.host_bytes_per_sequence(layers, H, D, T, 2, fp8=cfg.host_values == "fp8")
 
@@ -381,20 +467,29 @@ def main():
                     help="fraction of selected chunks reused from the previous step (random data gives ~0; real "
                          "text's rate is measured by benchmarks/shadowkv_hit_rate.py); negative: random data's own")
     ap.add_argument("--needle-json", default=None, help="a shadowkv_needle result whose accuracies go in the summary")
+    ap.add_argument("--stages-only", action="store_true",
+                    help="only the per-stage times of one layer at batch 1 per context (no model, no host arena)")
+    ap.add_argument("--baseline-src", default=None,
+                    help="with --stages-only: src/ of another thrifty tree, timed in the same run (a subprocess)")
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.baseline_src and not args.stages_only:
+        raise SystemExit("--baseline-src: only with --stages-only (the full run pins the host arena once)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_graph = device.type == "cuda"
     shape = TINY if args.smoke else LLAMA3_8B
     contexts = [384, 640] if args.smoke else args.contexts
     steps = 2 if args.smoke else args.steps
+    gen = 2 * steps + 64  # rows for warm-up, capture, replays and the breakdown (the counter is not checked in a graph)
+    hit_rate = None if args.hit_rate < 0 else args.hit_rate
+    if args.stages_only:
+        return stages_main(args, shape, contexts, gen, hit_rate, device)
     budget = hostmem.host_budget()
     host_limit = host_limit_bytes(args.host_gib, budget)
     print(f"host memory: {budget.explain()}; this run may pin {host_limit / 2**30:.1f} GiB", flush=True)
     model = build_model(shape, device)
     cfgm = model.config
     L, H, D = cfgm.num_hidden_layers, cfgm.num_key_value_heads, cfgm.head_dim
-    gen = 2 * steps + 64  # rows for warm-up, capture, replays and the breakdown (the counter is not checked in a graph)
-    hit_rate = None if args.hit_rate < 0 else args.hit_rate
 
     # plan every variant first, so that one pinned arena of exactly the largest need serves them all
     plans = []

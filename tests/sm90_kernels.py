@@ -202,29 +202,40 @@ def _kvcache():
     chunk = ShadowKVConfig().chunk_size
     chunks, block_t = FK.block_shape(chunk)
     block_n = inspect.signature(AK.decode_attention).parameters["block_n"].default
+    tu = SK.TUNING
+    hist = dict(NB=tu.hist_bins, SHIFT=tu.hist_shift)
+    for G in (1, 3, 4, 8):  # the score kernel reads fp32 logits only: one entry per group size and split count
+        g_pad, g_p2 = SK.g_pads(G)
+        for s_pad in (1, 64, 128):  # splits: 1 (large batch) .. 66 (batch 1 at 122K on 132 SMs) .. 128
+            yield entry(SK._score_hist_kernel, f"G{G} S{s_pad}",
+                        dict(G=G, G_PAD=g_pad, G_P2=g_p2, S_PAD=s_pad, BLOCK=tu.score_block, **hist),
+                        {"logit_ptr part_m_ptr part_l_ptr score_ptr": "*fp32", "sel_ptr": "*i8",
+                         "hist_ptr": "*i32", "ref_ptr": "*i64"}, num_warps=SK.SCORE_WARPS)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for D in (64, 128):
+            # K: the paper's budgets 1024/2048/4096 at c=8 and SmolLM2's 256/512
+            for k_pad in (32, 128, 256, 512):
+                yield entry(SK._select_kernel, f"D{D} {NAME[dtype]} K{k_pad}",
+                            dict(K_PAD=k_pad, C_SIZE=chunk, C_PAD=triton.next_power_of_2(chunk), D=D,
+                                 BLOCK=tu.select_block, **hist),
+                            {"score_ptr": "*fp32", "sel_ptr mark_ptr valid_ptr": "*i8", "ref_ptr": "*i64",
+                             "hist_ptr miss_ptr cand_ptr slot_ids_ptr slot_of_ptr work_ptr": "*i32",
+                             "knew_ptr vnew_ptr kbuf_ptr vbuf_ptr": PTR[dtype], "ngen_ptr": "*i64"},
+                            num_warps=SK.SELECT_WARPS)
             for G in ((3, 8) if dtype == torch.bfloat16 else (4,)):  # SmolLM2's 9/3 heads; Llama's 32/4, 64/8
-                g_pad = max(16, triton.next_power_of_2(G))  # as score_and_select / decode_attention
+                g_pad = SK.g_pads(G)[0]  # as score_and_select / decode_attention
                 label = f"D{D} {NAME[dtype]} G{G}"
                 yield entry(SK._landmark_logits_kernel, label,
-                            dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=SK.LOGIT_BLOCK),
+                            dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins),
                             {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8",
-                             "logit_ptr part_m_ptr part_l_ptr": "*fp32"}, fp32="scale")
-                # splits: 1..128 (S_PAD), K: the paper's budgets 1024/2048/4096 at c=8 and SmolLM2's 256/512
-                for s_pad, k_pad in ((1, 32), (128, 128), (64, 256), (16, 512)):
-                    yield entry(SK._select_kernel, f"{label} S{s_pad} K{k_pad}",
-                                dict(G=G, G_PAD=g_pad, S_PAD=s_pad, K_PAD=k_pad, C_SIZE=chunk,
-                                     C_PAD=triton.next_power_of_2(chunk), D=D, BLOCK=SK.SELECT_BLOCK),
-                                {"logit_ptr part_m_ptr part_l_ptr score_ptr": "*fp32", "sel_ptr mark_ptr valid_ptr": "*i8",
-                                 "miss_ptr slot_ids_ptr slot_of_ptr work_ptr": "*i32",
-                                 "knew_ptr vnew_ptr kbuf_ptr vbuf_ptr": PTR[dtype], "ngen_ptr": "*i64"},
-                                num_warps=SK.SELECT_WARPS)
+                             "logit_ptr part_m_ptr part_l_ptr": "*fp32", "hist_ptr": "*i32"}, fp32="scale")
                 yield entry(AK._decode_attention_kernel, label, dict(G=G, G_PAD=g_pad, D=D, BLOCK_N=block_n),
                             {"q_ptr k_ptr v_ptr": PTR[dtype], "valid_ptr": "*i8", "m_ptr l_ptr acc_ptr": "*fp32"},
                             fp32="scale")
-                yield entry(AK._merge_splits_kernel, label, dict(G=G, G_PAD=g_pad, D=D),
-                            {"m_ptr l_ptr acc_ptr": "*fp32", "out_ptr": PTR[dtype]})
+                for s_block in (1, 8, AK.MERGE_BLOCK):  # min(MERGE_BLOCK, next_power_of_2(splits))
+                    yield entry(AK._merge_splits_kernel, f"{label} S{s_block}",
+                                dict(G=G, G_PAD=g_pad, D=D, S_BLOCK=s_block),
+                                {"m_ptr l_ptr acc_ptr": "*fp32", "out_ptr": PTR[dtype]})
             label = f"D{D} {NAME[dtype]} c{chunk}"
             for host in ("native", "fp8"):  # ShadowKVConfig.host_values
                 yield entry(FK._fill_slots_kernel, f"{label} host={host}",

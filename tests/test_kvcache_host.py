@@ -83,3 +83,12 @@ def test_benchmark_arena_hands_out_exact_views(monkeypatch):
     assert a.shape == (2, 3, 5) and b.data_ptr() - arena.buf.data_ptr() == 256
     with pytest.raises(MemoryError, match="host arena"):
         arena.take((4096,), torch.float32)
+
+
+def test_benchmark_stage_row_counts_misses_before_the_breakdown():
+    """``--stages-only``: one layer at batch 1. The hit rate is read before the breakdown (whose repeated select
+    hits everything: it read 1.0), and the timed fill re-does the last step's misses."""
+    skv = load_benchmark()
+    row = skv.stage_row(skv.TINY, 384, gen=16, hit_rate=0.5, device=torch.device("cpu"), smoke=True)
+    assert 0.0 < row["hit_rate"] < 1.0 and row["fill_rows"] > 0
+    assert all(row[f"{s}_ms_per_layer"] > 0 for s in ("select", "fill", "attention"))

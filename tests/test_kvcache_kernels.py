@@ -10,7 +10,7 @@ from thrifty.kvcache import reference as ref
 from thrifty.kvcache.attention_kernel import decode_attention
 from thrifty.kvcache.decode import fast_layer
 from thrifty.kvcache.fill_kernel import fill_slots
-from thrifty.kvcache.score_kernel import score_and_select
+from thrifty.kvcache.score_kernel import SelectTuning, score_and_select
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,6 +33,10 @@ def make_state(lengths, H=3, D=32, cfg=None, dtype=torch.float32, seed=0):
     return st, k, v.to(dtype), cos, sin
 
 
+# Blocks of 16 and 16 coarse bins (one per octave: the clamped bin is reached): the select stage's multi-split,
+# multi-block and many-candidate paths at interpreter sizes. The GPU's defaults see one block at these sizes.
+SMALL = SelectTuning(logit_block=16, score_block=16, select_block=16, hist_bins=16, hist_shift=23)
+
 CFG = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=20, outlier_chunks=2, local_chunks=2, min_prompt_len=16)
 
 
@@ -43,12 +47,19 @@ def f64_error_ok(got, ref_out, exact, slack):
     assert err_kernel <= 2 * err_ref + slack, (err_kernel, err_ref)
 
 
-def select_engine(lengths, H, G, D, cfg, dtype, seed):
+def select_engine(lengths, H, G, D, cfg, dtype, seed, tuning=None):
     st, k, v, cos, sin = make_state(lengths, H=H, D=D, cfg=cfg, dtype=dtype, seed=seed)
     e = ShadowKVEngine(cfg, 1, H, D, lambda n, dev: (cos[:n], sin[:n]))
     e.prefill(0, k, v, torch.tensor(lengths, device=DEV))
     e.backend = "triton"
+    e.select_tuning = tuning
     return e, fast_layer(e, 0, G)
+
+
+def top_k_lowest_ids(scores, K):
+    """The K highest scores' chunk ids, ties to the lowest ids (the select kernel's rule), as a sorted set."""
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :K]
+    return order.sort(-1).values
 
 
 def scores_f64(q, st):
@@ -60,13 +71,17 @@ def scores_f64(q, st):
     return torch.where(sel, p, -1.0).amax(2)
 
 
-@pytest.mark.parametrize("dtype, G, lengths, K", [(torch.float32, 1, [157, 130], 7), (torch.float32, 3, [333], 13),
-                                                  (torch.bfloat16, 4, [211, 99], 5)])
-def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K):
+@pytest.mark.parametrize("dtype, G, lengths, K, tuning", [
+    (torch.float32, 1, [157, 130], 7, None), (torch.float32, 3, [333], 13, None),
+    (torch.bfloat16, 4, [211, 99], 5, None), (torch.float32, 3, [333], 13, SMALL),
+    (torch.bfloat16, 4, [211, 99], 5, SMALL),
+    (torch.float32, 2, [157, 30], 13, SMALL),  # the short sequence has fewer selectable chunks than K: -1 ties
+    (torch.float32, 2, [157, 30], 13, None)])
+def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * K, outlier_chunks=2, local_chunks=2,
                          min_prompt_len=16, max_generated=8)
     H, D = 3, 32
-    e, fl = select_engine(lengths, H, G, D, cfg, dtype, seed=G)
+    e, fl = select_engine(lengths, H, G, D, cfg, dtype, seed=G, tuning=tuning)
     st = e.states[0]
     g = torch.Generator().manual_seed(11 + G)
     q = (torch.randn(len(lengths), H * G, 1, D, generator=g) * 3).to(DEV, dtype)
@@ -79,9 +94,9 @@ def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     f64_error_ok(got, want, scores_f64(q, st), 1e-6 if dtype == torch.float32 else 1e-2)
     assert (got[~st.selectable] == -1).all()
-    # the selection is the top K of the scores; every slot is filled at the first step; slot_of inverts slot_ids
-    top = got.topk(K, dim=-1)
-    assert torch.equal(fl.slot_ids.long().sort(-1).values, top.indices.sort(-1).values)
+    # the selection is the top K of the scores (ties: lowest ids); every slot is filled at the first step;
+    # slot_of inverts slot_ids
+    assert torch.equal(fl.slot_ids.long().sort(-1).values, top_k_lowest_ids(got, K))
     picked = st.selectable.gather(-1, fl.slot_ids.long())
     assert torch.equal(fl.work, torch.where(picked, fl.slot_ids, -1))
     for b in range(len(lengths)):
@@ -96,11 +111,12 @@ def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K):
     assert torch.equal(fl.valid[:, :, fl.sel_base:fl.gen_base], picked.repeat_interleave(4, -1))
 
 
-def test_select_breaks_ties_and_keeps_hits_in_place():
+@pytest.mark.parametrize("tuning", [None, SMALL])
+def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=24, outlier_chunks=1, local_chunks=1,
                          min_prompt_len=16, max_generated=8)
     H, G, D, K = 2, 2, 32, 6
-    e, fl = select_engine([123], H, G, D, cfg, torch.float32, seed=5)
+    e, fl = select_engine([123], H, G, D, cfg, torch.float32, seed=5, tuning=tuning)
     st = e.states[0]
     st.landmarks[:, :, ::3] = st.landmarks[:, :, :1]  # a third of the chunks score exactly alike
     q = torch.randn(1, H * G, 1, D, generator=torch.Generator().manual_seed(1)).to(DEV) * 0.1
@@ -111,6 +127,7 @@ def test_select_breaks_ties_and_keeps_hits_in_place():
     assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct chunks
     chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True)
     assert (scores.masked_fill(~chosen, 2).amin(-1) >= scores.masked_fill(chosen, -2).amax(-1)).all()
+    assert torch.equal(ids.sort(-1).values, top_k_lowest_ids(scores, K))
     before = fl.slot_ids.clone()
     fl.n_generated += 1
     score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)  # same query: all hits
@@ -155,8 +172,9 @@ def test_fill_kernel_matches_reference(chunk_size, host):
         assert (out[:, :, :7] == 9.0).all() and (out[:, :, 7 + K * c:] == 9.0).all()
 
 
-@pytest.mark.parametrize("G, N, splits", [(1, 37, 3), (3, 150, None), (4, 333, None), (4, 333, 1)])
-def test_decode_attention_kernel_matches_reference(G, N, splits):
+@pytest.mark.parametrize("G, N, splits, merge_block", [(1, 37, 3, 64), (3, 150, None, 64), (4, 333, None, 64),
+                                                       (4, 333, 1, 64), (3, 333, None, 4)])  # 11 splits, 3 loads
+def test_decode_attention_kernel_matches_reference(G, N, splits, merge_block):
     g = torch.Generator().manual_seed(G + N)
     B, H, D = 2, 3, 32
     q = torch.randn(B, H * G, 1, D, generator=g).to(DEV)
@@ -166,7 +184,7 @@ def test_decode_attention_kernel_matches_reference(G, N, splits):
     valid[..., -1] = True
     k[~valid] = float("nan")  # stale or padding rows: whatever they hold must not leak
     v[~valid] = float("nan")
-    got = decode_attention(q, k, v, valid, 0.3, splits=splits, block_n=32)
+    got = decode_attention(q, k, v, valid, 0.3, splits=splits, block_n=32, merge_block=merge_block)
     want = ref.attend(q, torch.where(valid[..., None], k, 0), torch.where(valid[..., None], v, 0), valid, 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     kd, vd = (torch.where(valid[..., None], x, 0).double() for x in (k, v))

@@ -46,6 +46,7 @@ class ShadowKVEngine:
         self.states: list[Optional[ref.LayerState]] = [None] * num_layers
         self.fast: list = [None] * num_layers  # kernel-path buffers per layer (see decode.py)
         self.scratch: dict = {}  # kernel-path per-step scratch, shared by the layers (decode.Scratch)
+        self.select_tuning = None  # kernel-path block sizes (score_kernel.SelectTuning); None: the GPU's defaults
         self.n_generated = [0] * num_layers
         self.cos = self.sin = None
         self.backend = "auto"

@@ -4,14 +4,16 @@ Per layer, one buffer per (sequence, KV head) of ``N = dense + K*c + max_generat
 
     [ outliers + local window (exact, written at prefill) | K selection slots | generated tokens ]
 
-with a validity byte per row. A step is four launches (five with the attention merge):
+with a validity byte per row. A step is six launches:
   1. ``score_kernel``: the landmark logits, split over ~4 programs per SM;
-  2. ``score_kernel``: append the new token (row ``gen_base + n_generated``, a device counter), softmax + group
-     max, radix top-K, and the reuse plan: a chunk still selected keeps its slot (nothing moves), each new one
-     takes a freed slot; ``work[slot]`` says which chunk each slot must receive;
-  3. ``fill_kernel``: rebuild the keys and fetch the values (from host memory) of those chunks, both in one
+  2. ``score_kernel``: the scores (softmax + group max) and their first-level histogram, on the same grid;
+  3. ``score_kernel``: append the new token (row ``gen_base + n_generated``, a device counter), the exact top-K
+     (the histogram's threshold bin, then a radix select among its chunks), and the reuse plan: a chunk still
+     selected keeps its slot (nothing moves), each new one takes a freed slot; ``work[slot]`` says which chunk
+     each slot must receive;
+  4. ``fill_kernel``: rebuild the keys and fetch the values (from host memory) of those chunks, both in one
      launch so that they overlap;
-  4. ``attention_kernel``: split-K attention over the whole buffer, then the merge of the splits.
+  5-6. ``attention_kernel``: split-K attention over the whole buffer, then the merge of the splits.
 Every tensor has a fixed shape and nothing reads a value back to the host, so the step is CUDA-graph capturable
 (the reuse state is updated in place). The per-step scratch (logits, scores, marks) is shared by the layers.
 """
@@ -21,11 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-
 from .attention_kernel import decode_attention
 from .fill_kernel import fill_slots
-from .score_kernel import logit_splits, score_and_select
+from .score_kernel import TUNING, SelectTuning, g_pads, logit_splits, score_and_select
 
 
 @dataclass
@@ -35,19 +35,24 @@ class Scratch:
     part_m: torch.Tensor  # (B*H, splits, G_PAD) fp32
     part_l: torch.Tensor
     scores: torch.Tensor  # (B, H, C) fp32
+    hist: torch.Tensor  # (B*H, bins) int32: first-level histogram of the scores
+    key_ref: torch.Tensor  # (B*H,) int64: the key the bins count down from
     mark: torch.Tensor  # (B, H, C) int8: selected this step
-    miss_list: torch.Tensor  # (B, H, K) int32: newly selected chunks, in chunk order
+    candidates: torch.Tensor  # (B*H, C) int32: chunks of the threshold bin, in chunk order
+    miss_list: torch.Tensor  # (B, H, K) int32: newly selected chunks
     logit_splits: tuple[int, int]
+    tuning: SelectTuning
 
     @classmethod
-    def allocate(cls, B, H, G, C, K, device) -> "Scratch":
-        splits = logit_splits(B * H, C, device)
-        g_pad = max(16, triton.next_power_of_2(G))
-        f32 = dict(dtype=torch.float32, device=device)
+    def allocate(cls, B, H, G, C, K, device, tuning: SelectTuning = TUNING) -> "Scratch":
+        splits = logit_splits(B * H, C, device, tuning.logit_block)
+        g_pad = g_pads(G)[0]
+        f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         return cls(torch.empty(B * H, G, C, **f32), torch.empty(B * H, splits[0], g_pad, **f32),
                    torch.empty(B * H, splits[0], g_pad, **f32), torch.empty(B, H, C, **f32),
-                   torch.empty(B, H, C, dtype=torch.int8, device=device),
-                   torch.empty(B, H, K, dtype=torch.int32, device=device), splits)
+                   torch.empty(B * H, tuning.hist_bins, **i32), torch.empty(B * H, dtype=torch.int64, device=device),
+                   torch.empty(B, H, C, dtype=torch.int8, device=device), torch.empty(B * H, C, **i32),
+                   torch.empty(B, H, K, **i32), splits, tuning)
 
 
 @dataclass
@@ -96,10 +101,11 @@ def fast_layer(engine, layer: int, G: int) -> FastLayer:
         cfg, st = engine.config, engine.states[layer]
         B, H, C = st.selectable.shape
         K = min(cfg.select_chunks, C)
-        key = (B, H, G, C, K, st.selectable.device)
+        tuning = engine.select_tuning or TUNING
+        key = (B, H, G, C, K, st.selectable.device, tuning)
         scratch = engine.scratch.get(key)
         if scratch is None:
-            scratch = engine.scratch[key] = Scratch.allocate(B, H, G, C, K, st.selectable.device)
+            scratch = engine.scratch[key] = Scratch.allocate(B, H, G, C, K, st.selectable.device, tuning)
         fl = engine.fast[layer] = FastLayer.from_state(st, K, cfg.chunk_size, cfg.max_generated, scratch)
     return fl
 
