@@ -163,6 +163,8 @@ class PhaseProfile:
                 wall = time.perf_counter() - t0
                 syncs = sum(1 for w in log if "synchroniz" in str(w.message))
         finally:
+            if self.cuda:
+                torch.cuda.set_sync_debug_mode("default")
             for cls, attr, original in self._restore:
                 setattr(cls, attr, original)
             self._restore.clear()

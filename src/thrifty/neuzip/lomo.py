@@ -129,17 +129,19 @@ class FusedOptimizer:
         self.updates += 1
 
     def _kernel_for(self, weight: torch.Tensor) -> bool:
-        """True when this AdamW update runs as one Triton launch: impl "triton", or "auto" on CUDA (a
-        non-contiguous weight, which the kernel cannot update in place, takes the torch path)."""
-        impl = self.config.impl
-        if impl == "torch" or (impl == "auto" and not weight.is_cuda) or not weight.is_contiguous():
-            return False
-        if impl == "triton":
-            from ..triton_utils import kernels_available
+        """True when this AdamW update runs as one Triton launch: impl "triton", or "auto" on CUDA with Triton
+        installed (a non-contiguous weight, which the kernel cannot update in place, takes the torch path)."""
+        from ..triton_utils import kernels_available
 
-            if not kernels_available(weight.device):
-                raise ValueError(f"impl: 'triton' needs CUDA weights (or TRITON_INTERPRET=1 on the CPU), got a "
-                                 f"weight on {weight.device}")
+        impl = self.config.impl
+        if impl == "torch" or not weight.is_contiguous():
+            return False
+        available = kernels_available(weight.device)
+        if impl == "auto":
+            return weight.is_cuda and available
+        if not available:
+            raise ValueError(f"impl: 'triton' needs CUDA weights (or TRITON_INTERPRET=1 on the CPU), got a "
+                             f"weight on {weight.device}")
         return True
 
     def _new_state(self, weight: torch.Tensor) -> dict:
