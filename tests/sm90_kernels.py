@@ -393,7 +393,7 @@ def _neuzip_lomo():
     from thrifty.neuzip import lomo_kernel as LK
 
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
-    scalars = "decay_mul lerp_w b2 one_minus_b2 sqrt_bc2 eps step_size"
+    scalars = "decay_mul lerp_w lerp_small b2 one_minus_b2 sqrt_bc2 eps step_size"
     for w, g, st, decay in itertools.product(ptr, (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
                                              (False, True)):
         yield entry(LK._adamw_kernel, f"w {NAME[w]} g {NAME[g]} states {NAME[st]} decay={decay}",

@@ -44,7 +44,7 @@ def _adam_math(w, g, m, v, decay_mul, lerp_w, lerp_small, b2, one_minus_b2, sqrt
     if HAS_DECAY:
         w = w * decay_mul
     d = g - m
-    m = tl.where(lerp_small != 0, m + lerp_w * d, g - d * (1.0 - lerp_w))  # torch.lerp's two forms
+    m = tl.where(lerp_small != 0.0, m + lerp_w * d, g - d * (1.0 - lerp_w))  # torch.lerp's two forms
     v = v * b2 + one_minus_b2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
     w = w + step_size * tl.div_rn(m, denom)  # IEEE division, as torch
@@ -150,7 +150,8 @@ def adamw_update(weight: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: f
         return
     b1, b2 = betas
     lerp_w = 1.0 - b1
-    scalars = (1.0 - lr * decay, lerp_w, int(abs(lerp_w) < 0.5), b2, 1.0 - b2, (1.0 - b2 ** step) ** 0.5, eps,
+    # lerp_small as a float: Triton would turn an int 1 into a constexpr (another compiled variant)
+    scalars = (1.0 - lr * decay, lerp_w, float(abs(lerp_w) < 0.5), b2, 1.0 - b2, (1.0 - b2 ** step) ** 0.5, eps,
                -lr / (1.0 - b1 ** step))
     g = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().reshape(-1)
     w = weight.view(-1)
