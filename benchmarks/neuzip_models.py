@@ -21,6 +21,15 @@
     python benchmarks/neuzip_models.py --cpu-accuracy DIR   # CPU: perplexity + memory only (no speed)
 
 ``--smoke``: tiny sizes on the CPU (writes ``neuzip_models_smoke.json``; not a result).
+
+Loss identity on the GPU. The backward is not deterministic run to run (SDPA's flash backward adds dQ with
+atomics), and Adam's first step is ~lr·sign(g), so the noise moves the second loss by ~1e-3: at a305afd the
+four AdamW rows, whose first steps are the same arithmetic (zero states decode to zero in 8 bits too), gave four
+different second losses. So the training part also runs "LOMO AdamW (repeat)" (run-to-run control) and, with
+``--check-identity``, the NeuZip pairs again under ``torch.use_deterministic_algorithms(True)``: those rows must
+give equal losses (``train_loss_identical_deterministic*``). Every row also gets one profiled step after the
+timed ones (``phase_*``: host and GPU ms of the forward, backward, NeuZip decodes and re-encodes, fused updates,
+and the synchronizing calls counted by torch's sync debug mode).
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ SMOKE_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                    tie_word_embeddings=True, rope_theta=10000.0)
 INT_BLOCK = 64
+CONTROL = "LOMO AdamW (repeat)"  # the same row again: run-to-run noise of the GPU backward
+DETERMINISTIC = " [deterministic]"
+IDENTITY_PAIRS = ("LOMO AdamW", "LOMO AdamW + NeuZip lossless", "LOMO AdamW 8-bit states",
+                  "LOMO AdamW 8-bit states + NeuZip lossless")
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -72,6 +85,165 @@ def _checkpoint_blocks(model):
         model.model.layers[i] = Checkpointed(block)
 
 
+class PhaseProfile:
+    """One training step split into phases: host ms, main-stream GPU ms (CUDA events) and synchronizing calls
+    (torch.cuda sync debug mode, CUDA only) of NeuZip's block decodes and re-encodes and of the fused updates,
+    wrapped around those methods for the one profiled step; the forward and backward spans around them."""
+
+    PHASES = (("decode", "thrifty.neuzip.model", "CompressedWeights", "_decode"),
+              ("reencode", "thrifty.neuzip.model", "CompressedWeights", "_reencode"),
+              ("update", "thrifty.neuzip.lomo", "FusedOptimizer", "update"))
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.host = {name: 0.0 for name, *_ in self.PHASES}
+        self.calls = dict.fromkeys(self.host, 0)
+        self.syncs = dict.fromkeys(self.host, 0)
+        self.spans: dict = {name: [] for name in self.host}
+        self.log: list = []  # the sync warnings of the step
+        self._restore: list = []
+        self.peak, self.peak_at = 0, None  # the step's allocation peak and the first wrapped call that reached it
+
+    def _note_peak(self, name, args) -> None:
+        """Where the step's peak is: the wrapped call after which max_memory_allocated last rose (a host read,
+        no sync). ``args``: the call's arguments (the parameter's name for an update, the block for NeuZip)."""
+        if not self.cuda:
+            return
+        peak = torch.cuda.max_memory_allocated()
+        if peak > self.peak:
+            what = args[1] if len(args) > 1 and isinstance(args[1], (str, int)) else ""
+            self.peak, self.peak_at = peak, f"{name} {what}".strip()
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _wrap(self, name, cls, attr):
+        original = getattr(cls, attr)
+        prof = self
+
+        def timed(*a, **k):
+            n0, e0, t0 = len(prof.log), prof._event(), time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                prof.host[name] += time.perf_counter() - t0
+                prof.spans[name].append((e0, prof._event()))
+                prof.syncs[name] += len(prof.log) - n0
+                prof.calls[name] += 1
+                prof._note_peak(name, a)
+
+        setattr(cls, attr, timed)
+        self._restore.append((cls, attr, original))
+
+    def step(self, step_fn, x, y) -> dict:
+        import importlib
+        import warnings
+
+        for name, module, cls, attr in self.PHASES:
+            self._wrap(name, getattr(importlib.import_module(module), cls), attr)
+        try:
+            with warnings.catch_warnings(record=True) as log:
+                warnings.simplefilter("always")
+                self.log = log
+                if self.cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    torch.cuda.set_sync_debug_mode("warn")
+                t0, e0 = time.perf_counter(), self._event()
+                step_fn(x, y)
+                host_enqueue = time.perf_counter() - t0
+                e1 = self._event()
+                if self.cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                syncs = sum(1 for w in log if "synchroniz" in str(w.message))
+        finally:
+            if self.cuda:
+                torch.cuda.set_sync_debug_mode("default")
+            for cls, attr, original in self._restore:
+                setattr(cls, attr, original)
+            self._restore.clear()
+        out = {"phase_step_ms": wall * 1e3, "phase_host_enqueue_ms": host_enqueue * 1e3, "phase_syncs": syncs}
+        if self.cuda:
+            out["phase_gpu_span_ms"] = e0.elapsed_time(e1)
+            out["phase_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out["phase_peak_after"] = self.peak_at if self.peak == torch.cuda.max_memory_allocated() else \
+                f"between wrapped calls, after {self.peak_at}"
+        for name in self.host:
+            if not self.calls[name]:
+                continue
+            out[f"phase_{name}_calls"] = self.calls[name]
+            out[f"phase_{name}_host_ms"] = self.host[name] * 1e3
+            if self.cuda:
+                out[f"phase_{name}_gpu_ms"] = sum(a.elapsed_time(b) for a, b in self.spans[name])
+                out[f"phase_{name}_syncs"] = self.syncs[name]
+        return out
+
+
+def _split_step(model, adam):
+    """A step with the forward and backward timed apart (CUDA events; host ms on the CPU) for the profile."""
+    spans = {}
+
+    def step_fn(x, y):
+        cuda = x.is_cuda
+        marks = []
+        for phase in ("forward", "backward", "optimizer"):
+            marks.append((phase, time.perf_counter(), _record() if cuda else None))
+            if phase == "forward":
+                loss = model(x, labels=y)
+                if cuda:  # the peak before backward (the profiled step resets the peak first)
+                    spans["phase_peak_forward_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            elif phase == "backward":
+                loss.backward()
+            elif adam is not None:
+                adam.step()
+                adam.zero_grad(set_to_none=True)
+        marks.append(("end", time.perf_counter(), _record() if cuda else None))
+        for (phase, t0, e0), (_, t1, e1) in zip(marks, marks[1:]):
+            spans[f"phase_{phase}_host_ms"] = (t1 - t0) * 1e3
+            if cuda:
+                spans[f"phase_{phase}_gpu_events"] = (e0, e1)
+        return loss.detach()
+
+    return step_fn, spans
+
+
+def _record():
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def profile_step(model, adam, device, x, y) -> dict:
+    """The phase columns of one extra (untimed) training step."""
+    step_fn, spans = _split_step(model, adam)
+    out = PhaseProfile(device.type == "cuda").step(step_fn, x, y)
+    for key, value in spans.items():
+        if key.endswith("_gpu_events"):
+            out[key.replace("_events", "_ms")] = value[0].elapsed_time(value[1])
+        else:
+            out[key] = value
+    return out
+
+
+def _deterministic(on: bool) -> None:
+    """Deterministic kernels for the identity rows (flash attention's backward without atomics, cuBLAS with a
+    fixed workspace); uninitialized memory is not filled (only the speed would change)."""
+    import os
+
+    import torch.utils.deterministic
+
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+    torch.utils.deterministic.fill_uninitialized_memory = not on
+
+
 def train_rows(args, device):
     shape = SMOKE_SHAPE if args.smoke else TRAIN_SHAPE
     steps, warm = (3, 1) if args.smoke else (args.train_iters, 2)
@@ -82,6 +254,7 @@ def train_rows(args, device):
     variants = [("vanilla AdamW", "adamw", False, False, bf16, False),
                 ("vanilla AdamW + CCE", "adamw", False, False, bf16, True),
                 ("LOMO AdamW", "adamw", True, False, bf16, True),
+                (CONTROL, "adamw", True, False, bf16, True),
                 ("LOMO AdamW + NeuZip lossless", "adamw", True, True, bf16, True),
                 ("LOMO AdamW 8-bit states", "adamw", True, False, int8, True),
                 ("LOMO AdamW 8-bit states + NeuZip lossless", "adamw", True, True, int8, True),
@@ -89,8 +262,11 @@ def train_rows(args, device):
     if args.smoke:  # the smoke test runs every code path once, not every row
         variants = [v for v in variants if v[0] in ("vanilla AdamW", "LOMO AdamW 8-bit states",
                                                     "LOMO AdamW 8-bit states + NeuZip lossless")]
+    if args.check_identity:  # the NeuZip pairs again, deterministic kernels (see the module docstring)
+        variants += [(v[0] + DETERMINISTIC,) + v[1:] for v in variants if v[0] in IDENTITY_PAIRS]
     rows, losses = [], {}
     for name, opt_name, use_lomo, neuzip, state_dtype, cce in variants:
+        _deterministic(name.endswith(DETERMINISTIC))
         row = {"part": "train", "variant": name, "params_m": None}
         model = opt = adam = step_fn = batches = None
         try:
@@ -135,6 +311,9 @@ def train_rows(args, device):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             row["it_per_s"] = (steps - warm) / (time.perf_counter() - t0)
+            if device.type == "cuda":
+                row["timed_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30  # before the profiled step
+            row.update(profile_step(model, adam, device, batches[-1][:, :-1].to(device), batches[-1][:, 1:].to(device)))
             step_losses = [float(v) for v in step_losses]
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             row["loss_first"], row["loss_last"] = step_losses[0], step_losses[-1]
@@ -144,6 +323,7 @@ def train_rows(args, device):
         except Exception as err:  # a failing variant (OOM) keeps its row
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
         # free this variant completely before the next one's peak is measured
+        _deterministic(False)
         model = opt = adam = step_fn = batches = None
         gc.collect()
         if device.type == "cuda":
@@ -308,6 +488,31 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _max_gap(a, b) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def _identity_summary(losses, head, head_plain) -> dict:
+    """Run-to-run control (the same row twice), the NeuZip pairs' largest loss gaps, and the pairs under
+    deterministic kernels; the second loss of every AdamW row under deterministic kernels (their first updates
+    are the same arithmetic, so a spread there is GPU nondeterminism, not NeuZip)."""
+    s = {}
+    if "LOMO AdamW" in losses and CONTROL in losses:
+        s["train_loss_identical_control"] = int(losses["LOMO AdamW"] == losses[CONTROL])
+        s["train_loss_max_gap_control"] = _max_gap(losses["LOMO AdamW"], losses[CONTROL])
+    pairs = {"": (head_plain, head), "_bf16_states": ("LOMO AdamW", "LOMO AdamW + NeuZip lossless")}
+    for suffix, (plain, packed) in pairs.items():
+        if plain in losses and packed in losses:
+            s["train_loss_max_gap" + suffix] = _max_gap(losses[plain], losses[packed])
+        plain, packed = plain + DETERMINISTIC, packed + DETERMINISTIC
+        if plain in losses and packed in losses:
+            s["train_loss_identical_deterministic" + suffix] = int(losses[plain] == losses[packed])
+    second = [v[1] for k, v in losses.items() if k.endswith(DETERMINISTIC) and len(v) > 1]
+    if second:
+        s["train_second_loss_spread_deterministic"] = max(second) - min(second)
+    return s
+
+
 def _summary(train, losses, infer, block):
     s = {}
     by = {r["variant"]: r for r in train if "error" not in r}
@@ -325,6 +530,7 @@ def _summary(train, losses, infer, block):
                       ("LOMO SGD + NeuZip lossless", "sgd_neuzip")):
         if van and van.get("peak_gib") and name in by:
             s[f"train_mem_ratio_{key}_vs_vanilla"] = by[name]["peak_gib"] / van["peak_gib"]
+    s.update(_identity_summary(losses, head, head_plain))
     if "LOMO AdamW" in losses and head_plain in losses:  # 8-bit vs bf16 states (not identical, by design)
         s["train_loss_max_gap_int8_vs_bf16_states"] = max(abs(a - b) for a, b in zip(losses["LOMO AdamW"],
                                                                                      losses[head_plain]))
@@ -359,6 +565,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-infer", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    p.add_argument("--check-identity", action="store_true", help="run the NeuZip pairs again with deterministic "
+                   "kernels (torch.use_deterministic_algorithms): their losses must be equal")
     p.add_argument("--suffix", default="", help="appended to the device tag of the result file (split runs: "
                    "--suffix=-train with --skip-infer, --suffix=-infer with --skip-train)")
     p.add_argument("--cpu-accuracy", default=None, metavar="DIR",
@@ -424,6 +632,10 @@ def main(argv=None) -> int:
         except Exception as err:
             print("plot failed:", err)
     bench.print_table(train, ["variant", "params_m", "peak_gib", "it_per_s", "loss_first", "loss_last"])
+    bench.print_table(train, ["variant", "phase_step_ms", "phase_host_enqueue_ms", "phase_forward_gpu_ms",
+                              "phase_backward_gpu_ms", "phase_optimizer_gpu_ms", "phase_decode_host_ms",
+                              "phase_reencode_host_ms", "phase_reencode_gpu_ms", "phase_update_host_ms",
+                              "phase_update_gpu_ms", "phase_syncs", "phase_reencode_syncs"])
     bench.print_table(infer, ["variant", "val_ppl", "weight_mib", "tokens_per_s", "block_weights_ratio_vs_bf16"])
     print("SUMMARY", summary)
     print("wrote", path)

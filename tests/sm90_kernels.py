@@ -399,7 +399,29 @@ def _bitnet():
                     num_warps=8, num_stages=3)  # literal in ternary_weight
 
 
-SPECS = _unique([*_attention(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_bitnet()])
+def _neuzip_lomo():
+    """lomo_kernel.adamw_update: float states (fp32, bf16) for bf16/fp16/fp32 weights and bf16/fp32 gradients;
+    8-bit states at the smallest, the default and the largest state block (tile8 picks rows and warps)."""
+    from thrifty.neuzip import lomo_kernel as LK
+
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+    scalars = "decay_mul lerp_w lerp_small b2 one_minus_b2 sqrt_bc2 eps step_size"
+    for w, g, st, decay in itertools.product(ptr, (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                             (False, True)):
+        yield entry(LK._adamw_kernel, f"w {NAME[w]} g {NAME[g]} states {NAME[st]} decay={decay}",
+                    dict(HAS_DECAY=decay, BLOCK=LK.BLOCK),
+                    {"w_ptr": ptr[w], "g_ptr": ptr[g], "m_ptr v_ptr": ptr[st]}, fp32=scalars,
+                    num_warps=4, num_stages=1)  # literal in adamw_update
+    for w, block, decay in itertools.product((torch.bfloat16, torch.float32), (16, 256, 4096), (False, True)):
+        rows, warps = LK.tile8(block)
+        yield entry(LK._adamw8_kernel, f"w {NAME[w]} block {block} decay={decay}",
+                    dict(HAS_DECAY=decay, QBLOCK=block, ROWS=rows),
+                    {"w_ptr g_ptr": ptr[w], "mq_ptr": "*i8", "vq_ptr": "*u8", "ms_ptr vs_ptr mt_ptr vt_ptr": "*fp32"},
+                    fp32=scalars + " m_per_octave v_per_octave", num_warps=warps, num_stages=1)
+
+
+SPECS = _unique([*_attention(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_neuzip_lomo(),
+                 *_bitnet()])
 
 
 # --------------------------------------------------------------------------------------------- scanning

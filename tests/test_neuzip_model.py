@@ -537,3 +537,22 @@ def test_lomo_int8_states_track_fp32_states_on_real_text():
     assert fp32[-1] < fp32[0] - 1.8 and int8[-1] < int8[0] - 1.8  # both learned (~2.2 nats)
     gap = max(abs(a - b) for a, b in zip(fp32, int8))
     assert gap < 0.06, (gap, fp32[-5:], int8[-5:])
+
+
+def test_deferred_reencode_is_bit_identical_and_lazy():
+    """``defer`` (the CUDA default): a block is re-encoded when its buffer is next taken, not at its last
+    update. Same losses and weights as the plain model; after a backward the last blocks wait in their buffers
+    (fewer re-encodes than blocks) until a decode needs the buffer or flush() writes them back."""
+    cfg = LomoConfig(optimizer="adamw", lr=1e-2, weight_decay=0.1)
+    plain = tiny(layers=4)
+    packed = compress_model(copy.deepcopy(plain), train=cfg)
+    packed.neuzip.defer = True
+    opt = lomo(plain, cfg)
+    for step in range(3):
+        assert torch.equal(_train(plain, opt, 1)[0], _train(packed, packed.neuzip.optimizer, 1)[0]), step
+        st = packed.neuzip
+        assert st.stats["reencodes"] < (step + 1) * len(packed.model.layers) and any(st.dirty), step
+    a, b = _state(plain), _state(packed)  # decoded_weights() flushes the blocks still waiting
+    assert not any(packed.neuzip.dirty)
+    assert packed.neuzip.stats["reencodes"] == 3 * len(packed.model.layers)
+    assert all(torch.equal(int_bits(a[k]), int_bits(b[k])) for k in a)

@@ -32,6 +32,7 @@ from . import state8
 
 OPTIMIZERS = ("sgd", "adamw")
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # torch.int8: 8-bit block-quantized states
+IMPLS = ("auto", "triton", "torch")  # the AdamW update: one Triton launch (lomo_kernel) or torch ops
 CHUNK = 1 << 22  # elements per update pass (fp32 temporaries of 16 MB)
 
 
@@ -39,7 +40,9 @@ CHUNK = 1 << 22  # elements per update pass (fp32 temporaries of 16 MB)
 class LomoConfig:
     """The fused optimizer. ``weight_decay`` applies to parameters with >= 2 dimensions (matrices) only.
     ``state_dtype``: torch.float32, torch.bfloat16 or torch.int8 (also spelled "int8"): AdamW states as 8-bit
-    codes with one float32 absmax per ``state_block`` values (:mod:`thrifty.neuzip.state8`)."""
+    codes with one float32 absmax per ``state_block`` values (:mod:`thrifty.neuzip.state8`).
+    ``impl``: the AdamW update as one Triton launch per parameter (:mod:`thrifty.neuzip.lomo_kernel`; "auto"
+    picks it for CUDA weights) or as torch ops ("torch"; "auto" on the CPU). SGD always runs torch ops."""
 
     optimizer: str = "adamw"
     lr: float = 1e-3
@@ -48,9 +51,11 @@ class LomoConfig:
     weight_decay: float = 0.0
     state_dtype: torch.dtype = torch.float32
     state_block: int = 256
+    impl: str = "auto"
 
     def __post_init__(self):
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("impl", self.impl, IMPLS)
         check_range("lr", self.lr, 0.0, 10.0, lo_open=True)
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
             raise ValueError(f"betas: expected a pair (beta1, beta2), got {self.betas!r}")
@@ -103,6 +108,13 @@ class FusedOptimizer:
             if st is None:
                 st = self.state[key] = self._new_state(weight)
             st["step"] += 1
+        if st is not None and self._kernel_for(weight):
+            from .lomo_kernel import adamw_update
+
+            adamw_update(weight, grad, st, lr=self.lr, betas=cfg.betas, eps=cfg.eps, decay=decay, step=st["step"],
+                         state_block=cfg.state_block)
+            self.updates += 1
+            return
         flat_w, flat_g = weight.view(-1), grad.contiguous().view(-1)
         block = cfg.state_block
         chunk = max(block, CHUNK // block * block) if cfg.eight_bit else CHUNK  # whole 8-bit blocks per chunk
@@ -115,6 +127,22 @@ class FusedOptimizer:
                     states += [st[k][a // block: -(-b // block)] for k in ("exp_avg_scale", "exp_avg_sq_scale")]
             self._update_chunk(flat_w[a:b], flat_g[a:b], decay, st and st["step"], states)
         self.updates += 1
+
+    def _kernel_for(self, weight: torch.Tensor) -> bool:
+        """True when this AdamW update runs as one Triton launch: impl "triton", or "auto" on CUDA with Triton
+        installed (a non-contiguous weight, which the kernel cannot update in place, takes the torch path)."""
+        from ..triton_utils import kernels_available
+
+        impl = self.config.impl
+        if impl == "torch" or not weight.is_contiguous():
+            return False
+        available = kernels_available(weight.device)
+        if impl == "auto":
+            return weight.is_cuda and available
+        if not available:
+            raise ValueError(f"impl: 'triton' needs CUDA weights (or TRITON_INTERPRET=1 on the CPU), got a "
+                             f"weight on {weight.device}")
+        return True
 
     def _new_state(self, weight: torch.Tensor) -> dict:
         cfg, dev, n = self.config, weight.device, weight.numel()

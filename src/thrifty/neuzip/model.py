@@ -13,9 +13,14 @@ How it runs (NOTES.md has the arithmetic):
 * :class:`_CompressedLinearFn` keeps the input, not the weight: backward decodes the block again. It computes
   the input gradient and the weight gradient with the same matrix products as autograd's ``F.linear`` (so a
   plain model and a lossless compressed one give the same bits) and hands the weight gradient to the fused
-  optimizer (:mod:`thrifty.neuzip.lomo`) at once. When every weight of a block has been updated in the buffer,
-  the block is re-encoded on its device (:func:`thrifty.neuzip.encode.encode_on_device`: the Triton encoder
-  kernels with ``impl="triton"`` / on CUDA, torch ops on the CPU).
+  optimizer (:mod:`thrifty.neuzip.lomo`) at once. The updated block is re-encoded on its device
+  (:func:`thrifty.neuzip.encode.encode_on_device`: the Triton encoder kernels with ``impl="triton"`` / on CUDA,
+  torch ops on the CPU): at once on the CPU; on CUDA only when its buffer is needed again (one block later in
+  backward), on a side stream that waits for the block's last update only. Why: the encoder reads its histogram
+  and its stream size on the host (~5 stream syncs per tensor, ~38 per block, in ``encode_kernel`` and
+  ``BlockPack``); on the main stream each one drained everything queued, i.e. the next block's backward, so
+  the GPU idled through every host step of every encode. On the side stream a sync waits for the encode's own
+  small kernels while the main stream keeps running the backward of the block after it.
 * ``model.neuzip`` (:class:`CompressedWeights`) holds the packs, the buffers, ``memory()`` and ``stats``.
 """
 
@@ -155,6 +160,13 @@ class CompressedWeights:
         self.updated: dict[int, set] = {}  # block -> slots updated in this backward
         self._view_cache: dict = {}  # (buffer, block) -> the block's weight views into that buffer
         self.cuda = self.device.type == "cuda"
+        # re-encode an updated block when its buffer is taken (or at flush), not when its last weight is updated
+        self.defer = self.cuda
+        self.updated_at: list = [None] * N_BUFFERS  # CUDA event after the last update of the buffer's block
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None  # the deferred encodes run here
+        if self.cuda:
+            for buf in self.buffers:  # read by the side stream: freeing them must wait for it too
+                buf.record_stream(self._side)
 
     # ---------------------------------------------------------------------------------------- decoding
     def _impl(self) -> str:
@@ -225,9 +237,34 @@ class CompressedWeights:
         done = self.updated.setdefault(block, set())
         done.add(slot)
         if len(done) == len(self.packs[block].numels):
-            self._reencode(block, b)
+            if not self.defer:
+                self._reencode(block, b)
+            elif self.cuda:  # what the deferred encode waits for (not the work queued after it)
+                self.updated_at[b] = torch.cuda.Event()
+                self.updated_at[b].record()
 
     def _reencode(self, block: int, b: int) -> None:
+        """Re-encodes buffer ``b`` (block ``block``) into its pack. CUDA: on the side stream (module docstring),
+        after the block's last update; the main stream waits for it before it reads the pack or reuses ``b``."""
+        if not self.cuda:
+            self._encode(block, b)
+        else:
+            main = torch.cuda.current_stream(self.device)
+            ready = self.updated_at[b]
+            if ready is not None:
+                self._side.wait_event(ready)
+            else:  # a block with frozen weights never saw its last update: wait for everything queued
+                self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):
+                self._encode(block, b)
+                self._used_by(self.packs[block], main, tables=self._impl() == "triton")
+            main.wait_stream(self._side)
+        self.updated_at[b] = None
+        self.dirty[b] = False
+        self.updated.pop(block, None)
+        self.stats["reencodes"] += 1
+
+    def _encode(self, block: int, b: int) -> None:
         from .encode import encode_on_device
 
         pack = self.packs[block]
@@ -239,12 +276,21 @@ class CompressedWeights:
         if self._impl() == "triton":  # the launch tables now, on this stream, not inside the next decode
             pack.kernel_tables(pack.device)
             pack.launch_table(pack.device)
-        self.dirty[b] = False
-        self.updated.pop(block, None)
-        self.stats["reencodes"] += 1
+
+    @staticmethod
+    def _used_by(pack: BlockPack, stream, tables: bool) -> None:
+        """The pack's tensors were made on the side stream and are read by the main stream's decodes: without
+        this the allocator could hand their memory to the side stream's next encode while a decode still reads
+        them."""
+        for t in pack.streams.values():
+            t.record_stream(stream)
+        if tables:
+            pack.kernel_tables(pack.device).record_stream(stream)
+            pack.launch_table(pack.device).meta.record_stream(stream)
 
     def flush(self) -> None:
-        """Re-encodes every block holding updates not yet written back (a backward that skipped a weight)."""
+        """Re-encodes every block holding updates not yet written back (a backward that skipped a weight; with
+        ``defer``, the blocks updated last)."""
         for b in range(N_BUFFERS):
             if self.dirty[b]:
                 self._reencode(self.owner[b], b)
