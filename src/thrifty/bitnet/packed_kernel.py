@@ -127,9 +127,13 @@ def _epilogue(acc, rows, toks, N, M, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, ou
 
 @triton.jit
 def _gemv_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
-                 groups_per_split, stride_w, stride_x, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
+                 groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr):
     """1–4 tokens on CUDA cores: ``w_ptr`` int32 words of the packed rows, ``x_ptr`` int32 words of the codes."""
+    # row strides come in units of 16 elements (rows are whole groups): the compiler then knows every row is
+    # 16-byte aligned, so loads vectorize and the tensor-core loop pipelines (cp.async)
+    stride_w = w_row16 * 16
+    stride_x = x_row16 * 16
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     toks = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     words = tl.arange(0, WORDS_)  # 16 int32 words = 64 packed bytes = one group of a row
@@ -140,7 +144,7 @@ def _gemv_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
     acc = tl.zeros([BLOCK_N, BLOCK_M, WORDS_], dtype=tl.int32)
     g_start = tl.program_id(1) * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, n_groups)
-    for g in range(g_start, g_end):
+    for g in tl.range(g_start, g_end, num_stages=STAGES):  # loads of later groups in flight (cp.async)
         packed = tl.load(w_rows + g * (WORDS_), mask=row_ok, other=0, eviction_policy="evict_first")
         for field in tl.static_range(4):
             x = tl.load(x_rows + g * (GROUP_ // 4) + field * WORDS_, mask=tok_ok, other=0)
@@ -156,9 +160,13 @@ def _gemv_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
 
 @triton.jit
 def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
-                 groups_per_split, stride_w, stride_x, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
     """Int8 tensor cores, swap-AB: acc[n, m] += W_field(BLOCK_N, 64) @ Xᵀ_field(64, BLOCK_M) per 2-bit field."""
+    # row strides come in units of 16 elements (rows are whole groups): the compiler then knows every row is
+    # 16-byte aligned, so loads vectorize and the tensor-core loop pipelines (cp.async)
+    stride_w = w_row16 * 16
+    stride_x = x_row16 * 16
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     toks = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     k = tl.arange(0, SLICE_)
@@ -291,12 +299,13 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
     if cfg["kernel"] == "gemv":
         w_words, x_words = packed.view(torch.int32), codes.view(torch.int32)
         _GEMV_LAUNCH(grid, w_words, x_words, ws, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
-                     cfg["groups_per_split"], w_words.stride(0), x_words.stride(0), out.stride(0),
+                     cfg["groups_per_split"], w_words.stride(0) // 16, x_words.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=split, HAS_BIAS=bias is not None,
-                     USE_ASM=USE_ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                     USE_ASM=USE_ASM, STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+                     num_stages=cfg["num_stages"])
     else:
         _GEMM_LAUNCH(grid, packed, codes, ws, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
-                     cfg["groups_per_split"], packed.stride(0), codes.stride(0), out.stride(0),
+                     cfg["groups_per_split"], packed.stride(0) // 16, codes.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=split, HAS_BIAS=bias is not None,
                      USE_ASM=USE_ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
