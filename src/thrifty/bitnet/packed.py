@@ -100,7 +100,8 @@ class PackedBitLinear(nn.Module):
         self.register_buffer("packed", torch.full((out_features, n_bytes), PADDING_BYTE, dtype=torch.uint8,
                                                   device=device))
         self.register_buffer("alpha", torch.zeros(len(splits), dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+        # scales and bias stay fp32 whatever the default dtype (the epilogue computes in fp32)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
         self.norm = RMSNorm(in_features, norm_eps).to(device) if sub_norm else None
         self.last_path: Optional[str] = None
 
@@ -140,9 +141,15 @@ class PackedBitLinear(nn.Module):
         return unpack_ternary(self.packed, self.in_features)
 
     def row_scale(self) -> torch.Tensor:
-        """fp32 (out,) weight scale of every output row (α of its sub-matrix)."""
-        sizes = torch.tensor(self.splits, device=self.alpha.device)
-        return self.alpha.repeat_interleave(sizes, output_size=self.out_features)
+        """fp32 (out,) weight scale of every output row (α of its sub-matrix). Cached until ``alpha`` changes: a
+        decode step must not copy the split sizes to the GPU (a synchronous host-to-device copy) per layer."""
+        key = (self.alpha.data_ptr(), self.alpha._version, self.alpha.device)
+        cached = getattr(self, "_row_scale", None)
+        if cached is None or cached[0] != key:
+            sizes = torch.tensor(self.splits, device=self.alpha.device)
+            cached = (key, self.alpha.repeat_interleave(sizes, output_size=self.out_features))
+            self._row_scale = cached
+        return cached[1]
 
     def quantize_input(self, x: torch.Tensor):
         """(int8 codes (M, in), fp32 scales (M,)) of the (sub-normed) rows of ``x`` (PyTorch path)."""
