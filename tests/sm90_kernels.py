@@ -418,6 +418,11 @@ def _bitnet_packed():
                              EPS_=EPS),
                         {"x_ptr": PTR[x_dtype], "w_ptr scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
                         fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
+        block = triton.next_power_of_2(padded_k(4096))  # a model in bf16: the sub-norm weight is bf16 too
+        yield entry(PK._act_codes_kernel, f"{kind} bf16 D=4096 norm=True (bf16 norm weight)",
+                    dict(KIND=PK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=block, EPS_=EPS),
+                    {"x_ptr w_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
+                    fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
     plans = set()
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912)):
         for m in (1, 2, 4, 16, 2048):
