@@ -80,6 +80,24 @@ def check_kernels(layer: PackedBitLinear, x: torch.Tensor) -> dict:
     return {"match": bool(torch.equal(got, want)), "max_abs_diff": diff}
 
 
+def choose_decode_asm(device) -> dict:
+    """The kernels' inline PTX (dp4a, 4-byte decode) runs only on the GPU, never in CI's interpreter: check it
+    first on one GEMV and one tensor-core shape, and fall back to the plain-Triton decode if it is wrong, so
+    the run still times correct kernels (and says which)."""
+    if device.type != "cuda":
+        return {"used": PK.USE_ASM, "note": "interpreter: plain Triton decode"}
+    layer = random_packed(300, 1100, "int8", device, seed=1)
+    results = {}
+    for use_asm in (True, False):
+        PK.USE_ASM = use_asm
+        results[use_asm] = [check_kernels(layer, torch.randn(m, 1100, device=device, dtype=torch.bfloat16))["match"]
+                            for m in (1, 3, 16, 200)]
+        if all(results[use_asm]):
+            break
+    PK.USE_ASM = all(results[True])
+    return {"used": PK.USE_ASM, "asm_matches": results[True], "plain_matches": results.get(False)}
+
+
 def _timed(fn, args, device, gpu_only=True) -> float:
     return time_fn(fn, warmup=args.warmup, reps=args.reps, gpu_only=gpu_only and device.type == "cuda",
                    device=device).median_ms
@@ -153,19 +171,28 @@ def sweep_rows(args, device) -> list[dict]:
             rs = layer.row_scale()
             planned = PK.plan(m, n, k, PK._sm_count(device))
             kernel = planned["kernel"]
-            for block_n in ((16, 32, 64) if kernel == "gemv" else (64, 128)):
-                for split in args.sweep_splits:
-                    per = -(-groups // split)
-                    cfg = dict(planned, BLOCK_N=block_n, split=-(-groups // per), groups_per_split=per)
-                    row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=kernel, BLOCK_N=block_n,
-                               split=cfg["split"], planned=(block_n, cfg["split"]) == (planned["BLOCK_N"],
-                                                                                        planned["split"]))
-                    try:
-                        row["gpu_ms"] = _timed(lambda: PK.matmul_codes(codes, scale, sums, layer.packed, rs, None,
-                                                                       torch.bfloat16, n, k, cfg), args, device)
-                    except Exception as err:  # noqa: BLE001
-                        row["error"] = f"{type(err).__name__}: {err}"[:300]
-                    rows.append(row)
+            configs = [(bn, sp, fused) for bn in ((16, 32, 64) if kernel == "gemv" else (64, 128))
+                       for sp in args.sweep_splits for fused in ((False, True) if sp > 1 else (False,))]
+            for block_n, split, fused in configs:
+                per = -(-groups // split)
+                cfg = dict(planned, BLOCK_N=block_n, split=-(-groups // per), groups_per_split=per,
+                           fused_epilogue=fused)
+                row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=kernel, BLOCK_N=block_n,
+                           split=cfg["split"], fused_epilogue=fused,
+                           planned=(block_n, cfg["split"], fused) == (planned["BLOCK_N"], planned["split"],
+                                                                      planned["fused_epilogue"]))
+
+                def run():
+                    return PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg)
+
+                unsplit = dict(cfg, split=1, groups_per_split=groups, fused_epilogue=False)
+                try:  # the split (and the fused epilogue) must give the unsplit result bit for bit
+                    row["match"] = bool(torch.equal(run(), PK.matmul_codes(codes, scale, sums, layer.packed, rs, None,
+                                                                           torch.bfloat16, n, k, unsplit)))
+                    row["gpu_ms"] = _timed(run, args, device)
+                except Exception as err:  # noqa: BLE001
+                    row["error"] = f"{type(err).__name__}: {err}"[:300]
+                rows.append(row)
     return rows
 
 
@@ -365,6 +392,8 @@ def main(argv=None) -> int:
     label = args.label or detect_device(device)
     torch.manual_seed(0)
 
+    asm_gate = choose_decode_asm(device)
+    print(f"inline-PTX gate: {asm_gate}", flush=True)
     hbm = hbm_bandwidth_gbs(device, args)
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s", flush=True)
     rows = layer_rows(args, device, hbm)
@@ -373,8 +402,8 @@ def main(argv=None) -> int:
         rows += sweep_rows(args, device)
     if not args.no_model:
         rows += model_rows(args, device)
-    summary = {**summarize(rows), "hbm_copy_gbs": hbm, **kv_cache_bytes(args.model_config)}
-    extra = {"args": {k: v for k, v in vars(args).items()},
+    summary = {**summarize(rows), "hbm_copy_gbs": hbm, "inline_ptx": PK.USE_ASM, **kv_cache_bytes(args.model_config)}
+    extra = {"args": {k: v for k, v in vars(args).items()}, "inline_ptx_gate": asm_gate,
              "note": "smoke run: tiny shapes, measures nothing" if args.smoke else
              "issue #29; decode model weights are random ternary codes (speed does not depend on values)"}
     results_dir = Path(args.out) if args.out else default_results_dir()

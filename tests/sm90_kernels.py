@@ -430,14 +430,23 @@ def _bitnet_packed():
             plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
                        cfg["num_stages"]))
     for kernel, bn, bm, split, warps, stages in sorted(plans):
-        for dtype, bias in ((bf16, False), (fp32, True)):
+        # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel, 2 fused epilogue (sweep)
+        for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split)), (bf16, False, 2)):
             fn = PK._gemv_kernel if kernel == "gemv" else PK._gemm_kernel
             w, x = ("*i32", "*i32") if kernel == "gemv" else ("*u8", "*i8")
-            yield entry(fn, f"{kernel} {bn}x{bm} split={split} {NAME[dtype]} bias={bias}",
-                        dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=split, HAS_BIAS=bias, USE_ASM=PK.USE_ASM,
+            yield entry(fn, f"{kernel} {bn}x{bm} split={mode} {NAME[dtype]} bias={bias}",
+                        dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=mode, HAS_BIAS=bias, USE_ASM=PK.USE_ASM,
                              **(dict(STAGES=stages) if kernel == "gemv" else {})),
-                        {"w_ptr": w, "x_ptr": x, "ws_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
-                         "out_ptr": PTR[dtype]}, num_warps=warps, num_stages=stages)
+                        {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32",
+                         "scale_ptr alpha_ptr bias_ptr": "*fp32", "out_ptr": PTR[dtype]}, num_warps=warps,
+                        num_stages=stages)
+    # the plain-Triton decode, which benchmarks/bitnet_kernels.py falls back to if the inline PTX were wrong
+    for fn, w, x, bn, bm, extra in ((PK._gemv_kernel, "*i32", "*i32", 32, 1, dict(STAGES=4)),
+                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, {})):
+        yield entry(fn, f"USE_ASM=False {bn}x{bm}", dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=1, HAS_BIAS=False,
+                                                         USE_ASM=False, **extra),
+                    {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
+                     "out_ptr": PTR[bf16]}, num_warps=4, num_stages=4)
     bn, bm = PK.EPILOGUE_TILE
     for dtype, bias in ((bf16, False), (fp32, True)):
         yield entry(PK._splitk_epilogue_kernel, f"{NAME[dtype]} bias={bias}", dict(BLOCK_N=bn, BLOCK_M=bm, HAS_BIAS=bias),

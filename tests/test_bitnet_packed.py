@@ -159,16 +159,19 @@ def test_kernels_equal_the_torch_path(kind, m, k, n):
 
 @needs_kernels
 @pytest.mark.parametrize("kernel,block_m", [("gemv", 2), ("gemm", 16)])
-def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m):
+@pytest.mark.parametrize("fused_epilogue", [False, True])
+def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m, fused_epilogue):
     from thrifty.bitnet import packed_kernel
 
     bl = layer(1100, 45, "int8", bias=True)
     x = tokens(2, 1100, seed=5).to(torch.bfloat16)
     cfg = dict(kernel=kernel, BLOCK_N=32 if kernel == "gemv" else 64, BLOCK_M=block_m, split=3,
-               groups_per_split=2, num_warps=4, num_stages=2)
+               groups_per_split=2, num_warps=4, num_stages=2, fused_epilogue=fused_epilogue)
     got, want = _kernel_vs_torch(bl, x, cfg)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert not packed_kernel._WORKSPACES[x.device].any()
+    if fused_epilogue:  # every tile's arrival counter is back at zero
+        assert not packed_kernel._LOCKS[x.device].any()
     again, _ = _kernel_vs_torch(bl, x, cfg)  # a second split call starts from the zeroed workspace
     assert torch.equal(again, want)
 
