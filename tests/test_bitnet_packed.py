@@ -295,3 +295,6 @@ def test_export_refuses_bad_arguments(tmp_path):
         bitnet.export(tiny_model(), tmp_path / "no" / "x.safetensors")
     with pytest.raises(TypeError, match="model: expected an nn.Module"):
         bitnet.export("model", tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="model: model.layers.0.self_attn.q_proj: layer: activation 'fp4'"):
+        bitnet.export(tiny_model("a4.8-fp4"), tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()  # nothing half-written

@@ -44,7 +44,10 @@ def _packed_layers(model: nn.Module) -> dict:
         if isinstance(module, PackedBitLinear):
             layers[name] = module
         elif isinstance(module, BitLinear):
-            layers[name] = PackedBitLinear.from_bitlinear(module)
+            try:
+                layers[name] = PackedBitLinear.from_bitlinear(module)
+            except ValueError as err:  # say which layer of the model cannot be packed
+                raise ValueError(f"model: {name}: {err}") from None
     return layers
 
 
