@@ -209,6 +209,14 @@ def tiny_model(recipe="a4.8", seed=0):
     return model.eval()
 
 
+def rebuild(path, impl="torch"):
+    """The reference model of an export, built from its header with PackedBitLinear shells, then loaded."""
+    head = bitnet.read_header(path)
+    model = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head, impl=impl),
+                             activation=bitnet.relu_squared)
+    return bitnet.load(path, model).eval()
+
+
 def logits(out):
     return out.logits if hasattr(out, "logits") else out
 
@@ -218,8 +226,9 @@ def test_export_load_round_trip_gives_the_packed_model_logits(tmp_path, storage)
     model = tiny_model("a4.8")
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     path = bitnet.export(model, tmp_path / "m.safetensors", storage=storage)
-    loaded = bitnet.load(path, impl="torch")
+    loaded = rebuild(path)
     assert sum(isinstance(m, PackedBitLinear) for m in loaded.modules()) == 2 * 7
+    assert not any(isinstance(m, BitLinear) for m in loaded.modules())
     with torch.no_grad():
         assert torch.equal(logits(loaded(ids)), logits(bitnet.pack(model, impl="torch")(ids)))
 
@@ -237,7 +246,7 @@ def test_packed_model_is_the_training_model():
 def test_load_into_a_given_model_and_mismatches_refused(tmp_path):
     path = bitnet.export(tiny_model(), tmp_path / "m.safetensors")
     target = tiny_model(seed=3)
-    bitnet.load(path, target, impl="torch")
+    bitnet.load(path, target)
     assert isinstance(target.model.layers[0].self_attn.q_proj, PackedBitLinear)
     other = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
@@ -266,7 +275,7 @@ def test_corrupted_truncated_and_foreign_files_are_refused(tmp_path):
         bad.write_bytes(raw)
         damage(bad)
         with pytest.raises(ValueError, match=match):
-            bitnet.load(bad)
+            bitnet.load(bad, tiny_model())
     # a header edited by hand (valid JSON, wrong shape): the header checksum catches it
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -278,12 +287,16 @@ def test_corrupted_truncated_and_foreign_files_are_refused(tmp_path):
     layers["model.layers.0.mlp.down_proj"]["in_features"] = 47
     save_file(tensors, str(bad), metadata={**meta, "layers": json.dumps(layers)})
     with pytest.raises(ValueError, match="header checksum mismatch"):
-        bitnet.load(bad)
+        bitnet.load(bad, tiny_model())
+    with pytest.raises(ValueError, match="header checksum mismatch"):
+        bitnet.read_header(bad)
     save_file(tensors, str(bad), metadata={k: v for k, v in meta.items() if k != "format"})
     with pytest.raises(ValueError, match="not a thrifty BitNet export"):
-        bitnet.load(bad)
+        bitnet.load(bad, tiny_model())
     with pytest.raises(ValueError, match="missing"):
-        bitnet.load(tmp_path / "absent.safetensors")
+        bitnet.load(tmp_path / "absent.safetensors", tiny_model())
+    with pytest.raises(TypeError, match="model: expected an nn.Module"):
+        bitnet.load(good, None)
 
 
 def test_export_refuses_bad_arguments(tmp_path):

@@ -9,12 +9,15 @@ Public API::
     Trainer(model, train, val, cfg, schedule=bitnet.TwoStageSchedule(stage1_share=0.95))
     bitnet.measure_sparsity(model, batches)               # Table 2 of the paper
     bitnet.export(model, "model.safetensors")             # inference: ternary weights packed 2 bits each
-    model = bitnet.load("model.safetensors")              # PackedBitLinear layers (W2A8 Triton kernels on CUDA)
+    head = bitnet.read_header("model.safetensors")        # then a model with PackedBitLinear shells, filled:
+    model = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head),
+                             activation=bitnet.relu_squared)
+    bitnet.load("model.safetensors", model)               # W2A8 Triton kernels on CUDA, PyTorch elsewhere
     bitnet.pack(model)                                    # the same in memory, in place
 """
 
 from .bitlinear import BitLinear
-from .export import export, load, pack
+from .export import export, load, pack, packed_factory, read_header
 from .packed import PackedBitLinear
 from .recipes import (RECIPES, BitNetConfig, convert, current_recipe, linear_factory, mlp_activation,
                       relu_squared, revert, set_strength)
@@ -23,7 +26,7 @@ from .sparsity import format_table, measure_sparsity
 
 __all__ = ["BitLinear", "BitNetConfig", "RECIPES", "convert", "revert", "current_recipe", "linear_factory",
            "mlp_activation", "relu_squared", "set_strength", "TwoStageSchedule", "measure_sparsity",
-           "format_table", "build_for_pretraining", "PackedBitLinear", "export", "load", "pack"]
+           "format_table", "build_for_pretraining", "PackedBitLinear", "export", "load", "pack", "read_header", "packed_factory"]
 
 
 def build_for_pretraining(model, recipe: str, *, stage1_share: float = 0.95):

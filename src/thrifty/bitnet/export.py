@@ -5,9 +5,10 @@ the kernels' 2-bit layout) or ``name.base3`` (uint8, 5 weights per byte: 20 % sm
 (fp32 per sub-matrix) and, if the layer has them, ``name.bias`` and ``name.norm.weight``; every other tensor of the
 model's state (embeddings, norms, LM head) is stored as it is, a tensor tied to another one once. The header holds
 the format, each packed layer's settings and shape, the recipe, the reference model's config when the model is a
-``thrifty.models.LlamaForCausalLM`` (so :func:`load` can rebuild it) and a CRC32 per tensor.
+``thrifty.models.LlamaForCausalLM`` (:func:`read_header` + :func:`packed_factory` rebuild it without
+full-precision ternary layers), a CRC32 per tensor and one of the header itself.
 
-:func:`load` reads and checks the whole file before it builds or touches any module: unreadable, truncated or
+:func:`load` reads and checks the whole file before it touches any module: unreadable, truncated or
 non-safetensors files, a missing or wrong format, a checksum mismatch (corruption), layer settings or tensor
 shapes that do not agree, base-3 bytes that are not codes, and a model whose modules or state do not match the
 file are all refused with a ValueError naming the file.
@@ -16,9 +17,8 @@ file are all refused with a ValueError naming the file.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,7 @@ from .._io import CRC_KEY, atomic_path, check_output_path, check_state_matches, 
 from .bitlinear import BitLinear
 from .pack import pack_base3, padded_k, unpack_base3, pack_ternary
 from .packed import PACKABLE, PackedBitLinear
-from .recipes import current_recipe, relu_squared
+from .recipes import current_recipe
 
 FORMAT = "thrifty.bitnet.packed/1"
 STORAGES = ("2bit", "base3")
@@ -117,9 +117,8 @@ def export(model: nn.Module, path, *, storage: str = "2bit") -> Path:
             "layers": json.dumps({n: _layer_record(m) for n, m in layers.items()}), "aliases": json.dumps(aliases),
             **crc_metadata(tensors)}
     config = getattr(model, "config", None)
-    from ..models.llama import LlamaConfig
-
-    if isinstance(config, LlamaConfig):
+    # the reference model's dataclass config, recognised by name: thrifty.models imports bitnet, not the reverse
+    if is_dataclass(config) and type(config).__name__ == "LlamaConfig":
         meta["model_config"] = json.dumps(asdict(config))
     meta[HEADER_CRC_KEY] = str(_header_crc(meta))
     with atomic_path(path) as tmp:
@@ -185,20 +184,24 @@ def _expected_layer_tensors(name: str, rec: dict, storage: str) -> dict:
     return want
 
 
-def _read_checked(path) -> tuple[dict, dict, dict, dict]:
-    """(tensors, layer records, aliases, header) of an export, every check done (module doc)."""
-    path = Path(path)
-    tensors = read_safetensors(path)  # missing / unreadable / truncated / not safetensors / CRC mismatch
-    meta = _header(path)
+def _check_header(path: Path, meta: dict) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} (not a thrifty BitNet export)")
     if CRC_KEY not in meta or HEADER_CRC_KEY not in meta:
         raise ValueError(f"{path}: the header has no checksums; refusing unchecked weights")
     if meta[HEADER_CRC_KEY] != str(_header_crc(meta)):
         raise ValueError(f"{path}: header checksum mismatch (file corrupted)")
-    storage = meta.get("storage")
-    if storage not in STORAGES:
-        raise ValueError(f"{path}: unknown storage {storage!r}, expected one of {list(STORAGES)}")
+    if meta.get("storage") not in STORAGES:
+        raise ValueError(f"{path}: unknown storage {meta.get('storage')!r}, expected one of {list(STORAGES)}")
+
+
+def _read_checked(path) -> tuple[dict, dict, dict, dict]:
+    """(tensors, layer records, aliases, header) of an export, every check done (module doc)."""
+    path = Path(path)
+    tensors = read_safetensors(path)  # missing / unreadable / truncated / not safetensors / CRC mismatch
+    meta = _header(path)
+    _check_header(path, meta)
+    storage = meta["storage"]
     records = _json_field(path, meta, "layers")
     aliases = _json_field(path, meta, "aliases", default={})
     if not isinstance(records, dict) or not records or not isinstance(aliases, dict):
@@ -220,15 +223,42 @@ def _read_checked(path) -> tuple[dict, dict, dict, dict]:
     return tensors, records, aliases, meta
 
 
-def _build_model(path: Path, meta: dict) -> nn.Module:
-    from ..models.llama import LlamaConfig, LlamaForCausalLM
-
-    cfg = _json_field(path, meta, "model_config")
+def read_header(path) -> dict:
+    """The checked header of an export: ``format``, ``storage``, ``recipe``, ``layers`` ({name: settings and
+    shape}) and ``model_config`` (the reference model's LlamaConfig fields, or None). Reads no tensor."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: missing (expected a .safetensors file)")
     try:
-        config = LlamaConfig(**cfg)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{path}: corrupted model_config in the header ({err})") from None
-    return LlamaForCausalLM(config, activation=relu_squared)
+        meta = _header(path)
+    except Exception as err:  # noqa: BLE001 - any failure to parse means an unusable file
+        raise ValueError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
+    _check_header(path, meta)
+    records = _json_field(path, meta, "layers")
+    for name, rec in records.items():
+        _check_record(path, name, rec)
+    config = _json_field(path, meta, "model_config", default=None) if "model_config" in meta else None
+    return {"format": meta["format"], "storage": meta["storage"], "recipe": meta.get("recipe"), "layers": records,
+            "model_config": config}
+
+
+def packed_factory(header: dict, *, impl: str = "auto"):
+    """A Linear-seam factory (``LlamaForCausalLM(config, linear=...)``) building empty :class:`PackedBitLinear`
+    shells for the layers of ``header`` (from :func:`read_header`) and ``nn.Linear`` for the others, so a model
+    to :func:`load` into never allocates full-precision weights for its ternary layers."""
+    if not isinstance(header, dict) or not isinstance(header.get("layers"), dict):
+        raise TypeError("header: expected the dict read_header returns")
+    layers = header["layers"]
+
+    def factory(in_features: int, out_features: int, *, name: str) -> nn.Module:
+        rec = layers.get(name)
+        if rec is None:
+            return nn.Linear(in_features, out_features, bias=False)
+        return PackedBitLinear(in_features, out_features, activation=rec["activation"], beta_scale=rec["beta_scale"],
+                               topk_ratio=rec["topk_ratio"], splits=rec["splits"], bias=rec["bias"],
+                               sub_norm=rec["sub_norm"], norm_eps=rec["norm_eps"], impl=impl)
+
+    return factory
 
 
 def _parent(model: nn.Module, name: str):
@@ -262,20 +292,22 @@ def _new_layer(rec: dict, tensors: dict, name: str, impl: str) -> PackedBitLinea
     return layer
 
 
-def load(path, model: Optional[nn.Module] = None, *, device=None, impl: str = "auto") -> nn.Module:
-    """The model of an :func:`export` file with :class:`PackedBitLinear` layers.
+def load(path, model: nn.Module, *, device=None) -> nn.Module:
+    """Loads an :func:`export` file into ``model`` (same architecture) and returns it: its linear layers named in
+    the file become (or, if already, are filled as) :class:`PackedBitLinear`, the rest of its state is loaded.
+    Every check runs before the model is touched. For the reference model, build it without full-precision
+    ternary layers::
 
-    Without ``model`` the file must come from a ``thrifty.models.LlamaForCausalLM`` (its config is in the header)
-    and the model is rebuilt. With ``model`` (same architecture, e.g. a transformers model after
-    ``bitnet.convert``), its linear layers named in the file are replaced in place and the rest of its state is
-    loaded. ``device``: where the model goes (default: where it is, the CPU for a rebuilt one)."""
-    check_choice("impl", impl, ("auto", "torch", "triton"))
+        head = bitnet.read_header(path)
+        model = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head),
+                                 activation=bitnet.relu_squared)
+        bitnet.load(path, model)
+
+    A transformers model after ``bitnet.convert`` works as well. ``device``: where the model goes afterwards."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     path = Path(path)
     tensors, records, aliases, meta = _read_checked(path)
-    if model is None:
-        model = _build_model(path, meta)
-    elif not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module or None, got {type(model).__name__}")
     for name, rec in records.items():
         _check_target(path, model, name, rec)
     layer_keys = {k for name in records for k in _expected_layer_tensors(name, records[name], "2bit")}
@@ -287,6 +319,8 @@ def load(path, model: Optional[nn.Module] = None, *, device=None, impl: str = "a
     here = next((t.device for t in expected.values()), torch.device("cpu"))
     for name, rec in records.items():
         parent, leaf = _parent(model, name)
+        old = getattr(parent, leaf)
+        impl = old.impl if isinstance(old, PackedBitLinear) else "auto"
         setattr(parent, leaf, _new_layer(rec, tensors, name, impl).to(here))
     for alias, kept in aliases.items():  # a model that does not tie them gets the tensor twice
         if alias in expected and kept in other:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import check_choice, check_positive_int, check_range, check_tensor
-from ..models.llama import RMSNorm
+from ..layers import RMSNorm
 from ..triton_utils import kernels_available
 from . import reference as ref
 from .bitlinear import BitLinear
