@@ -245,11 +245,9 @@ def decode_step_times(model, batch: int, args, device) -> dict:
     cache = KVCache()
     model(ids, cache=cache, logits_to_keep=1)
     nxt = ids[:, -1:]
-    pos = [args.context]
 
-    def step():
-        model(nxt, positions=torch.tensor([pos[0]], device=device), cache=cache, logits_to_keep=1)
-        pos[0] += 1
+    def step():  # one decode token per sequence; positions follow the cache's length, as generate() does
+        model(nxt, cache=cache, logits_to_keep=1)
 
     for _ in range(args.warmup):
         step()
