@@ -311,3 +311,40 @@ def test_export_refuses_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="model: model.layers.0.self_attn.q_proj: layer: activation 'fp4'"):
         bitnet.export(tiny_model("a4.8-fp4"), tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()  # nothing half-written
+
+
+# --------------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m", [1, 3, 16, 200])
+def test_compiled_kernels_equal_the_torch_path_on_cuda(kind, m):
+    """The GPU build (inline PTX: dp4a, 4-byte decode; wgmma; cp.async pipelining), which the interpreter never
+    runs: 7B-like and odd shapes, every plan, against the PyTorch path on the same GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # the PyTorch path's fp32 integer matmul must stay exact
+    for k, n in ((4096, 4096), (1100, 333)):
+        bl = layer(k, n, kind, seed=m).cuda()
+        got, want = _kernel_vs_torch(bl, tokens(m, k, seed=k).cuda().to(torch.bfloat16))
+        if kind == "int4":  # a code may move at an exact half (mean summed in another order): rare and small
+            same = got == want
+            assert same.float().mean() >= 0.99, (kind, m, k, n)
+            assert ((got.float() - want.float()).abs() <= 1e-2 * want.float().abs().amax()).all()
+        else:
+            assert torch.equal(got, want), (kind, m, k, n)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel,m", [("gemv", 1), ("gemv", 4), ("gemm", 16)])
+@pytest.mark.parametrize("fused_epilogue", [False, True])
+def test_split_k_on_cuda_is_exact(kernel, m, fused_epilogue):
+    """Integer atomics (and the fused epilogue's per-tile semaphore) on real concurrent programs."""
+    from thrifty.bitnet import packed_kernel
+
+    bl = layer(11008, 256, "int8", bias=True).cuda()
+    x = tokens(m, 11008, seed=9).cuda().to(torch.bfloat16)
+    cfg = dict(kernel=kernel, BLOCK_N=32 if kernel == "gemv" else 64, BLOCK_M=max(m, 16) if kernel == "gemm" else m,
+               split=8, groups_per_split=6, num_warps=4, num_stages=4, fused_epilogue=fused_epilogue)
+    for _ in range(3):  # repeated: a race would show as a mismatch in some run
+        got, want = _kernel_vs_torch(bl, x, cfg)
+        assert torch.equal(got, want)
+    assert not packed_kernel._WORKSPACES[x.device].any()
