@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from thrifty.bench import default_results_dir, detect_device, print_table, time_fn, write_result
 from thrifty.bitnet import PackedBitLinear, relu_squared
 from thrifty.bitnet import packed_kernel as PK
+from thrifty.bitnet.bitlinear import SharedInput
 from thrifty.bitnet.pack import pack_ternary
 
 SHAPES = {"7B": [(4096, 4096), (11008, 4096), (4096, 11008)], "2B": [(2560, 2560), (6912, 2560), (2560, 6912)]}
@@ -209,6 +210,7 @@ def build_models(args, device):
         with torch.device(device):
             dense = LlamaForCausalLM(cfg).eval()
             seed = iter(range(10 ** 6))
+            groups: dict = {}  # q/k/v and gate/up quantize their shared input once, as bitnet.pack arranges
 
             def packed_linear(in_features, out_features, *, name):
                 if name.endswith("lm_head"):
@@ -219,6 +221,9 @@ def build_models(args, device):
                     sub = PackedBitLinear(in_features, out_features, activation=kind, sub_norm=True, device=device)
                     sub.packed, sub.alpha = layer.packed, layer.alpha
                     return sub
+                parent, _, leaf = name.rpartition(".")
+                members = 3 if leaf in ("q_proj", "k_proj", "v_proj") else 2
+                layer.shared_input = groups.setdefault((parent, members), SharedInput(members))
                 return layer
 
             ternary = LlamaForCausalLM(cfg, linear=packed_linear, activation=relu_squared).eval()

@@ -214,6 +214,8 @@ def rebuild(path, impl="torch"):
     head = bitnet.read_header(path)
     model = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head, impl=impl),
                              activation=bitnet.relu_squared)
+    shells = [m for m in model.modules() if isinstance(m, PackedBitLinear)]
+    assert len(shells) == len(head["layers"])  # no full-precision weight was built for a ternary layer
     return bitnet.load(path, model).eval()
 
 
@@ -231,6 +233,29 @@ def test_export_load_round_trip_gives_the_packed_model_logits(tmp_path, storage)
     assert not any(isinstance(m, BitLinear) for m in loaded.modules())
     with torch.no_grad():
         assert torch.equal(logits(loaded(ids)), logits(bitnet.pack(model, impl="torch")(ids)))
+
+
+def test_siblings_quantize_their_shared_input_once(tmp_path, monkeypatch):
+    """q/k/v and gate/up read one tensor: packed (in memory or loaded through packed_factory) they quantize it
+    once per forward, with the same logits as without sharing."""
+    from thrifty.bitnet import packed as packed_module
+
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+    path = bitnet.export(tiny_model("b1.58"), tmp_path / "m.safetensors")
+    for model in (bitnet.pack(tiny_model("b1.58"), impl="torch"), rebuild(path)):
+        calls = []
+        original = packed_module.activation_codes
+        monkeypatch.setattr(packed_module, "activation_codes", lambda *a, **k: calls.append(1) or original(*a, **k))
+        with torch.no_grad():
+            shared = logits(model(ids))
+        assert len(calls) == 2 * 4  # per layer: q/k/v once, o, gate/up once, down
+        for m in model.modules():
+            if isinstance(m, PackedBitLinear):
+                m.shared_input = None
+        with torch.no_grad():
+            assert torch.equal(logits(model(ids)), shared)
+        assert len(calls) == 2 * 4 + 2 * 7
+        monkeypatch.undo()
 
 
 def test_packed_model_is_the_training_model():

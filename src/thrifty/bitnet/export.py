@@ -25,10 +25,10 @@ import torch.nn as nn
 
 from .._checks import check_choice
 from .._io import CRC_KEY, atomic_path, check_output_path, check_state_matches, crc_metadata, read_safetensors
-from .bitlinear import BitLinear
+from .bitlinear import BitLinear, SharedInput
 from .pack import pack_base3, padded_k, unpack_base3, pack_ternary
 from .packed import PACKABLE, PackedBitLinear
-from .recipes import current_recipe
+from .recipes import SHARED_INPUT_GROUPS, current_recipe
 
 FORMAT = "thrifty.bitnet.packed/1"
 STORAGES = ("2bit", "base3")
@@ -38,8 +38,9 @@ LAYER_FIELDS = {"in_features": int, "out_features": int, "activation": str, "bet
 
 
 def _packed_layers(model: nn.Module) -> dict:
-    """{name: PackedBitLinear} of every BitLinear / PackedBitLinear of ``model`` (BitLinears packed now)."""
-    layers = {}
+    """{name: PackedBitLinear} of every BitLinear / PackedBitLinear of ``model`` (BitLinears packed now; siblings
+    that shared a quantized input keep sharing it)."""
+    layers, shared = {}, {}
     for name, module in model.named_modules():
         if isinstance(module, PackedBitLinear):
             layers[name] = module
@@ -48,6 +49,9 @@ def _packed_layers(model: nn.Module) -> dict:
                 layers[name] = PackedBitLinear.from_bitlinear(module)
             except ValueError as err:  # say which layer of the model cannot be packed
                 raise ValueError(f"model: {name}: {err}") from None
+            group = module.shared_input
+            if group is not None and module.norm is None:
+                layers[name].shared_input = shared.setdefault(id(group), SharedInput(group.members))
     return layers
 
 
@@ -249,14 +253,32 @@ def packed_factory(header: dict, *, impl: str = "auto"):
     if not isinstance(header, dict) or not isinstance(header.get("layers"), dict):
         raise TypeError("header: expected the dict read_header returns")
     layers = header["layers"]
+    shared: dict = {}  # (parent, sibling group) -> their SharedInput
+    by_suffix: dict = {}  # the seam names a layer inside its model ("layers.0.self_attn.q_proj" for "model.layers...")
+    for full in layers:
+        parts = full.split(".")
+        for i in range(len(parts)):
+            by_suffix.setdefault(".".join(parts[i:]), []).append(full)
+
+    def record(name: str):
+        found = by_suffix.get(name, [])
+        if len(found) > 1:
+            raise ValueError(f"header: layer name {name!r} matches {found}; build the model with full names")
+        return (found[0], layers[found[0]]) if found else (None, None)
 
     def factory(in_features: int, out_features: int, *, name: str) -> nn.Module:
-        rec = layers.get(name)
+        full, rec = record(name)
         if rec is None:
             return nn.Linear(in_features, out_features, bias=False)
-        return PackedBitLinear(in_features, out_features, activation=rec["activation"], beta_scale=rec["beta_scale"],
-                               topk_ratio=rec["topk_ratio"], splits=rec["splits"], bias=rec["bias"],
-                               sub_norm=rec["sub_norm"], norm_eps=rec["norm_eps"], impl=impl)
+        layer = PackedBitLinear(in_features, out_features, activation=rec["activation"], beta_scale=rec["beta_scale"],
+                                topk_ratio=rec["topk_ratio"], splits=rec["splits"], bias=rec["bias"],
+                                sub_norm=rec["sub_norm"], norm_eps=rec["norm_eps"], impl=impl)
+        parent, _, leaf = full.rpartition(".")
+        group = next((g for g in SHARED_INPUT_GROUPS if leaf in g), None)
+        members = [n for n in group or () if f"{parent}.{n}" in layers and not layers[f"{parent}.{n}"]["sub_norm"]]
+        if leaf in members and len(members) > 1:
+            layer.shared_input = shared.setdefault((parent, group), SharedInput(len(members)))
+        return layer
 
     return factory
 
@@ -320,8 +342,10 @@ def load(path, model: nn.Module, *, device=None) -> nn.Module:
     for name, rec in records.items():
         parent, leaf = _parent(model, name)
         old = getattr(parent, leaf)
-        impl = old.impl if isinstance(old, PackedBitLinear) else "auto"
-        setattr(parent, leaf, _new_layer(rec, tensors, name, impl).to(here))
+        shell = isinstance(old, PackedBitLinear)
+        layer = _new_layer(rec, tensors, name, old.impl if shell else "auto").to(here)
+        layer.shared_input = old.shared_input if shell and layer.norm is None else None  # packed_factory's groups
+        setattr(parent, leaf, layer)
     for alias, kept in aliases.items():  # a model that does not tie them gets the tensor twice
         if alias in expected and kept in other:
             other[alias] = other[kept]

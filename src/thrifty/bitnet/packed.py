@@ -23,7 +23,7 @@ from .._checks import check_choice, check_positive_int, check_range, check_tenso
 from ..layers import RMSNorm
 from ..triton_utils import kernels_available
 from . import reference as ref
-from .bitlinear import BitLinear
+from .bitlinear import BitLinear, SharedInput
 from .pack import GROUP, pack_ternary, padded_k, unpack_ternary
 
 PACKABLE = ("int8", "int4", "topk_int8")  # activations with integer codes; FP4 has no integer path
@@ -104,6 +104,7 @@ class PackedBitLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None)
         self.norm = RMSNorm(in_features, norm_eps).to(device) if sub_norm else None
         self.last_path: Optional[str] = None
+        self.shared_input: Optional[SharedInput] = None  # siblings reading the same input (no sub-norm): q/k/v
 
     @classmethod
     def from_bitlinear(cls, layer: BitLinear, *, impl: str = "auto") -> "PackedBitLinear":
@@ -177,18 +178,38 @@ class PackedBitLinear(nn.Module):
                              f"{tuple(x.shape)}")
         if x.device != self.packed.device:
             raise ValueError(f"x: expected a tensor on {self.packed.device}, got {x.device}")
-        if self._use_kernels(x):
+        kernels = self._use_kernels(x)
+        codes = self._input_codes(x, kernels)
+        if kernels:
             from . import packed_kernel
 
             self.last_path = "triton"
-            y = packed_kernel.packed_linear(x.reshape(-1, self.in_features), self)
+            y = packed_kernel.packed_linear(x.reshape(-1, self.in_features), self, codes=codes)
         else:
             self.last_path = "torch"
-            y = self._forward_torch(x)
+            y = self._forward_torch(x, codes)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scale = self.quantize_input(x)
+    def _input_codes(self, x: torch.Tensor, kernels: bool):
+        """The quantized input, computed once for sibling projections reading the same tensor (q/k/v, gate/up:
+        ``shared_input``, set by :func:`thrifty.bitnet.pack` / ``packed_factory``): fewer launches per layer."""
+        shared = self.shared_input
+        key = ("packed", kernels, self.activation, self.beta_scale, self.topk_ratio)
+        hit = shared.lookup(x, key) if shared is not None else None
+        if hit is not None:
+            return hit[0]
+        if kernels:
+            from . import packed_kernel
+
+            codes = packed_kernel.layer_codes(x.reshape(-1, self.in_features), self)
+        else:
+            codes = self.quantize_input(x)
+        if shared is not None:
+            shared.store(x, key, codes, "packed")
+        return codes
+
+    def _forward_torch(self, x: torch.Tensor, codes=None) -> torch.Tensor:
+        codes, scale = codes if codes is not None else self.quantize_input(x)
         acc = integer_matmul(codes, self.ternary())
         y = (acc.float() * scale[:, None]) * self.row_scale()[None, :]
         if self.bias is not None:

@@ -345,11 +345,16 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
     return out
 
 
-def packed_linear(x: torch.Tensor, layer, config: dict | None = None) -> torch.Tensor:
-    """The forward of ``layer`` (a PackedBitLinear) on rows ``x`` (M, in) with the kernels."""
+def layer_codes(x: torch.Tensor, layer):
+    """(codes, scales, Σ codes) of rows ``x`` (M, in) for ``layer`` (a PackedBitLinear): its sub-norm and quantizer."""
     norm = layer.norm
-    codes, scale, sums = quantize_codes(x, layer.activation, beta_scale=layer.beta_scale,
-                                        topk_ratio=layer.topk_ratio, norm_weight=None if norm is None else norm.weight,
-                                        norm_eps=1e-5 if norm is None else norm.eps)
+    return quantize_codes(x, layer.activation, beta_scale=layer.beta_scale, topk_ratio=layer.topk_ratio,
+                          norm_weight=None if norm is None else norm.weight, norm_eps=1e-5 if norm is None else norm.eps)
+
+
+def packed_linear(x: torch.Tensor, layer, config: dict | None = None, codes=None) -> torch.Tensor:
+    """The forward of ``layer`` (a PackedBitLinear) on rows ``x`` (M, in) with the kernels; ``codes``: the rows'
+    :func:`layer_codes` when a sibling projection already computed them."""
+    codes, scale, sums = codes if codes is not None else layer_codes(x, layer)
     return matmul_codes(codes, scale, sums, layer.packed, layer.row_scale(), layer.bias, x.dtype,
                         layer.out_features, layer.in_features, config)
