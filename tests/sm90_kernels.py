@@ -420,8 +420,63 @@ def _neuzip_lomo():
                     fp32=scalars + " m_per_octave v_per_octave", num_warps=warps, num_stages=1)
 
 
+def _bitnet_packed():
+    """bitnet.packed_kernel: the activation-codes kernel per recipe quantizer (with and without the sub-norm,
+    fp32/bf16 inputs, the widths of a 2B and a 7B layer and the longest row), and the matmuls at every plan()
+    a 7B / 2B layer takes for 1, 2, 4, 16 and 2048 tokens, with and without split-K and bias."""
+    from thrifty.bitnet import packed_kernel as PK
+    from thrifty.bitnet.pack import padded_k
+    from thrifty.bitnet.reference import EPS
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for kind in PK.KINDS:
+        for x_dtype, D, norm in ((bf16, 4096, False), (bf16, 11008, True), (fp32, 2560, False),
+                                 (bf16, 6912, True), (bf16, PK.MAX_ROW[kind], False)):
+            block = triton.next_power_of_2(padded_k(D))
+            shift, key_bits = PK.KEYS[x_dtype]
+            yield entry(PK._act_codes_kernel, f"{kind} {NAME[x_dtype]} D={D} norm={norm}",
+                        dict(KIND=PK.KINDS[kind], HAS_NORM=norm, KEY_SHIFT=shift, KEY_BITS=key_bits, BLOCK_D=block,
+                             EPS_=EPS),
+                        {"x_ptr": PTR[x_dtype], "w_ptr scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
+                        fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
+        block = triton.next_power_of_2(padded_k(4096))  # a model in bf16: the sub-norm weight is bf16 too
+        yield entry(PK._act_codes_kernel, f"{kind} bf16 D=4096 norm=True (bf16 norm weight)",
+                    dict(KIND=PK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=block, EPS_=EPS),
+                    {"x_ptr w_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
+                    fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
+    plans = set()
+    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912)):
+        for m in (1, 2, 4, 16, 2048):
+            cfg = PK.plan(m, n, k)
+            plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
+                       cfg["num_stages"]))
+    for kernel, bn, bm, split, warps, stages in sorted(plans):
+        # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel, 2 fused epilogue (sweep)
+        for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split)), (bf16, False, 2)):
+            fn = PK._gemv_kernel if kernel == "gemv" else PK._gemm_kernel
+            w, x = ("*i32", "*i32") if kernel == "gemv" else ("*u8", "*i8")
+            yield entry(fn, f"{kernel} {bn}x{bm} split={mode} {NAME[dtype]} bias={bias}",
+                        dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=mode, HAS_BIAS=bias, USE_ASM=PK.USE_ASM,
+                             **(dict(STAGES=stages) if kernel == "gemv" else {})),
+                        {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32",
+                         "scale_ptr alpha_ptr bias_ptr": "*fp32", "out_ptr": PTR[dtype]}, num_warps=warps,
+                        num_stages=stages)
+    # the plain-Triton decode, which benchmarks/bitnet_kernels.py falls back to if the inline PTX were wrong
+    for fn, w, x, bn, bm, extra in ((PK._gemv_kernel, "*i32", "*i32", 32, 1, dict(STAGES=4)),
+                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, {})):
+        yield entry(fn, f"USE_ASM=False {bn}x{bm}", dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=1, HAS_BIAS=False,
+                                                         USE_ASM=False, **extra),
+                    {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
+                     "out_ptr": PTR[bf16]}, num_warps=4, num_stages=4)
+    bn, bm = PK.EPILOGUE_TILE
+    for dtype, bias in ((bf16, False), (fp32, True)):
+        yield entry(PK._splitk_epilogue_kernel, f"{NAME[dtype]} bias={bias}", dict(BLOCK_N=bn, BLOCK_M=bm, HAS_BIAS=bias),
+                    {"ws_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32", "out_ptr": PTR[dtype]},
+                    num_warps=4, num_stages=1)  # literal in matmul_codes
+
+
 SPECS = _unique([*_attention(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_neuzip_lomo(),
-                 *_bitnet()])
+                 *_bitnet(), *_bitnet_packed()])
 
 
 # --------------------------------------------------------------------------------------------- scanning

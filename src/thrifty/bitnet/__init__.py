@@ -8,9 +8,17 @@ Public API::
     bitnet.revert(hf_model)                               # undoes convert (the latent weights, original dtype)
     Trainer(model, train, val, cfg, schedule=bitnet.TwoStageSchedule(stage1_share=0.95))
     bitnet.measure_sparsity(model, batches)               # Table 2 of the paper
+    bitnet.export(model, "model.safetensors")             # inference: ternary weights packed 2 bits each
+    head = bitnet.read_header("model.safetensors")        # then a model with PackedBitLinear shells, filled:
+    model = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head),
+                             activation=bitnet.relu_squared)
+    bitnet.load("model.safetensors", model)               # W2A8 Triton kernels on CUDA, PyTorch elsewhere
+    bitnet.pack(model)                                    # the same in memory, in place
 """
 
 from .bitlinear import BitLinear
+from .export import export, load, pack, packed_factory, read_header
+from .packed import PackedBitLinear
 from .recipes import (RECIPES, BitNetConfig, convert, current_recipe, linear_factory, mlp_activation,
                       relu_squared, revert, set_strength)
 from .schedule import TwoStageSchedule
@@ -18,7 +26,7 @@ from .sparsity import format_table, measure_sparsity
 
 __all__ = ["BitLinear", "BitNetConfig", "RECIPES", "convert", "revert", "current_recipe", "linear_factory",
            "mlp_activation", "relu_squared", "set_strength", "TwoStageSchedule", "measure_sparsity",
-           "format_table", "build_for_pretraining"]
+           "format_table", "build_for_pretraining", "PackedBitLinear", "export", "load", "pack", "read_header", "packed_factory"]
 
 
 def build_for_pretraining(model, recipe: str, *, stage1_share: float = 0.95):

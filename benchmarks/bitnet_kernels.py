@@ -1,0 +1,439 @@
+"""BitNet inference kernels (issue #29): packed ternary W2×A8 against bf16 ``F.linear`` (cuBLAS) and int8
+``torch._int_mm``, side by side in one run.
+
+1. **Gate**: on each shape the Triton kernels must equal the PyTorch path of ``PackedBitLinear`` (bit for bit for
+   INT8 inputs): a wrong kernel is reported, never timed as if it were right.
+2. **Layers**: 7B shapes (N×K = 4096×4096, 11008×4096, 4096×11008) and 2B shapes (2560×2560, 6912×2560,
+   2560×6912), tokens ∈ {1, 4, 16, 128, 2048}. Per row: GPU time (``gpu_only``: the host's launch path hidden
+   behind a spin kernel, what a CUDA-graph decode sees) and host-inclusive time, effective weight GB/s and its
+   share of the measured HBM bandwidth (a device-to-device copy). thrifty = activation quantization (b1.58:
+   INT8 per token) + matmul; ``thrifty_matmul`` = the matmul alone on ready codes. a4.8's quantizers (INT4, TopK)
+   are timed at 1 and 16 tokens. ``torch._int_mm`` needs more than 16 rows: it runs on 17-row-padded inputs.
+3. **Sweep** (M = 1 and 16, 7B shapes): other tiles / K splits of the same kernels, so ``plan()`` can be checked.
+4. **Model decode**: a Llama-7B-shaped model (32 layers, 4096 / 11008, vocab 32000) with *random* ternary weights
+   (speed does not depend on the values, so random weights are honest for it) against the same shape in bf16,
+   batch 1 and 16, 128 cached tokens: ms per decode step as run eagerly (host included) and the GPU busy time
+   (sum of the step's kernel durations, torch.profiler: the CUDA-graph bound), tokens/s, weight bytes; KV-cache
+   bytes at 32K context computed.
+
+Writes ``benchmarks/results/bitnet_kernels_<device>.json`` + PNG; summary keys ``gemv_speedup_vs_bf16_b1_min``,
+``gemv_speedup_vs_bf16_b16_min``, ``gemm_speedup_vs_bf16_t2048_min`` (7B shapes, GPU time, full layer incl.
+activation quantization), ``packed_weight_mem_ratio``, ``decode_tokens_per_s_ratio_vs_bf16_b1`` (GPU busy time;
+``..._eager`` beside it), ``kv3_ppl_delta_pct`` (copied from ``benchmarks/bitnet_kv.py``'s result). GPU box:
+
+    THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_kernels.py
+
+``--smoke``: tiny shapes on the CPU (kernels under TRITON_INTERPRET=1), results to a temporary folder; measures
+nothing. ``--no-model`` / ``--no-sweep`` skip parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # before any kernel module is imported: the interpreter is chosen at jit time
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+
+from thrifty.bench import default_results_dir, detect_device, print_table, time_fn, write_result
+from thrifty.bitnet import PackedBitLinear, relu_squared
+from thrifty.bitnet import packed_kernel as PK
+from thrifty.bitnet.bitlinear import SharedInput
+from thrifty.bitnet.pack import pack_ternary
+
+SHAPES = {"7B": [(4096, 4096), (11008, 4096), (4096, 11008)], "2B": [(2560, 2560), (6912, 2560), (2560, 6912)]}
+TOKENS = (1, 4, 16, 128, 2048)
+INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows
+
+
+def random_packed(n: int, k: int, activation: str, device, seed: int = 0) -> PackedBitLinear:
+    """A PackedBitLinear of random ternary codes (speed does not depend on the values) and α = 0.02."""
+    g = torch.Generator(device=device).manual_seed(seed)  # on the GPU: 6.5B codes for the 7B model
+    layer = PackedBitLinear(k, n, activation=activation, device=device)
+    codes = torch.randint(-1, 2, (n, k), generator=g, dtype=torch.int8, device=device)
+    with torch.no_grad():
+        layer.packed.copy_(pack_ternary(codes))
+        layer.alpha.fill_(0.02)
+    return layer
+
+
+def hbm_bandwidth_gbs(device, args) -> float:
+    """Device-to-device copy of a large buffer: bytes read + written per second."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), warmup=3, reps=args.reps, device=device)
+    return 2 * n / t.median_ms / 1e6
+
+
+def check_kernels(layer: PackedBitLinear, x: torch.Tensor) -> dict:
+    """Kernel output vs the PyTorch path on the same device (the integer dot is exact in both)."""
+    want = layer._forward_torch(x)
+    got = PK.packed_linear(x, layer)
+    diff = (got.float() - want.float()).abs().max().item()
+    return {"match": bool(torch.equal(got, want)), "max_abs_diff": diff}
+
+
+def choose_decode_asm(device) -> dict:
+    """The kernels' inline PTX (dp4a, 4-byte decode) runs only on the GPU, never in CI's interpreter: check it
+    first on one GEMV and one tensor-core shape, and fall back to the plain-Triton decode if it is wrong, so
+    the run still times correct kernels (and says which)."""
+    if device.type != "cuda":
+        return {"used": PK.USE_ASM, "note": "interpreter: plain Triton decode"}
+    layer = random_packed(300, 1100, "int8", device, seed=1)
+    results = {}
+    for use_asm in (True, False):
+        PK.USE_ASM = use_asm
+        results[use_asm] = [check_kernels(layer, torch.randn(m, 1100, device=device, dtype=torch.bfloat16))["match"]
+                            for m in (1, 3, 16, 200)]
+        if all(results[use_asm]):
+            break
+    PK.USE_ASM = all(results[True])
+    return {"used": PK.USE_ASM, "asm_matches": results[True], "plain_matches": results.get(False)}
+
+
+def _timed(fn, args, device, gpu_only=True) -> float:
+    return time_fn(fn, warmup=args.warmup, reps=args.reps, gpu_only=gpu_only and device.type == "cuda",
+                   device=device).median_ms
+
+
+def layer_rows(args, device, hbm_gbs: float) -> list[dict]:
+    rows = []
+    for model_name, shapes in args.shapes.items():
+        for n, k in shapes:
+            layer = random_packed(n, k, "int8", device)
+            w_bf16 = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            w_i8 = torch.randint(-1, 2, (k, n), device=device, dtype=torch.int8)
+            for m in args.tokens:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                gate = check_kernels(layer, x) if m in args.check_tokens else {}
+                codes, scale, sums = PK.quantize_codes(x, "int8")
+                rs = layer.row_scale()
+                base = dict(model=model_name, shape=f"{n}x{k}", N=n, K=k, tokens=m, **gate)
+                impls = {
+                    "bf16": (lambda: F.linear(x, w_bf16), 2 * n * k),
+                    "thrifty": (lambda: PK.packed_linear(x, layer), layer.packed.numel()),
+                    "thrifty_matmul": (lambda: PK.matmul_codes(codes, scale, sums, layer.packed, rs, None,
+                                                               torch.bfloat16, n, k), layer.packed.numel()),
+                }
+                xi = torch.randint(-127, 128, (max(m, INT_MM_MIN_ROWS), k), device=device, dtype=torch.int8)
+                impls["int8_int_mm"] = (lambda: torch._int_mm(xi, w_i8), n * k)
+                times = {}
+                for impl, (fn, wbytes) in impls.items():
+                    try:
+                        ms = _timed(fn, args, device)
+                    except Exception as err:  # noqa: BLE001 - e.g. _int_mm on a CPU build: an error row
+                        rows.append({**base, "impl": impl, "error": f"{type(err).__name__}: {err}"[:300]})
+                        continue
+                    times[impl] = ms
+                    gbs = wbytes / ms / 1e6
+                    row = {**base, "impl": impl, "gpu_ms": ms, "weight_gbs": gbs, "pct_of_hbm": 100 * gbs / hbm_gbs}
+                    if impl in ("thrifty", "bf16") and m <= 16:
+                        row["host_ms"] = _timed(fn, args, device, gpu_only=False)
+                    rows.append(row)
+                for r in rows[-len(impls):]:
+                    if "gpu_ms" in r and "bf16" in times:
+                        r["speedup_vs_bf16"] = times["bf16"] / r["gpu_ms"]
+                print(f"  {model_name} {n}x{k} m={m}: " + ", ".join(f"{i} {t * 1e3:.1f} us" for i, t in times.items())
+                      + (f"  match={gate.get('match')}" if gate else ""), flush=True)
+    return rows
+
+
+def a48_rows(args, device) -> list[dict]:
+    """The a4.8 quantizers on the 7B attention/FFN inputs: INT4-range (q/k/v, gate/up) and TopK+INT8 (o)."""
+    rows = []
+    n, k = args.shapes[next(iter(args.shapes))][0]
+    for kind in ("int8", "int4", "topk_int8"):
+        layer = random_packed(n, k, kind, device)
+        for m in (1, 16):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            rows.append(dict(what="a4.8 activation", activation=kind, shape=f"{n}x{k}", tokens=m,
+                             gpu_ms=_timed(lambda: PK.packed_linear(x, layer), args, device),
+                             quant_gpu_ms=_timed(lambda: PK.quantize_codes(x, kind), args, device),
+                             **check_kernels(layer, x)))
+    return rows
+
+
+def sweep_rows(args, device) -> list[dict]:
+    """Other tiles and K splits at 1 and 16 tokens: is plan()'s choice the fastest?"""
+    rows = []
+    for n, k in args.shapes[next(iter(args.shapes))]:
+        layer = random_packed(n, k, "int8", device)
+        groups = layer.packed.shape[1] // 64
+        for m in (1, 16):
+            codes, scale, sums = PK.quantize_codes(torch.randn(m, k, device=device, dtype=torch.bfloat16), "int8")
+            rs = layer.row_scale()
+            planned = PK.plan(m, n, k, PK._sm_count(device))
+            kernel = planned["kernel"]
+            configs = [(bn, sp, fused) for bn in ((16, 32, 64) if kernel == "gemv" else (64, 128))
+                       for sp in args.sweep_splits for fused in ((False, True) if sp > 1 else (False,))]
+            for block_n, split, fused in configs:
+                per = -(-groups // split)
+                cfg = dict(planned, BLOCK_N=block_n, split=-(-groups // per), groups_per_split=per,
+                           fused_epilogue=fused)
+                row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=kernel, BLOCK_N=block_n,
+                           split=cfg["split"], fused_epilogue=fused,
+                           planned=(block_n, cfg["split"], fused) == (planned["BLOCK_N"], planned["split"],
+                                                                      planned["fused_epilogue"]))
+
+                def run():
+                    return PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg)
+
+                unsplit = dict(cfg, split=1, groups_per_split=groups, fused_epilogue=False)
+                try:  # the split (and the fused epilogue) must give the unsplit result bit for bit
+                    row["match"] = bool(torch.equal(run(), PK.matmul_codes(codes, scale, sums, layer.packed, rs, None,
+                                                                           torch.bfloat16, n, k, unsplit)))
+                    row["gpu_ms"] = _timed(run, args, device)
+                except Exception as err:  # noqa: BLE001
+                    row["error"] = f"{type(err).__name__}: {err}"[:300]
+                rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- model decode
+
+def build_models(args, device):
+    """(bf16 model, packed ternary model) of the same Llama shape; the packed one has BitNet's sub-norms."""
+    from thrifty.models import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**args.model_config)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            dense = LlamaForCausalLM(cfg).eval()
+            seed = iter(range(10 ** 6))
+            groups: dict = {}  # q/k/v and gate/up quantize their shared input once, as bitnet.pack arranges
+
+            def packed_linear(in_features, out_features, *, name):
+                if name.endswith("lm_head"):
+                    return torch.nn.Linear(in_features, out_features, bias=False)
+                kind = "int8"
+                layer = random_packed(out_features, in_features, kind, device, seed=next(seed))
+                if name.endswith(("o_proj", "down_proj")):  # sub-norm as BitNet has (part of the cost)
+                    sub = PackedBitLinear(in_features, out_features, activation=kind, sub_norm=True, device=device)
+                    sub.packed, sub.alpha = layer.packed, layer.alpha
+                    return sub
+                parent, _, leaf = name.rpartition(".")
+                members = 3 if leaf in ("q_proj", "k_proj", "v_proj") else 2
+                layer.shared_input = groups.setdefault((parent, members), SharedInput(members))
+                return layer
+
+            ternary = LlamaForCausalLM(cfg, linear=packed_linear, activation=relu_squared).eval()
+    finally:
+        torch.set_default_dtype(old)
+    return dense, ternary
+
+
+def weight_bytes(model) -> dict:
+    packed = sum(m.packed.numel() + 4 * m.alpha.numel() for m in model.modules() if isinstance(m, PackedBitLinear))
+    linear = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and not m.weight.is_meta)
+    total = sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"projection_bytes": packed or linear, "total_bytes": total}
+
+
+@torch.no_grad()
+def decode_step_times(model, batch: int, args, device) -> dict:
+    from thrifty.models.llama import KVCache
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, args.context), device=device)
+    cache = KVCache()
+    model(ids, cache=cache, logits_to_keep=1)
+    nxt = ids[:, -1:]
+
+    def step():  # one decode token per sequence; positions follow the cache's length, as generate() does
+        model(nxt, cache=cache, logits_to_keep=1)
+
+    for _ in range(args.warmup):
+        step()
+    eager = time_fn(step, warmup=0, reps=args.decode_steps, device=device).median_ms
+    return {"eager_ms": eager, **gpu_busy_ms(step, device)}
+
+
+def gpu_busy_ms(step, device, steps: int = 5) -> dict:
+    """Sum of the kernel (and memcpy/memset) durations of one step, from torch.profiler: what the step costs
+    the GPU with no launch gaps (the bound a CUDA-graph decode approaches)."""
+    if device.type != "cuda":
+        return {"gpu_busy_ms": None}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        device_events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        busy_us = sum(e.time_range.elapsed_us() for e in device_events)
+        return {"gpu_busy_ms": busy_us / 1e3 / steps if busy_us else None, "device_events": len(device_events)}
+    except Exception as err:  # noqa: BLE001 - the eager time still stands
+        return {"gpu_busy_ms": None, "profiler_error": f"{type(err).__name__}: {err}"[:300]}
+
+
+def model_rows(args, device) -> list[dict]:
+    dense, ternary = build_models(args, device)
+    rows = []
+    for name, model in (("bf16", dense), ("ternary packed (random weights)", ternary)):
+        mem = weight_bytes(model)
+        for batch in (1, 16):
+            t = decode_step_times(model, batch, args, device)
+            ms = t["gpu_busy_ms"] or t["eager_ms"]
+            rows.append(dict(what="decode", model=name, batch=batch, **t, **mem,
+                             tokens_per_s=batch / (ms / 1e3), tokens_per_s_eager=batch / (t["eager_ms"] / 1e3)))
+            print(f"  decode {name} batch {batch}: {t}", flush=True)
+    return rows
+
+
+def kv_cache_bytes(cfg: dict, context: int = 32768) -> dict:
+    """K and V of every layer at ``context`` tokens, batch 1: bf16, int8, 4-bit, 3-bit (scales left out)."""
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] //
+                                                                            cfg["num_attention_heads"])
+    return {f"kv_{bits}bit_bytes_32k": per_token * context * bits // 8 for bits in (16, 8, 4, 3)}
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+def summarize(rows: list[dict]) -> dict:
+    def speedups(m):
+        return [r["speedup_vs_bf16"] for r in rows if r.get("impl") == "thrifty" and r.get("model") == "7B"
+                and r.get("tokens") == m and "speedup_vs_bf16" in r]
+
+    out = {}
+    for key, m in (("gemv_speedup_vs_bf16_b1_min", 1), ("gemv_speedup_vs_bf16_b16_min", 16),
+                   ("gemm_speedup_vs_bf16_t2048_min", 2048)):
+        s = speedups(m)
+        out[key] = min(s) if s else None
+    dec = {(r["model"].split()[0], r["batch"]): r for r in rows if r.get("what") == "decode"}
+    if dec:
+        b, t = dec[("bf16", 1)], dec[("ternary", 1)]
+        out["packed_weight_mem_ratio"] = t["projection_bytes"] / b["projection_bytes"]
+        out["decode_tokens_per_s_ratio_vs_bf16_b1"] = t["tokens_per_s"] / b["tokens_per_s"]
+        out["decode_tokens_per_s_ratio_vs_bf16_b16"] = dec[("ternary", 16)]["tokens_per_s"] / \
+            dec[("bf16", 16)]["tokens_per_s"]
+        out["decode_tokens_per_s_ratio_vs_bf16_b1_eager"] = t["tokens_per_s_eager"] / b["tokens_per_s_eager"]
+    else:  # from the layer table: packed bytes over bf16 bytes of the same matrices
+        out["packed_weight_mem_ratio"] = 0.125
+    gates = [r["match"] for r in rows if "match" in r]
+    out["kernels_match_torch_path"] = all(gates) if gates else None
+    out.update(kv3_from_kv_benchmark())
+    return out
+
+
+def kv3_from_kv_benchmark() -> dict:
+    """The issue's ``kv3_ppl_delta_pct`` is measured by benchmarks/bitnet_kv.py (perplexity needs real weights and
+    text, not these random ones): copied here from its newest result file, with the file named."""
+    found = sorted(default_results_dir().glob("bitnet_kv_*.json"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(found):
+        value = json.loads(path.read_text()).get("summary", {}).get("kv3_ppl_delta_pct")
+        if value is not None:
+            return {"kv3_ppl_delta_pct": value, "kv3_ppl_delta_pct_source": path.name}
+    return {"kv3_ppl_delta_pct": None, "kv3_ppl_delta_pct_source": "no benchmarks/results/bitnet_kv_*.json yet"}
+
+
+def plot(rows: list, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layer = [r for r in rows if r.get("impl") == "thrifty" and "speedup_vs_bf16" in r]
+    shapes = list(dict.fromkeys(f"{r['model']} {r['shape']}" for r in layer))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for s in shapes:
+        pts = sorted((r["tokens"], r["speedup_vs_bf16"]) for r in layer if f"{r['model']} {r['shape']}" == s)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("speed-up over bf16 F.linear (GPU time)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    gbs = [r for r in rows if r.get("tokens") == 1 and r.get("impl") in ("bf16", "thrifty", "thrifty_matmul")
+           and "pct_of_hbm" in r]
+    impls = ["bf16", "thrifty", "thrifty_matmul"]
+    for j, impl in enumerate(impls):
+        vals = [next((r["pct_of_hbm"] for r in gbs if r["impl"] == impl and f"{r['model']} {r['shape']}" == s), 0)
+                for s in shapes]
+        bx.bar([i + j * 0.27 for i in range(len(shapes))], vals, 0.27, label=impl)
+    bx.set_xticks([i + 0.27 for i in range(len(shapes))], shapes, rotation=30, fontsize=7)
+    bx.set_ylabel("% of measured HBM bandwidth (weight bytes), 1 token")
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--context", type=int, default=128, help="cached tokens before the timed decode steps")
+    ap.add_argument("--decode-steps", type=int, default=20)
+    ap.add_argument("--no-model", action="store_true", help="skip the 7B model decode")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, results to a temporary folder")
+    args = ap.parse_args(argv)
+    args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    args.shapes = SHAPES
+    args.model_config = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                             tie_word_embeddings=False)
+    if args.smoke:
+        args.shapes = {"7B": [(40, 300), (70, 257)], "2B": [(33, 100)]}
+        args.tokens, args.warmup, args.reps, args.context, args.decode_steps = [1, 5, 70], 1, 2, 4, 2
+        args.model_config = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                 tie_word_embeddings=False)
+        args.out = args.out or tempfile.mkdtemp(prefix="bitnet_kernels_smoke_")
+    args.check_tokens = set(args.tokens)
+    args.sweep_splits = (1, 2) if args.smoke else (1, 2, 4, 8, 16)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the PyTorch path's fp32 integer matmul must stay exact
+    label = args.label or detect_device(device)
+    torch.manual_seed(0)
+
+    asm_gate = choose_decode_asm(device)
+    print(f"inline-PTX gate: {asm_gate}", flush=True)
+    hbm = hbm_bandwidth_gbs(device, args)
+    print(f"HBM copy bandwidth: {hbm:.0f} GB/s", flush=True)
+    rows = layer_rows(args, device, hbm)
+    rows += a48_rows(args, device)
+    if not args.no_sweep:
+        rows += sweep_rows(args, device)
+    if not args.no_model:
+        rows += model_rows(args, device)
+    summary = {**summarize(rows), "hbm_copy_gbs": hbm, "inline_ptx": PK.USE_ASM, **kv_cache_bytes(args.model_config)}
+    extra = {"args": {k: v for k, v in vars(args).items()}, "inline_ptx_gate": asm_gate,
+             "note": "smoke run: tiny shapes, measures nothing" if args.smoke else
+             "issue #29; decode model weights are random ternary codes (speed does not depend on values)"}
+    results_dir = Path(args.out) if args.out else default_results_dir()
+    path = write_result("bitnet_kernels", rows, summary, device=label, extra=extra, results_dir=results_dir)
+    plot(rows, path.with_suffix(".png"), f"packed ternary W2A8 vs bf16, {label}")
+    print_table([r for r in rows if "impl" in r],
+                ["model", "shape", "tokens", "impl", "gpu_ms", "host_ms", "weight_gbs", "pct_of_hbm",
+                 "speedup_vs_bf16", "match"])
+    for what in ("a4.8 activation", "sweep", "decode"):
+        part = [r for r in rows if r.get("what") == what]
+        if part:
+            print_table(part)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
