@@ -175,8 +175,10 @@ def test_triton_interpreter_matches_reference(trained_weights):
             assert_same_bits(c.decompress(impl="triton", small=True, table16=False, groups_per_prog=1), ref)
     assert compress(xs[-1].bfloat16()).streams["lengths"].max() > 8
     for k in (0, 1, 3):
-        c = compress(xs[0][:3000].bfloat16(), k)
-        assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), c.decompress(impl="reference"))
+        for pairs in (False, True):
+            c = compress(xs[0][:3000].bfloat16(), k, pairs=pairs)
+            launch = {} if pairs else {"groups_per_prog": 1}
+            assert_same_bits(c.decompress(impl="triton", **launch), c.decompress(impl="reference"))
 
 
 def test_triton_interpreter_lane_lengths():
@@ -188,7 +190,7 @@ def test_triton_interpreter_lane_lengths():
         n = R.GROUP * steps * 3 + 77  # gpp=1: 3 full programs and a partial one; gpp=2: 1 full, 1 partial
         x = (torch.randn(n, generator=g) * 0.02).bfloat16()
         x[:50] = torch.exp(torch.randn(50, generator=g) * 8).bfloat16()
-        c = compress(x, steps=steps)
+        c = compress(x, steps=steps, pairs=True)
         assert c.steps == steps and c.pairs
         assert_same_bits(c.decompress(impl="reference"), x)
         assert_same_bits(c.decompress(impl="triton"), x)
@@ -203,7 +205,7 @@ def test_triton_interpreter_lane_lengths():
         n = R.GROUP * steps * 2  # exact multiple: the last program is full but must still run masked
         c = compress(x[:n], steps=steps, pairs=False)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x[:n])
-        assert_same_bits(compress(x[:n], steps=steps).decompress(impl="triton"), x[:n])
+        assert_same_bits(compress(x[:n], steps=steps, pairs=True).decompress(impl="triton"), x[:n])
 
 
 @pytest.mark.parametrize("steps", R.LANE_STEPS)
@@ -395,7 +397,7 @@ def test_file_versions_1_2_and_lane_lengths(tmp_path, trained_weights):
     with pytest.raises(ValueError, match="steps"):
         load(path)
     for version in ("1", "2"):  # uint8 lane units in an old-version file
-        save(path, {"w": compress(x, steps=256)})
+        save(path, {"w": compress(x, steps=256, pairs=False)})  # (pairs in old versions: test_pair_files_are_checked)
         _set_header(path, lambda h: _as_version(h, version))
         with pytest.raises(ValueError, match="lane_bits"):
             load(path)

@@ -95,16 +95,17 @@ def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tabl
     w = tl.load(words + word + 2, mask=lane_ok, other=0)  # WORD_PAD >= 3 keeps these in bounds
     off = off + junk
     nw = word + 2
+    PAIRS: tl.constexpr = STEPS // 2
+    FAST: tl.constexpr = SIGN_SHIFT == 15 and KEPT == 7  # lossless 16-bit: 32-bit stores of pairs
+    # (the branches name their values apart: the compiler merges a name bound in both, and the tables differ)
     if pairs != 0:
-        PAIRS: tl.constexpr = STEPS // 2
         q = (lane // GROUP) * (GROUP * PAIRS) + lane % GROUP  # each lane's first pair
-        table = pair_tables_ptr + table_at
-        FAST: tl.constexpr = SIGN_SHIFT == 15 and KEPT == 7  # lossless 16-bit: 32-bit stores of pairs
+        pair_table = pair_tables_ptr + table_at
         if full != 0:
-            _pair_lanes(hi, lo, w, off, nw, q, n, words, raw, table, out, PAIRS, GROUP, FIELD_BITS, KEPT,
+            _pair_lanes(hi, lo, w, off, nw, q, n, words, raw, pair_table, out, PAIRS, GROUP, FIELD_BITS, KEPT,
                         SYM_SHIFT, SIGN_SHIFT, FAST, False, ASM)
         else:
-            _pair_lanes(hi, lo, w, off, nw, q, n, words, raw, table, out, PAIRS, GROUP, FIELD_BITS, KEPT,
+            _pair_lanes(hi, lo, w, off, nw, q, n, words, raw, pair_table, out, PAIRS, GROUP, FIELD_BITS, KEPT,
                         SYM_SHIFT, SIGN_SHIFT, False, True, ASM)
     else:
         elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
