@@ -11,6 +11,7 @@ launcher; the GPU keeps up for the 200 calls timed), GPU-only µs of the decode 
 same bf16 bytes (L2 flushed before each call), and the byte floor (bytes the decode moves / bytes the copy moves).
 
     python benchmarks/neuzip_decode.py [--baseline-src OLD/src]   # GPU; OLD/src: another tree, timed in the same run
+                                                                  # (summary: *_baseline, block_decode_speedup_vs_baseline)
     python benchmarks/neuzip_decode.py --smoke                    # CPU, tiny blocks, the Triton interpreter
 """
 
@@ -69,6 +70,7 @@ def measure(name: str, weights: list, device, smoke: bool) -> dict:
     row = {"block": name, "params": n, "tensors": len(pack.numels), "programs": launch[1],
            "launch": f"g{launch[2]}w{launch[3]}" if len(launch) > 2 else "g4w4",
            "ratio_vs_bf16": pack.nbytes / (2 * n),
+           "pair_tensors": sum(getattr(pack, "pairs", [])),  # tensors coded in pair symbols (format 4; 0 before)
            "exact": bool(torch.equal(buf.view(torch.int16), want.view(torch.int16))),
            # a decode reads the pack and writes bf16; a copy reads and writes bf16
            "byte_floor_vs_copy": (pack.nbytes + 2 * n) / (4 * n)}
@@ -143,6 +145,11 @@ def main(argv=None) -> int:
         if "block_decode_vs_copy" in r:
             key = "block_decode_vs_copy" + ("" if r["block"] == "llama-3.2-1b" else "_" + r["block"].replace("-", "_"))
             summary[key + ("_baseline" if r["tree"] == "baseline" else "")] = r["block_decode_vs_copy"]
+    for r in rows:  # old vs new, same run: baseline decode time / this tree's (> 1: the new decode is faster)
+        old = next((b for b in rows if b["tree"] == "baseline" and b.get("block") == r["block"]), None)
+        if r["tree"] == "this" and old and "decode_gpu_us" in r and "decode_gpu_us" in old:
+            key = "block_decode_speedup_vs_baseline" + ("" if r["block"] == "llama-3.2-1b" else "_" + r["block"].replace("-", "_"))
+            summary[key] = old["decode_gpu_us"] / r["decode_gpu_us"]
     results_dir = None
     if args.smoke:
         import tempfile
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
     path = bench.write_result("neuzip_decode", rows, summary, device="smoke" if args.smoke else bench.detect_device(device),
                               results_dir=results_dir,
                               extra={"weights": "random N(0, 0.02) bf16 except smollm2-real", "args": vars(args)})
-    bench.print_table(rows, ["tree", "block", "params", "launch", "programs", "exact", "block_decode_host_us",
+    bench.print_table(rows, ["tree", "block", "params", "pair_tensors", "launch", "programs", "exact", "block_decode_host_us",
                              "decode_gpu_us", "copy_gpu_us", "block_decode_vs_copy", "byte_floor_vs_copy"])
     print("SUMMARY", summary)
     print("wrote", path)

@@ -347,15 +347,16 @@ def _neuzip():
         yield entry(BD._block_decode_kernel, f"{NAME[dtype]} m={mbits} steps={steps} g{gpp}w{warps}",
                     dict(STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=gpp, **fields, ASM=True,
                          TSIZE=bits // 8, LANE_SHIFT=R.lane_unit(steps).bit_length() - 1, META_W=BD.META),
-                    {"meta_ptr goff_ptr": "*i64", "words_ptr": "*i32", "lanes_ptr raw_ptr": "*u8",
+                    {"meta_ptr goff_ptr": "*i64", "words_ptr pair_tables_ptr": "*i32", "lanes_ptr raw_ptr": "*u8",
                      "tables_ptr out_ptr": "*i16" if bits == 16 else "*i32"},
                     num_warps=warps, num_stages=3)  # literal in BlockPack.decode_into
-    for dtype in (bf16, fp16, fp32):
+    for dtype, pairs in itertools.product((bf16, fp16, fp32), (False, True)):  # pairs: per tensor, by its code
         bits, shift, kept = R.DTYPES[dtype]
-        common = dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=EK.GROUPS_PER_PROG, BITS=bits, SHIFT=shift)
+        common = dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=EK.GROUPS_PER_PROG, BITS=bits, SHIFT=shift,
+                      PAIRS=pairs)
         x_t = "*i16" if bits == 16 else "*i32"
-        yield entry(EK._lane_bits_kernel, NAME[dtype], common, {"x_ptr": x_t, "len_ptr out_ptr": "*i32"})
-        yield entry(EK._pack_kernel, NAME[dtype],
+        yield entry(EK._lane_bits_kernel, f"{NAME[dtype]} pairs={pairs}", common, {"x_ptr": x_t, "len_ptr out_ptr": "*i32"})
+        yield entry(EK._pack_kernel, f"{NAME[dtype]} pairs={pairs}",
                     dict(common, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8),
                     {"x_ptr": x_t, "len_ptr code_ptr words_ptr": "*i32", "start_ptr": "*i64", "raw_ptr": "*u8"})
 

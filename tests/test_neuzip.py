@@ -163,6 +163,8 @@ def test_triton_interpreter_matches_reference(trained_weights):
             c = compress(x)
             ref = c.decompress(impl="reference")
             assert_same_bits(c.decompress(impl="triton"), ref)
+            c = compress(x, pairs=False)  # the single-symbol kernels and their launch options
+            assert_same_bits(c.decompress(impl="triton"), ref)
             if dtype != torch.bfloat16:
                 continue
             small = c._table("cpu", "small")  # v1/v2 on the same 64-step layout, two-level table
@@ -173,8 +175,10 @@ def test_triton_interpreter_matches_reference(trained_weights):
             assert_same_bits(c.decompress(impl="triton", small=True, table16=False, groups_per_prog=1), ref)
     assert compress(xs[-1].bfloat16()).streams["lengths"].max() > 8
     for k in (0, 1, 3):
-        c = compress(xs[0][:3000].bfloat16(), k)
-        assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), c.decompress(impl="reference"))
+        for pairs in (False, True):
+            c = compress(xs[0][:3000].bfloat16(), k, pairs=pairs)
+            launch = {} if pairs else {"groups_per_prog": 1}
+            assert_same_bits(c.decompress(impl="triton", **launch), c.decompress(impl="reference"))
 
 
 def test_triton_interpreter_lane_lengths():
@@ -186,8 +190,11 @@ def test_triton_interpreter_lane_lengths():
         n = R.GROUP * steps * 3 + 77  # gpp=1: 3 full programs and a partial one; gpp=2: 1 full, 1 partial
         x = (torch.randn(n, generator=g) * 0.02).bfloat16()
         x[:50] = torch.exp(torch.randn(50, generator=g) * 8).bfloat16()
-        c = compress(x, steps=steps)
-        assert c.steps == steps
+        c = compress(x, steps=steps, pairs=True)
+        assert c.steps == steps and c.pairs
+        assert_same_bits(c.decompress(impl="reference"), x)
+        assert_same_bits(c.decompress(impl="triton"), x)
+        c = compress(x, steps=steps, pairs=False)
         assert_same_bits(c.decompress(impl="reference"), x)
         for gpp in (1, 2):
             assert_same_bits(c.decompress(impl="triton", groups_per_prog=gpp), x)
@@ -196,8 +203,9 @@ def test_triton_interpreter_lane_lengths():
         for launch in ({"groups_per_prog": 1}, {"kernel": "v2"}):
             assert_same_bits(old.decompress(impl="triton", **launch), x)
         n = R.GROUP * steps * 2  # exact multiple: the last program is full but must still run masked
-        c = compress(x[:n], steps=steps)
+        c = compress(x[:n], steps=steps, pairs=False)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x[:n])
+        assert_same_bits(compress(x[:n], steps=steps, pairs=True).decompress(impl="triton"), x[:n])
 
 
 @pytest.mark.parametrize("steps", R.LANE_STEPS)
@@ -213,7 +221,7 @@ def test_lane_lengths_round_trip(steps, trained_weights):
                 assert old.streams["lane_bits"].numel() == lanes and old.unit == 1
                 assert_same_bits(old.decompress(impl="reference"), x)
     x = (torch.randn(R.GROUP * 256 * 4) * 0.02).bfloat16()
-    c, old = compress(x, steps=steps), legacy(x, steps)
+    c, old = compress(x, steps=steps, pairs=False), legacy(x, steps)
     lanes, groups, unit = x.numel() // steps, x.numel() // (R.GROUP * steps), R.lane_unit(steps)
     # metadata: 1 byte per lane, an int64 per group; lanes padded to whole units of steps / 16 bits
     exact = c.streams["lengths"].numpy().astype(np.int64)[R.split_symbols(R._uint_view(x), x.dtype)[0]].sum()
@@ -389,7 +397,7 @@ def test_file_versions_1_2_and_lane_lengths(tmp_path, trained_weights):
     with pytest.raises(ValueError, match="steps"):
         load(path)
     for version in ("1", "2"):  # uint8 lane units in an old-version file
-        save(path, {"w": compress(x, steps=256)})
+        save(path, {"w": compress(x, steps=256, pairs=False)})  # (pairs in old versions: test_pair_files_are_checked)
         _set_header(path, lambda h: _as_version(h, version))
         with pytest.raises(ValueError, match="lane_bits"):
             load(path)
@@ -470,3 +478,100 @@ def test_real_smollm2_tensors():
             w = f.get_tensor(n)
             for x in (w, w.bfloat16()):
                 assert_same_bits(compress(x).decompress(), x)
+
+
+# ------------------------------------------------------------------------------------- pair symbols
+def test_limited_lengths_is_a_prefix_code_no_worse_than_halving():
+    """Package-merge: lengths <= 12 with Kraft sum <= 1, never costlier than the count-halving limit; at most
+    4096 symbols (a forged or too-varied histogram raises)."""
+    g = np.random.default_rng(0)
+    for counts in (np.bincount(g.geometric(0.3, 50000)), np.bincount(np.minimum(g.pareto(0.7, 10 ** 5), 3000).astype(int)),
+                   np.ones(4096, np.int64),
+                   np.array([5]), np.array([3, 0, 7])):
+        L = R.limited_lengths(counts).astype(np.int64)
+        assert L.max() <= R.MAX_CODE_BITS and ((L > 0) == (counts > 0)).all()
+        assert (2.0 ** -L[L > 0]).sum() <= 1
+        assert (counts * L).sum() <= (counts * R.code_lengths(counts).astype(np.int64)).sum()
+    with pytest.raises(ValueError, match="counts"):
+        R.limited_lengths(np.ones(4097, np.int64))
+
+
+def test_pair_symbols_round_trip_and_choice(trained_weights):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(R.GROUP * 64 * 3 + 333, generator=g) * 0.02)
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (x.numel(), 1, 2, 3, 129):  # odd ends: the last pair's second symbol is padding
+            c = compress(x[:n].to(dtype), pairs=True)
+            assert c.pairs and (n > 3 or compress(x[:n].to(dtype)).pairs), (dtype, n)
+            assert_same_bits(c.decompress(impl="reference"), x[:n].to(dtype))
+    for k in (0, 1, 3):
+        c = compress(x.bfloat16(), k, pairs=True)
+        assert c.pairs
+        assert_same_bits(c.decompress(impl="reference"), R.round_mantissa(x.bfloat16(), k))
+    big = (torch.randn(512, 512, generator=g) * 0.02).bfloat16()  # large enough for the pair code to pay
+    assert compress(big).pairs and not compress(big, pairs=False).pairs
+    # fp16 symbols carry 3 mantissa bits: too many distinct pairs, single symbols are kept
+    h = (torch.randn(1000, 1000, generator=g) * 0.02).half()
+    assert not compress(h).pairs
+    with pytest.raises(ValueError, match="pairs"):
+        compress(h, pairs=True)
+    with pytest.raises(TypeError, match="pairs"):
+        compress(h, pairs="yes")
+    # the pair code costs at most PAIR_SIZE_SLACK more than single symbols (here: on real weights)
+    w = trained_weights.bfloat16()
+    assert compress(w).nbytes <= R.PAIR_SIZE_SLACK * compress(w, pairs=False).nbytes
+
+
+def test_pair_files_are_checked(tmp_path):
+    x = (torch.randn(5000) * 0.02).bfloat16()
+    c = compress(x)
+    assert c.pairs
+    save(tmp_path / "a.safetensors", {"w": c})
+    assert_same_bits(load(tmp_path / "a.safetensors")["w"].decompress(), x)
+    # the same file claiming version 3 (no pairs there), or with the pair list out of order: refused
+    data = (tmp_path / "a.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8: 8 + size])
+    for version, swap in (("3", False), ("4", True)):
+        h = json.loads(json.dumps(header))
+        h["__metadata__"]["thrifty.neuzip.format"] = version
+        body = bytearray(data[8 + size:])
+        if swap:  # swap the first two pair symbols (the checksum is recomputed: a forgery, not a bit flip)
+            lo, _ = h["w::pair_syms"]["data_offsets"]
+            body[lo: lo + 4] = body[lo + 2: lo + 4] + body[lo: lo + 2]
+            streams = dict(c.streams, pair_syms=torch.from_numpy(np.frombuffer(bytes(body[lo: lo + 2 * len(
+                c.streams["pair_syms"])]), np.int16).copy()))
+            tensors = json.loads(h["__metadata__"]["thrifty.neuzip.tensors"])
+            tensors["w"]["crc32"] = CompressedTensor(streams, c.dtype, c.shape, None, steps=c.steps).crc32()
+            h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(tensors)
+        raw = json.dumps(h).encode()
+        (tmp_path / "b.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(body))
+        with pytest.raises(ValueError, match="pair"):
+            load(tmp_path / "b.safetensors")
+
+
+def test_block_pack_with_pairs_interpreter():
+    """The block kernel on pair tensors (odd sizes, the 32-bit store path and the element path), next to
+    single-symbol ones, fp32 and lossy pairs, and into a buffer that is not 4-byte aligned."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter test (CPU)")
+    from thrifty.neuzip.block_decode import BlockPack
+
+    g = torch.Generator().manual_seed(8)
+    rnd = lambda n: torch.randn(n, generator=g) * 0.02  # noqa: E731
+    cases = [([rnd(R.GROUP * 64 * 2 + 5), rnd(333), rnd(R.GROUP * 64 * 3)], None, torch.bfloat16, (1,)),
+             ([rnd(R.GROUP * 64 + 7), rnd(3)], 3, torch.bfloat16, ()),
+             ([rnd(R.GROUP * 64 * 2 + 1), rnd(10)], None, torch.float32, ())]
+    for xs, k, dtype, singles in cases:
+        xs = [x.to(dtype) for x in xs]
+        cts = [compress(x, k, pairs=i not in singles) for i, x in enumerate(xs)]
+        assert [c.pairs for c in cts] == [i not in singles for i in range(len(xs))]
+        pack = BlockPack(cts)
+        want = torch.cat([c.decompress(impl="reference").reshape(-1) for c in cts])
+        out = torch.empty(pack.total_numel + 1, dtype=dtype)
+        for buf in (out[: pack.total_numel], out[1:]):  # aligned, and shifted by one element
+            buf.zero_()
+            pack.decode_into(buf, impl="triton")
+            assert_same_bits(buf, want)
+        rows = pack.launch_table("cpu")[0]
+        assert rows[:, 10].any() and not pack.launch_table("cpu", aligned=False)[0][rows[:, 12] == 1, 10].any()

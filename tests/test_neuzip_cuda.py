@@ -23,7 +23,24 @@ def _data(n, dtype):
     return x
 
 
-def _check(c, x, launches):
+def _variants(x, launches, **kw):
+    """(compressed x, launches to check): single symbols with every launch variant, and pair symbols (chosen
+    per tensor by default; forced here wherever <= 4096 pairs occur) with the one pair kernel's launch."""
+    out = [(compress(x, pairs=False, **kw), launches)]
+    try:
+        out.append((compress(x, pairs=True, **kw), [{}]))
+    except ValueError as e:
+        if "distinct pairs" not in str(e):
+            raise
+    return out
+
+
+def _check(x, launches, **kw):
+    for c, variants in _variants(x, launches, **kw):
+        _check_one(c, x, variants)
+
+
+def _check_one(c, x, launches):
     ref = c.decompress(impl="reference")
     assert torch.equal(_bits(ref), _bits(x))
     gpu = c.to("cuda")
@@ -49,14 +66,14 @@ CORE_LAUNCHES = [{}, {"groups_per_prog": 1, "num_warps": 2}, {"asm": False}, {"k
 @pytest.mark.parametrize("steps", R.LANE_STEPS)
 def test_triton_gpu_equals_reference(dtype, n, steps):
     x = _data(n, dtype)
-    _check(compress(x, steps=steps), x, ALL_LAUNCHES if dtype == torch.bfloat16 else CORE_LAUNCHES)
+    _check(x, ALL_LAUNCHES if dtype == torch.bfloat16 else CORE_LAUNCHES, steps=steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_gpu_large(dtype):
     """4M elements (many full programs), default lane length."""
     x = _data(4096 * 1024, dtype)
-    _check(compress(x), x, [{}, {"asm": False}, {"kernel": "v2"}])
+    _check(x, [{}, {"asm": False}, {"kernel": "v2"}])
 
 
 @pytest.mark.parametrize("steps", R.LANE_STEPS)
@@ -67,7 +84,7 @@ def test_triton_gpu_legacy_layout_and_worst_case(steps):
     x = _data(R.GROUP * steps * 3 + 17, torch.bfloat16)
     old = _from_streams(R.encode(x, None, steps, unit=1), x, None)
     assert "lane_bits" in old.streams
-    _check(old, x, [{}, {"asm": False, "groups_per_prog": 1}, {"kernel": "v2"}, {"kernel": "v1"}])
+    _check_one(old, x, [{}, {"asm": False, "groups_per_prog": 1}, {"kernel": "v2"}, {"kernel": "v1"}])
     lengths = np.zeros(256, np.uint8)
     lengths[:13] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12]  # a complete prefix code
     n = R.GROUP * steps * 2 + 100
@@ -77,17 +94,19 @@ def test_triton_gpu_legacy_layout_and_worst_case(steps):
         words, lane_len, offs = R.encode_symbols(sym, lengths, steps, unit)
         s = R.Streams(words, lane_len, offs, np.zeros(n, np.uint8), lengths, np.zeros(256, np.int64), steps, unit)
         y = torch.from_numpy(sym.astype(np.int16) << 7).view(torch.bfloat16)
-        _check(_from_streams(s, y, None), y, [{}, {"groups_per_prog": 1}, {"kernel": "v2"}])
+        _check_one(_from_streams(s, y, None), y, [{}, {"groups_per_prog": 1}, {"kernel": "v2"}])
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_triton_gpu_lossy_equals_reference(k):
     x = (torch.randn(300_001) * 0.02).bfloat16()
-    c = compress(x, k)
-    gpu = c.to("cuda")
-    ref = _bits(c.decompress(impl="reference"))
-    for launch in ({}, {"asm": False}, {"table16": False}, {"small": True}, {"kernel": "v2"}):
-        assert torch.equal(_bits(gpu.decompress(**launch).cpu()), ref)
+    ref = _bits(R.round_mantissa(x, k))
+    for c, launches in _variants(x, ({}, {"asm": False}, {"table16": False}, {"small": True}, {"kernel": "v2"}),
+                                 mantissa_bits=k):
+        gpu = c.to("cuda")
+        assert torch.equal(_bits(c.decompress(impl="reference")), ref)
+        for launch in launches:
+            assert torch.equal(_bits(gpu.decompress(**launch).cpu()), ref)
 
 
 @pytest.mark.parametrize("steps", R.LANE_STEPS)
@@ -97,12 +116,13 @@ def test_triton_gpu_special_values(steps):
                        (torch.float16, [0, 0x8000, 1, 0x83FF, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7D5A])):
         sp = torch.tensor(pat, dtype=torch.int32).to(torch.int16).view(dtype)
         for x in (torch.zeros(100_003, dtype=dtype), sp.repeat(10_007), sp[4:5], sp[2:3].repeat(R.GROUP * steps)):
-            c = compress(x, steps=steps)
-            for launch in ({}, {"asm": False}, {"groups_per_prog": 1}, {"small": True}, {"table16": False}):
-                assert torch.equal(_bits(c.to("cuda").decompress(**launch).cpu()), _bits(x))
+            for c, launches in _variants(x, ({}, {"asm": False}, {"groups_per_prog": 1}, {"small": True},
+                                             {"table16": False}), steps=steps):
+                for launch in launches:
+                    assert torch.equal(_bits(c.to("cuda").decompress(**launch).cpu()), _bits(x))
     raw = torch.tensor([0, -2**31, 1, -2**31 + 0x7FFFFF, 0x7F800000, -8388608, 0x7FC00000, 0x7F800001, -1, 0x7FA5A5A5],
                        dtype=torch.int32)
     for x in (raw.view(torch.float32).repeat(10_007), torch.zeros(1)):
-        c = compress(x, steps=steps)
-        for launch in ({}, {"small": True}, {"asm": False}):
-            assert torch.equal(_bits(c.to("cuda").decompress(**launch).cpu()), _bits(x))
+        for c, launches in _variants(x, ({}, {"small": True}, {"asm": False}), steps=steps):
+            for launch in launches:
+                assert torch.equal(_bits(c.to("cuda").decompress(**launch).cpu()), _bits(x))

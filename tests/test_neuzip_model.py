@@ -243,6 +243,10 @@ def test_torch_encoder_matches_reference(dtype):
         x = (torch.randn(n, generator=g) * 0.02).to(dtype)
         x[: n // 3] = torch.exp(torch.randn(n // 3, generator=g) * 8).to(dtype)
         _same_streams(R.encode(x, None, steps), encode_lossless(x, steps, chunk_elements=chunk))
+    # pair symbols (chosen for these: plain N(0, 0.02) bf16/fp32), across chunk boundaries, odd end
+    if dtype != torch.float16:
+        x = (torch.randn(R.GROUP * 64 * 9 + 77, generator=g) * 0.02).to(dtype)
+        assert _same_streams(R.encode(x, None, 64), encode_lossless(x, 64, chunk_elements=R.GROUP * 64 * 2))
 
 
 def test_memory_accounting():
@@ -358,10 +362,16 @@ def test_eval_cli_compressed_and_plain(tmp_path, capsys):
 
 
 def _same_streams(s, t):
+    from thrifty.neuzip.tensor import code_streams
+
+    code = code_streams(s.lengths)  # the stored code: 256 lengths, or the pairs that occur and theirs
+    assert set(t) == {"words", "lane_units", "group_offsets", "raw", *code}
     assert np.array_equal(s.words.view(np.int32), t["words"].numpy())
     assert np.array_equal(s.lane_len, t["lane_units"].numpy())
     assert np.array_equal(s.group_offsets, t["group_offsets"].numpy())
-    assert np.array_equal(s.raw, t["raw"].numpy()) and np.array_equal(s.lengths, t["lengths"].numpy())
+    assert np.array_equal(s.raw, t["raw"].numpy())
+    assert all(torch.equal(v, t[k].cpu()) for k, v in code.items())
+    return s.pairs
 
 
 def test_triton_encoder_interpreter_matches_reference():
@@ -372,6 +382,8 @@ def test_triton_encoder_interpreter_matches_reference():
         x[:40] = torch.exp(torch.randn(40, generator=g) * 8).to(dtype)  # long codes
         x[0], x[1] = float("nan"), -0.0
         _same_streams(R.encode(x, None, R.STEPS), encode_on_device(x, R.STEPS, impl="triton"))
+        y = (torch.randn(R.GROUP * R.STEPS * 8 + 3, generator=g) * 0.02).to(dtype)  # pair symbols, odd end
+        assert _same_streams(R.encode(y, None, R.STEPS), encode_on_device(y, R.STEPS, impl="triton"))
 
 
 def test_lomo_reencode_with_triton_kernels():

@@ -1,11 +1,13 @@
 """All weights of one transformer block in ONE decode launch: a :class:`BlockPack` and its multi-tensor kernel.
 
 A pack holds the streams of T compressed tensors (one dtype, one lossy setting, one lane length) concatenated:
-``words``, ``lane_units``, ``group_offsets``, ``raw`` and the T code tables. The decoded tensors lie one after
-the other in one flat output buffer. The kernel's grid covers the programs of every tensor (a program decodes
-``GROUPS_PER_PROG`` groups of 64 lanes of one tensor); a per-program row of the ``meta`` table (int64, built
-once per pack on the host) gives the program its tensor's stream bases, element count and whether it may run
-unmasked. The per-lane work is v3's (:mod:`decode_kernel`): same helpers, same bits as the reference.
+``words``, ``lane_units``, ``group_offsets``, ``raw`` and the T code tables (each part padded to 16 bytes, so
+every tensor's raw fields start aligned). The decoded tensors lie one after the other in one flat output
+buffer. The kernel's grid covers the programs of every tensor (a program decodes ``GROUPS_PER_PROG`` groups of
+64 lanes of one tensor); a per-program row of the ``meta`` table (int64, built once per pack on the host) gives
+the program its tensor's stream bases, element count, whether it may run unmasked and whether the tensor is
+coded in pair symbols. Pair tensors run :func:`decode_kernel._pair_lanes` (one lookup per two elements), the
+others v3's lane loop: same helpers, same bits as the reference.
 
 Why one launch: decoding the 7 matrices of a Llama block one ``decompress()`` at a time costs 7 host paths
 (~40 µs each, measured on the H100) and 7 under-filled grids; one launch pays one host path and fills the GPU
@@ -24,22 +26,23 @@ import triton
 import triton.language as tl
 
 from . import reference as R
-from .decode_kernel import _lanes_v3, kernel_table
+from .decode_kernel import _lanes_v3, _pair_lanes, kernel_table, pair_kernel_table
 from .tensor import CompressedTensor
 from ..triton_utils import FastLauncher
 
-META = 12  # int64 fields per program row
+META = 13  # int64 fields per program row
 # Launch shapes, (groups of 64 lanes per program, warps). WIDE: 2 lanes per thread, 40 registers (12 programs,
 # 3072 lanes in flight per SM on sm_90); v3's best launch on large tensors (H100 sweep, NOTES.md). NARROW: 1 lane
 # per thread, 32 registers, 4x the programs, for blocks whose WIDE grid would leave SMs idle or one program per SM.
 WIDE = (4, 4)
 NARROW = (1, 2)
 MIN_PROGRAMS_PER_SM = 2  # below this many WIDE programs per SM a block launches NARROW
-PACK_STREAMS = ("words", "lane_units", "group_offsets", "raw", "lengths")
+PACK_STREAMS = ("words", "lane_units", "group_offsets", "raw", "lengths", "pair_syms")
+ALIGN_BYTES = 16  # each tensor's part of a pack stream starts at a multiple of this
 
 
 @triton.jit
-def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tables_ptr, out_ptr,
+def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tables_ptr, pair_tables_ptr, out_ptr,
                          STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                          FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
                          SIGN_SHIFT: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr,
@@ -52,13 +55,14 @@ def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tabl
     lanes_base = tl.load(row + 2)
     goff = goff_ptr + tl.load(row + 3)
     raw = raw_ptr + tl.load(row + 4)
-    table = tables_ptr + tl.load(row + 5)
+    table_at = tl.load(row + 5)
     out = out_ptr + tl.load(row + 6)
     n = tl.load(row + 7)
     n_lanes = tl.load(row + 8)
     n_words = tl.load(row + 9)
     full = tl.load(row + 10)
     raw_bytes = tl.load(row + 11)
+    pairs = tl.load(row + 12)
     idx = tl.arange(0, LANES)
     lane = local.to(tl.int32) * LANES + idx
     lane_ok = lane < n_lanes
@@ -73,10 +77,10 @@ def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tabl
         rs = raw_start + (k * LANES + idx) * 32
         ok = (k * LANES + idx < RAW_SECTORS) & (rs < raw_bytes)
         junk |= tl.load(raw + rs, mask=ok, other=0, cache_modifier=".cg").to(tl.int32) & (lane < 0)
-    TABLE_SECTORS: tl.constexpr = 4096 * TSIZE // 32
-    for k in tl.static_range((TABLE_SECTORS + LANES - 1) // LANES):
-        ts = (k * LANES + idx) * (32 // TSIZE)
-        junk |= tl.load(table + ts, mask=ts < 4096, other=0).to(tl.int32) & (lane < 0)
+    if pairs != 0:
+        junk = _touch_table(pair_tables_ptr + table_at, junk, idx, lane, 4, LANES)
+    else:
+        junk = _touch_table(tables_ptr + table_at, junk, idx, lane, TSIZE, LANES)
     bits = (tl.load(lanes_ptr + lanes_base + lane, mask=lane_ok, other=0).to(tl.int32) & 0xFF) << LANE_SHIFT
     start = tl.load(goff + local * GROUPS_PER_PROG) + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
     word = (start >> 5).to(tl.int32)
@@ -91,13 +95,37 @@ def _block_decode_kernel(meta_ptr, words_ptr, lanes_ptr, goff_ptr, raw_ptr, tabl
     w = tl.load(words + word + 2, mask=lane_ok, other=0)  # WORD_PAD >= 3 keeps these in bounds
     off = off + junk
     nw = word + 2
-    elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
-    if full != 0:
-        _lanes_v3(hi, lo, w, off, nw, elem, n, words, raw, table, table, out, STEPS, GROUP,
-                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, False, ASM, TSIZE, False)
+    PAIRS: tl.constexpr = STEPS // 2
+    FAST: tl.constexpr = SIGN_SHIFT == 15 and KEPT == 7  # lossless 16-bit: 32-bit stores of pairs
+    # (the branches name their values apart: the compiler merges a name bound in both, and the tables differ)
+    if pairs != 0:
+        q = (lane // GROUP) * (GROUP * PAIRS) + lane % GROUP  # each lane's first pair
+        pair_table = pair_tables_ptr + table_at
+        if full != 0:
+            _pair_lanes(hi, lo, w, off, nw, q, n, words, raw, pair_table, out, PAIRS, GROUP, FIELD_BITS, KEPT,
+                        SYM_SHIFT, SIGN_SHIFT, FAST, False, ASM)
+        else:
+            _pair_lanes(hi, lo, w, off, nw, q, n, words, raw, pair_table, out, PAIRS, GROUP, FIELD_BITS, KEPT,
+                        SYM_SHIFT, SIGN_SHIFT, False, True, ASM)
     else:
-        _lanes_v3(hi, lo, w, off, nw, elem, n, words, raw, table, table, out, STEPS, GROUP,
-                  FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, True, ASM, TSIZE, False)
+        elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+        table = tables_ptr + table_at
+        if full != 0:
+            _lanes_v3(hi, lo, w, off, nw, elem, n, words, raw, table, table, out, STEPS, GROUP,
+                      FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, False, ASM, TSIZE, False)
+        else:
+            _lanes_v3(hi, lo, w, off, nw, elem, n, words, raw, table, table, out, STEPS, GROUP,
+                      FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, True, ASM, TSIZE, False)
+
+
+@triton.jit
+def _touch_table(table, junk, idx, lane, TSIZE: tl.constexpr, LANES: tl.constexpr):
+    """Loads every 32-byte sector of a 4096-entry table (into L1); returns ``junk`` (still 0) depending on them."""
+    TABLE_SECTORS: tl.constexpr = 4096 * TSIZE // 32
+    for k in tl.static_range((TABLE_SECTORS + LANES - 1) // LANES):
+        ts = (k * LANES + idx) * (32 // TSIZE)
+        junk |= tl.load(table + ts, mask=ts < 4096, other=0).to(tl.int32) & (lane < 0)
+    return junk
 
 
 _LAUNCH = FastLauncher(_block_decode_kernel)
@@ -118,7 +146,7 @@ class BlockPack:
             if not isinstance(t, CompressedTensor):
                 raise TypeError(f"tensors: expected CompressedTensor entries, got {type(t).__name__}")
             if (t.dtype, t.mantissa_bits, t.steps, t.lane_key) != (first.dtype, first.mantissa_bits, first.steps,
-                                                                    "lane_units"):
+                                                                    "lane_units"):  # pairs may mix
                 raise ValueError("tensors: a pack needs one dtype, one mantissa_bits, one lane length and the "
                                  f"format 3 layout; got {t!r} beside {first!r}")
             if t.device != first.device:
@@ -133,10 +161,18 @@ class BlockPack:
 
     # ------------------------------------------------------------------------------------------ streams
     def _set_streams(self, streams: Sequence[dict]) -> None:
-        """Concatenates per-tensor streams; remembers each tensor's base in every stream."""
-        self.bases = {k: [0] + np.cumsum([s[k].numel() for s in streams])[:-1].tolist() for k in PACK_STREAMS}
-        self.sizes = {k: [s[k].numel() for s in streams] for k in PACK_STREAMS}
-        self.streams = {k: torch.cat([s[k].reshape(-1) for s in streams]) for k in PACK_STREAMS}
+        """Concatenates per-tensor streams, each part padded to ALIGN_BYTES (the pair kernel loads two raw
+        bytes at a time); remembers each tensor's base in every stream and whether it is pair-coded."""
+        self.pairs = ["pair_syms" in s for s in streams]
+        empty = torch.zeros(0, dtype=torch.int16, device=streams[0]["words"].device)
+        parts = {k: [s.get(k, empty).reshape(-1) for s in streams] for k in PACK_STREAMS}
+        self.sizes = {k: [p.numel() for p in v] for k, v in parts.items()}
+        self.bases, self.streams = {}, {}
+        for k, v in parts.items():
+            align = ALIGN_BYTES // v[0].element_size()
+            padded = [torch.cat([p, p.new_zeros(-p.numel() % align)]) for p in v]
+            self.bases[k] = [0] + np.cumsum([p.numel() for p in padded])[:-1].tolist()
+            self.streams[k] = torch.cat(padded)
         self._tables: dict = {}
         self._meta: dict = {}
         self._launches: dict = {}  # (buffer address, size, dtype) -> the checked launch arguments
@@ -149,7 +185,8 @@ class BlockPack:
 
     def tensor(self, i: int) -> CompressedTensor:
         """Tensor i as a CompressedTensor whose streams are views into the pack (no copy)."""
-        s = {k: self.streams[k][self.bases[k][i]: self.bases[k][i] + self.sizes[k][i]] for k in PACK_STREAMS}
+        s = {k: self.streams[k][self.bases[k][i]: self.bases[k][i] + self.sizes[k][i]] for k in PACK_STREAMS
+             if k != "pair_syms" or self.pairs[i]}
         return CompressedTensor(s, self.dtype, self.shapes[i], self.mantissa_bits, steps=self.steps)
 
     @property
@@ -158,8 +195,9 @@ class BlockPack:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every stream (code tables included); the per-program launch table is counted apart."""
-        return sum(t.numel() * t.element_size() for t in self.streams.values())
+        """Bytes of every tensor's streams (code tables included, alignment padding not); the per-program
+        launch table is counted apart."""
+        return sum(sum(self.sizes[k]) * t.element_size() for k, t in self.streams.items())
 
     def to(self, device) -> "BlockPack":
         out = BlockPack.__new__(BlockPack)
@@ -198,13 +236,14 @@ class BlockPack:
             raise ValueError(f"impl: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {out.device}")
         if self.device != out.device:
             raise ValueError(f"out: expected a buffer on the pack's device {self.device}, got {out.device}")
-        meta, grid, groups_per_prog, num_warps = self.launch_table(out.device)
+        # pair stores are 32-bit for 16-bit dtypes: a buffer not 4-byte aligned decodes element by element
+        meta, grid, groups_per_prog, num_warps = self.launch_table(out.device, aligned=out.data_ptr() % 4 == 0)
         bits, shift, _ = R.DTYPES[self.dtype]
         kept = R.field_layout(self.dtype, self.mantissa_bits)[0]
-        tables = self.kernel_tables(out.device)
+        tables, pair_tables = self.kernel_tables(out.device)
         asm = out.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
         args = ((grid,), meta, self.streams["words"], self.streams["lane_units"], self.streams["group_offsets"],
-                self.streams["raw"], tables, out.view(torch.int16 if bits == 16 else torch.int32))
+                self.streams["raw"], tables, pair_tables, out.view(torch.int16 if bits == 16 else torch.int32))
         kwargs = dict(STEPS=self.steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog, FIELD_BITS=kept + 1,
                       KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm, TSIZE=tables.element_size(),
                       LANE_SHIFT=R.lane_unit(self.steps).bit_length() - 1, META_W=META, num_warps=num_warps,
@@ -214,19 +253,27 @@ class BlockPack:
         self.launches += 1
         return out
 
-    def kernel_tables(self, device) -> torch.Tensor:
-        """The v3 decode tables of every tensor, concatenated (T x 4096 entries; int16 for 16-bit dtypes)."""
+    def kernel_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(v3 tables of the single-symbol tensors, int16 for 16-bit dtypes; pair tables of the pair-coded
+        ones, int32), each 4096 entries per tensor in pack order; a kind no tensor uses is one zero entry."""
         key = str(device)
         if key not in self._tables:
-            lengths = self.streams["lengths"].cpu().numpy().reshape(-1, 256)
             table16 = R.DTYPES[self.dtype][0] == 16
-            parts = [kernel_table(torch.from_numpy(R.decode_table(L)), self.dtype, table16=table16) for L in lengths]
-            self._tables[key] = torch.cat(parts).to(device)
+            single, pair = [], []
+            for i in range(len(self.numels)):
+                table = torch.from_numpy(R.decode_table(self.tensor(i).code_lengths()))
+                if self.pairs[i]:
+                    pair.append(pair_kernel_table(table))
+                else:
+                    single.append(kernel_table(table, self.dtype, table16=table16))
+            single = single or [torch.zeros(1, dtype=torch.int16 if table16 else torch.int32)]
+            self._tables[key] = (torch.cat(single).to(device), torch.cat(pair or [torch.zeros(1, dtype=torch.int32)]).to(device))
         return self._tables[key]
 
-    def launch_table(self, device) -> "Launch":
-        """The launch: one meta row (int64[META]) per program of every tensor (module docstring), and its shape."""
-        key = str(device)
+    def launch_table(self, device, aligned: bool = True) -> "Launch":
+        """The launch: one meta row (int64[META]) per program of every tensor (module docstring), and its shape.
+        aligned: the output buffer is 4-byte aligned (pair tensors at even offsets may then store pairs)."""
+        key = (str(device), aligned)
         if key not in self._meta:
             device = torch.device(device)
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -238,11 +285,14 @@ class BlockPack:
             for i, (n, g) in enumerate(zip(self.numels, groups)):
                 progs = math.ceil(g / gpp)
                 n_full = min(n // per_prog, progs - 1)
+                # a pair tensor's unmasked loop stores two elements at once: its offset must be even
+                unmasked = not self.pairs[i] or (aligned and self.offsets[i] % 2 == 0)
+                table_at = sum(p == self.pairs[i] for p in self.pairs[:i]) << R.MAX_CODE_BITS
                 for p in range(progs):
                     rows.append([p, self.bases["words"][i], self.bases["lane_units"][i],
-                                 self.bases["group_offsets"][i], self.bases["raw"][i], i * (1 << R.MAX_CODE_BITS),
-                                 self.offsets[i], n, g * R.GROUP, self.sizes["words"][i], int(p < n_full),
-                                 self.sizes["raw"][i]])
+                                 self.bases["group_offsets"][i], self.bases["raw"][i], table_at,
+                                 self.offsets[i], n, g * R.GROUP, self.sizes["words"][i],
+                                 int(p < n_full and unmasked), self.sizes["raw"][i], int(self.pairs[i])])
             meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META)
             self._meta[key] = Launch(meta.to(device), meta.shape[0], gpp, warps)
         return self._meta[key]

@@ -293,29 +293,38 @@ def _lookup_v3(hi, lo, off, table_ptr, small_ptr, TSIZE: tl.constexpr, SMALL: tl
 
 
 @triton.jit
-def _two_symbols(hi, lo, w, off, nw, fa, fb, elem, optr, n, words_ptr, table_ptr, small_ptr,
-                 GROUP: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr,
-                 MASKED: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr):
-    """Decodes and stores elements ``elem`` and ``elem + GROUP`` of each lane. The unread bits start at bit
-    ``off`` < 32 of the word pair (hi:lo), so >= 33 bits are at hand: enough for two codes of <= 12 bits,
-    with a single refill check (one word at most) per pair. ``w`` = words[nw] is the next word."""
+def _two_codes(hi, lo, w, off, nw, sym, n_sym, words_ptr, table_ptr, small_ptr, GROUP: tl.constexpr,
+               MASKED: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr):
+    """Table entries of symbols ``sym`` and ``sym + GROUP`` of each lane (of ``n_sym``). The unread bits start
+    at bit ``off`` < 32 of the word pair (hi:lo), so >= 33 bits are at hand: enough for two codes of <= 12
+    bits, with a single refill check (one word at most) per two codes. ``w`` = words[nw] is the next word."""
     ea = _lookup_v3(hi, lo, off, table_ptr, small_ptr, TSIZE, SMALL, ASM)
     la = ea & 15
     if MASKED:  # past the end a lane stands still, so it never reads past the stream
-        la = tl.where(elem < n, la, 0)
+        la = tl.where(sym < n_sym, la, 0)
     off = off + la  # < 44
     # second code: if off >= 32 its <= 12 bits lie in lo alone (off - 32 <= 11), so funnel (lo:lo)
     eb = _lookup_v3(tl.where(off >= 32, lo, hi), lo, off, table_ptr, small_ptr, TSIZE, SMALL, ASM)
     lb = eb & 15
     if MASKED:
-        lb = tl.where(elem + GROUP < n, lb, 0)
+        lb = tl.where(sym + GROUP < n_sym, lb, 0)
     off = off + lb  # < 56: at most one word used up
     used = off >= 32
     hi = tl.where(used, lo, hi)
     lo = tl.where(used, w, lo)
     nw = nw + (off >> 5)
     off = off & 31
-    w = tl.load(_at(words_ptr, nw, 0, 4, ASM), mask=used, other=w)  # needed a pair later at the earliest
+    w = tl.load(_at(words_ptr, nw, 0, 4, ASM), mask=used, other=w)  # needed two codes later at the earliest
+    return hi, lo, w, off, nw, ea, eb
+
+
+@triton.jit
+def _two_symbols(hi, lo, w, off, nw, fa, fb, elem, optr, n, words_ptr, table_ptr, small_ptr,
+                 GROUP: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+                 MASKED: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr):
+    """Decodes and stores elements ``elem`` and ``elem + GROUP`` of each lane (single symbols)."""
+    hi, lo, w, off, nw, ea, eb = _two_codes(hi, lo, w, off, nw, elem, n, words_ptr, table_ptr, small_ptr, GROUP,
+                                            MASKED, ASM, TSIZE, SMALL)
     _put_v3(optr, elem < n, ea, fa, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED)
     _put_v3(optr + GROUP, elem + GROUP < n, eb, fb, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED)
     return hi, lo, w, off, nw
@@ -381,6 +390,83 @@ def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_pt
     else:
         _lanes_v3(hi, lo, w, off, nw, elem, n, words_ptr, raw_ptr, table_ptr, small_ptr, out_ptr, STEPS, GROUP,
                   FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, True, ASM, TSIZE, SMALL)
+
+
+# ------------------------------------------------------------------------------------- pair symbols
+# A pair table entry (int32): the first element's symbol at bits 7..14 and the second's at 23..30, i.e. where
+# a bf16/fp16 pair written as one little-endian int32 has them; the code length in bits 0..3. The other bits
+# (0..6, 15, 16..22, 31: the two signs and mantissas) come from the raw fields.
+PAIR_SYMBOL_BITS = 0x7F807F80
+
+
+@triton.jit
+def _pair_value16(f16, entry, ASM: tl.constexpr):
+    """Lossless 16-bit: both elements of a pair as one int32, from the pair's two raw bytes ``f16`` (first
+    element's byte low; int32, bits above 15 ignored) and its table entry. PRMT spreads the bytes to
+    (f_a, f_a, f_b, f_b): each copy puts the sign at the element's bit 15 and the mantissa at bits 0..6."""
+    if ASM:
+        y = tl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0x1100;", "=r,r", [f16], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        y = ((f16 & 0xFF) | ((f16 & 0xFF00) << 8)) * 0x101
+    return (y & ~0x7F807F80) | (entry & 0x7F807F80)
+
+
+@triton.jit
+def _put_pair(out_ptr, raw_ptr, q, n, entry, FIELD_BITS: tl.constexpr, KEPT: tl.constexpr,
+              SYM_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr, MASKED: tl.constexpr):
+    """Stores elements 2q and 2q + 1 one by one (any dtype and raw layout; masked at the end of a tensor)."""
+    e0 = 2 * q
+    e1 = e0 + 1
+    fa = _field_v3(raw_ptr + e0, raw_ptr, e0, e0 < n, FIELD_BITS, MASKED)
+    fb = _field_v3(raw_ptr + e1, raw_ptr, e1, e1 < n, FIELD_BITS, MASKED)
+    _put_v3(out_ptr + e0, e0 < n, ((entry >> 7) & 0xFF) << SYM_SHIFT, fa, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED)
+    _put_v3(out_ptr + e1, e1 < n, ((entry >> 23) & 0xFF) << SYM_SHIFT, fb, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED)
+
+
+@triton.jit
+def _pair_lanes(hi, lo, w, off, nw, q, n, words_ptr, raw_ptr, table_ptr, out_ptr, PAIRS: tl.constexpr,
+                GROUP: tl.constexpr, FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
+                SIGN_SHIFT: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr):
+    """All PAIRS pair symbols of each lane; ``q``: each lane's first pair (elements 2q, 2q + 1), then every
+    GROUP pairs. FAST (lossless 16-bit, unmasked, 4-byte aligned output and 2-byte aligned raw fields): one
+    16-bit raw load (an iteration ahead) and one 32-bit store per pair; else element by element."""
+    n_pairs = (n + 1) // 2
+    if FAST:
+        o32 = out_ptr.to(tl.pointer_type(tl.int32)) + q
+        r16 = raw_ptr.to(tl.pointer_type(tl.int16)) + q
+        f0 = tl.load(r16, cache_modifier=".cg").to(tl.int32)
+        f1 = tl.load(r16 + GROUP, cache_modifier=".cg").to(tl.int32)
+        f2 = tl.load(r16 + 2 * GROUP, cache_modifier=".cg").to(tl.int32)
+        f3 = tl.load(r16 + 3 * GROUP, cache_modifier=".cg").to(tl.int32)
+        for _ in range(0, PAIRS, 4):
+            r16 += 4 * GROUP  # the last iteration reads the next program's fields: in bounds, unused
+            hi, lo, w, off, nw, ea, eb = _two_codes(hi, lo, w, off, nw, q, n_pairs, words_ptr, table_ptr, table_ptr,
+                                                    GROUP, False, ASM, 4, False)
+            tl.store(o32, _pair_value16(f0, ea, ASM))
+            tl.store(o32 + GROUP, _pair_value16(f1, eb, ASM))
+            f0 = tl.load(r16, cache_modifier=".cg").to(tl.int32)
+            f1 = tl.load(r16 + GROUP, cache_modifier=".cg").to(tl.int32)
+            hi, lo, w, off, nw, ea, eb = _two_codes(hi, lo, w, off, nw, q, n_pairs, words_ptr, table_ptr, table_ptr,
+                                                    GROUP, False, ASM, 4, False)
+            tl.store(o32 + 2 * GROUP, _pair_value16(f2, ea, ASM))
+            tl.store(o32 + 3 * GROUP, _pair_value16(f3, eb, ASM))
+            f2 = tl.load(r16 + 2 * GROUP, cache_modifier=".cg").to(tl.int32)
+            f3 = tl.load(r16 + 3 * GROUP, cache_modifier=".cg").to(tl.int32)
+            o32 += 4 * GROUP
+    else:
+        for _ in range(0, PAIRS, 2):
+            hi, lo, w, off, nw, ea, eb = _two_codes(hi, lo, w, off, nw, q, n_pairs, words_ptr, table_ptr, table_ptr,
+                                                    GROUP, MASKED, ASM, 4, False)
+            _put_pair(out_ptr, raw_ptr, q, n, ea, FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED)
+            _put_pair(out_ptr, raw_ptr, q + GROUP, n, eb, FIELD_BITS, KEPT, SYM_SHIFT, SIGN_SHIFT, MASKED)
+            q += 2 * GROUP
+
+
+def pair_kernel_table(table: torch.Tensor) -> torch.Tensor:
+    """The pair kernel's int32 table from the reference one ((pair << 4) | length; see PAIR_SYMBOL_BITS)."""
+    pair = table.to(torch.int64) >> 4
+    return (((pair & 0xFF) << 23) | ((pair >> 8) << 7) | (table & 15)).to(torch.int32)
 
 
 # Triton's launch path (argument binding, specialization lookup) costs ~30 µs per call, as long as decoding a

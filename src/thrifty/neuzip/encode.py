@@ -40,22 +40,34 @@ def _pack_raw(raw: torch.Tensor, field_bits: int) -> torch.Tensor:
 CHUNK_ELEMENTS = 1 << 20  # elements encoded per pass: bounds the int64 temporaries to ~8 MB each
 
 
-def _slots(symbol: torch.Tensor, g0: int, g1: int, steps: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(symbol, valid) of every (lane, step) slot of groups g0..g1, lane-major ([group, lane, step])."""
-    base = g0 * R.GROUP * steps
-    idx = torch.arange((g1 - g0) * R.GROUP * steps, device=symbol.device, dtype=torch.int64)
-    idx = idx.view(g1 - g0, steps, R.GROUP).transpose(1, 2).reshape(-1) + base
+def _slots(symbol: torch.Tensor, n: int, groups: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(symbol, valid) of every (lane, step) slot of the first ``groups`` groups of ``n`` symbols in lanes of
+    ``steps`` symbols, lane-major ([group, lane, step])."""
+    idx = torch.arange(groups * R.GROUP * steps, device=symbol.device, dtype=torch.int64)
+    idx = idx.view(groups, steps, R.GROUP).transpose(1, 2).reshape(-1)
     valid = idx < n
     return symbol[idx.clamp(max=n - 1)], valid
+
+
+def pair_symbols(symbol: torch.Tensor) -> torch.Tensor:
+    """As :func:`reference.pair_symbols`: (s[2p] << 8) | s[2p + 1] (int64), 0 past an odd end."""
+    if symbol.numel() % 2:
+        symbol = torch.cat([symbol, symbol.new_zeros(1)])
+    pair = symbol.view(-1, 2).to(torch.int64)
+    return (pair[:, 0] << 8) | pair[:, 1]
 
 
 def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int = CHUNK_ELEMENTS) -> dict:
     """Streams of ``x`` (bf16 / fp16 / fp32) in the format 3 layout, computed on ``x.device``.
 
-    Returns {"words": int32, "lane_units": uint8, "group_offsets": int64, "raw": uint8, "lengths": uint8[256]},
-    bit-identical to ``reference.encode(x, None, steps)`` (tested). Works in chunks of whole groups
-    (``chunk_elements``), so its temporaries stay small whatever the tensor's size: pass 1 counts symbols,
-    pass 2 sums each lane's code lengths, pass 3 writes the codes and the raw fields."""
+    Returns {"words": int32, "lane_units": uint8, "group_offsets": int64, "raw": uint8, "lengths": uint8[256]}
+    (pair-coded: "pair_syms" + "lengths", :func:`tensor.code_streams`), bit-identical to
+    ``reference.encode(x, None, steps)`` (tested). Works in chunks of whole groups (``chunk_elements``; a group
+    has an even number of elements, so no pair straddles two chunks), so its temporaries stay small whatever
+    the tensor's size: pass 1 counts symbols and pairs, pass 2 sums each lane's code lengths, pass 3 writes
+    the codes and the raw fields."""
+    from .tensor import code_streams
+
     steps = R.check_steps(steps)
     dev = x.device
     n = x.numel()
@@ -72,17 +84,28 @@ def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int =
         return u, (u >> shift) & 0xFF
 
     counts = torch.zeros(256, dtype=torch.int64, device=dev)
+    pair_counts = torch.zeros(R.PAIR_SYMBOLS, dtype=torch.int64, device=dev)
     for g0, g1 in spans:
-        counts += torch.bincount(symbols(g0 * per_group, min(g1 * per_group, n))[1], minlength=256)
+        sym_e = symbols(g0 * per_group, min(g1 * per_group, n))[1]
+        counts += torch.bincount(sym_e, minlength=256)
+        pair_counts += torch.bincount(pair_symbols(sym_e), minlength=R.PAIR_SYMBOLS)
     lengths_np = R.code_lengths(counts.cpu().numpy())
+    pair_lengths = R.choose_pair_code(pair_counts.cpu().numpy(), lengths_np, counts.cpu().numpy())
+    pairs = pair_lengths is not None
+    if pairs:
+        lengths_np = pair_lengths
     lengths = torch.from_numpy(lengths_np.astype(np.int64)).to(dev)
     codes = torch.from_numpy(R.canonical_codes(lengths_np).astype(np.int64)).to(dev)
+    per_lane = R.symbols_per_lane(steps, lengths_np)
+
+    def coded(sym_e):
+        """(the coded symbols of a chunk's element symbols: one per element or per pair, their count)."""
+        return (pair_symbols(sym_e), -(-sym_e.numel() // 2)) if pairs else (sym_e, sym_e.numel())
 
     lane_bits = torch.zeros(groups * R.GROUP, dtype=torch.int64, device=dev)
     for g0, g1 in spans:
-        e0 = g0 * per_group
-        sym, valid = _slots(symbols(e0, min(g1 * per_group, n))[1], 0, g1 - g0, steps, min(g1 * per_group, n) - e0)
-        lane_bits[g0 * R.GROUP: g1 * R.GROUP] = torch.where(valid, lengths[sym], 0).view(-1, steps).sum(1)
+        sym, valid = _slots(*coded(symbols(g0 * per_group, min(g1 * per_group, n))[1]), g1 - g0, per_lane)
+        lane_bits[g0 * R.GROUP: g1 * R.GROUP] = torch.where(valid, lengths[sym], 0).view(-1, per_lane).sum(1)
     padded = (lane_bits + unit - 1) // unit * unit
     lane_start = torch.cumsum(padded, 0) - padded
     total = int(padded.sum())
@@ -95,10 +118,10 @@ def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int =
         u, sym_e = symbols(e0, e1)
         raw = ((u >> (bits - 1)) << kept) | (u & ((1 << kept) - 1))
         raw_out[e0 * field_bits // 8: e1 * field_bits // 8] = _pack_raw(raw, field_bits)
-        sym, valid = _slots(sym_e, 0, g1 - g0, steps, e1 - e0)
+        sym, valid = _slots(*coded(sym_e), g1 - g0, per_lane)
         nbits = torch.where(valid, lengths[sym], 0)
         code = torch.where(valid, codes[sym], 0)
-        within = nbits.view(-1, steps).cumsum(1) - nbits.view(-1, steps)
+        within = nbits.view(-1, per_lane).cumsum(1) - nbits.view(-1, per_lane)
         pos = (lane_start[g0 * R.GROUP: g1 * R.GROUP, None] + within).reshape(-1)
         # split each code (<= 12 bits at bit offset < 32 of its first word) into a piece for that word and,
         # when it crosses the word's end, a piece for the next one; all values stay positive int64
@@ -116,7 +139,7 @@ def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int =
         "lane_units": (padded // unit).to(torch.uint8),
         "group_offsets": lane_start[:: R.GROUP].contiguous(),
         "raw": raw_out,
-        "lengths": torch.from_numpy(lengths_np.copy()).to(dev),
+        **{k: v.to(dev) for k, v in code_streams(lengths_np).items()},
     }
 
 

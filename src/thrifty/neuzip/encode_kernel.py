@@ -7,7 +7,9 @@ decoder does); (3) lane starts by a prefix sum of the padded lengths (torch, one
 plus one read of the total for the word count); (4) ``_pack_kernel``: every lane appends its codes MSB-first to a
 64-bit buffer in registers and ORs each full 32-bit word into the zeroed stream (``atomic_or``: a lane's first and
 last word are shared with its neighbours; ~0.08 atomics per weight), and writes the raw sign+mantissa field of
-each element. Memory traffic ≈ 2 B read (×2 kernels) + 1 B raw + 0.33 B words per bf16 weight.
+each element. Pair-coded tensors (reference.py: the symbol of elements 2p and 2p + 1 together, chosen by
+:func:`reference.choose_pair_code` from a second histogram, of pairs) run the same kernels with PAIRS: a lane
+step reads two elements and looks its pair up in 65536-entry length/code tables. Memory traffic ≈ 2 B read (×2 kernels) + 1 B raw + 0.33 B words per bf16 weight.
 """
 
 from __future__ import annotations
@@ -18,46 +20,81 @@ import triton
 import triton.language as tl
 
 from . import reference as R
+from .encode import pair_symbols
+from .tensor import code_streams
 
 GROUPS_PER_PROG = 2
 _INT_VIEW = {16: torch.int16, 32: torch.int32}
 
 
 @triton.jit
+def _element(x_ptr, elem, ok, BITS: tl.constexpr, SHIFT: tl.constexpr):
+    """(raw bits as int32, 8-bit symbol) of ``elem`` (0 where not ``ok``)."""
+    u = tl.load(x_ptr + elem, mask=ok, other=0).to(tl.int32)
+    if BITS == 16:
+        u = u & 0xFFFF
+    return u, (u >> SHIFT) & 0xFF
+
+
+@triton.jit
+def _coded_symbol(x_ptr, sym_idx, lane_ok, n, BITS: tl.constexpr, SHIFT: tl.constexpr, PAIRS: tl.constexpr):
+    """(coded symbol, in range) of symbol slot ``sym_idx``: element sym_idx's symbol, or with PAIRS the pair
+    symbol of elements 2 sym_idx and 2 sym_idx + 1 (second 0 past an odd end)."""
+    if PAIRS:
+        e0 = 2 * sym_idx
+        ok = lane_ok & (e0 < n)
+        sa = _element(x_ptr, e0, ok, BITS, SHIFT)[1]
+        sb = _element(x_ptr, e0 + 1, ok & (e0 + 1 < n), BITS, SHIFT)[1]
+        return (sa << 8) | sb, ok
+    ok = lane_ok & (sym_idx < n)
+    return _element(x_ptr, sym_idx, ok, BITS, SHIFT)[1], ok
+
+
+@triton.jit
 def _lane_bits_kernel(x_ptr, len_ptr, out_ptr, n, n_lanes, STEPS: tl.constexpr, GROUP: tl.constexpr,
-                      GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
+                      GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, PAIRS: tl.constexpr):
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
+    SYMS: tl.constexpr = STEPS // 2 if PAIRS else STEPS  # coded symbols per lane
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+    sym_idx = (lane // GROUP) * (GROUP * SYMS) + lane % GROUP
     total = tl.zeros([LANES], dtype=tl.int32)
-    for _ in range(STEPS):
-        ok = lane_ok & (elem < n)
-        u = tl.load(x_ptr + elem, mask=ok, other=0).to(tl.int32)
-        sym = (u >> SHIFT) & 0xFF
+    for _ in range(SYMS):
+        sym, ok = _coded_symbol(x_ptr, sym_idx, lane_ok, n, BITS, SHIFT, PAIRS)
         total += tl.where(ok, tl.load(len_ptr + sym), 0)
-        elem += GROUP
+        sym_idx += GROUP
     tl.store(out_ptr + lane, total, mask=lane_ok)
+
+
+@triton.jit
+def _put_raw(x_ptr, raw_ptr, elem, ok, BITS: tl.constexpr, KEPT: tl.constexpr, RAW_BYTES: tl.constexpr):
+    """Writes the raw field (sign above the KEPT low mantissa bits) of ``elem``."""
+    u = _element(x_ptr, elem, ok, BITS, 0)[0]
+    raw = (((u >> (BITS - 1)) & 1) << KEPT) | (u & ((1 << KEPT) - 1))
+    if RAW_BYTES == 1:
+        tl.store(raw_ptr + elem, raw.to(tl.uint8), mask=ok)
+    else:
+        b = raw_ptr + 3 * elem.to(tl.int64)
+        tl.store(b, (raw & 0xFF).to(tl.uint8), mask=ok)
+        tl.store(b + 1, ((raw >> 8) & 0xFF).to(tl.uint8), mask=ok)
+        tl.store(b + 2, ((raw >> 16) & 0xFF).to(tl.uint8), mask=ok)
 
 
 @triton.jit
 def _pack_kernel(x_ptr, len_ptr, code_ptr, start_ptr, words_ptr, raw_ptr, n, n_lanes, STEPS: tl.constexpr,
                  GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr,
-                 KEPT: tl.constexpr, RAW_BYTES: tl.constexpr):
+                 KEPT: tl.constexpr, RAW_BYTES: tl.constexpr, PAIRS: tl.constexpr):
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
+    SYMS: tl.constexpr = STEPS // 2 if PAIRS else STEPS  # coded symbols per lane
     lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    elem = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+    sym_idx = (lane // GROUP) * (GROUP * SYMS) + lane % GROUP
     start = tl.load(start_ptr + lane, mask=lane_ok, other=0)  # int64: the lane's first bit
     word = start >> 5
     nb = (start & 31).to(tl.int32)  # bits already in the buffer (the word's part before the lane: zeros)
     buf = tl.zeros([LANES], dtype=tl.uint64)  # valid bits left-aligned
-    for _ in range(STEPS):
-        ok = lane_ok & (elem < n)
-        u = tl.load(x_ptr + elem, mask=ok, other=0).to(tl.int32)
-        if BITS == 16:
-            u = u & 0xFFFF
-        sym = (u >> SHIFT) & 0xFF
+    for _ in range(SYMS):
+        sym, ok = _coded_symbol(x_ptr, sym_idx, lane_ok, n, BITS, SHIFT, PAIRS)
         length = tl.where(ok, tl.load(len_ptr + sym), 0)
         code = tl.where(ok, tl.load(code_ptr + sym), 0).to(tl.uint64)
         # past the end (length 0) the shift would reach 64, undefined for a 64-bit shift: shift a zero by 0
@@ -68,16 +105,13 @@ def _pack_kernel(x_ptr, len_ptr, code_ptr, start_ptr, words_ptr, raw_ptr, n, n_l
         buf = tl.where(full, buf << 32, buf)
         nb = tl.where(full, nb - 32, nb)
         word = tl.where(full, word + 1, word)
-        # raw field: sign above the KEPT low mantissa bits
-        raw = (((u >> (BITS - 1)) & 1) << KEPT) | (u & ((1 << KEPT) - 1))
-        if RAW_BYTES == 1:
-            tl.store(raw_ptr + elem, raw.to(tl.uint8), mask=ok)
+        if PAIRS:
+            e0 = 2 * sym_idx
+            _put_raw(x_ptr, raw_ptr, e0, lane_ok & (e0 < n), BITS, KEPT, RAW_BYTES)
+            _put_raw(x_ptr, raw_ptr, e0 + 1, lane_ok & (e0 + 1 < n), BITS, KEPT, RAW_BYTES)
         else:
-            b = raw_ptr + 3 * elem.to(tl.int64)
-            tl.store(b, (raw & 0xFF).to(tl.uint8), mask=ok)
-            tl.store(b + 1, ((raw >> 8) & 0xFF).to(tl.uint8), mask=ok)
-            tl.store(b + 2, ((raw >> 16) & 0xFF).to(tl.uint8), mask=ok)
-        elem += GROUP
+            _put_raw(x_ptr, raw_ptr, sym_idx, ok, BITS, KEPT, RAW_BYTES)
+        sym_idx += GROUP
     tl.atomic_or(words_ptr + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=lane_ok & (nb > 0))
 
 
@@ -89,8 +123,13 @@ def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
     bits, shift, kept = R.DTYPES[x.dtype]
     flat = x.detach().contiguous().reshape(-1).view(_INT_VIEW[bits])
     sym = (flat >> shift).to(torch.uint8) if bits == 16 else ((flat >> shift) & 0xFF).to(torch.uint8)
-    counts = torch.bincount(sym, minlength=256)
-    lengths_np = R.code_lengths(counts.cpu().numpy())
+    counts = torch.bincount(sym, minlength=256).cpu().numpy()
+    lengths_np = R.code_lengths(counts)
+    pair_counts = torch.bincount(pair_symbols(sym), minlength=R.PAIR_SYMBOLS).cpu().numpy()
+    pair_lengths = R.choose_pair_code(pair_counts, lengths_np, counts)
+    pairs = pair_lengths is not None
+    if pairs:
+        lengths_np = pair_lengths
     lengths = torch.from_numpy(lengths_np.astype(np.int32)).to(dev)
     codes = torch.from_numpy(R.canonical_codes(lengths_np).astype(np.int32)).to(dev)
     unit = R.lane_unit(steps)
@@ -100,7 +139,7 @@ def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
     lane_bits = torch.zeros(n_lanes, dtype=torch.int32, device=dev)
     if n:
         _lane_bits_kernel[grid](flat, lengths, lane_bits, n, n_lanes, STEPS=steps, GROUP=R.GROUP,
-                                GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift)
+                                GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift, PAIRS=pairs)
     padded = (lane_bits.to(torch.int64) + unit - 1) // unit * unit
     start = torch.cumsum(padded, 0) - padded
     total = int(padded.sum()) if n else 0
@@ -111,7 +150,7 @@ def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
     if n:
         _pack_kernel[grid](flat, lengths, codes, start, words, raw, n, n_lanes, STEPS=steps, GROUP=R.GROUP,
                            GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift, KEPT=kept,
-                           RAW_BYTES=field_bits // 8)
+                           RAW_BYTES=field_bits // 8, PAIRS=pairs)
     return {"words": words, "lane_units": (padded // unit).to(torch.uint8),
             "group_offsets": start[:: R.GROUP].contiguous(), "raw": raw,
-            "lengths": torch.from_numpy(lengths_np.copy()).to(dev)}
+            **{k: v.to(dev) for k, v in code_streams(lengths_np).items()}}

@@ -8,7 +8,8 @@ shape, mantissa_bits, steps, crc32, ...}}. Version 2 added the lane length ``ste
 parameter (64, 128 or 256). Version 3 stores each lane's length as ``lane_units`` (uint8, units of
 steps // 16 bits, lanes zero-padded to a whole unit; meta ``"lane_unit"``) instead of ``lane_bits``
 (uint16 bits); version 1 (always 256) and 2 files are still read, and their tensors keep ``lane_bits``
-(a version 3 file may hold such tensors too: meta ``"lane_unit": 1``). ``load`` parses the header, checks the version, every tensor's streams,
+(a version 3 file may hold such tensors too: meta ``"lane_unit": 1``). Version 4 adds pair-coded tensors
+(meta ``"pairs": true``, streams ``::pair_syms`` + ``::lengths`` per pair; reference.py). ``load`` parses the header, checks the version, every tensor's streams,
 sizes and CRC32, and only then returns tensors: a corrupted, truncated or foreign file raises ValueError
 naming the file (and the tensor). No pickle anywhere.
 """
@@ -29,18 +30,22 @@ from .._checks import check_device
 from . import reference as R
 from .tensor import CompressedTensor
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = {"1": (R.LEGACY_STEPS,), "2": R.LANE_STEPS, "3": R.LANE_STEPS}  # -> the lane lengths it allows
-UNIT_VERSIONS = ("3",)  # versions with uint8 lane units (else only uint16 lane_bits)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = {"1": (R.LEGACY_STEPS,), "2": R.LANE_STEPS, "3": R.LANE_STEPS, "4": R.LANE_STEPS}
+UNIT_VERSIONS = ("3", "4")  # versions with uint8 lane units (else only uint16 lane_bits)
+PAIR_VERSIONS = ("4",)  # versions that may hold pair-coded tensors
 VERSION_KEY = "thrifty.neuzip.format"
 TENSORS_KEY = "thrifty.neuzip.tensors"
 STREAMS = {"words": torch.int32, "lane_units": torch.uint8, "group_offsets": torch.int64, "raw": torch.uint8,
            "lengths": torch.uint8}
 LEGACY_STREAMS = {"words": torch.int32, "lane_bits": torch.int16, "group_offsets": torch.int64,
                   "raw": torch.uint8, "lengths": torch.uint8}
+PAIR_STREAMS = dict(STREAMS, pair_syms=torch.int16)
 
 
-def _streams_of(unit: int) -> dict:
+def _streams_of(unit: int, pairs: bool = False) -> dict:
+    if pairs:
+        return PAIR_STREAMS
     return LEGACY_STREAMS if unit == R.LEGACY_UNIT else STREAMS
 def _plain_dtypes() -> tuple:
     """Every dtype safetensors can hold (stored raw by the "plain" codec, bit for bit)."""
@@ -93,11 +98,11 @@ def save(path, entries: dict) -> None:
         if "::" in name:
             raise ValueError(f"entries: tensor name {name!r} must not contain '::'")
         if isinstance(e, CompressedTensor):
-            for key in _streams_of(e.unit):
+            for key in _streams_of(e.unit, e.pairs):
                 arrays[f"{name}::{key}"] = _bytes(e.streams[key])
             meta[name] = {"codec": "neuzip", "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
                           "mantissa_bits": e.mantissa_bits, "steps": e.steps, "lane_unit": e.unit, "group": R.GROUP,
-                          "max_code_bits": R.MAX_CODE_BITS, "crc32": e.crc32()}
+                          "max_code_bits": R.MAX_CODE_BITS, "crc32": e.crc32(), "pairs": e.pairs}
         elif isinstance(e, torch.Tensor):
             dtype = str(e.dtype).removeprefix("torch.")
             if dtype not in _DTYPE_NAMES:
@@ -180,15 +185,16 @@ def load(path, device="cpu") -> dict:
         raise ValueError(f"{path}: corrupted tensor table in the header")
     out = {}
     for name, m in tensors_meta.items():  # check everything first, build tensors only when all are good
-        out[name] = _check_entry(path, name, m, arrays, READABLE_VERSIONS[version], version in UNIT_VERSIONS)
+        out[name] = _check_entry(path, name, m, arrays, READABLE_VERSIONS[version], version in UNIT_VERSIONS,
+                                 version in PAIR_VERSIONS)
     expected = {f"{n}::{k}" for n, e in out.items()
-                for k in (_streams_of(e.unit) if isinstance(e, CompressedTensor) else ("data",))}
+                for k in (_streams_of(e.unit, e.pairs) if isinstance(e, CompressedTensor) else ("data",))}
     if set(arrays) != expected:
         raise ValueError(f"{path}: streams {sorted(set(arrays) ^ expected)[:4]} do not match the tensor table")
     return {k: (v.to(device) if device is not None else v) for k, v in out.items()}
 
 
-def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool) -> Entry:
+def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool, pair_version: bool) -> Entry:
     where = f"{path}: tensor {name!r}"
     try:
         codec, dtype, shape = m["codec"], _DTYPE_NAMES[m["dtype"]], list(m["shape"])
@@ -227,11 +233,14 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
     if params != (R.GROUP, R.MAX_CODE_BITS):
         raise ValueError(f"{where}: codec parameters (group, max_code_bits) = {params} differ from this "
                          f"version's {(R.GROUP, R.MAX_CODE_BITS)}")
+    pairs = m.get("pairs", False)
+    if type(pairs) is not bool or (pairs and (not pair_version or unit == R.LEGACY_UNIT)):
+        raise ValueError(f"{where}: pairs={pairs!r} is not allowed here (format 4, uint8 lane units only)")
     k = m.get("mantissa_bits")
     if k is not None and (dtype != torch.bfloat16 or type(k) is not int or k not in (0, 1, 3)):
         raise ValueError(f"{where}: bad mantissa_bits {k!r}")
     streams = {}
-    for key, sdtype in _streams_of(unit).items():
+    for key, sdtype in _streams_of(unit, pairs).items():
         a = arrays.get(f"{name}::{key}")
         size = torch.empty((), dtype=sdtype).element_size()
         if a is None or a.ndim != 1 or a.size % size:
@@ -241,8 +250,8 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
     groups = R.n_groups(numel, steps)
     kept, field_bits = R.field_layout(dtype, k)
     lane_key = "lane_bits" if unit == R.LEGACY_UNIT else "lane_units"
-    want = {lane_key: groups * R.GROUP, "group_offsets": groups, "lengths": 256,
-            "raw": -(-numel * field_bits // 8)}
+    want = {lane_key: groups * R.GROUP, "group_offsets": groups, "raw": -(-numel * field_bits // 8),
+            "lengths": streams["pair_syms"].numel() if pairs else 256}
     for key, n in want.items():
         if streams[key].numel() != n:
             raise ValueError(f"{where}: stream {key!r} has {streams[key].numel()} entries, expected {n}")
@@ -251,13 +260,18 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
     if (lengths > R.MAX_CODE_BITS).any() or \
             (len(present) > 1 and sum(1 << (R.MAX_CODE_BITS - int(n)) for n in present) > 1 << R.MAX_CODE_BITS):
         raise ValueError(f"{where}: the code lengths do not form a prefix code")
+    if pairs:
+        syms = streams["pair_syms"].numpy().view(np.uint16).astype(np.int64)
+        if not 0 < len(syms) <= R.MAX_PAIRS or (np.diff(syms) <= 0).any() or (lengths == 0).any():
+            raise ValueError(f"{where}: the pair code is not 1..{R.MAX_PAIRS} ascending pairs of nonzero length")
     ct = CompressedTensor(streams, dtype, shape, k, steps=steps)
     if ct.crc32() != crc:
         raise ValueError(f"{where}: checksum mismatch (file corrupted)")
     # a forged header or streams (with a matching checksum) must be rejected here, never reach a decoder:
     # each lane's length within what its symbols can take, group offsets = the prefix sums, word count
     lane_bits = ct._lane_bits()
-    symbols = np.clip(-(-(numel - _lane_first(groups, steps)) // R.GROUP), 0, steps)
+    per_lane = steps // 2 if pairs else steps
+    symbols = np.clip(-(-(-(-numel // (steps // per_lane)) - _lane_first(groups, per_lane)) // R.GROUP), 0, per_lane)
     total = int(lane_bits.sum())
     starts = np.cumsum(lane_bits) - lane_bits
     if (streams["words"].numel() != -(-total // 32) + R.WORD_PAD
@@ -269,6 +283,7 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
 
 
 def _lane_first(groups: int, steps: int) -> np.ndarray:
-    """Element index of each lane's first symbol; the lane holds min(steps, ceil((n - first) / 64)) symbols."""
+    """Symbol index of each lane's first symbol, lanes of ``steps`` symbols; the lane holds
+    min(steps, ceil((n - first) / 64)) of n symbols."""
     lane = np.arange(groups * R.GROUP, dtype=np.int64)
     return (lane // R.GROUP) * R.GROUP * steps + lane % R.GROUP

@@ -23,6 +23,14 @@ Layout of one compressed tensor of N elements (bf16, fp16 or fp32, read as raw b
   Metadata cost: 8 bits per lane + (unit - 1) / 2 padding bits on average (code lengths spread the lane
   ends evenly), i.e. (8 + 1.5) / 64 = 0.148, (8 + 3.5) / 128 = 0.090, (8 + 7.5) / 256 = 0.061 bits per
   weight for 64 / 128 / 256 (+ 64 bits per group of 64 * steps elements).
+* **Pair symbols** (format 4, chosen per tensor, :func:`choose_pair_code`): the coded symbol may instead be
+  the *pair* of the symbols of elements 2p and 2p + 1 (``(s[2p] << 8) | s[2p + 1]``; past an odd end the
+  second is 0), coded with one canonical Huffman code over the pairs that occur (lengths <= 12, so at most
+  4096 pairs; the code is stored as the sorted pair list ``pair_syms`` + their ``lengths``). The lanes are
+  the same with pairs for symbols: lane j of a group decodes pairs j, j + 64, ... (``steps // 2`` of them),
+  i.e. elements 2j, 2j + 1, 2j + 128, 2j + 129, ...; a group still covers ``GROUP * steps`` elements, and
+  the lane-length unit and metadata are unchanged. Why: one table lookup decodes two elements, and a lane
+  writes two adjacent elements (one 32-bit store for bf16) per step (NOTES.md, "pair symbols").
 * Format versions 1 and 2 stored ``lane_bits`` (uint16, exact bit lengths, no padding: 16 / steps bits per
   weight); such tensors still decode (``Streams.unit == 1``).
 
@@ -52,7 +60,10 @@ DTYPES = {
     torch.float16: (16, 7, 7),
     torch.float32: (32, 23, 23),
 }
-LOSSY_MANTISSA_BITS = (0, 1, 3, 7)  # bf16 only; 7 is every bf16 mantissa bit, i.e. lossless
+LOSSY_MANTISSA_BITS = (0, 1, 3, 7)
+PAIR_SYMBOLS = 1 << 16  # pair symbols: (first << 8) | second
+MAX_PAIRS = 1 << MAX_CODE_BITS  # a prefix code of lengths <= 12 has at most 4096 codes
+PAIR_SIZE_SLACK = 1.01  # pairs are kept if at most 1% larger than single symbols: they decode ~2x fewer lookups  # bf16 only; 7 is every bf16 mantissa bit, i.e. lossless
 
 
 # ----------------------------------------------------------------------------------------- bit fields
@@ -143,7 +154,7 @@ def code_lengths(counts: np.ndarray, max_bits: int = MAX_CODE_BITS) -> np.ndarra
     """
     counts = np.asarray(counts, dtype=np.int64)
     present = np.flatnonzero(counts)
-    lengths = np.zeros(256, dtype=np.uint8)
+    lengths = np.zeros(len(counts), dtype=np.uint8)
     if len(present) == 0:
         return lengths
     if len(present) == 1:
@@ -153,7 +164,7 @@ def code_lengths(counts: np.ndarray, max_bits: int = MAX_CODE_BITS) -> np.ndarra
     while True:
         heap = [(int(c[s]), int(s), [int(s)]) for s in present]  # (weight, tie-break, leaves)
         heapq.heapify(heap)
-        depth = np.zeros(256, dtype=np.int64)
+        depth = np.zeros(len(counts), dtype=np.int64)
         while len(heap) > 1:
             w1, t1, a = heapq.heappop(heap)
             w2, t2, b = heapq.heappop(heap)
@@ -168,21 +179,84 @@ def code_lengths(counts: np.ndarray, max_bits: int = MAX_CODE_BITS) -> np.ndarra
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
     """Canonical Huffman codes (uint32[256]) for code lengths: shorter first, then by symbol."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    codes = np.zeros(256, dtype=np.uint32)
-    order = np.lexsort((np.arange(256), lengths))
+    codes = np.zeros(len(lengths), dtype=np.uint32)
+    present = np.flatnonzero(lengths)
+    order = present[np.lexsort((present, lengths[present]))]
     code, prev = 0, 0
     for s in order:
         n = int(lengths[s])
-        if n == 0:
-            continue
         code <<= n - prev
         codes[s] = code
         code, prev = code + 1, n
     return codes
 
 
+def limited_lengths(counts: np.ndarray, max_bits: int = MAX_CODE_BITS) -> np.ndarray:
+    """Optimal code lengths (uint8, 0 = absent) limited to ``max_bits``, by package-merge; for pair symbols,
+    where :func:`code_lengths`' halving of the counts costs ~0.05 bits per element (4096² N(0, 0.02)).
+
+    Leaves sorted by (count, symbol); at each of the ``max_bits`` levels the list is the leaves merged
+    (stably, leaves first on ties) with the pairwise packages of the level below. The first 2m - 2 items of
+    the top list are selected; a selected package selects the first 2 items per package of the level below,
+    and each leaf gets one bit per level where it is selected. Deterministic, so every encoder agrees."""
+    counts = np.asarray(counts, dtype=np.int64)
+    present = np.flatnonzero(counts)
+    lengths = np.zeros(len(counts), dtype=np.uint8)
+    m = len(present)
+    if m > 1 << max_bits:
+        raise ValueError(f"counts: {m} symbols cannot have a prefix code of lengths <= {max_bits}")
+    if m <= 1:
+        lengths[present] = 1
+        return lengths
+    leaves = present[np.lexsort((present, counts[present]))]
+    weights = counts[leaves]
+    levels = []  # per level above the bottom: is_package flags of the merged list
+    items = weights
+    for _ in range(max_bits - 1):
+        packages = items[0: len(items) // 2 * 2: 2] + items[1: len(items) // 2 * 2: 2]
+        merged = np.concatenate([weights, packages])
+        order = np.argsort(merged, kind="stable")
+        levels.append(order >= m)
+        items = merged[order]
+    depth = np.zeros(m, dtype=np.int64)
+    take = 2 * m - 2
+    for is_package in reversed(levels):
+        chosen = is_package[:take]
+        leaves_taken = take - int(chosen.sum())
+        depth[:leaves_taken] += 1
+        take = 2 * int(chosen.sum())
+    depth[:take] += 1
+    lengths[leaves] = depth
+    return lengths
+
+
+def pair_symbols(symbol: np.ndarray) -> np.ndarray:
+    """Pair symbols (int64) of an element-symbol array: (s[2p] << 8) | s[2p + 1], 0 past an odd end."""
+    s = np.asarray(symbol).astype(np.int64)
+    if len(s) % 2:
+        s = np.concatenate([s, np.zeros(1, np.int64)])
+    return (s[0::2] << 8) | s[1::2]
+
+
+def choose_pair_code(pair_counts: np.ndarray, single_lengths: np.ndarray, single_counts: np.ndarray):
+    """Pair code lengths (uint8[65536]) if a tensor is coded in pairs, else None.
+
+    Pairs when at most 4096 pairs occur and the pair stream + its stored code (3 B per pair) is at most
+    ``PAIR_SIZE_SLACK`` times the single-symbol stream + its 256 lengths: pairs decode twice the elements
+    per table lookup. fp16 (exponent + 3 mantissa bits per symbol) usually has too many pairs."""
+    pair_counts = np.asarray(pair_counts, dtype=np.int64)
+    m = int(np.count_nonzero(pair_counts))
+    if m == 0 or m > MAX_PAIRS:
+        return None
+    lengths = limited_lengths(pair_counts)
+    pair_bits = int((pair_counts * lengths).sum()) + 24 * m
+    single_bits = int((np.asarray(single_counts, np.int64) * single_lengths.astype(np.int64)).sum()) + 8 * 256
+    return lengths if pair_bits <= PAIR_SIZE_SLACK * single_bits else None
+
+
 def decode_table(lengths: np.ndarray) -> np.ndarray:
-    """4096-entry int32 table indexed by the next 12 stream bits: (symbol << 4) | code length."""
+    """4096-entry int32 table indexed by the next 12 stream bits: (symbol << 4) | code length (symbols:
+    0..255, or pair symbols 0..65535 when ``lengths`` has 65536 entries)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     codes = canonical_codes(lengths)
     table = np.full(1 << MAX_CODE_BITS, 1, dtype=np.int32)  # unused entries (never hit on valid streams)
@@ -243,19 +317,33 @@ class Streams:
     raw: np.ndarray  # uint8: raw fields (1 or 3 bytes per element, or packed (k+1)-bit fields)
     lengths: np.ndarray  # uint8[256] code lengths
     counts: np.ndarray  # int64[256] symbol histogram (not stored; for reports)
-    steps: int = LEGACY_STEPS  # symbols per lane
+    steps: int = LEGACY_STEPS  # elements per lane
     unit: int = LEGACY_UNIT  # bits per lane-length unit: lane_unit(steps), or 1 for uint16 bit lengths
+    pairs: bool = False  # pair symbols (format 4): ``lengths`` then has 65536 entries (one per pair symbol)
+    coded_bits: int = 0  # sum of the code lengths (set by encode; not stored)
+
+    @property
+    def lane_symbols(self) -> int:
+        """Coded symbols per lane: steps, or steps // 2 pairs."""
+        return self.steps // 2 if self.pairs else self.steps
+
+
+def symbols_per_lane(steps: int, lengths: np.ndarray) -> int:
+    """Coded symbols in a lane of ``steps`` elements: all of them, or steps // 2 pairs (65536 lengths)."""
+    return steps // 2 if len(lengths) == PAIR_SYMBOLS else steps
 
 
 def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS, unit: int | None = None
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Huffman-encodes uint8 symbols into (words, lane_len, group_offsets), lanes of ``steps`` symbols.
+    """Huffman-encodes symbols into (words, lane_len, group_offsets), lanes of ``steps`` elements: uint8
+    symbols (``steps`` per lane), or pair symbols when ``lengths`` has 65536 entries (``steps // 2`` per lane).
 
     unit: bits per stored lane-length unit; None = :func:`lane_unit` (uint8 units, lanes zero-padded to a
     multiple of the unit); 1 = the format 1/2 layout (uint16 exact bit lengths)."""
     unit = lane_unit(steps) if unit is None else unit
     if unit not in (1, lane_unit(steps)):
         raise ValueError(f"unit: expected 1 or {lane_unit(steps)} for steps={steps}, got {unit!r}")
+    steps = symbols_per_lane(steps, lengths)
     n = len(symbol)
     codes = canonical_codes(lengths).astype(np.uint64)
     slot = lane_order(n, steps)
@@ -287,7 +375,9 @@ def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS, 
 
 def decode_symbols(words: np.ndarray, lane_len: np.ndarray, group_offsets: np.ndarray, lengths: np.ndarray,
                    n: int, steps: int = STEPS, unit: int = LEGACY_UNIT) -> np.ndarray:
-    """Lane-parallel decoder: one Python step per symbol position, NumPy across all lanes."""
+    """Lane-parallel decoder: one Python step per symbol position, NumPy across all lanes. ``n`` symbols in
+    lanes of ``steps`` elements: uint8 symbols, or int64 pair symbols when ``lengths`` has 65536 entries."""
+    steps = symbols_per_lane(steps, lengths)
     lanes = len(lane_len)
     table = decode_table(lengths)
     # zero words past the end: a lane whose stored length understates its codes (forged) reads zeros, not
@@ -299,7 +389,7 @@ def decode_symbols(words: np.ndarray, lane_len: np.ndarray, group_offsets: np.nd
     pos = (np.asarray(group_offsets, dtype=np.int64)[:, None] + within).reshape(-1)
     lane = np.arange(lanes, dtype=np.int64)
     first = (lane // GROUP) * GROUP * steps + lane % GROUP  # element index of each lane's first symbol
-    out = np.zeros(n, dtype=np.uint8)
+    out = np.zeros(n, dtype=np.uint8 if len(lengths) <= 256 else np.int64)
     for step in range(steps):
         elem = first + step * GROUP
         valid = elem < n
@@ -308,7 +398,7 @@ def decode_symbols(words: np.ndarray, lane_len: np.ndarray, group_offsets: np.nd
         w = pos >> 5
         window = ((w64[w] << np.uint64(32)) | w64[w + 1]) << (pos & 31).astype(np.uint64)
         entry = table[(window >> np.uint64(64 - MAX_CODE_BITS)).astype(np.int64)]
-        out[elem[valid]] = (entry[valid] >> 4).astype(np.uint8)
+        out[elem[valid]] = entry[valid] >> 4
         pos = pos + np.where(valid, entry & 15, 0)
     return out
 
@@ -350,9 +440,12 @@ def field_layout(dtype: torch.dtype, mantissa_bits) -> tuple[int, int]:
     return kept, kept + 1
 
 
-def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, unit: int | None = None) -> Streams:
+def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, unit: int | None = None,
+           pairs: bool | None = None) -> Streams:
     """Encodes a bf16/fp16/fp32 tensor (lossless, or bf16 rounded to ``mantissa_bits``) in lanes of ``steps``
-    symbols; unit: see :func:`encode_symbols` (None: the format 3 layout). No validation here."""
+    elements; unit: see :func:`encode_symbols` (None: the format 3 layout). pairs: None = pair symbols when
+    :func:`choose_pair_code` says so (units layout only), False = single symbols, True = pair symbols
+    (ValueError if more than 4096 pairs occur). No other validation here."""
     if mantissa_bits is not None and mantissa_bits < 7:
         x = round_mantissa(x, mantissa_bits)
     elif mantissa_bits == 7:
@@ -365,14 +458,35 @@ def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, unit: int | 
     counts = np.bincount(symbol, minlength=256).astype(np.int64)
     lengths = code_lengths(counts)
     unit = lane_unit(steps) if unit is None else unit
-    words, lane_len, group_offsets = encode_symbols(symbol, lengths, steps, unit)
-    return Streams(words, lane_len, group_offsets, pack_fields(raw, field_bits), lengths, counts, steps, unit)
+    pair_lengths = None
+    coded_bits = int((counts * lengths.astype(np.int64)).sum())
+    if pairs is not False and unit != LEGACY_UNIT:
+        pair = pair_symbols(symbol)
+        pair_counts = np.bincount(pair, minlength=PAIR_SYMBOLS)
+        if pairs:
+            if np.count_nonzero(pair_counts) > MAX_PAIRS:
+                raise ValueError(f"pairs: {np.count_nonzero(pair_counts)} distinct pairs, a pair code holds {MAX_PAIRS}")
+            pair_lengths = limited_lengths(pair_counts)
+        else:
+            pair_lengths = choose_pair_code(pair_counts, lengths, counts)
+    if pair_lengths is None:
+        words, lane_len, group_offsets = encode_symbols(symbol, lengths, steps, unit)
+    else:
+        words, lane_len, group_offsets = encode_symbols(pair, pair_lengths, steps, unit)
+        lengths = pair_lengths
+        coded_bits = int((pair_counts * lengths.astype(np.int64)).sum())
+    return Streams(words, lane_len, group_offsets, pack_fields(raw, field_bits), lengths, counts, steps, unit,
+                   pair_lengths is not None, coded_bits)
 
 
 def decode(s: Streams, dtype: torch.dtype, shape, mantissa_bits=None) -> torch.Tensor:
     """CPU decoder: the spec the Triton kernel must match bit for bit."""
     n = int(np.prod(shape, dtype=np.int64))
     kept, field_bits = field_layout(dtype, None if mantissa_bits == 7 else mantissa_bits)
-    symbol = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, n, s.steps, s.unit)
+    if s.pairs:
+        pair = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, -(-n // 2), s.steps, s.unit)
+        symbol = np.stack([pair >> 8, pair & 0xFF], axis=1).reshape(-1)[:n].astype(np.uint8)
+    else:
+        symbol = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, n, s.steps, s.unit)
     raw = unpack_fields(s.raw, field_bits, n)
     return _from_uint(merge_symbols(symbol, raw, dtype, kept), dtype, shape)

@@ -32,8 +32,9 @@ class CompressedTensor:
 
     Streams: ``words`` int32 (uint32 bit stream), ``lane_units`` uint8 (each lane's padded length in units of
     ``steps // 16`` bits; tensors read from format 1/2 files have ``lane_bits`` int16 (uint16 bit lengths)
-    instead), ``group_offsets`` int64, ``raw`` uint8, ``lengths`` uint8[256] (the code). ``steps``: symbols
-    per lane (the lane layout).
+    instead), ``group_offsets`` int64, ``raw`` uint8, ``lengths`` uint8[256] (the code). Pair-coded tensors
+    (format 4, :attr:`pairs`) hold ``pair_syms`` int16 (the uint16 pair symbols that occur, ascending) and
+    ``lengths`` uint8, one code length per entry of ``pair_syms``. ``steps``: elements per lane (the layout).
     ``decompress`` rebuilds the exact original bits (lossless) or the rounded tensor (``mantissa_bits`` = k).
     """
 
@@ -57,6 +58,20 @@ class CompressedTensor:
     def lane_key(self) -> str:
         """The stream holding the lane lengths: "lane_units" (format 3) or "lane_bits" (formats 1 and 2)."""
         return "lane_bits" if "lane_bits" in self.streams else "lane_units"
+
+    @property
+    def pairs(self) -> bool:
+        """Coded in pair symbols (two elements per code, format 4)."""
+        return "pair_syms" in self.streams
+
+    def code_lengths(self) -> np.ndarray:
+        """The code as the reference reads it: uint8[256], or uint8[65536] (one per pair symbol) for pairs."""
+        lengths = self.streams["lengths"].cpu().numpy()
+        if not self.pairs:
+            return lengths
+        full = np.zeros(R.PAIR_SYMBOLS, dtype=np.uint8)
+        full[self.streams["pair_syms"].cpu().numpy().view(np.uint16)] = lengths
+        return full
 
     @property
     def unit(self) -> int:
@@ -101,6 +116,8 @@ class CompressedTensor:
             meta += (self.steps,)
         if self.unit != R.LEGACY_UNIT:  # format 3 layout (uint8 units): a different meaning of the same bytes
             meta += ("units", self.unit)
+        if self.pairs:
+            meta += ("pairs",)
         crc = zlib.crc32(repr(meta).encode())
         for key in sorted(self.streams):
             if self.streams[key].numel():  # (an empty stream adds no bytes; its stride may not allow the view)
@@ -126,7 +143,8 @@ class CompressedTensor:
         s = {k: v.cpu().numpy() for k, v in self.streams.items()}
         lane = s[self.lane_key]
         return R.Streams(s["words"].view(np.uint32), lane.view(np.uint16) if self.unit == 1 else lane,
-                         s["group_offsets"], s["raw"], s["lengths"], np.zeros(256, np.int64), self.steps, self.unit)
+                         s["group_offsets"], s["raw"], self.code_lengths(), np.zeros(256, np.int64), self.steps,
+                         self.unit, self.pairs)
 
     def decompress(self, out: Optional[torch.Tensor] = None, impl: str = "auto", **launch) -> torch.Tensor:
         """The decoded tensor, on ``self.device`` (or written into ``out``, any device, same dtype/numel).
@@ -160,6 +178,11 @@ class CompressedTensor:
         src = self if self.device == target else self.to(target)
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=target)
+        if self.pairs:  # pair symbols have one kernel: the block decoder's, with a pack of this one tensor
+            if launch:
+                raise ValueError(f"launch options {sorted(launch)} apply to single-symbol tensors only")
+            src._pack().decode_into(out.view(-1), impl="triton")
+            return out
         s = src.streams
         table16 = launch.pop("table16", self.dtype != torch.float32)
         small = launch.pop("small", False)
@@ -171,6 +194,14 @@ class CompressedTensor:
                     self._kept(), steps=self.steps, **launch)
         return out
 
+    def _pack(self):
+        """This tensor alone as a block pack (cached): the kernel path of pair-coded tensors."""
+        from .block_decode import BlockPack
+
+        if "pack" not in self._tables:
+            self._tables["pack"] = BlockPack([self])
+        return self._tables["pack"]
+
     def _table(self, device, kind: str = "ref") -> torch.Tensor:
         """A decode table on ``device``, cached: "ref" the int32[4096] of :func:`reference.decode_table`,
         "small" its int16[256] first level (v1/v2), "v3" / "v3_16" the v3 kernel's (int32 / int16) and
@@ -180,7 +211,7 @@ class CompressedTensor:
         key = (str(device), kind)
         if key not in self._tables:
             if kind == "ref":
-                t = torch.from_numpy(R.decode_table(self.streams["lengths"].cpu().numpy())).to(device)
+                t = torch.from_numpy(R.decode_table(self.code_lengths())).to(device)
             elif kind == "small":
                 t = small_table(self._table(device))
             elif kind in ("v3", "v3_16", "v3_small", "v3_small16"):
@@ -192,19 +223,36 @@ class CompressedTensor:
         return self._tables[key]
 
 
-def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None, steps: int = R.STEPS) -> CompressedTensor:
+def compress(tensor: torch.Tensor, mantissa_bits: Optional[int] = None, steps: int = R.STEPS,
+             pairs: Optional[bool] = None) -> CompressedTensor:
     """Compresses a bf16/fp16/fp32 tensor; lossless unless ``mantissa_bits`` (bf16: 0, 1, 3; 7 = lossless).
 
-    steps: symbols per lane, one of ``reference.LANE_STEPS`` (shorter lanes: faster GPU decode, 8 bits of
-    metadata per lane + padding to ``steps // 16`` bits). Encoding runs on the CPU; the result's streams live
-    on ``tensor``'s device.
+    steps: elements per lane, one of ``reference.LANE_STEPS`` (shorter lanes: faster GPU decode, 8 bits of
+    metadata per lane + padding to ``steps // 16`` bits). pairs: None = pair symbols where
+    :func:`reference.choose_pair_code` picks them (the faster decode), False = single symbols (the v1/v2/v3
+    kernels and their launch options), True = pair symbols (ValueError where more than 4096 pairs occur).
+    Encoding runs on the CPU; the result's streams live on ``tensor``'s
+    device.
     """
+    if pairs is not None and not isinstance(pairs, bool):
+        raise TypeError(f"pairs: expected None (chosen per tensor) or a bool, got {type(pairs).__name__}")
     check_tensor("tensor", tensor, dtypes=tuple(R.DTYPES))
     if tensor.device.type == "meta":
         raise ValueError("tensor: a meta tensor has no values to compress")
     mantissa_bits = _check_mantissa_bits(mantissa_bits, tensor.dtype)
     steps = R.check_steps(steps)
-    return _from_streams(R.encode(tensor, mantissa_bits, steps), tensor, mantissa_bits)
+    return _from_streams(R.encode(tensor, mantissa_bits, steps, pairs=pairs), tensor, mantissa_bits)
+
+
+def code_streams(lengths: np.ndarray) -> dict:
+    """The stored code: {"lengths": uint8[256]}, or for pair symbols (65536 lengths) the pairs that occur
+    and their lengths: {"pair_syms": int16 (uint16 bits, ascending), "lengths": uint8}."""
+    lengths = np.asarray(lengths, dtype=np.uint8)
+    if len(lengths) != R.PAIR_SYMBOLS:
+        return {"lengths": torch.from_numpy(lengths.copy())}
+    present = np.flatnonzero(lengths)
+    return {"pair_syms": torch.from_numpy(present.astype(np.uint16).view(np.int16)),
+            "lengths": torch.from_numpy(lengths[present].copy())}
 
 
 def _from_streams(s: "R.Streams", tensor: torch.Tensor, mantissa_bits) -> CompressedTensor:
@@ -215,8 +263,8 @@ def _from_streams(s: "R.Streams", tensor: torch.Tensor, mantissa_bits) -> Compre
         lane[0]: torch.from_numpy(lane[1].copy()),
         "group_offsets": torch.from_numpy(s.group_offsets.astype(np.int64)),
         "raw": torch.from_numpy(s.raw.copy()),
-        "lengths": torch.from_numpy(s.lengths.copy()),
+        **code_streams(s.lengths),
     }
     ct = CompressedTensor(streams, tensor.dtype, tensor.shape, mantissa_bits, R.entropy_bits(s.counts), s.steps)
-    ct._coded_bits = int((s.counts * s.lengths.astype(np.int64)).sum())
+    ct._coded_bits = s.coded_bits
     return ct if tensor.device.type == "cpu" else ct.to(tensor.device)
