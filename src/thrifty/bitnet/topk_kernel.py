@@ -80,9 +80,11 @@ def _keep_flags(guarded, threshold, count, k_keep):
         above = _halves_at_least(guarded, threshold + 1)
         tied = keep ^ above
         before = tl.cumsum(tied, axis=1) - tied  # tied keys in the words before, per half
-        room = (k_keep - _total(above))[:, None] - ((before & 0xFFFF) + (before >> 16)).to(tl.int32)
-        # the low key is first in index order; the high key's room is one less when the low key is tied too
-        fits = (room > 0).to(tl.uint32) | ((room - (tied & 1).to(tl.int32) > 0).to(tl.uint32) << 16)
+        room = (k_keep - _total(above)).to(tl.uint32)  # >= 1: fewer than k keys are above the threshold
+        # bit 31 of (tied keys before the low key − room) is set while there is room for the low key; for the high
+        # key, count the low one too (both counts <= 8192: no wrap-around doubt)
+        over = (before & 0xFFFF) + (before >> 16) - room[:, None]
+        fits = (over >> 31) | (((over + (tied & 1)) >> 15) & 0x10000)
         keep = above | (tied & fits)
     return keep
 
@@ -117,9 +119,9 @@ def _mul_rn(a, b, COMPILED: tl.constexpr):
 
 
 @triton.jit
-def _int8_of_kept(words, keep, half: tl.constexpr, scale, step, DTYPE: tl.constexpr, COMPILED: tl.constexpr):
-    """INT8 absmax of one half's entries, zero where not kept: step·RoundClip(x·scale, −128, 127), scale = 127/(γ+ε)."""
-    x = tl.where(((keep >> (16 * half)) & 1) != 0, _unpack(words, half, DTYPE), 0.0)
+def _int8_of(words, half: tl.constexpr, scale, step, DTYPE: tl.constexpr, COMPILED: tl.constexpr):
+    """INT8 absmax of one half's entries: step·RoundClip(x·scale, −128, 127), scale = 127/(γ+ε)."""
+    x = _unpack(words, half, DTYPE)
     # no clamp to [−128, 127]: |x| <= γ, so |x·scale| <= 127·(1 + 2^-23) rounds to at most 127
     return round_half_even(_mul_rn(x, scale[:, None], COMPILED)) * step[:, None]
 
@@ -161,8 +163,9 @@ def _topk_int8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, D, stride_x, stride
     # a row holding ±inf or NaN comes out all NaN: its step is NaN (q·NaN is NaN, also for q = 0)
     step = tl.where(top >= BAD, float("nan"), tl.math.div_rn(gamma, tl.full([], 127.0, tl.float32)))
     out_ty: tl.constexpr = y_ptr.dtype.element_ty
-    y = tl.join(_cast_to(_int8_of_kept(words, keep, 0, scale, step, dtype, COMPILED), out_ty, COMPILED),
-                _cast_to(_int8_of_kept(words, keep, 1, scale, step, dtype, COMPILED), out_ty, COMPILED))
+    kept = words & (keep * 0xFFFF)  # the entries not kept become +0 (flag bits 0 and 16 -> halves of ones)
+    y = tl.join(_cast_to(_int8_of(kept, 0, scale, step, dtype, COMPILED), out_ty, COMPILED),
+                _cast_to(_int8_of(kept, 1, scale, step, dtype, COMPILED), out_ty, COMPILED))
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], tl.reshape(y, (ROWS, 2 * PAIRS)), mask=inside)
 
 
