@@ -5,8 +5,9 @@ int32 word ("pair": the row's entries 2i and 2i+1 in its low and high half). Wit
 guard), ``pair − (c·0x10001)`` leaves bit 15 of a half set exactly when that key is ≥ c, and no borrow crosses
 the halves; ``(· >> 15) & 0x10001`` turns the two answers into two 16-bit counters that one integer add
 accumulates. So a bisection step, "are there ≥ k keys ≥ candidate?", costs a subtract, a shift, an and and an
-add per *two* entries, and the sum over the row (one warp: shuffles, no barrier) of both counters at once. 15
-steps find the threshold on the row held in registers; memory is read and written once.
+add per *two* entries, and the sum over the row (one warp: one REDUX, no barrier) of both counters at once. The
+first 7 steps (key bits 14..8) run on the keys' high bytes, four per word with the sign bit as the guard: half
+the cost again. 15 steps find the threshold on the row held in registers; memory is read and written once.
 
 Ties: the entries equal to the threshold are kept in index order until exactly k are kept (``reference.
 topk_mask``). Their ranks come from one prefix sum of the packed "tied" flags (both halves' running counts in
@@ -59,11 +60,38 @@ def _total(packed):
 
 
 @triton.jit
-def _threshold(guarded, k_keep, D, KEY_BITS: tl.constexpr):
-    """(the k-th largest key of each row, how many keys are >= it): bisection on the key bits, high to low."""
+def _high_bytes(words):
+    """The keys' high bytes (bits 14..8, and the sign bit as a guard: set), four per word, in any order: the 7-bit
+    keys of the first bisection steps. Word pairs (2j, 2j + 1) give quad j."""
+    a, b = tl.split(tl.reshape(words, (words.shape[0], words.shape[1] // 2, 2)))
+    return ((a >> 8) & 0x00FF00FF) | (b & 0xFF00FF00) | 0x80808080
+
+
+@triton.jit
+def _byte_total(packed):
+    """Row sums of byte counters (flags at bit 0 of each byte, one word per quad): first each of 64 columns sums
+    its quads/64 <= 64 words as bytes (no byte passes 255; in-thread adds), then the 64 partial sums as 16-bit
+    counters."""
+    groups: tl.constexpr = max(1, packed.shape[1] // 64)
+    s = tl.sum(tl.reshape(packed, (packed.shape[0], groups, packed.shape[1] // groups)), axis=1)
+    return _total((s & 0x00FF00FF) + ((s >> 8) & 0x00FF00FF))
+
+
+@triton.jit
+def _threshold(guarded, words, k_keep, D, KEY_BITS: tl.constexpr):
+    """(the k-th largest key of each row, how many keys are >= it): bisection on the key bits, high to low; the
+    7 high bits on four keys per word (a step costs half as much), the 8 low ones on two."""
     threshold = tl.zeros([guarded.shape[0]], dtype=tl.uint32)
     count = tl.zeros([guarded.shape[0]], dtype=tl.int32) + D  # every key is >= 0
-    for b in tl.static_range(KEY_BITS - 1, -1, -1):
+    high = _high_bytes(words)
+    for b in tl.static_range(KEY_BITS - 9, -1, -1):
+        candidate = threshold | (1 << b)
+        n = _byte_total(((high - (candidate * 0x01010101)[:, None]) >> 7) & 0x01010101)
+        enough = n >= k_keep
+        threshold = tl.where(enough, candidate, threshold)
+        count = tl.where(enough, n, count)
+    threshold = threshold << 8
+    for b in tl.static_range(7, -1, -1):
         candidate = threshold | (1 << b)
         n = _total(_halves_at_least(guarded, candidate))
         enough = n >= k_keep
@@ -155,7 +183,7 @@ def _topk_int8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, D, stride_x, stride
     keys = words & 0x7FFF7FFF
     top = tl.max(tl.maximum(keys & 0xFFFF, keys >> 16), axis=1)  # γ's key; padding is key 0
     guarded = words | GUARDS  # padding: key 0, below every candidate (>= 1)
-    threshold, count = _threshold(guarded, k_keep, D, KEY_BITS)
+    threshold, count = _threshold(guarded, words, k_keep, D, KEY_BITS)
     keep = _keep_flags(guarded, threshold, count, k_keep)
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     gamma = _unpack(top, 0, dtype)
@@ -180,7 +208,7 @@ def _pow2(n: int) -> int:
 def launch_config(D: int) -> dict:
     """(rows per program, pairs per row block, warps) for rows of ``D`` features: ≤ 64 words per lane, one warp
     per row up to 4096 features, rows grouped up to ~1024 features per one-warp program."""
-    pairs = _pow2(max(1, (D + 1) // 2))
+    pairs = _pow2(max(2, (D + 1) // 2))  # >= 2: a quad of high bytes takes two words
     warps = max(1, pairs // (32 * WORDS_PER_LANE))
     rows = max(1, ROWS_PER_WARP_FEATURES // (2 * pairs)) if warps == 1 else 1
     return {"ROWS": rows, "PAIRS": pairs, "num_warps": warps}
