@@ -356,7 +356,8 @@ def _topk_16bit(x_dtype, y_dtype, D: int, norm: bool, ones: str = "") -> Spec:
 
     cfg = TK.launch_config(D)
     return entry(TK._topk_int8_kernel, f"{NAME[x_dtype]}->{NAME[y_dtype]} D={D} norm={norm}",
-                 dict(HAS_NORM=norm, ROWS=cfg["ROWS"], PAIRS=cfg["PAIRS"], KEY_BITS=TK.KEY_BITS, BAD=TK.BAD_KEY[x_dtype],
+                 dict(D=D, HAS_NORM=norm, ROWS=cfg["ROWS"], PAIRS=cfg["PAIRS"], KEY_BITS=TK.KEY_BITS,
+                      BAD=TK.BAD_KEY[x_dtype],
                       EPS_=EPS, COMPILED=TK.COMPILED),
                  {"x_ptr": PTR[x_dtype], "y_ptr": PTR[y_dtype], "w_ptr rstd_ptr": "*fp32"}, fp32="norm_eps",
                  ones=ones, num_warps=cfg["num_warps"], num_stages=3)
@@ -392,12 +393,12 @@ def _bitnet():
                     dict(KIND=QK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=0, KEY_BITS=31, BLOCK_D=1, EPS_=EPS),
                     {"x_ptr y_ptr w_ptr rstd_ptr": "*fp32"}, fp32="beta_scale norm_eps", ones="D", num_warps=1,
                     num_stages=3)
-    # topk_kernel's other launch shapes: fp16 rows, the 7B width (2 warps), fp32 output, one row of one feature
-    # (Triton makes every integer argument a constant 1)
+    # topk_kernel's other launch shapes (D is a constexpr: padding words fold away): fp16 rows, the 7B width
+    # (2 warps), fp32 output, one row of one feature (Triton makes every integer argument a constant 1)
     yield _topk_16bit(torch.float16, torch.float16, 384, True)
     yield _topk_16bit(bf16, bf16, 4096, False)
     yield _topk_16bit(bf16, fp32, 576, False)
-    yield _topk_16bit(bf16, bf16, 1, True, ones="n_rows D stride_x stride_y k_keep")
+    yield _topk_16bit(bf16, bf16, 1, True, ones="n_rows stride_x stride_y k_keep")
     for dtype, D in ((bf16, 384), (bf16, 1024), (bf16, 1536), (fp32, 576)):
         block = triton.next_power_of_2(D)
         yield entry(QK._norm_backward_kernel, f"{NAME[dtype]} D={D}", dict(ROWS=QK.NORM_BACKWARD_ROWS, BLOCK_D=block),

@@ -14,10 +14,12 @@ topk_mask``). Their ranks come from one prefix sum of the packed "tied" flags (b
 one word); it runs only for rows with more ties than room, which at bf16's 8-bit precision is most rows of a
 few thousand features.
 
-Layout: one warp per row up to 4096 features (64 words per lane), more warps beyond (a cross-warp sum per step);
-several rows per one-warp program at small widths (independent rows' reductions overlap). Then INT8 absmax of
-what is kept, as ``quant_kernel`` (γ = max|x| is the top key: the largest entry is always kept). fp32 inputs
-keep ``quant_kernel``'s search on 31-bit keys.
+Layout: one warp per row up to 2048 features (32 words per lane), more warps beyond (a cross-warp sum per step);
+two rows per one-warp program below 512 features (independent rows' reductions overlap). The width is a
+constexpr: words that are padding in every lane (1536 features = 768 words in a 1024-word block) fold away.
+
+Then INT8 absmax of what is kept, as ``quant_kernel`` (γ = max|x| is the top key: the largest entry is always
+kept). fp32 inputs keep ``quant_kernel``'s search on 31-bit keys.
 """
 
 from __future__ import annotations
@@ -167,8 +169,8 @@ def _normed(x_in, w_ptr, rstd_ptr, rows, row_ok, cols, inside, D, norm_eps, COMP
 
 
 @triton.jit
-def _topk_int8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, D, stride_x, stride_y, k_keep, norm_eps,
-                      HAS_NORM: tl.constexpr, ROWS: tl.constexpr, PAIRS: tl.constexpr, KEY_BITS: tl.constexpr,
+def _topk_int8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, stride_x, stride_y, k_keep, norm_eps,
+                      D: tl.constexpr, HAS_NORM: tl.constexpr, ROWS: tl.constexpr, PAIRS: tl.constexpr, KEY_BITS: tl.constexpr,
                       BAD: tl.constexpr, EPS_: tl.constexpr, COMPILED: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -220,7 +222,7 @@ def launch(rows, out, norm_weight, rstd, k_keep: int, norm_eps: float, eps: floa
     n, D = rows.shape
     cfg = launch_config(D)
     _LAUNCH(((n + cfg["ROWS"] - 1) // cfg["ROWS"],), rows, norm_weight if norm_weight is not None else rows, out,
-            rstd if rstd is not None else out, n, D, rows.stride(0), out.stride(0), k_keep, float(norm_eps),
+            rstd if rstd is not None else out, n, rows.stride(0), out.stride(0), k_keep, float(norm_eps), D=D,
             HAS_NORM=norm_weight is not None, ROWS=cfg["ROWS"], PAIRS=cfg["PAIRS"], KEY_BITS=KEY_BITS,
             BAD=BAD_KEY[rows.dtype],
             EPS_=eps, COMPILED=COMPILED, num_warps=cfg["num_warps"], num_stages=3)
