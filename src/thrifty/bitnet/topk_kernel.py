@@ -36,6 +36,8 @@ GUARDS = tl.constexpr(0x80008000)  # bit 15 of both halves
 COUNTERS = tl.constexpr(0x00010001)  # bit 0 of both halves
 KEY_BITS = 15  # |x| of a bf16 or fp16: the pattern without the sign
 WORDS_PER_LANE = 32  # pairs a lane holds: 2048 features per warp (64 held no spill at 4096 once the ties ran)
+# quads a lane holds in one column of a 64-quad-per-warp tiling: summing those first stays in the thread
+LANE_QUAD_ROWS = tl.constexpr(WORDS_PER_LANE // 4)
 ROWS_PER_WARP_FEATURES = 1024  # a one-warp program takes rows until it holds this many features
 # (bad-key limit, the 16-bit dtype): a key >= the limit is ±inf or NaN, which makes the whole row NaN
 BAD_KEY = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
@@ -71,10 +73,10 @@ def _high_bytes(words):
 
 @triton.jit
 def _byte_total(packed):
-    """Row sums of byte counters (flags at bit 0 of each byte, one word per quad): first each of 64 columns sums
-    its quads/64 <= 64 words as bytes (no byte passes 255; in-thread adds), then the 64 partial sums as 16-bit
-    counters."""
-    groups: tl.constexpr = max(1, packed.shape[1] // 64)
+    """Row sums of byte counters (flags at bit 0 of each byte, one word per quad): first groups of at most
+    ``LANE_QUAD_ROWS`` words (a lane's own, so in-thread adds; no byte passes 255) as bytes, then the partial
+    sums as 16-bit counters."""
+    groups: tl.constexpr = max(1, min(packed.shape[1] // 64, LANE_QUAD_ROWS))
     s = tl.sum(tl.reshape(packed, (packed.shape[0], groups, packed.shape[1] // groups)), axis=1)
     return _total((s & 0x00FF00FF) + ((s >> 8) & 0x00FF00FF))
 
