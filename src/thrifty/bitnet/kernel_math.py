@@ -1,5 +1,5 @@
-"""Scalar arithmetic shared by the BitNet Triton kernels (``quant_kernel``, ``topk_kernel``): rounding as
-``torch.round`` and PyTorch's casts do it, so the kernels match ``reference.py`` bit for bit."""
+"""Arithmetic shared by the BitNet Triton kernels (``quant_kernel``, ``topk_kernel``): rounding as ``torch.round``
+and PyTorch's casts do it, so the kernels match ``reference.py`` bit for bit; block sizes in plain Python."""
 
 from __future__ import annotations
 
@@ -39,3 +39,8 @@ def cast_rn(v, dtype: tl.constexpr):
 def as_float(n):
     """An fp32 scalar tensor of ``n`` (also when Triton specialized n == 1 into a constant)."""
     return tl.full([], 0.0, tl.float32) + n
+
+
+def pow2(n: int) -> int:
+    """``triton.next_power_of_2`` in plain Python: Triton 3.6's is a constexpr_function, ~10 µs per host call."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1

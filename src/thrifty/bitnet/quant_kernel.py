@@ -36,7 +36,7 @@ import triton.language as tl
 from ..triton_utils import FastLauncher
 from . import topk_kernel
 from .kernel_math import as_float as _as_float, cast_rn as _cast, div_rn as _div_rn
-from .kernel_math import round_half_even as _round_half_even
+from .kernel_math import pow2, round_half_even as _round_half_even
 from .reference import EPS, SQRT7, topk_count
 
 KINDS = {"int8": 0, "int4": 1, "topk_int8": 2}
@@ -154,11 +154,6 @@ _NORM_BACKWARD_LAUNCH = FastLauncher(_norm_backward_kernel)
 _TERNARY_LAUNCH = FastLauncher(_ternary_kernel)
 
 
-def _pow2(n: int) -> int:
-    """``triton.next_power_of_2`` in plain Python: Triton 3.6's is a constexpr_function, ~10 µs per host call."""
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def _cdiv(a: int, b: int) -> int:
     """``triton.cdiv`` in plain Python (also a constexpr_function in Triton 3.6)."""
     return -(-a // b)
@@ -191,7 +186,7 @@ def _launch(x, kind, beta_scale, topk_ratio, norm_weight, norm_eps, out_dtype):
     if rows.shape[0] and D and kind == "topk_int8" and x.dtype in topk_kernel.BAD_KEY:  # 16-bit rows
         topk_kernel.launch(rows, out, norm_weight, rstd, topk_count(D, topk_ratio), norm_eps, EPS)
     elif rows.shape[0] and D:
-        block = _pow2(D)
+        block = pow2(D)
         shift, key_bits = KEYS[x.dtype]
         _QUANTIZE_LAUNCH(
             (rows.shape[0],), rows, norm_weight if norm_weight is not None else rows, out,
@@ -221,7 +216,7 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, gra
     programs = _cdiv(n, NORM_BACKWARD_ROWS)
     parts = torch.empty((max(programs, 1), D), dtype=torch.float32, device=x.device)
     if programs:
-        block = _pow2(D)
+        block = pow2(D)
         _NORM_BACKWARD_LAUNCH((programs,), xr, g, weight, rstd, dx, parts, n, D, xr.stride(0), g.stride(0),
                               dx.stride(0), ROWS=NORM_BACKWARD_ROWS, BLOCK_D=block, num_warps=_num_warps(block),
                               num_stages=3)

@@ -30,12 +30,12 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from ..triton_utils import FastLauncher, interpreting
-from .kernel_math import as_float, cast_rn, div_rn, round_half_even
+from .kernel_math import as_float, cast_rn, div_rn, pow2, round_half_even
 
 GUARDS = tl.constexpr(0x80008000)  # bit 15 of both halves
 COUNTERS = tl.constexpr(0x00010001)  # bit 0 of both halves
 KEY_BITS = 15  # |x| of a bf16 or fp16: the pattern without the sign
-WORDS_PER_LANE = 32  # pairs a lane holds: 2048 features per warp (64 held no spill at 4096 once the ties ran)
+WORDS_PER_LANE = 32  # words a lane holds: 2048 features per warp (64, 4096 features, spilled ~250 B on sm_90)
 # quads a lane holds in one column of a 64-quad-per-warp tiling: summing those first stays in the thread
 LANE_QUAD_ROWS = tl.constexpr(WORDS_PER_LANE // 4)
 ROWS_PER_WARP_FEATURES = 1024  # a one-warp program takes rows until it holds this many features
@@ -172,8 +172,8 @@ def _normed(x_in, w_ptr, rstd_ptr, rows, row_ok, cols, inside, D, norm_eps, COMP
 
 @triton.jit
 def _topk_int8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, stride_x, stride_y, k_keep, norm_eps,
-                      D: tl.constexpr, HAS_NORM: tl.constexpr, ROWS: tl.constexpr, PAIRS: tl.constexpr, KEY_BITS: tl.constexpr,
-                      BAD: tl.constexpr, EPS_: tl.constexpr, COMPILED: tl.constexpr):
+                      D: tl.constexpr, HAS_NORM: tl.constexpr, ROWS: tl.constexpr, PAIRS: tl.constexpr,
+                      KEY_BITS: tl.constexpr, BAD: tl.constexpr, EPS_: tl.constexpr, COMPILED: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     rows = rows.to(tl.int64)
@@ -205,14 +205,10 @@ _LAUNCH = FastLauncher(_topk_int8_kernel)
 COMPILED = not interpreting()  # fixed at import, as the kernel's compile mode
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def launch_config(D: int) -> dict:
-    """(rows per program, pairs per row block, warps) for rows of ``D`` features: ≤ 64 words per lane, one warp
-    per row up to 4096 features, rows grouped up to ~1024 features per one-warp program."""
-    pairs = _pow2(max(2, (D + 1) // 2))  # >= 2: a quad of high bytes takes two words
+    """(rows per program, words per row block, warps) for rows of ``D`` features: ≤ ``WORDS_PER_LANE`` words per
+    lane (one warp per row up to 2048 features), rows grouped up to ~1024 features per one-warp program."""
+    pairs = pow2(max(2, (D + 1) // 2))  # >= 2: a quad of high bytes takes two words
     warps = max(1, pairs // (32 * WORDS_PER_LANE))
     rows = max(1, ROWS_PER_WARP_FEATURES // (2 * pairs)) if warps == 1 else 1
     return {"ROWS": rows, "PAIRS": pairs, "num_warps": warps}
@@ -226,5 +222,4 @@ def launch(rows, out, norm_weight, rstd, k_keep: int, norm_eps: float, eps: floa
     _LAUNCH(((n + cfg["ROWS"] - 1) // cfg["ROWS"],), rows, norm_weight if norm_weight is not None else rows, out,
             rstd if rstd is not None else out, n, rows.stride(0), out.stride(0), k_keep, float(norm_eps), D=D,
             HAS_NORM=norm_weight is not None, ROWS=cfg["ROWS"], PAIRS=cfg["PAIRS"], KEY_BITS=KEY_BITS,
-            BAD=BAD_KEY[rows.dtype],
-            EPS_=eps, COMPILED=COMPILED, num_warps=cfg["num_warps"], num_stages=3)
+            BAD=BAD_KEY[rows.dtype], EPS_=eps, COMPILED=COMPILED, num_warps=cfg["num_warps"], num_stages=3)
