@@ -10,6 +10,14 @@ on the text, so no corpus travels. GPU box:
 
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_step.py
 
+``--baseline-src OLD/src`` times the quantizers of another tree (``git archive OLD | tar -x -C /tmp/old``) in the
+same run, in a subprocess: rows tagged ``tree`` (this / baseline) side by side, summary keys ``*_baseline`` and
+``topk_gpu_speedup_vs_baseline_d<width>``. ``--quantizers-only`` skips the training steps (old vs new kernels in
+under a minute):
+
+    THRIFTY_COMMIT=<sha> THRIFTY_NO_INSTALL=1 bash benchmarks/run_on_gpu.sh benchmarks/bitnet_step.py \
+        --quantizers-only --baseline-src /tmp/old/src
+
 ``--smoke``: tiny sizes on the CPU (kernels under TRITON_INTERPRET=1) into a temporary folder; measures nothing.
 """
 
@@ -33,6 +41,7 @@ from thrifty.train import Trainer, TrainConfig
 VARIANTS = (("fp", "fp", True), ("b1.58", "b1.58", True), ("a4.8", "a4.8", True),
             ("a4.8 (reference quantizers)", "a4.8", False))
 KINDS = ("int8", "int4", "topk_int8")
+ROWS_MARK = "BITNET_QUANTIZER_ROWS "  # the line a --rows-only run prints its rows on (for --baseline-src)
 
 
 def build_trainer(recipe: str, fused, args, device) -> Trainer:
@@ -66,9 +75,13 @@ def interleaved_step_ms(trainers: dict, args, device) -> dict[str, list[float]]:
     return samples
 
 
-def quantizer_rows(args, device, fused) -> list[dict]:
-    """The input kernel alone on (tokens, width) bf16 activations: bytes moved = one read + one write."""
-    from thrifty.bitnet import quant_kernel as QK
+def quantizer_rows(args, device) -> list[dict]:
+    """The input kernel alone on (tokens, width) bf16 activations: bytes moved = one read + one write. Runs with
+    whichever thrifty is imported (a --baseline-src subprocess: the old tree's), so only long-standing API."""
+    import thrifty
+    from thrifty.bitnet import quant_kernel as QK, reference
+
+    src = str(Path(thrifty.__file__).resolve().parents[1])  # which tree ran: the table's tree column, checked
 
     rows = []
     for d in args.widths:
@@ -81,13 +94,47 @@ def quantizer_rows(args, device, fused) -> list[dict]:
             # alone (gpu_only: the host's part overlaps a spin kernel)
             gpu[kind] = time_fn(lambda: QK.quantize_rows(x, kind), warmup=1, reps=args.reps * 3, gpu_only=True,
                                 device=device).median_ms
+        exact = torch.equal(QK.quantize_rows(x, "topk_int8"), reference.quantize_topk_int8(x))
         for kind in KINDS:
             moved = 2 * x.numel() * x.element_size()
             rows.append({"what": "quantizer", "kind": kind, "tokens": args.tokens, "features": d,
                          "ms": times[kind], "gbs": moved / times[kind] / 1e6,
                          "over_int8_time": times[kind] / times["int8"], "gpu_ms": gpu[kind],
-                         "gpu_gbs": moved / gpu[kind] / 1e6, "gpu_over_int8_time": gpu[kind] / gpu["int8"]})
+                         "gpu_gbs": moved / gpu[kind] / 1e6, "gpu_over_int8_time": gpu[kind] / gpu["int8"],
+                         "thrifty_src": src, **({"exact": exact} if kind == "topk_int8" else {})})
     return rows
+
+
+def baseline_quantizer_rows(args) -> list[dict]:
+    """:func:`quantizer_rows` of the tree at ``--baseline-src``, timed by this script in a subprocess."""
+    from thrifty.bench import rows_from_tree  # not at module level: a --rows-only run may import an older bench
+
+    passed = ["--rows-only", "--tokens", str(args.tokens), "--widths", ",".join(map(str, args.widths)),
+              "--warmup", str(args.warmup), "--reps", str(args.reps), "--rounds", str(args.rounds),
+              "--device", args.device]
+    return rows_from_tree(__file__, args.baseline_src, passed + ["--smoke"] * args.smoke, ROWS_MARK)
+
+
+def quantizer_summary(rows: list[dict]) -> dict:
+    """TopK over INT8 (call and GPU time) per width, for this tree and, when timed, the baseline's, and the
+    baseline's TopK GPU time over this tree's."""
+    out = {}
+    for tree, suffix in (("this", ""), ("baseline", "_baseline")):
+        topk = {r["features"]: r for r in rows if r.get("kind") == "topk_int8" and r["tree"] == tree}
+        if not topk:
+            continue
+        widest = topk[max(topk)]
+        out.update({f"topk_over_int8_time{suffix}": widest["over_int8_time"],
+                    f"topk_over_int8_gpu_time{suffix}": widest["gpu_over_int8_time"],
+                    **{f"topk_over_int8_time_d{d}{suffix}": r["over_int8_time"] for d, r in topk.items()},
+                    **{f"topk_over_int8_gpu_time_d{d}{suffix}": r["gpu_over_int8_time"] for d, r in topk.items()}})
+    for r in rows:
+        if r.get("kind") == "topk_int8" and r["tree"] == "this":
+            old = next((b for b in rows if b.get("kind") == "topk_int8" and b["tree"] == "baseline"
+                        and b["features"] == r["features"]), None)
+            if old is not None:
+                out[f"topk_gpu_speedup_vs_baseline_d{r['features']}"] = old["gpu_ms"] / r["gpu_ms"]
+    return out
 
 
 def plot(rows: list, path: Path, title: str) -> None:
@@ -97,20 +144,25 @@ def plot(rows: list, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
-    steps = [r for r in rows if r["what"] == "step"]
+    steps = [r for r in rows if r.get("what") == "step"]
     ax.barh([r["variant"] for r in steps], [r["step_ms"] for r in steps])
     for i, r in enumerate(steps):
         ax.text(r["step_ms"], i, f" {r['vs_fp']:.2f}× fp", va="center")
     ax.set_xlabel("ms per training step")
     ax.set_title(title)
-    quant = [r for r in rows if r["what"] == "quantizer"]
+    quant = [r for r in rows if r.get("what") == "quantizer"]
     widths = sorted({r["features"] for r in quant})
-    for j, kind in enumerate(KINDS):
-        gbs = [next(r["gbs"] for r in quant if r["kind"] == kind and r["features"] == d) for d in widths]
-        bx.bar([i + j * 0.27 for i in range(len(widths))], gbs, 0.27, label=kind)
-    bx.set_xticks([i + 0.27 for i in range(len(widths))], [str(d) for d in widths])
+    series = [(f"{kind}", "this", kind) for kind in KINDS]
+    if any(r["tree"] == "baseline" for r in quant):
+        series.append(("topk_int8 (baseline)", "baseline", "topk_int8"))
+    bar = 0.8 / len(series)
+    for j, (name, tree, kind) in enumerate(series):
+        gbs = [next((r["gpu_gbs"] for r in quant if r["tree"] == tree and r["kind"] == kind and r["features"] == d),
+                    0.0) for d in widths]
+        bx.bar([i + j * bar for i in range(len(widths))], gbs, bar, label=name)
+    bx.set_xticks([i + 0.4 - bar / 2 for i in range(len(widths))], [str(d) for d in widths])
     bx.set_xlabel("features per token")
-    bx.set_ylabel("GB/s (bf16 read + write)")
+    bx.set_ylabel("GB/s of GPU time (bf16 read + write)")
     bx.set_title("fused input quantizer")
     bx.legend()
     fig.tight_layout()
@@ -133,9 +185,14 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default=None, help="device tag in the result name (default: detected device)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, results to a temporary folder")
+    ap.add_argument("--quantizers-only", action="store_true", help="skip the training steps")
+    ap.add_argument("--baseline-src", default=None, help="src/ of another thrifty tree: its quantizers timed too")
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # --baseline-src's subprocess
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.reps < args.rounds:
         ap.error(f"--rounds/--reps: need 1 <= rounds <= reps, got rounds={args.rounds}, reps={args.reps}")
+    if args.baseline_src is not None and not Path(args.baseline_src, "thrifty").is_dir():
+        ap.error(f"--baseline-src: {args.baseline_src!r} holds no thrifty package (give the old tree's src/)")
     fused = True
     if args.smoke:  # the kernels under the interpreter: set TRITON_INTERPRET=1 before thrifty is imported
         args.preset, args.vocab_size, args.batch_size, args.seq_len = "tiny", 256, 1, 8
@@ -144,9 +201,37 @@ def main(argv=None) -> int:
         args.out = args.out or tempfile.mkdtemp(prefix="bitnet_step_smoke_")
     args.widths = [int(w) for w in str(args.widths).split(",")]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    label = args.label or detect_device(device)
     torch.manual_seed(0)
+    if args.rows_only:
+        print(ROWS_MARK + json.dumps(quantizer_rows(args, device)), flush=True)
+        return 0
+    label = args.label or detect_device(device)
 
+    rows, summary = [], {}
+    if not args.quantizers_only:
+        step_rows, summary = step_times(args, device, fused)
+        rows += step_rows
+    rows += [dict(r, tree="this") for r in quantizer_rows(args, device)]
+    if args.baseline_src:
+        rows += baseline_quantizer_rows(args)
+    summary.update(quantizer_summary(rows))
+    extra = {"args": vars(args), "note": "smoke run: tiny sizes, measures nothing" if args.smoke else
+             "issue #31: a4.8 step time vs fp (goal <= 1.3x), TopK vs INT8 (goal <= ~2x)"}
+    results_dir = Path(args.out) if args.out else default_results_dir()
+    path = write_result("bitnet_step", rows, summary, device=label, extra=extra, results_dir=results_dir)
+    plot(rows, path.with_suffix(".png"), f"BitNet step, {args.preset}, {args.batch_size}×{args.seq_len}, {label}")
+    if not args.quantizers_only:
+        print_table([r for r in rows if r.get("what") == "step"], ["variant", "step_ms", "tokens_per_s", "vs_fp"])
+    print_table([r for r in rows if r.get("what") == "quantizer" or "error" in r],
+                ["tree", "kind", "features", "ms", "gbs", "over_int8_time", "gpu_ms", "gpu_gbs",
+                 "gpu_over_int8_time", "exact", "error"])
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def step_times(args, device, fused) -> tuple[list[dict], dict]:
+    """(one row per variant, the step-time summary): every variant built first, then timed in rounds."""
     trainers = {name: build_trainer(recipe, fused if use_kernels else False, args, device)
                 for name, recipe, use_kernels in VARIANTS}
     samples = interleaved_step_ms(trainers, args, device)
@@ -157,28 +242,11 @@ def main(argv=None) -> int:
     tokens = args.batch_size * args.seq_len
     rows = [{"what": "step", "variant": name, "step_ms": ms, "tokens_per_s": tokens / (ms / 1e3),
              "vs_fp": ms / timings["fp"], "round_ms": samples[name]} for name, ms in timings.items()]
-    rows += quantizer_rows(args, device, fused)
-    topk = {r["features"]: r["over_int8_time"] for r in rows if r.get("kind") == "topk_int8"}
     summary = {"train_step_time_ratio_a48_vs_fp": timings["a4.8"] / timings["fp"],
                "train_step_time_ratio_b158_vs_fp": timings["b1.58"] / timings["fp"],
                "train_step_time_ratio_a48_reference_vs_fp": timings["a4.8 (reference quantizers)"] / timings["fp"],
-               "topk_over_int8_time": topk[max(topk)],
-               "topk_over_int8_gpu_time": next(r["gpu_over_int8_time"] for r in rows
-                                               if r.get("kind") == "topk_int8" and r["features"] == max(topk)),
-               **{f"topk_over_int8_time_d{d}": v for d, v in topk.items()},
                "step_ms_fp": timings["fp"], "tokens_per_step": tokens}
-    extra = {"args": vars(args), "note": "smoke run: tiny sizes, measures nothing" if args.smoke else
-             "issue #31: a4.8 step time vs fp (goal <= 1.3x), TopK vs INT8 (goal <= ~2x)"}
-    results_dir = Path(args.out) if args.out else default_results_dir()
-    path = write_result("bitnet_step", rows, summary, device=label, extra=extra, results_dir=results_dir)
-    plot(rows, path.with_suffix(".png"), f"BitNet step, {args.preset}, {args.batch_size}×{args.seq_len}, {label}")
-    print_table([r for r in rows if r["what"] == "step"], ["variant", "step_ms", "tokens_per_s", "vs_fp"])
-    print_table([r for r in rows if r["what"] == "quantizer"],
-                ["kind", "features", "ms", "gbs", "over_int8_time", "gpu_ms", "gpu_gbs", "gpu_over_int8_time"])
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
-    return 0
-
+    return rows, summary
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -362,11 +362,25 @@ def _neuzip():
 
 
 # --------------------------------------------------------------------------------------------- BitNet
+def _topk_16bit(x_dtype, y_dtype, D: int, norm: bool, ones: str = "") -> Spec:
+    """bitnet.topk_kernel as ``launch`` runs it for (n, D) rows of a 16-bit dtype (norm weight fp32)."""
+    from thrifty.bitnet import topk_kernel as TK
+    from thrifty.bitnet.reference import EPS
+
+    cfg = TK.launch_config(D)
+    return entry(TK._topk_int8_kernel, f"{NAME[x_dtype]}->{NAME[y_dtype]} D={D} norm={norm}",
+                 dict(D=D, HAS_NORM=norm, ROWS=cfg["ROWS"], PAIRS=cfg["PAIRS"], KEY_BITS=TK.KEY_BITS,
+                      BAD=TK.BAD_KEY[x_dtype],
+                      EPS_=EPS, COMPILED=TK.COMPILED),
+                 {"x_ptr": PTR[x_dtype], "y_ptr": PTR[y_dtype], "w_ptr rstd_ptr": "*fp32"}, fp32="norm_eps",
+                 ones=ones, num_warps=cfg["num_warps"], num_stages=3)
+
+
 def _bitnet():
     """bitnet.quant_kernel: the input kernel for every fused quantizer a recipe uses (with and without the
     sub-norm, fp32 input -> bf16 out as under autocast, bf16 in and out), the sub-norm backward, the ternary
     weight."""
-    from thrifty.bitnet import quant_kernel as QK
+    from thrifty.bitnet import quant_kernel as QK, topk_kernel as TK
     from thrifty.bitnet.bitlinear import FUSED_KINDS
     from thrifty.bitnet.recipes import RECIPES
     from thrifty.bitnet.reference import EPS
@@ -378,6 +392,9 @@ def _bitnet():
         for x_dtype, y_dtype, D, norm in ((fp32, bf16, 384, False), (bf16, bf16, 384, True), (bf16, bf16, 1024, True),
                                           (fp32, bf16, 576, False), (bf16, bf16, 1536, True),
                                           (bf16, bf16, QK.MAX_ROW[kind], False), (fp32, fp32, 576, True)):
+            if kind == "topk_int8" and x_dtype in TK.BAD_KEY:  # 16-bit TopK rows: topk_kernel (quant_kernel._launch)
+                yield _topk_16bit(x_dtype, y_dtype, D, norm)
+                continue
             block = triton.next_power_of_2(D)
             shift, key_bits = QK.KEYS[x_dtype]
             yield entry(QK._quantize_rows_kernel, f"{kind} {NAME[x_dtype]}->{NAME[y_dtype]} D={D} norm={norm}",
@@ -389,6 +406,12 @@ def _bitnet():
                     dict(KIND=QK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=0, KEY_BITS=31, BLOCK_D=1, EPS_=EPS),
                     {"x_ptr y_ptr w_ptr rstd_ptr": "*fp32"}, fp32="beta_scale norm_eps", ones="D", num_warps=1,
                     num_stages=3)
+    # topk_kernel's other launch shapes (D is a constexpr: padding words fold away): fp16 rows, the 7B width
+    # (2 warps), fp32 output, one row of one feature (Triton makes every integer argument a constant 1)
+    yield _topk_16bit(torch.float16, torch.float16, 384, True)
+    yield _topk_16bit(bf16, bf16, 4096, False)
+    yield _topk_16bit(bf16, fp32, 576, False)
+    yield _topk_16bit(bf16, bf16, 1, True, ones="n_rows stride_x stride_y k_keep")
     for dtype, D in ((bf16, 384), (bf16, 1024), (bf16, 1536), (fp32, 576)):
         block = triton.next_power_of_2(D)
         yield entry(QK._norm_backward_kernel, f"{NAME[dtype]} D={D}", dict(ROWS=QK.NORM_BACKWARD_ROWS, BLOCK_D=block),

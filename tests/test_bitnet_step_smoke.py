@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def smoke_env() -> dict:
+    return {**os.environ, "TRITON_INTERPRET": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)}
+
+
 def test_bitnet_step_smoke(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)}
+    env = smoke_env()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bitnet_step.py"), "--smoke", "--out",
                            str(tmp_path), "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -23,3 +28,24 @@ def test_bitnet_step_smoke(tmp_path):
     assert {r["variant"] for r in result["rows"] if r["what"] == "step"} == {
         "fp", "b1.58", "a4.8", "a4.8 (reference quantizers)"}
     assert next(tmp_path.glob("bitnet_step_*.png")).stat().st_size > 0
+
+
+def test_baseline_src_times_the_other_trees_quantizers(tmp_path):
+    """--baseline-src: the quantizer rows of the tree it names (a copy of src/ here), from a subprocess that
+    imported that copy, next to this tree's; --quantizers-only skips the training steps."""
+    shutil.copytree(ROOT / "src" / "thrifty", tmp_path / "old" / "thrifty",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bitnet_step.py"), "--smoke", "--out", str(out),
+                           "--device", "cpu", "--quantizers-only", "--baseline-src", str(tmp_path / "old")],
+                          cwd=ROOT, env=smoke_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(out.glob("bitnet_step_*.json")).read_text())
+    rows = result["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    assert not [r for r in rows if r.get("what") == "step"]
+    trees = {r["tree"]: r["thrifty_src"] for r in rows}
+    assert trees == {"this": str(ROOT / "src"), "baseline": str(tmp_path / "old")}
+    assert all(r["exact"] for r in rows if r["kind"] == "topk_int8")
+    for d in (33, 130):
+        assert result["summary"][f"topk_gpu_speedup_vs_baseline_d{d}"] > 0

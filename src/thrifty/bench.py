@@ -19,6 +19,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,6 +256,22 @@ def _spin_cycles(fn, sets, clock_ghz: float = 2.0) -> int:
         host.append(time.perf_counter() - t)
         torch.cuda.synchronize()
     return int(min(max(2 * sorted(host)[1], 20e-6), 5e-3) * clock_ghz * 1e9)
+
+
+def rows_from_tree(script: str | Path, src: str | Path, args: Sequence[str], mark: str, *,
+                   timeout: float = 540) -> list:
+    """The result rows of ``script`` run with another tree's thrifty, tagged ``tree="baseline"``: old and new code
+    timed in one run on one box (boxes drift 5-15 % between runs). ``src`` is that tree's ``src/`` (first on
+    PYTHONPATH, so it shadows this tree and an editable install); ``script`` must print its rows as one line
+    ``mark + json.dumps(rows)`` when given ``args``. A failed run gives one row holding its stderr's tail."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (os.path.abspath(src), os.environ.get("PYTHONPATH", "")) if p))
+    out = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(mark)]
+    if out.returncode != 0 or not lines:
+        return [{"tree": "baseline", "error": (out.stderr or out.stdout)[-800:]}]
+    return [dict(r, tree="baseline") for r in json.loads(lines[-1][len(mark):])]
 
 
 def peak_memory(fn: Callable, *args, device: Optional[torch.device | str] = None, **kwargs) -> Optional[int]:

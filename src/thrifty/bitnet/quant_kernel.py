@@ -10,11 +10,12 @@ identity, so without a norm the incoming gradient goes back as it came; with a n
 RMSNorm backward (one read of x and of the gradient, one write of dx, per-program partial sums of dw).
 
 **TopK without sorting**: the threshold is the k-th largest |x|. Non-negative floats order like their bit
-patterns, and a 16-bit input converted to fp32 has zero low bits (16 for bf16, 13 for fp16), so the search runs
-on ``bits >> KEY_SHIFT``: 15 steps for bf16, 18 for fp16, 31 for fp32, each one "are there ≥ k keys ≥
-candidate?" over the row in registers (a compare, an add and one row reduction; no memory traffic). Entries tied
-at the threshold are kept in index order (a prefix sum) until exactly k are kept, as the reference does; the
-prefix sum runs only for rows that have such ties. γ is max|x| of the whole row: the largest entry is always kept.
+patterns. bf16 and fp16 rows (what autocast feeds the a4.8 attention-output input) go to :mod:`.topk_kernel`:
+two 15-bit keys per int32 word, a bisection step costs four integer ops per two entries (see there). fp32 rows
+stay here: the search runs on the 31-bit keys, 31 steps, each one "are there ≥ k keys ≥ candidate?" over the row
+in registers (a compare, an add and one row reduction; no memory traffic). Entries tied at the threshold are
+kept in index order (a prefix sum) until exactly k are kept, as the reference does; the prefix sum runs only for
+rows that have such ties. γ is max|x| of the whole row: the largest entry is always kept.
 
 **Weight** (:func:`ternary_weight`): ``α = ‖W‖₁ / n`` per (sub-)matrix (one reduction), then one kernel reads
 the fp32 latent weight and writes ``α·RoundClip(W/(α+ε), −1, 1)`` in the matmul dtype.
@@ -33,6 +34,9 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher
+from . import topk_kernel
+from .kernel_math import as_float as _as_float, cast_rn as _cast, div_rn as _div_rn
+from .kernel_math import pow2, round_half_even as _round_half_even
 from .reference import EPS, SQRT7, topk_count
 
 KINDS = {"int8": 0, "int4": 1, "topk_int8": 2}
@@ -42,43 +46,12 @@ MAX_ROW = {"int8": 32768, "int4": 32768, "topk_int8": 16384}  # row held in regi
 KEYS = {torch.float32: (0, 31), torch.bfloat16: (16, 15), torch.float16: (13, 18)}
 NORM_BACKWARD_ROWS = 32  # rows per program of the norm backward: dw partials are 1/32 of the rows
 WEIGHT_BLOCK = 4096
-ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 FP32_INF_BITS = tl.constexpr(0x7F800000)
 
 
 def _num_warps(block: int) -> int:
     """16 fp32 elements per thread: rows up to 512 stay in one warp (reductions are shuffles, no barrier)."""
     return max(1, min(16, block // 512))
-
-
-@triton.jit
-def _round_half_even(v):
-    return (v + ROUND_MAGIC) - ROUND_MAGIC
-
-
-@triton.jit
-def _div_rn(numerator, denominator):
-    """Correctly rounded fp32 division (Triton's ``/`` is ``div.full.f32``, 2 ulp): the per-token scale then equals
-    the reference's bit for bit, and no code moves across a rounding half because of it."""
-    return tl.math.div_rn(tl.full([], numerator, tl.float32), denominator)
-
-
-@triton.jit
-def _cast(v, dtype: tl.constexpr):
-    """fp32 ``v`` rounded to ``dtype``, to nearest even. Spelled out for bf16 because the interpreter truncates
-    (the GPU's cvt.rn gives the same bits); NaN stays NaN (the integer add would wrap its pattern)."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)
-        return tl.where(v != v, v, rounded).to(tl.bfloat16)
-    else:
-        return v.to(dtype)
-
-
-@triton.jit
-def _as_float(n):
-    """An fp32 scalar tensor of ``n`` (also when Triton specialized n == 1 into a constant)."""
-    return tl.full([], 0.0, tl.float32) + n
 
 
 @triton.jit
@@ -181,11 +154,6 @@ _NORM_BACKWARD_LAUNCH = FastLauncher(_norm_backward_kernel)
 _TERNARY_LAUNCH = FastLauncher(_ternary_kernel)
 
 
-def _pow2(n: int) -> int:
-    """``triton.next_power_of_2`` in plain Python: Triton 3.6's is a constexpr_function, ~10 µs per host call."""
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def _cdiv(a: int, b: int) -> int:
     """``triton.cdiv`` in plain Python (also a constexpr_function in Triton 3.6)."""
     return -(-a // b)
@@ -215,8 +183,10 @@ def _launch(x, kind, beta_scale, topk_ratio, norm_weight, norm_eps, out_dtype):
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], D), dtype=out_dtype, device=x.device)
     rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if norm_weight is not None else None
-    if rows.shape[0] and D:
-        block = _pow2(D)
+    if rows.shape[0] and D and kind == "topk_int8" and x.dtype in topk_kernel.BAD_KEY:  # 16-bit rows
+        topk_kernel.launch(rows, out, norm_weight, rstd, topk_count(D, topk_ratio), norm_eps, EPS)
+    elif rows.shape[0] and D:
+        block = pow2(D)
         shift, key_bits = KEYS[x.dtype]
         _QUANTIZE_LAUNCH(
             (rows.shape[0],), rows, norm_weight if norm_weight is not None else rows, out,
@@ -246,7 +216,7 @@ def norm_backward(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, gra
     programs = _cdiv(n, NORM_BACKWARD_ROWS)
     parts = torch.empty((max(programs, 1), D), dtype=torch.float32, device=x.device)
     if programs:
-        block = _pow2(D)
+        block = pow2(D)
         _NORM_BACKWARD_LAUNCH((programs,), xr, g, weight, rstd, dx, parts, n, D, xr.stride(0), g.stride(0),
                               dx.stride(0), ROWS=NORM_BACKWARD_ROWS, BLOCK_D=block, num_warps=_num_warps(block),
                               num_stages=3)
