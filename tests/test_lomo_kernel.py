@@ -30,6 +30,22 @@ def _run(impl, n, weight_dtype, state_dtype, block=256, steps=1, decay=0.1, grad
     return w.cpu(), {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in opt.state["w"].items()}
 
 
+def _float64_adamw(n, steps, lr=1e-2, betas=(0.9, 0.95), decay=0.1, eps=1e-8):
+    """AdamW in float64 with float64 states on the inputs of ``_run`` (its bf16 weights and gradients): the
+    update both implementations approximate."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16).double()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for t, grad in enumerate(_grads(n, steps), start=1):
+        grad = grad.double()
+        w = w * (1 - lr * decay)
+        m = betas[0] * m + (1 - betas[0]) * grad
+        v = betas[1] * v + (1 - betas[1]) * grad * grad
+        denom = v.sqrt() / (1 - betas[1] ** t) ** 0.5 + eps
+        w = w - lr / (1 - betas[0] ** t) * m / denom
+    return w
+
+
 def _assert_weights_close(a, b, rare=0.01):
     """The kernel and the torch ops may round the float32 update differently in its last place (FMA
     contraction; torch divides by a scalar through its reciprocal on some devices), which after a cancellation
@@ -141,15 +157,19 @@ def test_lossless_neuzip_training_bit_identical_with_the_kernel(state_dtype, mon
 @pytest.mark.cuda
 @pytest.mark.parametrize("state_dtype, block", [(torch.bfloat16, 256), (torch.int8, 256), (torch.int8, 4096)])
 def test_kernel_matches_torch_update_cuda(state_dtype, block):
-    """On the GPU (compiled kernel, approximate log2): the tolerances of the interpreter tests, 1M values."""
+    """On the GPU the kernel is not bit-equal to torch's eager update: the compiler contracts a*b + c into FMAs,
+    and a last-place difference before a bf16 or 8-bit state is rounded can move that state by one place,
+    which moves the next steps' update by ~2^-8 of lr (H200, 2026-11-26: 4 of 1M weights 3e-5 apart with bf16
+    states; up to 0.6 lr with 8-bit states). So both are measured against a float64 AdamW with exact states:
+    the kernel must be as accurate as torch's update, and rarely differ from it."""
     n = (1 << 20) + 17
     a, sa = _run("torch", n, torch.bfloat16, state_dtype, block=block, steps=3, device="cuda")
     b, sb = _run("triton", n, torch.bfloat16, state_dtype, block=block, steps=3, device="cuda")
-    if state_dtype == torch.int8:  # a weight differs where a code did (a step off by < 10%), as on the CPU
-        assert (a.float() - b.float()).abs().max() <= 0.1 * 1e-2 + 1e-3
-        assert (a != b).float().mean() <= 0.01
-    else:
-        _assert_weights_close(a, b)
+    ideal = _float64_adamw(n, steps=3)
+    err_torch, err_kernel = (a.double().view(-1) - ideal).abs(), (b.double().view(-1) - ideal).abs()
+    assert err_kernel.mean() <= 1.02 * err_torch.mean() + 1e-12
+    assert err_kernel.quantile(0.999) <= 1.02 * err_torch.quantile(0.999) + 1e-12
+    assert (a != b).float().mean() <= 0.01
     for key in ("exp_avg", "exp_avg_sq"):
         if state_dtype == torch.int8:
             diff = (sa[key].int() - sb[key].int()).abs()

@@ -285,7 +285,8 @@ class CompressedWeights:
         for t in pack.streams.values():
             t.record_stream(stream)
         if tables:
-            pack.kernel_tables(pack.device).record_stream(stream)
+            for t in pack.kernel_tables(pack.device):  # (single-symbol tables, pair tables)
+                t.record_stream(stream)
             pack.launch_table(pack.device).meta.record_stream(stream)
 
     def flush(self) -> None:
