@@ -47,7 +47,7 @@ def main():
         t0 = time.perf_counter()
         codes = [host_code(c, pc) for c, pc in hists]
         t["code"] = time.perf_counter() - t0
-        pack.replace(streams)  # (its concatenations are device copies on a GPU: not timed)
+        pack.replace(streams, codes)  # (its concatenations are device copies on a GPU: not timed)
         t0 = time.perf_counter()
         pack.kernel_tables("cpu")
         t["kernel_tables"] = time.perf_counter() - t0

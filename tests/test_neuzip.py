@@ -653,3 +653,44 @@ def test_host_code_functions_match_the_former_loops():
     incomplete = np.zeros(256, np.uint8)
     incomplete[[3, 9]] = [2, 3]  # Kraft 3/8: the table's tail keeps its filler
     assert (R.decode_table(incomplete) == _old_decode_table(incomplete)).all()
+
+
+def _old_meta_rows(pack, gpp, aligned):
+    """BlockPack's launch rows as the former per-program Python loop built them (the oracle)."""
+    import math
+    rows = []
+    for i, n in enumerate(pack.numels):
+        g = R.n_groups(n, pack.steps)
+        progs = math.ceil(g / gpp)
+        n_full = min(n // (gpp * R.GROUP * pack.steps), progs - 1)
+        unmasked = not pack.pairs[i] or (aligned and pack.offsets[i] % 2 == 0)
+        table_at = sum(p == pack.pairs[i] for p in pack.pairs[:i]) << R.MAX_CODE_BITS
+        for p in range(progs):
+            rows.append([p, pack.bases["words"][i], pack.bases["lane_units"][i], pack.bases["group_offsets"][i],
+                         pack.bases["raw"][i], table_at, pack.offsets[i], n, g * R.GROUP, pack.sizes["words"][i],
+                         int(p < n_full and unmasked), pack.sizes["raw"][i], int(pack.pairs[i])])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_launch_rows_and_tables_match_the_former_loops():
+    """The NumPy launch rows equal the former loop's (mixed pair / single tensors, odd offsets, both launch
+    shapes, aligned or not), and decode tables from the encoder's host codes equal those read back."""
+    from thrifty.neuzip.block_decode import BlockPack
+
+    g = torch.Generator().manual_seed(9)
+    sizes = [R.GROUP * 64 * 9 + 5, 333, R.GROUP * 64 * 3, R.GROUP * 64 * 4 + 1, 64 * 64]
+    xs = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in sizes]
+    cts = [compress(x, pairs=i not in (1, 3)) for i, x in enumerate(xs)]
+    pack = BlockPack(cts)
+    for gpp in (1, 4):
+        for aligned in (True, False):
+            groups = [R.n_groups(n, pack.steps) for n in pack.numels]
+            rows = pack._meta_rows(groups, gpp, aligned)
+            assert rows.dtype == torch.int64 and torch.equal(rows, _old_meta_rows(pack, gpp, aligned))
+    host = BlockPack(cts)
+    host.replace([c.streams for c in cts], [c.code_lengths() for c in cts])
+    host.tensor = None  # the tables must come from the host codes, not from the streams
+    for a, b in zip(host.kernel_tables("cpu"), pack.kernel_tables("cpu")):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="code_lengths"):
+        pack.replace([c.streams for c in cts], [cts[0].code_lengths()])
