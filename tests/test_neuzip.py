@@ -575,3 +575,122 @@ def test_block_pack_with_pairs_interpreter():
             assert_same_bits(buf, want)
         rows = pack.launch_table("cpu")[0]
         assert rows[:, 10].any() and not pack.launch_table("cpu", aligned=False)[0][rows[:, 12] == 1, 10].any()
+
+
+# --------------------------------------------------------------- host code construction (issue 26 speed-up)
+def _old_code_lengths(counts, max_bits=R.MAX_CODE_BITS):
+    """The heap Huffman with count halving as it was before the vectorized rewrite (the oracle)."""
+    import heapq
+    counts = np.asarray(counts, dtype=np.int64)
+    present = np.flatnonzero(counts)
+    lengths = np.zeros(len(counts), dtype=np.uint8)
+    if len(present) <= 1:
+        lengths[present] = 1
+        return lengths
+    c = counts.copy()
+    while True:
+        heap = [(int(c[s]), int(s), [int(s)]) for s in present]
+        heapq.heapify(heap)
+        depth = np.zeros(len(counts), dtype=np.int64)
+        while len(heap) > 1:
+            w1, t1, a = heapq.heappop(heap)
+            w2, t2, b = heapq.heappop(heap)
+            depth[a + b] += 1
+            heapq.heappush(heap, (w1 + w2, min(t1, t2), a + b))
+        if depth.max() <= max_bits:
+            lengths[present] = depth[present]
+            return lengths
+        c[present] = np.maximum(c[present] >> 1, 1)
+
+
+def _old_canonical_codes(lengths):
+    lengths = np.asarray(lengths, dtype=np.int64)
+    codes = np.zeros(len(lengths), dtype=np.uint32)
+    present = np.flatnonzero(lengths)
+    code, prev = 0, 0
+    for s in present[np.lexsort((present, lengths[present]))]:
+        code <<= int(lengths[s]) - prev
+        codes[s] = code
+        code, prev = code + 1, int(lengths[s])
+    return codes
+
+
+def _old_decode_table(lengths):
+    lengths = np.asarray(lengths, dtype=np.int64)
+    codes = _old_canonical_codes(lengths)
+    table = np.full(1 << R.MAX_CODE_BITS, 1, dtype=np.int32)
+    for s in np.flatnonzero(lengths):
+        n = int(lengths[s])
+        lo = int(codes[s]) << (R.MAX_CODE_BITS - n)
+        table[lo: lo + (1 << (R.MAX_CODE_BITS - n))] = (int(s) << 4) | n
+    return table
+
+
+def _histograms():
+    """Symbol and pair histograms with ties, limit-exceeding depths, lone symbols and incomplete codes."""
+    g = np.random.default_rng(11)
+    out = [np.bincount(g.geometric(p, 20000), minlength=256)[:256] for p in (0.05, 0.3, 0.6)]
+    geo = np.zeros(256, np.int64)
+    geo[:40] = 2 ** np.arange(40, dtype=np.int64) // 2 ** 10 + 1  # needs many halving rounds
+    out += [geo, np.eye(256, dtype=np.int64)[17], np.ones(256, np.int64), g.integers(0, 4, 256)]
+    x = (torch.randn(300, 301, generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16()
+    sym = R.split_symbols(R._uint_view(x), x.dtype)[0]
+    out += [np.bincount(sym, minlength=256), np.bincount(R.pair_symbols(sym), minlength=R.PAIR_SYMBOLS)]
+    return out
+
+
+def test_host_code_functions_match_the_former_loops():
+    """code_lengths, canonical_codes and decode_table (rewritten without per-symbol NumPy ops) give exactly the
+    former loops' results, so every stored code and table is unchanged."""
+    for counts in _histograms():
+        codes = [R.limited_lengths(counts)]
+        if len(counts) == 256:
+            codes.append(R.code_lengths(counts))
+            assert (codes[-1] == _old_code_lengths(counts)).all()
+        for lengths in codes:
+            assert (R.canonical_codes(lengths) == _old_canonical_codes(lengths)).all()
+            assert (R.decode_table(lengths) == _old_decode_table(lengths)).all()
+    incomplete = np.zeros(256, np.uint8)
+    incomplete[[3, 9]] = [2, 3]  # Kraft 3/8: the table's tail keeps its filler
+    assert (R.decode_table(incomplete) == _old_decode_table(incomplete)).all()
+
+
+def _old_meta_rows(pack, gpp, aligned):
+    """BlockPack's launch rows as the former per-program Python loop built them (the oracle)."""
+    import math
+    rows = []
+    for i, n in enumerate(pack.numels):
+        g = R.n_groups(n, pack.steps)
+        progs = math.ceil(g / gpp)
+        n_full = min(n // (gpp * R.GROUP * pack.steps), progs - 1)
+        unmasked = not pack.pairs[i] or (aligned and pack.offsets[i] % 2 == 0)
+        table_at = sum(p == pack.pairs[i] for p in pack.pairs[:i]) << R.MAX_CODE_BITS
+        for p in range(progs):
+            rows.append([p, pack.bases["words"][i], pack.bases["lane_units"][i], pack.bases["group_offsets"][i],
+                         pack.bases["raw"][i], table_at, pack.offsets[i], n, g * R.GROUP, pack.sizes["words"][i],
+                         int(p < n_full and unmasked), pack.sizes["raw"][i], int(pack.pairs[i])])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_launch_rows_and_tables_match_the_former_loops():
+    """The NumPy launch rows equal the former loop's (mixed pair / single tensors, odd offsets, both launch
+    shapes, aligned or not), and decode tables from the encoder's host codes equal those read back."""
+    from thrifty.neuzip.block_decode import BlockPack
+
+    g = torch.Generator().manual_seed(9)
+    sizes = [R.GROUP * 64 * 9 + 5, 333, R.GROUP * 64 * 3, R.GROUP * 64 * 4 + 1, 64 * 64]
+    xs = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in sizes]
+    cts = [compress(x, pairs=i not in (1, 3)) for i, x in enumerate(xs)]
+    pack = BlockPack(cts)
+    for gpp in (1, 4):
+        for aligned in (True, False):
+            groups = [R.n_groups(n, pack.steps) for n in pack.numels]
+            rows = pack._meta_rows(groups, gpp, aligned)
+            assert rows.dtype == torch.int64 and torch.equal(rows, _old_meta_rows(pack, gpp, aligned))
+    host = BlockPack(cts)
+    host.replace([c.streams for c in cts], [c.code_lengths() for c in cts])
+    host.tensor = None  # the tables must come from the host codes, not from the streams
+    for a, b in zip(host.kernel_tables("cpu"), pack.kernel_tables("cpu")):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="code_lengths"):
+        pack.replace([c.streams for c in cts], [cts[0].code_lengths()])

@@ -13,6 +13,7 @@ from thrifty.models import LlamaConfig, LlamaForCausalLM
 from thrifty.neuzip import (LomoConfig, NeuZipConfig, compress_model, load_compressed, lomo, save_compressed)
 from thrifty.neuzip import reference as R
 from thrifty.neuzip.block_decode import pack_tensors
+from thrifty.neuzip.tensor import CompressedTensor
 from thrifty.neuzip.encode import encode_lossless, encode_on_device
 
 VOCAB = 97
@@ -384,6 +385,28 @@ def test_triton_encoder_interpreter_matches_reference():
         _same_streams(R.encode(x, None, R.STEPS), encode_on_device(x, R.STEPS, impl="triton"))
         y = (torch.randn(R.GROUP * R.STEPS * 8 + 3, generator=g) * 0.02).to(dtype)  # pair symbols, odd end
         assert _same_streams(R.encode(y, None, R.STEPS), encode_on_device(y, R.STEPS, impl="triton"))
+
+
+def test_triton_block_encoder_two_host_reads(monkeypatch):
+    """The block encoder (LOMO's re-encode of a whole block): every tensor's streams equal the reference's, the
+    returned host codes are the stored ones, and the block costs exactly two device-to-host reads (counted on
+    the calls that would sync on a GPU)."""
+    from thrifty.neuzip.encode_kernel import encode_block_triton
+
+    g = torch.Generator().manual_seed(12)
+    xs = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in (R.GROUP * R.STEPS * 4 + 3, 500, 4100)]
+    xs[1][:60] = torch.exp(torch.randn(60, generator=g) * 8).bfloat16()  # long codes, ~every pair distinct
+    reads = []
+    for name in ("cpu", "item", "__int__", "__index__", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name, **k: (reads.append(_n), _f(self, *a, **k))[1])
+    streams, codes = encode_block_triton(xs, R.STEPS)
+    assert len(reads) == 2, reads
+    monkeypatch.undo()
+    pairs = [_same_streams(R.encode(x, None, R.STEPS), t) for x, t in zip(xs, streams)]
+    assert set(pairs) == {True, False}  # both kinds of code in one block
+    for x, t, code in zip(xs, streams, codes):
+        assert np.array_equal(code, CompressedTensor(t, x.dtype, x.shape, steps=R.STEPS).code_lengths())
 
 
 def test_lomo_reencode_with_triton_kernels():

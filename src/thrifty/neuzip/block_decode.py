@@ -160,10 +160,13 @@ class BlockPack:
         self._set_streams([t.streams for t in tensors])
 
     # ------------------------------------------------------------------------------------------ streams
-    def _set_streams(self, streams: Sequence[dict]) -> None:
+    def _set_streams(self, streams: Sequence[dict], code_lengths: Optional[Sequence[np.ndarray]] = None) -> None:
         """Concatenates per-tensor streams, each part padded to ALIGN_BYTES (the pair kernel loads two raw
-        bytes at a time); remembers each tensor's base in every stream and whether it is pair-coded."""
+        bytes at a time); remembers each tensor's base in every stream and whether it is pair-coded.
+        code_lengths: each tensor's code as :meth:`CompressedTensor.code_lengths` reads it, when the caller has
+        it on the host (the encoder), so the decode tables need no device-to-host read."""
         self.pairs = ["pair_syms" in s for s in streams]
+        self._host_lengths = None if code_lengths is None else list(code_lengths)
         empty = torch.zeros(0, dtype=torch.int16, device=streams[0]["words"].device)
         parts = {k: [s.get(k, empty).reshape(-1) for s in streams] for k in PACK_STREAMS}
         self.sizes = {k: [p.numel() for p in v] for k, v in parts.items()}
@@ -177,11 +180,14 @@ class BlockPack:
         self._meta: dict = {}
         self._launches: dict = {}  # (buffer address, size, dtype) -> the checked launch arguments
 
-    def replace(self, streams: Sequence[dict]) -> None:
-        """New streams for every tensor (after a LOMO update re-encoded them); shapes and dtype unchanged."""
+    def replace(self, streams: Sequence[dict], code_lengths: Optional[Sequence[np.ndarray]] = None) -> None:
+        """New streams for every tensor (after a LOMO update re-encoded them); shapes and dtype unchanged.
+        code_lengths: see :meth:`_set_streams` (must be the codes of ``streams``)."""
         if len(streams) != len(self.shapes):
             raise ValueError(f"streams: expected {len(self.shapes)} tensors, got {len(streams)}")
-        self._set_streams(streams)
+        if code_lengths is not None and len(code_lengths) != len(streams):
+            raise ValueError(f"code_lengths: expected {len(streams)} codes, got {len(code_lengths)}")
+        self._set_streams(streams, code_lengths)
 
     def tensor(self, i: int) -> CompressedTensor:
         """Tensor i as a CompressedTensor whose streams are views into the pack (no copy)."""
@@ -261,7 +267,7 @@ class BlockPack:
             table16 = R.DTYPES[self.dtype][0] == 16
             single, pair = [], []
             for i in range(len(self.numels)):
-                table = torch.from_numpy(R.decode_table(self.tensor(i).code_lengths()))
+                table = torch.from_numpy(R.decode_table(self._code_lengths(i)))
                 if self.pairs[i]:
                     pair.append(pair_kernel_table(table))
                 else:
@@ -269,6 +275,12 @@ class BlockPack:
             single = single or [torch.zeros(1, dtype=torch.int16 if table16 else torch.int32)]
             self._tables[key] = (torch.cat(single).to(device), torch.cat(pair or [torch.zeros(1, dtype=torch.int32)]).to(device))
         return self._tables[key]
+
+    def _code_lengths(self, i: int) -> np.ndarray:
+        """Tensor i's code (the host copy the encoder handed over, else read from the streams)."""
+        if self._host_lengths is not None:
+            return self._host_lengths[i]
+        return self.tensor(i).code_lengths()
 
     def launch_table(self, device, aligned: bool = True) -> "Launch":
         """The launch: one meta row (int64[META]) per program of every tensor (module docstring), and its shape.
@@ -280,22 +292,32 @@ class BlockPack:
             groups = [R.n_groups(n, self.steps) for n in self.numels]
             wide = sum(math.ceil(g / WIDE[0]) for g in groups)
             gpp, warps = WIDE if wide >= MIN_PROGRAMS_PER_SM * sms else NARROW
-            rows = []
-            per_prog = gpp * R.GROUP * self.steps
-            for i, (n, g) in enumerate(zip(self.numels, groups)):
-                progs = math.ceil(g / gpp)
-                n_full = min(n // per_prog, progs - 1)
-                # a pair tensor's unmasked loop stores two elements at once: its offset must be even
-                unmasked = not self.pairs[i] or (aligned and self.offsets[i] % 2 == 0)
-                table_at = sum(p == self.pairs[i] for p in self.pairs[:i]) << R.MAX_CODE_BITS
-                for p in range(progs):
-                    rows.append([p, self.bases["words"][i], self.bases["lane_units"][i],
-                                 self.bases["group_offsets"][i], self.bases["raw"][i], table_at,
-                                 self.offsets[i], n, g * R.GROUP, self.sizes["words"][i],
-                                 int(p < n_full and unmasked), self.sizes["raw"][i], int(self.pairs[i])])
-            meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META)
+            meta = self._meta_rows(groups, gpp, aligned)
             self._meta[key] = Launch(meta.to(device), meta.shape[0], gpp, warps)
         return self._meta[key]
+
+    def _meta_rows(self, groups: list, gpp: int, aligned: bool) -> torch.Tensor:
+        """The int64[programs, META] rows, built with NumPy over all programs at once (a Python loop over the
+        ~2700 rows of a 1B-class block cost ~5 ms of host time per re-encode)."""
+        t = len(self.numels)
+        progs = np.array([math.ceil(g / gpp) for g in groups], np.int64)
+        n = np.array(self.numels, np.int64)
+        pairs = np.array(self.pairs, bool)
+        n_full = np.minimum(n // (gpp * R.GROUP * self.steps), progs - 1)
+        # a pair tensor's unmasked loop stores two elements at once: its offset must be even
+        unmasked = ~pairs | (aligned & (np.array(self.offsets, np.int64) % 2 == 0))
+        same_kind_before = [sum(p == self.pairs[i] for p in self.pairs[:i]) for i in range(t)]
+        per_tensor = np.stack([np.zeros(t, np.int64), self.bases["words"], self.bases["lane_units"],
+                               self.bases["group_offsets"], self.bases["raw"],
+                               np.array(same_kind_before, np.int64) << R.MAX_CODE_BITS, self.offsets, n,
+                               np.array(groups, np.int64) * R.GROUP, self.sizes["words"], np.zeros(t, np.int64),
+                               self.sizes["raw"], pairs], axis=1).astype(np.int64)
+        which = np.repeat(np.arange(t), progs)
+        rows = per_tensor[which]
+        local = np.arange(len(which)) - np.repeat(np.cumsum(progs) - progs, progs)  # program index in its tensor
+        rows[:, 0] = local
+        rows[:, 10] = (local < n_full[which]) & unmasked[which]
+        return torch.from_numpy(rows.reshape(-1, META))
 
 
 class Launch(NamedTuple):

@@ -269,10 +269,13 @@ class CompressedWeights:
 
         pack = self.packs[block]
         buf = self.buffers[b]
-        encoder = "triton" if self._impl() == "triton" else "torch"
-        streams = [encode_on_device(buf[o: o + n].view(shape), pack.steps, encoder)
-                   for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
-        pack.replace(streams)
+        views = [buf[o: o + n].view(shape) for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
+        if self._impl() == "triton":  # the whole block at once: two device-to-host reads, and the codes the
+            from .encode_kernel import encode_block_triton  # decode tables need stay on the host
+
+            pack.replace(*encode_block_triton(views, pack.steps))
+        else:
+            pack.replace([encode_on_device(v, pack.steps, "torch") for v in views])
         if self._impl() == "triton":  # the launch tables now, on this stream, not inside the next decode
             pack.kernel_tables(pack.device)
             pack.launch_table(pack.device)
