@@ -36,6 +36,10 @@ from .reference import EPS, topk_count
 
 KINDS = {"int8": 0, "int4": 1, "topk_int8": 2}  # the codes of quant_kernel.KINDS
 USE_ASM = not interpreting()  # inline PTX (dp4a, packed decode) on the GPU; plain Triton ops in the interpreter
+# compiled (not interpreted) kernels: products that an add follows are spelled mul.rn, which LLVM never contracts
+# into an FMA (Triton's enable_fp_fusion does: one rounding where PyTorch rounds twice). Fixed at import, as the
+# kernels themselves are; a constexpr global (not a kernel argument) so that USE_ASM stays free to toggle on the GPU
+COMPILED_ = tl.constexpr(not interpreting())
 GEMV_MAX_TOKENS = 4  # up to here CUDA-core dp4a; beyond, tensor cores
 NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±inf or NaN
 SQRT7_ = tl.constexpr(2.6457513110645907)
@@ -61,7 +65,9 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
     bits = tl.where(inside, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
     top = tl.max(bits, axis=0)
     if KIND == 1:  # INT4 range, absmean
-        beta = tl.math.div_rn(tl.sum(bits.to(tl.float32, bitcast=True), axis=0), _as_float(D)) * beta_scale
+        # mean·beta_scale rounded on its own: ``beta + EPS_`` below would otherwise compile to one FMA
+        beta = _mul_rn(tl.math.div_rn(tl.sum(bits.to(tl.float32, bitcast=True), axis=0), _as_float(D)),
+                       beta_scale, COMPILED_)
         q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(SQRT7_, beta + EPS_), -8.0), 7.0))
         scale = tl.math.div_rn(beta, tl.full([], SQRT7_, tl.float32))
     else:
@@ -75,6 +81,18 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
     tl.store(codes_ptr + row * stride_c + cols, codes.to(tl.int8), mask=cols < KP)
     tl.store(scale_ptr + row, tl.where(bad, float("nan"), scale))
     tl.store(sum_ptr + row, tl.sum(codes, axis=0))
+
+
+@triton.jit
+def _mul_rn(a, b, COMPILED: tl.constexpr):
+    """``a·b`` rounded to fp32 on its own when an add follows (as PyTorch computes it): a plain product followed by
+    an add compiles to one FMA (Triton's enable_fp_fusion), ``mul.rn.f32`` is never contracted. PTX rather than
+    libdevice's mul_rn, which Triton builds with flush-to-zero (PyTorch keeps subnormals). NumPy never contracts."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
 
 
 @triton.jit
@@ -118,9 +136,11 @@ def _epilogue(acc, rows, toks, N, M, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, ou
     sx = tl.load(sum_ptr + toks, mask=tok_ok, other=0)
     s = tl.load(scale_ptr + toks, mask=tok_ok, other=0.0)
     a = tl.load(alpha_ptr + rows, mask=row_ok, other=0.0)
-    y = ((acc - sx[None, :]).to(tl.float32) * s[None, :]) * a[:, None]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    y = (acc - sx[None, :]).to(tl.float32) * s[None, :]
+    if HAS_BIAS:  # (y·α) rounded before + b, as PyTorch does: a plain product here compiles to an FMA
+        y = _mul_rn(y, a[:, None], COMPILED_) + tl.load(bias_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    else:
+        y = y * a[:, None]
     ptrs = out_ptr + toks.to(tl.int64)[None, :] * stride_out + rows[:, None]
     tl.store(ptrs, _cast(y, out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
@@ -218,6 +238,11 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
     mask = (rows < N)[:, None] & (toks < M)[None, :]
     ws = ws_ptr + toks.to(tl.int64)[None, :] * N + rows[:, None]
     acc = tl.load(ws, mask=mask, other=0)
+    # The compiler gives the zero store its own layout (the stored value is a constant, so it is coalesced on its
+    # own: (4, 1) per thread over (16, 2) lanes vs the load's (8, 1) over (8, 4)): the thread that zeroes an
+    # element is in general not the one that read it, and without this barrier a warp may zero sums another warp
+    # has not read yet (that token's output then is −Σx·s·α). bar.sync performs every thread's reads first.
+    tl.debug_barrier()
     tl.store(ws, tl.zeros_like(acc), mask=mask)
     _epilogue(acc, rows, toks, N, M, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
 
@@ -316,6 +341,10 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
     if m == 0:
         return out
+    if codes.stride(-1) != 1 or codes.stride(0) % 64:
+        # the kernels take the row stride in units of 16 elements (16 int32 words for the GEMV) and tell the
+        # compiler it is a multiple of 16: a row stride that is not a multiple of 64 bytes would be floored
+        codes = codes.contiguous()
     cfg = config or plan(m, n, k, _sm_count(codes.device))
     groups = padded_k(k) // GROUP
     split = cfg["split"] > 1

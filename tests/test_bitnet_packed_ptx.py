@@ -1,0 +1,80 @@
+"""The packed BitNet kernels' sm_90 PTX, on the CPU: what the interpreter cannot show (it runs a block as one
+unit, never contracts a product into an FMA).
+
+* ``_splitk_epilogue_kernel`` reads the split-K workspace and zeroes it; the compiler may give the zero store
+  another layout than the load, so a ``bar.sync`` must separate every read from every zeroing store (else a warp
+  zeroes sums another warp has not read: on the H200 tokens ≥ 2 came out as −Σx·s·α).
+* with a bias, ``(y·α) + b`` must not become one ``fma`` (PyTorch rounds the product first); nor ``mean·β + ε``
+  in the INT4 activation codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import json, re, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from thrifty.bitnet import packed_kernel as PK
+    from thrifty.bitnet.reference import EPS
+
+    def ptx(fn, ptrs, consts, opts):
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=opts).asm["ptx"]
+
+    out = {}
+    epi = ptx(PK._splitk_epilogue_kernel, {"ws_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
+              "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp32"},
+              dict(BLOCK_N=PK.EPILOGUE_TILE[0], BLOCK_M=PK.EPILOGUE_TILE[1], HAS_BIAS=True),
+              dict(num_warps=4, num_stages=1))
+    lines = [l.strip() for l in epi.splitlines()]
+    loads = [i for i, l in enumerate(lines) if "ld.global" in l]
+    stores = [i for i, l in enumerate(lines) if "st.global" in l]
+    bars = [i for i, l in enumerate(lines) if l.startswith("bar.sync")]
+    first_store = stores[0]  # the zeroing store precedes the output store
+    out["epilogue_ws_loads_before_first_store"] = [i for i in loads if i < first_store][:2]
+    out["epilogue_barrier_between"] = any(max(out["epilogue_ws_loads_before_first_store"] or [0]) < b < first_store
+                                          for b in bars)
+    out["epilogue_fma"] = sum("fma" in l for l in lines)
+    for kind, code in PK.KINDS.items():
+        act = ptx(PK._act_codes_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "scale_ptr": "*fp32", "codes_ptr": "*i8",
+                  "sum_ptr": "*i32", "beta_scale": "fp32", "norm_eps": "fp32"},
+                  dict(KIND=code, HAS_NORM=False, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=4096, EPS_=EPS),
+                  dict(num_warps=8, num_stages=3))
+        out[f"act_{kind}_fma"] = sum("fma" in l for l in act.splitlines())
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(proc.stderr[-4000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_split_k_epilogue_reads_the_whole_tile_before_zeroing_it(report):
+    assert report["epilogue_ws_loads_before_first_store"], report
+    assert report["epilogue_barrier_between"], report
+
+
+def test_no_fma_where_pytorch_rounds_twice(report):
+    assert report["epilogue_fma"] == 0, report
+    for kind in ("int8", "int4", "topk_int8"):
+        assert report[f"act_{kind}_fma"] == 0, (kind, report)
