@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from thrifty.neuzip import LomoConfig, compress_model, lomo
+from thrifty.neuzip import state8
 from thrifty.neuzip.lomo import FusedOptimizer
 
 from test_neuzip_model import _state, _train, int_bits, tiny
@@ -172,7 +173,14 @@ def test_kernel_matches_torch_update_cuda(state_dtype, block):
     assert (a != b).float().mean() <= 0.01
     for key in ("exp_avg", "exp_avg_sq"):
         if state_dtype == torch.int8:
-            diff = (sa[key].int() - sb[key].int()).abs()
-            assert diff.max() <= 1 and diff.float().mean() <= 0.01, key
+            # Compared as values: a moment near 0 that the two roundings put on opposite sides of 0 takes codes
+            # +j and -j (H200: code gaps of 8-11 there), which is a step of a few of the smallest levels.
+            xa, xb = (state8.dequantize(st[key], st[key + "_scale"], block).view(-1) for st in (sa, sb))
+            scale = torch.repeat_interleave(sa[key + "_scale"].abs(), block)[: n]
+            signed = key == "exp_avg"
+            bound = (2 * state8.relative_error_bound(signed) * torch.maximum(xa.abs(), xb.abs())
+                     + 4 * state8.smallest_level(signed) * scale)
+            assert ((xa - xb).abs() <= bound).all(), key
+            assert (sa[key] != sb[key]).float().mean() <= 0.01, key
         else:
             assert _ulps(sa[key], sb[key]) <= 1, key

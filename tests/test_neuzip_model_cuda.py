@@ -102,6 +102,9 @@ def test_lomo_fused_kernel_deferred_reencode_bit_identical_cuda(state_dtype, mon
     assert len(launches) == opt.updates + packed.neuzip.optimizer.updates > 0  # every update ran the kernel
     assert opt.updates == packed.neuzip.optimizer.updates
     weights = packed.neuzip.decoded_weights()  # flushes
-    assert packed.neuzip.stats["reencodes"] == 3 * 3
+    # A block still in its buffer when the next forward needs it is used as it is (updated, not re-encoded in
+    # between): at most one re-encode per block per step (H200: 7 of 9), and none pending after the flush.
+    assert packed.neuzip.stats["reencodes"] <= 3 * 3
+    assert not any(packed.neuzip.dirty)
     plain_params = {k.replace(".block.", "."): v for k, v in plain.named_parameters()}
     assert all(torch.equal(w.cpu(), plain_params[n.replace(".block.", ".")].detach().cpu()) for n, w in weights.items())
