@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from thrifty import bitnet
 from thrifty.bench import RandomTokens, default_results_dir, detect_device, print_table, time_fn, write_result
 from thrifty.bitnet import quant_kernel as QK
+from thrifty.bitnet import topk_kernel as TK
 from thrifty.bitnet.bitlinear import BitLinear
 from thrifty.models import LlamaForCausalLM, preset
 from thrifty.train import Trainer, TrainConfig
@@ -50,8 +51,10 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaLaunchCooperativeKernel")
 VIEW_OPS = {"view", "t", "transpose", "detach", "_unsafe_view", "slice", "expand", "unsqueeze", "squeeze",
             "split", "alias", "as_strided", "permute", "select", "_reshape_alias", "unbind", "split_with_sizes"}
-BITNET_LAUNCHERS = {"_QUANTIZE_LAUNCH": "_quantize_rows_kernel", "_NORM_BACKWARD_LAUNCH": "_norm_backward_kernel",
-                    "_TERNARY_LAUNCH": "_ternary_kernel"}
+BITNET_LAUNCHERS = {(QK, "_QUANTIZE_LAUNCH"): "_quantize_rows_kernel",
+                    (QK, "_NORM_BACKWARD_LAUNCH"): "_norm_backward_kernel",
+                    (QK, "_TERNARY_LAUNCH"): "_ternary_kernel",
+                    (TK, "_LAUNCH"): "_topk_int8_kernel"}  # 16-bit TopK rows (a4.8's o_proj under autocast)
 
 
 class OpCounter(TorchDispatchMode):
@@ -101,9 +104,9 @@ def make_trainer(recipe: str, fused, args, device) -> Trainer:
 def count_step(trainer: Trainer) -> dict:
     """One step under the op counter: aten ops per phase, conversions, syncs, BitLinear paths, Triton launches."""
     counter, launches = OpCounter(), collections.Counter()
-    saved = {n: getattr(QK, n) for n in BITNET_LAUNCHERS}
-    for n, kernel in BITNET_LAUNCHERS.items():
-        setattr(QK, n, _CountedLaunch(saved[n], kernel, counter, launches))
+    saved = {key: getattr(*key) for key in BITNET_LAUNCHERS}
+    for (module, name), kernel in BITNET_LAUNCHERS.items():
+        setattr(module, name, _CountedLaunch(saved[module, name], kernel, counter, launches))
     original_loss, original_clip = trainer._loss, torch.nn.utils.clip_grad_norm_
 
     def loss(inputs, labels):
@@ -123,8 +126,8 @@ def count_step(trainer: Trainer) -> dict:
     finally:
         del trainer._loss  # back to the class method
         torch.nn.utils.clip_grad_norm_ = original_clip
-        for n, k in saved.items():
-            setattr(QK, n, k)
+        for (module, name), launcher in saved.items():
+            setattr(module, name, launcher)
     paths = collections.Counter(f"{n.rsplit('.', 1)[-1]}:{m.last_path}" for n, m in trainer.model.named_modules()
                                 if isinstance(m, BitLinear))
     out = {}

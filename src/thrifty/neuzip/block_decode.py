@@ -27,6 +27,7 @@ import triton.language as tl
 
 from . import reference as R
 from .decode_kernel import _lanes_v3, _pair_lanes, kernel_table, pair_kernel_table
+from . import tensor as _tensor_module
 from .tensor import CompressedTensor
 from ..triton_utils import FastLauncher
 
@@ -318,6 +319,9 @@ class BlockPack:
         rows[:, 0] = local
         rows[:, 10] = (local < n_full[which]) & unmasked[which]
         return torch.from_numpy(rows.reshape(-1, META))
+
+
+_tensor_module._BLOCK_PACK = BlockPack  # a pair-coded CompressedTensor decodes through a one-tensor pack
 
 
 class Launch(NamedTuple):

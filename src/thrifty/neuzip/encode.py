@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from . import reference as R
+from .tensor import pair_symbols
 
 _INT_VIEW = {16: torch.int16, 32: torch.int32}
 
@@ -47,14 +48,6 @@ def _slots(symbol: torch.Tensor, n: int, groups: int, steps: int) -> tuple[torch
     idx = idx.view(groups, steps, R.GROUP).transpose(1, 2).reshape(-1)
     valid = idx < n
     return symbol[idx.clamp(max=n - 1)], valid
-
-
-def pair_symbols(symbol: torch.Tensor) -> torch.Tensor:
-    """As :func:`reference.pair_symbols`: (s[2p] << 8) | s[2p + 1] (int64), 0 past an odd end."""
-    if symbol.numel() % 2:
-        symbol = torch.cat([symbol, symbol.new_zeros(1)])
-    pair = symbol.view(-1, 2).to(torch.int64)
-    return (pair[:, 0] << 8) | pair[:, 1]
 
 
 def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int = CHUNK_ELEMENTS) -> dict:

@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from . import reference as R
-from .encode import pair_symbols
-from .tensor import code_streams
+from .tensor import code_streams, pair_symbols
 
 GROUPS_PER_PROG = 2
 _INT_VIEW = {16: torch.int16, 32: torch.int32}

@@ -12,6 +12,10 @@ import torch
 from .._checks import check_choice, check_tensor
 from . import reference as R
 
+# The block kernel's pack class, registered by block_decode at import: block_decode builds on CompressedTensor,
+# so this module must not import it (the package's import graph stays one-way).
+_BLOCK_PACK = None
+
 IMPLS = ("auto", "triton", "reference")
 
 
@@ -196,10 +200,10 @@ class CompressedTensor:
 
     def _pack(self):
         """This tensor alone as a block pack (cached): the kernel path of pair-coded tensors."""
-        from .block_decode import BlockPack
-
         if "pack" not in self._tables:
-            self._tables["pack"] = BlockPack([self])
+            if _BLOCK_PACK is None:  # block_decode registers itself when the package is imported
+                raise RuntimeError("thrifty.neuzip.block_decode is not imported: import thrifty.neuzip")
+            self._tables["pack"] = _BLOCK_PACK([self])
         return self._tables["pack"]
 
     def _table(self, device, kind: str = "ref") -> torch.Tensor:
@@ -268,3 +272,11 @@ def _from_streams(s: "R.Streams", tensor: torch.Tensor, mantissa_bits) -> Compre
     ct = CompressedTensor(streams, tensor.dtype, tensor.shape, mantissa_bits, R.entropy_bits(s.counts), s.steps)
     ct._coded_bits = s.coded_bits
     return ct if tensor.device.type == "cpu" else ct.to(tensor.device)
+
+
+def pair_symbols(symbol: torch.Tensor) -> torch.Tensor:
+    """As :func:`reference.pair_symbols`: (s[2p] << 8) | s[2p + 1] (int64), 0 past an odd end."""
+    if symbol.numel() % 2:
+        symbol = torch.cat([symbol, symbol.new_zeros(1)])
+    pair = symbol.view(-1, 2).to(torch.int64)
+    return (pair[:, 0] << 8) | pair[:, 1]
