@@ -199,11 +199,16 @@ def _trainer(args, recipe, base, device, world, rank, data, cfg):
         model.set_loss(functools.partial(lm_loss, impl=loss_impl))
     if convert is not None:
         model = convert(model) or model
-    parallel.shard_model(model, prefetch=args.prefetch, block_units=args.block_units)
+    parallel.shard_model(model, prefetch=args.prefetch, block_units=args.block_units,
+                         blocks_per_unit=_blocks_per_unit(args.blocks_per_unit))
     trainer = Trainer(model, data, None, cfg)
     if args.inject_bug and world > 1:
         _inject_bug(args.inject_bug, model, trainer, rank, world)
     return trainer
+
+
+def _blocks_per_unit(text: str):
+    return text if text == "auto" else int(text)
 
 
 def _equivalence_phase(args, recipe, base, device, world, rank, data):
@@ -251,7 +256,8 @@ def _one_recipe(args, recipe, base, device, rank, world, data, source):
             "seq_len": args.seq_len, "tokens_per_s": world * args.batch_size * args.seq_len / statistics.median(steady),
             "step_ms_median": 1e3 * statistics.median(steady), "peak_gib_per_gpu": [float(p) for p in peaks.cpu()],
             "losses": losses, "data": source, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-            "timed_steps": len(steady), "prefetch": args.prefetch, "block_units": args.block_units, "lr": args.lr,
+            "timed_steps": len(steady), "prefetch": args.prefetch, "block_units": args.block_units,
+            "blocks_per_unit": args.blocks_per_unit, "lr": args.lr,
             "equivalence": equivalence}
     # untimed extra steps (after the curve): what one step communicates, then one profiled step
     if world > 1:
@@ -361,7 +367,8 @@ def _cmd(args, gpus, batch, part, recipes, extra=()):
            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--lr", str(args.lr), "--part", str(part), "--prefetch", str(args.prefetch),
            "--nccl-timeout", str(args.nccl_timeout), "--equiv-steps", str(args.equiv_steps),
-           "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units] + \
+           "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units,
+           "--blocks-per-unit", args.blocks_per_unit] + \
         (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + \
         (["--inject-bug", args.inject_bug] if args.inject_bug else []) + list(extra)
     return cmd
@@ -468,7 +475,8 @@ def _equivalence_keys(key, many, ref, summary, extra):
     if not many or not ref:
         return
     verdict = compare(many, ref)
-    for name in ("loss_max_abs_diff", "grad_norm_max_rel_diff", "update_norm_max_rel_diff"):
+    for name in ("loss_max_abs_diff", "grad_norm_max_rel_diff", "grad_norm_max_rel_diff_all_steps",
+                 "update_norm_max_rel_diff"):
         summary[f"{key}_equiv_{name}"] = verdict[name]
     summary[f"{key}_equiv_ok"] = verdict["ok"]
     extra.setdefault("equivalence", {})[key] = {**verdict, "n_gpu": many, "one_gpu_same_batches": ref}
@@ -581,6 +589,8 @@ def merge(args) -> None:
     gpus = gpus.pop()
     for key, (many, ref) in curves.items():  # the same information keys for parts of every version
         _curve_info(key, many, ref, summary)
+    for key, rec in dict(extra.get("equivalence") or {}).items():  # verdicts by today's comparator
+        _equivalence_keys(key, rec["n_gpu"], rec["one_gpu_same_batches"], summary, extra)
     _finalize(summary, gpus)
     args.smoke = False
     path = _write(args, gpus, rows, summary, curves, extra, "multi_gpu")
@@ -641,6 +651,8 @@ def main():
     ap.add_argument("--prefetch", type=int, default=1, help="shard_model(prefetch=): 0 = FSDP2's implicit order")
     ap.add_argument("--block-units", choices=("auto", "all"), default="auto",
                     help="shard_model(block_units=): all = a unit per block even without weight matrices (NeuZip)")
+    ap.add_argument("--blocks-per-unit", default="auto",
+                    help="shard_model(blocks_per_unit=): auto (units of >= 16M parameters) or an int (1: one per block)")
     ap.add_argument("--profile", action="store_true",
                     help="one extra step per recipe under torch.profiler: NCCL vs compute, exposed NCCL, idle GPU")
     ap.add_argument("--checkpoint-check", action="store_true",
@@ -663,6 +675,8 @@ def main():
     args = ap.parse_args()
     if args.inject_bug and not args.smoke:
         ap.error("--inject-bug: test-only, allowed with --smoke alone (it would make a real run's result wrong)")
+    if args.blocks_per_unit != "auto" and not (args.blocks_per_unit.isdigit() and int(args.blocks_per_unit) >= 1):
+        ap.error(f"--blocks-per-unit: expected auto or an int >= 1, got {args.blocks_per_unit!r}")
     if args.equiv_steps < 0:
         ap.error(f"--equiv-steps: expected 0 or more, got {args.equiv_steps}")
     if args.smoke and not args.worker:

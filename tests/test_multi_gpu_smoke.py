@@ -41,6 +41,15 @@ def test_each_tolerance_trips_on_its_own():
     assert not compare(record(updates=moved), ref)["ok"]
 
 
+def test_gradient_norm_is_judged_where_the_weights_still_agree():
+    """From step 3 on the norm is chaotic (a 2-rank run's moved 60-92% on the GPU with equal losses): reported,
+    not judged; the first steps, where a doubled or summed gradient shows at once, are judged."""
+    late = compare(record(grads=(3.0, 2.0, 1.5 * 1.9)), record())
+    assert late["ok"] and late["grad_norm_max_rel_diff"] == 0
+    assert abs(late["grad_norm_max_rel_diff_all_steps"] - 0.9) < 1e-9
+    assert not compare(record(grads=(3.0, 2.0 * 1.5, 1.5)), record())["ok"]
+
+
 def test_nan_is_not_a_match():
     assert not compare(record(losses=(10.0, float("nan"), 9.1)), record())["ok"]
     assert not compare(record(grads=(float("nan"), 2.0, 1.5)), record())["ok"]
@@ -78,7 +87,8 @@ def test_smoke_clean_run_matches():
     # step has one all-gather and one reduce-scatter instead of one per block and pass
     comm = extra["comm_per_step"]["tiny_neuzip"]
     assert (comm["all_gather"]["calls"], comm["reduce_scatter"]["calls"]) == (1, 1), comm
-    assert extra["comm_per_step"]["tiny_plain"]["reduce_scatter"]["calls"] == 3  # 2 blocks + the root
+    # the tiny blocks hold far less than UNIT_MIN_PARAMS: both share one unit (blocks_per_unit="auto") + the root
+    assert extra["comm_per_step"]["tiny_plain"]["reduce_scatter"]["calls"] == 2
 
 
 @pytest.mark.slow

@@ -169,8 +169,10 @@ def _worker(rank, port, out):
     original = bitlinear_module.ref.quantize_weight_ternary
     bitlinear_module.ref.quantize_weight_ternary = lambda w, s=None: calls.append(w.dtype) or original(w, s)
     try:
-        for name, model in (("plain", ref_model()), ("bitnet", convert(ref_model(), "a4.8"))):
-            t = Trainer(shard_model(model, mixed_precision_enabled=True), data, None, train_cfg(2))
+        for name, model, per_unit in (("plain", ref_model(), 1), ("bitnet", convert(ref_model(), "a4.8"), 1),
+                                      ("grouped", ref_model(), "auto")):
+            t = Trainer(shard_model(model, mixed_precision_enabled=True, blocks_per_unit=per_unit), data, None,
+                        train_cfg(2))
             t.train_step()  # the first step: lazy state out of the way
             calls.clear()
             with CollectiveCounter() as counter:
@@ -195,7 +197,7 @@ def _worker(rank, port, out):
             return func(*args, **(kwargs or {}))
 
     for p in (0, 1):
-        m = shard_model(ref_model(tied=False), prefetch=p)
+        m = shard_model(ref_model(tied=False), prefetch=p, blocks_per_unit=1)
         x = data.batch(2, 16)[0]
         with Order() as order:
             m(x)
@@ -339,6 +341,12 @@ def test_bytes_communicated_per_step_plain_and_bitnet(two_ranks):
     assert extra > 0
     assert res["bytes_bitnet"]["all_gather"]["full_bytes"] - res["bytes_plain"]["all_gather"]["full_bytes"] == \
         2 * 2 * extra  # bf16, gathered in forward and again in backward (the sub-norms live in the blocks)
+    # blocks_per_unit="auto": the two tiny blocks share one unit (far below UNIT_MIN_PARAMS), the same bytes in
+    # one gather per pass and one reduce-scatter instead of one per block
+    grouped = res["bytes_grouped"]
+    assert (grouped["all_gather"]["calls"], grouped["reduce_scatter"]["calls"]) == (1 + 2, 1 + 1)
+    assert grouped["all_gather"]["dtypes"] == res["bytes_plain"]["all_gather"]["dtypes"]
+    assert grouped["reduce_scatter"]["dtypes"] == res["bytes_plain"]["reduce_scatter"]["dtypes"]
     n_bitlinear = sum(isinstance(m, BitLinear) for m in bitnet.modules())
     assert res["ternary_calls_bitnet"] == ["torch.bfloat16"] * n_bitlinear  # once each, on the gathered bf16
     assert res["ternary_calls_plain"] == []
@@ -445,6 +453,10 @@ def test_bad_arguments_get_clear_errors():
         shard_model(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="block_units"):
         shard_model(ref_model(), block_units="some")
+    with pytest.raises(ValueError, match="blocks_per_unit"):
+        shard_model(ref_model(), blocks_per_unit=0)
+    with pytest.raises(TypeError, match="blocks_per_unit"):
+        shard_model(ref_model(), blocks_per_unit="5")
     e, c, t = vp_inputs()
     with pytest.raises(RuntimeError, match="process group"):
         vocab_parallel_cross_entropy(e, c, t, vocab_start=0, vocab_size=V_VP)

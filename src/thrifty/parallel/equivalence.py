@@ -8,9 +8,14 @@ run stays in its smooth regime (chosen per model size, a priori). Three things a
 
 - the loss, to ``LOSS_TOL_NATS``: a sharding bug that changes the trajectory (a missed reduction, a wrong
   average) moves it;
-- the pre-clip gradient norm, to ``GRAD_NORM_RTOL`` relative: AdamW (and clipping) are blind to a uniform
-  gradient scale, so a sum-instead-of-mean or one rank's gradients doubled barely moves the loss; the norm
-  moves by 1.5-2x;
+- the pre-clip gradient norm of the first ``GRAD_NORM_STEPS`` steps, to ``GRAD_NORM_RTOL`` relative: AdamW (and
+  clipping) are blind to a uniform gradient scale, so a sum-instead-of-mean or one rank's gradients doubled
+  barely moves the loss; the norm moves by 1.5-2x at the first step already. Only the first steps are judged:
+  there both runs hold the same weights up to rounding (step 1: identical; step 2: one update apart). Later the
+  norm is chaotic even without any technique: on 2 H200s (2fcb084, 135m, lr 1e-4) it swung 23.8 -> 4.1 -> 7.0
+  from step to step, and from step 3 on the 2-rank norms left the 1-process ones by 3.7% (plain), 60% (CCE),
+  92% (BitNet) while the losses agreed to 0.02 nats and steps 1-2 to 0.4%. Every step's difference is still
+  reported (``grad_norm_max_rel_diff_all_steps``);
 - each parameter's update ``||w_K - w_0||``, to ``UPDATE_NORM_RTOL`` relative: a parameter (or one rank's
   shard of it) that the optimizer never updates has a smaller (or zero) update. AdamW's update magnitude is
   ~lr per element whatever the gradient's rounding noise, so its norm over a tensor is stable bit-noise-wise.
@@ -26,6 +31,7 @@ from .._checks import check_positive_int
 
 LOSS_TOL_NATS = 0.02  # bf16 reduction-order noise over a few smooth steps is ~1e-3; a real bug moves more
 GRAD_NORM_RTOL = 0.05  # noise ~1e-3 relative; one rank's gradients x2 gives ~1.5x, a missed 1/N gives N x
+GRAD_NORM_STEPS = 2  # the steps whose gradient norm is judged (see the module docstring)
 UPDATE_NORM_RTOL = 0.10  # a shard not updated on one of 2 ranks shrinks the update norm to ~0.71x
 
 
@@ -76,8 +82,9 @@ def _worst(diffs) -> float:
 
 def compare(many: dict, ref: dict, *, loss_tol: float = LOSS_TOL_NATS, grad_rtol: float = GRAD_NORM_RTOL,
             update_rtol: float = UPDATE_NORM_RTOL) -> dict:
-    """The N-rank record against the 1-process record of the same phase: the largest differences, the worst
-    parameter, and ``ok`` (every one within its tolerance; a NaN anywhere is not ok)."""
+    """The N-rank record against the 1-process record of the same phase: the largest differences (the gradient
+    norm's over the first ``GRAD_NORM_STEPS`` steps, and over all steps for information), the worst parameter,
+    and ``ok`` (every judged one within its tolerance; a NaN anywhere judged is not ok)."""
     _check_record("many", many)
     _check_record("ref", ref)
     if len(many["losses"]) != len(ref["losses"]):
@@ -86,10 +93,12 @@ def compare(many: dict, ref: dict, *, loss_tol: float = LOSS_TOL_NATS, grad_rtol
         odd = sorted(set(many["update_norms"]) ^ set(ref["update_norms"]))[:5]
         raise ValueError(f"many: trainable parameters differ from ref's (e.g. {odd})")
     loss = _worst(abs(a - b) for a, b in zip(many["losses"], ref["losses"]))
-    grad = _worst(_rel(a, b) for a, b in zip(many["grad_norms"], ref["grad_norms"]))
+    grad_all = [_rel(a, b) for a, b in zip(many["grad_norms"], ref["grad_norms"])]
+    grad = _worst(grad_all[:GRAD_NORM_STEPS])
     upd = {n: _rel(many["update_norms"][n], ref["update_norms"][n]) for n in ref["update_norms"]}
     upd_max = _worst(upd.values())
     worst = next((n for n, d in upd.items() if d == upd_max or d != d), None) if upd else None
     ok = loss <= loss_tol and grad <= grad_rtol and upd_max <= update_rtol  # False for NaN
-    return {"loss_max_abs_diff": loss, "grad_norm_max_rel_diff": grad, "update_norm_max_rel_diff": upd_max,
+    return {"loss_max_abs_diff": loss, "grad_norm_max_rel_diff": grad,
+            "grad_norm_max_rel_diff_all_steps": _worst(grad_all), "update_norm_max_rel_diff": upd_max,
             "worst_parameter": worst, "steps": len(ref["losses"]), "ok": bool(ok)}
