@@ -118,8 +118,8 @@ def greedy(model, hf_model, prompts, n_new, rows, summary, tag):
                     summary[f"greedy_agree_{mode}_hf_{tag}"] = agree
 
 
-def memory(model_shape, held, window, rows, summary):
-    shapes = {"smollm2": model_shape, "llama7b": LLAMA_7B}
+def memory(model_shape, held, window, rows, summary, name="smollm2"):
+    shapes = {name: model_shape, "llama7b": LLAMA_7B}
     for name, s in shapes.items():
         per_token_bf16 = 2 * s["layers"] * s["kv_heads"] * bytes_per_token(s["head_dim"], None)
         for bits in (None, 8, 4, 3):
@@ -137,7 +137,7 @@ def memory(model_shape, held, window, rows, summary):
         if bits and mode in held:
             formula = window * 2 * s["layers"] * s["kv_heads"] * bytes_per_token(s["head_dim"], bits)
             sink = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] // 8 if mode == "kv3" else 0
-            rows.append(dict(section="memory", model="smollm2 (filled cache)", mode=mode, held_bytes=held[mode],
+            rows.append(dict(section="memory", model=f"{name} (filled cache)", mode=mode, held_bytes=held[mode],
                              formula_bytes=formula + sink, tokens=window))
 
 
@@ -160,6 +160,16 @@ def run_model(path, tag, args, rows, summary, with_hf=True):
     return dict(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim), held
 
 
+def _trained_config(path):
+    """The trained model's config.json (its size and, for BitNet, the recipe), recorded beside its figures."""
+    if not path:
+        return None
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(path) / "config.json").read_text())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, results to a temp folder")
@@ -168,8 +178,14 @@ def main():
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--trained", default=None, help="a HF Llama folder of a model trained here, measured too")
+    ap.add_argument("--trained", default=None, help="a HF Llama folder of a model trained here, measured too (a "
+                    "BitNet checkpoint loads as BitNet: its config records the recipe)")
+    ap.add_argument("--skip-smollm2", action="store_true",
+                    help="measure only --trained (a box without the staged SmolLM2); its figures become the headline")
+    ap.add_argument("--label", default=None, help="result file suffix: bitnet_kv_<label>.json (default: the device)")
     args = ap.parse_args()
+    if args.skip_smollm2 and not args.trained:
+        ap.error("--skip-smollm2: needs --trained (nothing would be measured)")
     if args.smoke:
         args.windows, args.seq, args.prompts, args.prompt, args.new_tokens = 1, 64, 2, 16, 4
     torch.manual_seed(0)
@@ -177,24 +193,32 @@ def main():
 
     rows, summary = [], {}
     t = time.perf_counter()
-    shape, held = run_model(ensure_converted(progress=False), "smollm2", args, rows, summary)
+    if not args.skip_smollm2:
+        shape, held = run_model(ensure_converted(progress=False), "smollm2", args, rows, summary)
     if args.trained:
-        run_model(args.trained, "trained", args, rows, summary, with_hf=False)
-    memory(shape, held, args.seq, rows, summary)
-    for key in ("kv3", "kv4", "kv8", "kv3_nosink"):  # the issue's headline keys: SmolLM2
-        summary[f"{key}_ppl_delta_pct"] = summary[f"{key}_ppl_delta_pct_smollm2"]
+        trained_shape, trained_held = run_model(args.trained, "trained", args, rows, summary, with_hf=False)
+        if args.skip_smollm2:
+            shape, held = trained_shape, trained_held
+    memory(shape, held, args.seq, rows, summary, name="trained" if args.skip_smollm2 else "smollm2")
+    # The issue's headline keys: the model trained here when given (BitNet a4.8 is what the 3-bit cache is for;
+    # SmolLM2 is an fp model with Q4_1-distorted weights), else SmolLM2.
+    head = "trained" if args.trained else "smollm2"
+    for key in ("kv3", "kv4", "kv8", "kv3_nosink"):
+        summary[f"{key}_ppl_delta_pct"] = summary[f"{key}_ppl_delta_pct_{head}"]
     for key in ("kv3", "kv4"):
-        summary[f"greedy_agree_{key}"] = summary[f"greedy_agree_{key}_smollm2"]
+        summary[f"greedy_agree_{key}"] = summary[f"greedy_agree_{key}_{head}"]
         summary[f"kv_bytes_ratio_vs_bf16_{key}"] = summary[f"kv_bytes_ratio_vs_bf16_{key}_llama7b"]
+    summary["headline_model"] = head
     extra = dict(smoke=args.smoke, windows=args.windows, seq=args.seq, prompts=args.prompts, prompt=args.prompt,
                  new_tokens=args.new_tokens, seconds=time.perf_counter() - t,
                  model="SmolLM2-135M (Q4_1 GGUF dequantized to fp32), thrifty reference model + transformers",
                  trained_model=args.trained or "none in data/",
+                 trained_config=_trained_config(args.trained),
                  quantization="post-RoPE K and V, per-token-per-head absmax, unsigned codes (all 2^bits levels over "
                               "[-absmax, absmax]), packed; 3-bit mode: first token at 4 bits",
                  decode_path="CPU: reference attention on the dequantized cache (the kernel matches it: tests)")
     results_dir = tempfile.mkdtemp(prefix="bitnet_kv_smoke_") if args.smoke else None
-    path = bench.write_result("bitnet_kv", rows, summary, extra=extra, results_dir=results_dir)
+    path = bench.write_result("bitnet_kv", rows, summary, extra=extra, results_dir=results_dir, device=args.label)
     bench.print_table(rows)
     print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})
     print(path)
