@@ -120,18 +120,18 @@ def greedy(model, hf_model, prompts, n_new, rows, summary, tag):
 
 def memory(model_shape, held, window, rows, summary, name="smollm2"):
     shapes = {name: model_shape, "llama7b": LLAMA_7B}
-    for name, s in shapes.items():
+    for shape_name, s in shapes.items():
         per_token_bf16 = 2 * s["layers"] * s["kv_heads"] * bytes_per_token(s["head_dim"], None)
         for bits in (None, 8, 4, 3):
             per_token = 2 * s["layers"] * s["kv_heads"] * bytes_per_token(s["head_dim"], bits)
             gib_32k = 32768 * per_token / 2 ** 30
             mode = "bf16" if bits is None else f"kv{bits}"
-            rows.append(dict(section="memory", model=name, mode=mode, bytes_per_token=per_token,
+            rows.append(dict(section="memory", model=shape_name, mode=mode, bytes_per_token=per_token,
                              ratio_vs_bf16=per_token / per_token_bf16, gib_at_32k=gib_32k))
-            summary[f"kv_bytes_per_token_{mode}_{name}"] = per_token
-            summary[f"kv_gib_32k_{mode}_{name}"] = gib_32k
+            summary[f"kv_bytes_per_token_{mode}_{shape_name}"] = per_token
+            summary[f"kv_gib_32k_{mode}_{shape_name}"] = gib_32k
             if bits:
-                summary[f"kv_bytes_ratio_vs_bf16_{mode}_{name}"] = per_token / per_token_bf16
+                summary[f"kv_bytes_ratio_vs_bf16_{mode}_{shape_name}"] = per_token / per_token_bf16
     s = model_shape
     for mode, bits in MODES.items():  # what a filled cache held, against the formula (+ the 3-bit first token)
         if bits and mode in held:
