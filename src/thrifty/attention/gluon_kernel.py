@@ -139,14 +139,31 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
 
 
 @gluon.jit
+def _bounds(m_blk, Sk, causal_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first masked KV tile, end tile) of query block ``m_blk``: tiles [0, full_end) need no mask, [full_end,
+    hi) hold the diagonal or the ragged end."""
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum((m_blk + 1) * BLOCK_M + causal_offset, 0))
+        full_end = gl.minimum(gl.maximum(m_blk * BLOCK_M + causal_offset + 1, 0) // BLOCK_N * BLOCK_N,
+                              Sk // BLOCK_N * BLOCK_N)
+    else:
+        hi = Sk
+        full_end = Sk // BLOCK_N * BLOCK_N
+    return full_end // BLOCK_N, (hi + BLOCK_N - 1) // BLOCK_N
+
+
+@gluon.jit
 def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-              k_empty, v_empty, q_smem, pid_m, b, h, bh_kv, n_tiles, full_end_tile, hi_tile, k_row0, v_row0,
+              k_empty, v_empty, q_smem, pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               H, BH_KV, Sq, Sk, Sk_pad, causal_offset,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr,
               WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr, MAX_SPLIT: gl.constexpr):
-    """The consumer warpgroup: Q's quantization, the KV loop, the epilogue and the NaN rule."""
+    """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts 64-row blocks): Q's
+    quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
+    that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
+    full_end_tile, hi_tile = _bounds(pid_m, Sk, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
     # Layouts: int8 wgmma m64nBLOCK_Nk32 for S, fp8 wgmma m64nDk32 for O, P̃ as the register A operand.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -187,6 +204,14 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
                            k_empty, v_empty, ks_base, offs_m, full_end_tile, hi_tile, n_tiles, k_row0, v_row0, Sk,
                            causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True,
                            CAUSAL, WS, LOG2_P_SCALE)
+    if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
+        for j in range(hi_tile, n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot), count=1)
 
     # Epilogue: 1/l (l holds 448·Σp) and V's per-channel scale once per row; rows that saw no key give zeros.
     offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_row)
@@ -228,7 +253,8 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            STAGES: gl.constexpr, QMAX: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
-                           WS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
+                           WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
                            MAX_SPLIT: gl.constexpr):
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
@@ -236,21 +262,13 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
     b = pid_bh // H
     h = pid_bh % H
     bh_kv = b * H_KV + h // (H // H_KV)
-    # KV tiles [0, full_end_tile) need no mask; [full_end_tile, hi_tile) hold the diagonal or the ragged end
-    if CAUSAL:
-        hi = gl.minimum(Sk, gl.maximum((pid_m + 1) * BLOCK_M + causal_offset, 0))
-        full_end = gl.minimum(gl.maximum(pid_m * BLOCK_M + causal_offset + 1, 0) // BLOCK_N * BLOCK_N,
-                              Sk // BLOCK_N * BLOCK_N)
-    else:
-        hi = Sk
-        full_end = Sk // BLOCK_N * BLOCK_N
-    n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
-    full_end_tile = full_end // BLOCK_N
+    # the CTA's KV tiles: those of its last (longest, when causal) query block
+    _, n_tiles = _bounds(pid_m * CONSUMERS + CONSUMERS - 1, Sk, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
     k_row0 = bh_kv * Sk_pad
     v_row0 = bh_kv * HEAD_DIM
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.int8)
-    q_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, HEAD_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(gl.int8, [CONSUMERS, BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -260,26 +278,43 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
     if WS:
-        gl.warp_specialize([
-            (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                         k_empty, v_empty, q_smem, pid_m, b, h, bh_kv, n_tiles, full_end_tile, n_tiles, k_row0,
-                         v_row0, stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
-                         BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
-                         HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
-            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0, v_row0,
-                         BLOCK_N, STAGES)),
-        ], [1], [PRODUCER_REGS])
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
+                           v_row0, BLOCK_N, STAGES)),
+            ], [1], [PRODUCER_REGS])
+        else:  # two consumer warpgroups (query blocks 2·pid_m and 2·pid_m + 1) sharing the K/V ring
+            gl.warp_specialize([
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
+                           v_row0, BLOCK_N, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
+        gl.static_assert(CONSUMERS == 1, "two consumer warpgroups need WS")
         for jj in gl.static_range(STAGES - 1):  # prologue: the first STAGES − 1 tiles in flight
             _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, jj, n_tiles, k_row0, v_row0, BLOCK_N,
                         STAGES)
         _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                  k_empty, v_empty, q_smem, pid_m, b, h, bh_kv, n_tiles, full_end_tile, n_tiles, k_row0, v_row0,
+                  k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                   stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
                   Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_VMEAN,
                   RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)
@@ -291,7 +326,8 @@ def gluon_config(head_dim: int) -> dict:
     pre-pass writes one K scale per BLOCK_N keys. Design values, not swept yet (no GPU when written):
     64 query rows per consumer warpgroup (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
     block_n = 64 if head_dim <= 64 else 128
-    return dict(block_m=64, block_n=block_n, stages=3, num_warps=4, ws=True, producer_regs=24, reverse=True)
+    return dict(block_m=64, block_n=block_n, stages=3, num_warps=4, ws=False, consumers=1, producer_regs=24,
+                consumer_regs=240, reverse=True)
 
 
 GLUON_HEAD_DIMS = (64, 128)
@@ -323,14 +359,15 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     v2 = vt.view(BH_kv * D, S_pad)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [cfg["block_n"], D], k_layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [D, cfg["block_n"]], v_layout)
-    grid = (cdiv(max(Sq, 1), cfg["block_m"]), B * H)
+    grid = (cdiv(max(Sq, 1), cfg["block_m"] * cfg["consumers"]), B * H)
     _sage_fwd_gluon_kernel[grid](
         q, k_desc, v_desc, p["k_scale"], p["stats"], p["first_bad"], p["first_bad"].shape[1], out,
         lse if lse is not None else out, *q.stride(), *out.stride(), H, H_kv, BH_kv, Sq, Sk, S_pad, Sk - Sq,
         p["sm_scale"] * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], QMAX=p["qmax"],
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
-        WS=cfg["ws"], PRODUCER_REGS=cfg["producer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
+        WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
+        CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
         num_warps=cfg["num_warps"])
 
 
