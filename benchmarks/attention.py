@@ -47,7 +47,27 @@ def real_accuracy(dev):
     return rows
 
 
-def variants(cfg_by_d):
+GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon_config overrides), timed beside the rest
+    "thrifty8_gluon": {},  # the default (gluon_config)
+    "thrifty8_gluon_1wg": dict(ws=False, consumers=1),  # one consumer warpgroup that issues its own TMA loads
+    "thrifty8_gluon_ws1": dict(ws=True, consumers=1),  # + a producer warp
+    "thrifty8_gluon_ws2": dict(ws=True, consumers=2),  # two consumer warpgroups + a producer warp (FA3 layout)
+}
+
+
+def gluon_variants():
+    from thrifty.attention.gluon_kernel import sage_forward_gluon
+
+    return [(name, None, lambda q, k, v, causal, over=over: sage_forward_gluon(
+        q, k, v, causal=causal, sm_scale=q.shape[-1] ** -0.5, config=over)) for name, over in GLUON_VARIANTS.items()]
+
+
+def variants(cfg_by_d, gluon=False, backends=None):
+    out = _variants(cfg_by_d) + (gluon_variants() if gluon else [])
+    return [v for v in out if not backends or v[0] in backends]
+
+
+def _variants(cfg_by_d):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sdpa = lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -95,7 +115,7 @@ def sweep_configs(dev, D, S=8192, B=2, H=32):
     return (best[1] if best else kernel_config(D, dev)), rows
 
 
-def speed(dev, D, seqs, cfg_by_d, budget_s, B=2, H=32):
+def speed(dev, D, seqs, cfg_by_d, budget_s, B=2, H=32, gluon=False, backends=None):
     rows = []
     for S in seqs:
         sets = [tuple(torch.randn(B, H, S, D, device=dev, dtype=BF16) for _ in range(3)) for _ in range(2)]
@@ -104,7 +124,7 @@ def speed(dev, D, seqs, cfg_by_d, budget_s, B=2, H=32):
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
             q0, k0, v0 = sets[0]  # fp32 reference for 256 query rows (non-causal: rows are independent)
             ref = None if causal else exact_attention(q0[:, :, idx], k0, v0, dtype=torch.float32)
-            for name, ctx, fn in variants(cfg_by_d):
+            for name, ctx, fn in variants(cfg_by_d, gluon, backends):
                 base = dict(group="speed", backend=name, D=D, S=S, causal=causal,
                             config=f"D{D} {S // 1024}k {'causal' if causal else 'full'}")
                 vsets = [(q, k.clone(), v) for q, k, v in sets] if name.startswith("sageattention") else sets
@@ -143,8 +163,40 @@ def speed(dev, D, seqs, cfg_by_d, budget_s, B=2, H=32):
                 del prep, o
             except Exception as e:
                 print(f"  kernel-only D={D} S={S}: {e!r}"[:300])
+            if gluon:  # the Gluon kernel alone on its own pre-pass output, and its agreement with the Triton kernel
+                rows += gluon_kernel_only(sets[0], D, S, causal, flops, cfg_by_d, budget_s, dev, H)
         del sets
         torch.cuda.empty_cache()
+    return rows
+
+
+def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H):
+    """Per Gluon variant: the attention launch alone (pre-pass excluded) and cos against the Triton kernel's
+    output on the same inputs (both full rows: any S, causal or not)."""
+    from thrifty.attention import gluon_kernel as G
+    from thrifty.attention.quant_kernel import quantize_kv
+
+    q, k, v = qkv
+    ref = sage_forward_triton(q, k, v, causal=causal, sm_scale=D ** -0.5, config=cfg_by_d[D]).float()
+    rows = []
+    for name, over in GLUON_VARIANTS.items():
+        base = dict(group="speed", backend=f"{name}_kernel_only", D=D, S=S, causal=causal,
+                    config=f"D{D} {S // 1024}k {'causal' if causal else 'full'}")
+        try:
+            cfg = dict(G.gluon_config(D), **over)
+            kv = quantize_kv(k, v, qmax=127.0, block_n=cfg["block_n"], smooth_k=True, fp8_v=True, smooth_v=False)
+            prep = dict(q=q, qmax=127.0, sm_scale=D ** -0.5, smooth_v=False, **kv)
+            o = torch.empty_like(q)
+            run = lambda: G.launch(prep, o, None, causal=causal, H=H, H_kv=H, Sq=S, Sk=S, config=over)
+            run()
+            cos = accuracy_metrics(o.float(), ref)["cos_sim"]
+            t = bench.time_fn(run, warmup=2, reps=20, min_reps=3, budget_s=budget_s, device=dev)
+            rows.append(dict(base, ms=t.median_ms, rate=t.rate(flops), cos_vs_triton=cos))
+            print(f"  D={D} S={S:6d} causal={causal!s:5} {base['backend']:30s} {t.median_ms:9.3f} ms "
+                  f"{t.rate(flops):7.1f} TOP/s  cos vs triton {cos:.7f}", flush=True)
+        except Exception as e:
+            rows.append(dict(base, error=repr(e)[:300]))
+            print(f"  {base}: {e!r}"[:300], flush=True)
     return rows
 
 
@@ -185,7 +237,18 @@ def summarize(rows, real_rows):
                     v = rate(b, D, S, causal)
                     if v:
                         s[f"{b}_tflops_{tag}"] = round(v, 1)
-    return s
+    # --gluon: every Gluon variant against cuDNN and the Triton kernel, per point (same run)
+    for r in rows:
+        if r.get("group") == "speed" and r["backend"].startswith("thrifty8_gluon") and "rate" in r:
+            tag = f"d{r['D']}_s{r['S'] // 1024}k_{'causal' if r['causal'] else 'full'}"
+            kernel_only = r["backend"].endswith("_kernel_only")
+            s[f"{r['backend']}_vs_cudnn_{tag}"] = None if kernel_only else ratio(
+                r["rate"], rate("sdpa_cudnn", r["D"], r["S"], r["causal"]))
+            base = "thrifty8_kernel_only" if kernel_only else "thrifty8"
+            s[f"{r['backend']}_vs_triton_{tag}"] = ratio(r["rate"], rate(base, r["D"], r["S"], r["causal"]))
+            if "cos_vs_triton" in r:
+                s[f"{r['backend']}_cos_vs_triton_{tag}"] = round(r["cos_vs_triton"], 7)
+    return {k: v for k, v in s.items() if v is not None or not k.startswith("thrifty8_gluon")}
 
 
 def main():
@@ -195,10 +258,16 @@ def main():
     ap.add_argument("--budget", type=float, default=0.6, help="seconds of timed calls per point at most")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test under TRITON_INTERPRET=1")
+    ap.add_argument("--gluon", action="store_true",
+                    help="also time the Gluon kernel (issue #28; its variants in GLUON_VARIANTS), end to end and "
+                         "kernel-only with cos vs the Triton kernel; writes attention_gluon_<device>.json instead")
+    ap.add_argument("--backends", default="", help="comma-separated backend names to time (default: all)")
+    ap.add_argument("--no-real", action="store_true", help="skip the real Q/K/V accuracy pass")
     args = ap.parse_args()
+    backends = set(filter(None, args.backends.split(",")))
     dev = torch.device(args.device)
     t0 = time.time()
-    real_rows = real_accuracy(dev)
+    real_rows = [] if args.no_real else real_accuracy(dev)
     dims = [int(d) for d in args.dims.split(",")]
     cfg_by_d, sweep_rows = {}, []
     for D in dims:
@@ -210,7 +279,8 @@ def main():
         print(f"D={D}: kernel config {cfg_by_d[D]}", flush=True)
     rows = []
     for D in dims:
-        rows += speed(dev, D, [int(s) for s in args.seqs.split(",")], cfg_by_d, args.budget)
+        rows += speed(dev, D, [int(s) for s in args.seqs.split(",")], cfg_by_d, args.budget, gluon=args.gluon,
+                      backends=backends)
     summary = summarize(rows, real_rows)
     summary["configs"] = {str(d): c for d, c in cfg_by_d.items()}
     summary["seconds"] = round(time.time() - t0, 1)
@@ -219,7 +289,7 @@ def main():
     plot_rows = [r for r in rows if "rate" in r]
     if dev.type != "cuda":
         return  # smoke test: nothing to record
-    bench.write_result("attention", rows + sweep_rows + real_rows, summary,
+    bench.write_result("attention_gluon" if args.gluon else "attention", rows + sweep_rows + real_rows, summary,
                        extra=dict(B=2, H=32, dtype="bfloat16",
                                   notes=["thrifty rates include the quantization pre-pass except *_kernel_only",
                                          "since v3 Q is quantized inside the attention kernel: *_kernel_only "

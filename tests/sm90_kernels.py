@@ -38,6 +38,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -159,6 +160,34 @@ def _attention():
         yield from _sage_call(D, fp16, causal=True)
         yield from _sage_call(D, fp32, causal=True)
         yield from _sage_call(D, fp32, pv="fp16")  # fp32 V tiles through the 16-bit P·V path
+
+
+def _attention_gluon():
+    """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
+    each structure (one consumer warpgroup loading for itself; + a producer warp; two consumer warpgroups + a
+    producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out."""
+    from thrifty.attention import gluon_kernel as G, quant_kernel as Q
+
+    bf16 = torch.bfloat16
+    variants = [dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
+    calls = [(D, causal, bf16, False, False, v) for D in G.GLUON_HEAD_DIMS for causal in (False, True)
+             for v in variants]
+    calls += [(D, True, dtype, True, True, {}) for D in G.GLUON_HEAD_DIMS for dtype in (torch.float16, torch.float32)]
+    for D, causal, dtype, lse, smooth_v, variant in calls:
+        cfg = dict(G.gluon_config(D), **variant)
+        k_layout, v_layout = G.shared_layouts(D, cfg["block_n"])
+        t = PTR[dtype]
+        label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"
+                 + " lse" * lse + " smooth_v" * smooth_v)
+        yield entry(G._sage_fwd_gluon_kernel, label,
+                    dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], QMAX=127.0,
+                         CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse, REVERSE=causal and cfg["reverse"],
+                         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
+                         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT),
+                    {"Q Out": t, "Ks Stats": "*fp32", "FirstBad": "*i32", "Lse": "*fp32" if lse else t,
+                     "k_desc": f"tensordesc<i8[{cfg['block_n']}, {D}],{k_layout!r}>",
+                     "v_desc": f"tensordesc<fp8e4nv[{D}, {cfg['block_n']}],{v_layout!r}>"},
+                    fp32="qk_scale", ones="stride_qd stride_od", num_warps=cfg["num_warps"])
 
 
 def _attention_decode():
@@ -499,7 +528,7 @@ def _bitnet_packed():
                     num_warps=4, num_stages=1)  # literal in matmul_codes
 
 
-SPECS = _unique([*_attention(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_neuzip_lomo(),
+SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_neuzip_lomo(),
                  *_bitnet(), *_bitnet_packed()])
 
 
@@ -585,7 +614,8 @@ def compile_spec(spec: Spec) -> dict:
     t0 = time.perf_counter()
     out = dict(kernel=spec.name, label=spec.label, options=spec.options)
     try:
-        k = triton.compile(ASTSource(spec.kernel, spec.signature, spec.constexprs, attrs), target=SM90,
+        source = GluonASTSource if spec.kernel.is_gluon() else ASTSource  # Gluon kernels are TTGIR already
+        k = triton.compile(source(spec.kernel, spec.signature, spec.constexprs, attrs), target=SM90,
                            options=spec.options)
         out.update(ok=True, shared=k.metadata.shared, num_warps=k.metadata.num_warps)
     except Exception as e:  # noqa: BLE001 - the compiler's message is the report

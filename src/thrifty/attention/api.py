@@ -42,7 +42,7 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
         raise ValueError(f"q, k, v: expected one device, got {q.device}, {k.device}, {v.device}")
     check_choice("qk_bits", qk_bits, (8, 4))
     check_choice("pv", pv, ("fp8", "fp16"))
-    check_choice("impl", impl, ("auto", "triton", "reference"))
+    check_choice("impl", impl, ("auto", "triton", "gluon", "reference"))
     if sm_scale is not None:
         check_range("sm_scale", sm_scale, 0.0, float("inf"), lo_open=True)
     B, H, _, D = q.shape
@@ -62,6 +62,10 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
 def _choose_impl(impl, q):
     if impl == "reference":
         return "reference"
+    if impl == "gluon":  # issue #28: opt-in until measured; CUDA (sm_90) only, no interpreter for Gluon
+        if not q.is_cuda:
+            raise ValueError(f"impl='gluon': needs CUDA tensors on a Hopper GPU, got {q.device}")
+        return "gluon"
     if impl == "triton":
         if not kernels_available(q.device):
             raise ValueError(f"impl='triton': needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}")
@@ -72,6 +76,13 @@ def _choose_impl(impl, q):
 
 def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse):
     """(B, H, S, D) tensors, validated; no autograd."""
+    if impl == "gluon":
+        from . import gluon_kernel
+
+        if gluon_kernel.supports(head_dim=q.shape[-1], qk_bits=qk_bits, pv=pv, smooth_q=smooth_q):
+            return gluon_kernel.sage_forward_gluon(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
+                                                   smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
+        impl = "triton"  # what the Gluon kernel does not implement (pv="fp16", smooth_q, other head dims)
     if impl == "triton":
         if q.shape[-1] not in KERNEL_HEAD_DIMS:
             warnings.warn(f"sage_attention: head_dim {q.shape[-1]} has no kernel (only {KERNEL_HEAD_DIMS}); "
@@ -152,7 +163,8 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     64-query block removed, ΔS = mean·γ(K)ᵀ added back in fp32; default: on for 4 bits, off for 8).
     Queries of 1–16 rows with ``impl="auto"`` go to exact SDPA (see ``routing.py``; the prefill kernel
     would be slower there), and so do their gradients.
-    ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "reference"
+    ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "gluon" (the
+    Hopper Gluon kernel of issue #28, opt-in and unmeasured; what it does not implement runs on "triton"), "reference"
     (readable PyTorch, any device and head_dim), "auto" (triton on CUDA, else reference).
     ``return_lse``: also return the fp32 log-sum-exp of the scaled scores per query, (B, H, Sq).
     NaN/±inf in q, k or v: every output row that depends on one (its own query row, or a key/value row it
@@ -209,7 +221,7 @@ def check_sage_options(options: dict) -> None:
         raise TypeError(f"options: unknown sage_attention option(s) {unknown}; expected some of {sorted(allowed)}")
     x = torch.zeros(1, 1, 1, 8)  # a dry run on the CPU reference path checks every value by name
     sage_attention(x, x, x, **{**options, "impl": "reference"})
-    check_choice("impl", options.get("impl", "auto"), ("auto", "triton", "reference"))
+    check_choice("impl", options.get("impl", "auto"), ("auto", "triton", "gluon", "reference"))
 
 
 def _seam_call(q, k, v, *, causal, scale, options):

@@ -1,0 +1,396 @@
+"""The Gluon (``triton.experimental.gluon``) Hopper forward of SageAttention2 (8-bit): issue #28 item 1, first step.
+
+Same inputs and semantics as ``attn_kernel._sage_fwd_kernel`` on its GPU path (``fold``, ``fast_cvt``, ``ftz``):
+the K/V pre-pass of ``quant_kernel.quantize_kv`` (int8 K [B·Hkv·S_pad, D] with one scale per BLOCK_N keys, e4m3
+Vᵀ [B·Hkv·D, S_pad] with per-channel scales, the statistics and ``first_bad``), Q quantized per token inside
+the kernel (sm_scale·log2e folded into its scale), INT8 ``wgmma`` for Q·Kᵀ into int32, the folded exponent
+p̃ = 448·2^(s·c − m) from one FFMA on the magic-number float, ``ex2.approx.ftz``, P̃ in e4m3 from registers,
+FP8 ``wgmma`` for P̃·V into a fresh fp32 fragment per tile (two-level accumulation), 1/l and V's scales once in
+the epilogue, LSE, the NaN rule (``first_bad`` and the query scale), causal with Sq ≤ Sk aligned to the end.
+
+What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows of one head):
+
+* K and Vᵀ tiles come by TMA (host-side descriptors) into a ``STAGES``-deep shared-memory ring, each slot with
+  its own K and V mbarrier, so Q·Kᵀ of a tile starts as soon as its K has landed.
+* ``WS=False``: one consumer warpgroup (4 warps) that also issues the loads, ``STAGES − 1`` tiles ahead
+  (software pipelining by hand). ``WS=True``: ``gl.warp_specialize`` with a 1-warp producer partition that
+  only issues TMA loads (waiting on per-slot "empty" barriers) and the consumer warpgroup as the default
+  partition; the producer asks for ``PRODUCER_REGS`` registers (setmaxnreg).
+* Inside the consumer, the P̃·V ``wgmma`` is issued asynchronously and the accumulator rescale (acc·α) and the
+  row sum run while it executes.
+
+Not here yet (NOTES.md "The Gluon kernel"): two consumer warpgroups ping-ponging (FA3), the FMA-pipe exp2
+polynomial (FA4), conditional rescaling, a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with
+smooth_q), 16-bit P·V. Those calls stay on the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .quant_kernel import FP8_MAX, LOG2E, MAX_SPLIT, cdiv, quantize_kv
+
+LOG2_FP8_MAX = math.log2(FP8_MAX)
+MAGIC = 12582912.0  # 1.5·2^23: s + 0x4B400000 read as a float is MAGIC + s exactly for |s| < 2^22
+
+
+@gluon.jit
+def _ex2(x):
+    """2^x with one MUFU.EX2, subnormal results flushed (p̃ loses them in e4m3 anyway)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _max_keep_nan(a, b):
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j, n_tiles, k_row0, v_row0,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of KV tile j (if j < n_tiles) into ring slot j % STAGES."""
+    slot = j % STAGES
+    ok = j < n_tiles
+    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot),
+                                    pred=ok)
+    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(v_desc, [v_row0, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot),
+                                    pred=ok)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0, v_row0,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """WS producer partition (1 warp): tile j goes into slot j % STAGES once the consumer released its previous
+    occupant (tile j − STAGES); a fresh barrier counts as released (parity trick: wait on phase 1 first)."""
+    for j in range(n_tiles):
+        slot = j % STAGES
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row0, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+           ks_base, offs_m, j_lo, j_hi, n_tiles, k_row0, v_row0, Sk, causal_offset,
+           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+           MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr, LOG2_P_SCALE: gl.constexpr):
+    """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles."""
+    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    for j in range(j_lo, j_hi):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        if not WS:  # this warpgroup is its own producer: tile j + STAGES − 1 into the slot tile j − 1 freed
+            _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j + STAGES - 1, n_tiles, k_row0, v_row0,
+                        BLOCK_N, STAGES)
+        c = q_scale * gl.load(ks_base + j)  # per row: dequantization · sm_scale · log2e
+        mbarrier.wait(k_ready.index(slot), phase)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_i = warpgroup_mma_wait(0, deps=(s_tok, ))
+        if WS:
+            mbarrier.arrive(k_empty.index(slot), count=1)
+        # int32 → fp32 without I2F: the bit pattern of 1.5·2^23 + s is that float exactly (|s| ≤ D·127² < 2^22)
+        f = (s_i + 0x4B400000).to(gl.float32, bitcast=True)
+        if MASKED:
+            cols = j * BLOCK_N + offs_n
+            keep = cols[None, :] < Sk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            t = gl.where(keep, f - 12582912.0, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(t, axis=1) * c)
+            m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            x = gl.fma(t, c[:, None], -(m_new - LOG2_P_SCALE)[:, None])
+        else:
+            m_new = gl.maximum(m_i, gl.max(s_i, axis=1).to(gl.float32) * c)  # c > 0: max commutes with ·c
+            # p̃ = 448·2^(s·c − m) in ONE FFMA on f: bias 1.5·2^23·c + m − log2 448 per row
+            x = gl.fma(f, c[:, None], -(c * 12582912.0 + (m_new - LOG2_P_SCALE))[:, None])
+        p = _ex2(x)
+        alpha = _ex2(m_i - m_new)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        mbarrier.wait(v_ready.index(slot), phase)
+        pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        # under the P̃·V wgmma: the row sum and the rescale of the running output
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+        pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
+        if WS:
+            mbarrier.arrive(v_empty.index(slot), count=1)
+        acc = acc + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _bounds(m_blk, Sk, causal_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first masked KV tile, end tile) of query block ``m_blk``: tiles [0, full_end) need no mask, [full_end,
+    hi) hold the diagonal or the ragged end."""
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum((m_blk + 1) * BLOCK_M + causal_offset, 0))
+        full_end = gl.minimum(gl.maximum(m_blk * BLOCK_M + causal_offset + 1, 0) // BLOCK_N * BLOCK_N,
+                              Sk // BLOCK_N * BLOCK_N)
+    else:
+        hi = Sk
+        full_end = Sk // BLOCK_N * BLOCK_N
+    return full_end // BLOCK_N, (hi + BLOCK_N - 1) // BLOCK_N
+
+
+@gluon.jit
+def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+              k_empty, v_empty, q_smem, pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
+              stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
+              H, BH_KV, Sq, Sk, Sk_pad, causal_offset,
+              qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr,
+              WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr, MAX_SPLIT: gl.constexpr):
+    """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts 64-row blocks): Q's
+    quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
+    that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
+    full_end_tile, hi_tile = _bounds(pid_m, Sk, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    # Layouts: int8 wgmma m64nBLOCK_Nk32 for S, fp8 wgmma m64nDk32 for O, P̃ as the register A operand.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    VEC: gl.constexpr = 8  # 16-byte loads of 16-bit Q
+    TPC: gl.constexpr = HEAD_DIM // VEC if HEAD_DIM // VEC < 32 else 32
+    q_blk: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPC, TPC], [4, 1], [1, 0])
+    s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_col: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    # Q: per-token int8 with a NaN-keeping row max (a bad row gets a non-finite scale: the NaN rule for Q)
+    offs_qm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_blk))
+    offs_qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_blk))
+    qf = gl.load(Q + b.to(gl.int64) * stride_qb + h * stride_qh + offs_qm[:, None] * stride_qs
+                 + offs_qd[None, :] * stride_qd,
+                 mask=(offs_qm < Sq)[:, None], other=0.0).to(gl.float32)
+    amax = gl.reduce(gl.abs(qf), 1, _max_keep_nan)
+    q_scale = gl.maximum(amax / QMAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
+    xq = qf / q_scale[:, None]
+    q_smem.store(gl.where(xq >= 0, xq + 0.5, xq - 0.5).to(gl.int8))
+    fence_async_shared()
+    q_scale = q_scale * qk_scale
+    c_scale = gl.convert_layout(q_scale, s_row)
+
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_row)
+    ks_base = Ks + bh_kv * (Sk_pad // BLOCK_N)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_row)
+    l_i = gl.zeros([BLOCK_M], gl.float32, s_row)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                           k_empty, v_empty, ks_base, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0, Sk,
+                           causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False,
+                           CAUSAL, WS, LOG2_P_SCALE)
+    acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                           k_empty, v_empty, ks_base, offs_m, full_end_tile, hi_tile, n_tiles, k_row0, v_row0, Sk,
+                           causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True,
+                           CAUSAL, WS, LOG2_P_SCALE)
+    if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
+        for j in range(hi_tile, n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.wait(v_ready.index(slot), phase)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+
+    # Epilogue: 1/l (l holds 448·Σp) and V's per-channel scale once per row; rows that saw no key give zeros.
+    offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_row)
+    offs_d = gl.arange(0, HEAD_DIM, layout=o_col)
+    l_o = gl.convert_layout(l_i, o_row)
+    l_safe = gl.where(l_o > 0, l_o, 1.0)
+    out = acc * (gl.load(Stats + (BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :] / l_safe[:, None])
+    if HAS_VMEAN:
+        out = gl.where(l_o[:, None] > 0, out + gl.load(Stats + (2 * BH_KV + bh_kv) * HEAD_DIM + offs_d)[None, :], 0.0)
+    row_ok = offs_om < Sq
+    o_ptr = (Out + b.to(gl.int64) * stride_ob + h * stride_oh + offs_om[:, None] * stride_os
+             + offs_d[None, :] * stride_od)
+    gl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    lse_ptr = Lse + (b * H + h).to(gl.int64) * Sq + offs_om
+    if RETURN_LSE:
+        m_o = gl.convert_layout(m_i, o_row)
+        lse = gl.where(l_o > 0, (m_o + gl.log2(l_safe / 448.0)) * 0.6931471805599453, float("-inf"))
+        gl.store(lse_ptr, lse, mask=row_ok)
+    # NaN rule: a non-finite query scale, or a bad key this row attends to (≤ MAX_SPLIT int32 from L2)
+    chunk = gl.arange(0, MAX_SPLIT, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    first = gl.min(gl.load(FirstBad + bh_kv * n_split + chunk, mask=chunk < n_split, other=Sk), axis=0)
+    if CAUSAL:
+        sees_bad = first <= offs_om + causal_offset
+    else:
+        sees_bad = (offs_om >= 0) & (first < Sk)
+    q_bad = ~(gl.convert_layout(q_scale, o_row) < float("inf"))
+    row_bad = row_ok & (q_bad | sees_bad)
+    gl.thread_barrier()
+    gl.store(o_ptr, gl.full([BLOCK_M, HEAD_DIM], float("nan"), gl.float32, o_layout).to(Out.dtype.element_ty),
+             mask=row_bad[:, None])
+    if RETURN_LSE:
+        gl.store(lse_ptr, gl.full([BLOCK_M], float("nan"), gl.float32, o_row), mask=row_bad)
+
+
+@gluon.jit
+def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out, Lse,
+                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
+                           H, H_KV, BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           STAGES: gl.constexpr, QMAX: gl.constexpr, CAUSAL: gl.constexpr,
+                           HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
+                           WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
+                           MAX_SPLIT: gl.constexpr):
+    pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
+    if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    b = pid_bh // H
+    h = pid_bh % H
+    bh_kv = b * H_KV + h // (H // H_KV)
+    # the CTA's KV tiles: those of its last (longest, when causal) query block
+    _, n_tiles = _bounds(pid_m * CONSUMERS + CONSUMERS - 1, Sk, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    k_row0 = bh_kv * Sk_pad
+    v_row0 = bh_kv * HEAD_DIM
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.int8)
+    q_smem = gl.allocate_shared_memory(gl.int8, [CONSUMERS, BLOCK_M, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    if WS:
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
+                           v_row0, BLOCK_N, STAGES)),
+            ], [1], [PRODUCER_REGS])
+        else:  # two consumer warpgroups (query blocks 2·pid_m and 2·pid_m + 1) sharing the K/V ring
+            gl.warp_specialize([
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
+                           v_row0, BLOCK_N, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 1, "two consumer warpgroups need WS")
+        for jj in gl.static_range(STAGES - 1):  # prologue: the first STAGES − 1 tiles in flight
+            _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, jj, n_tiles, k_row0, v_row0, BLOCK_N,
+                        STAGES)
+        _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                  k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                  stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
+                  Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_VMEAN,
+                  RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)
+
+
+# ------------------------------------------------------------------------------------------------- host side
+def gluon_config(head_dim: int) -> dict:
+    """Tile sizes and launch options. BLOCK_N equals the Triton kernel's (``attn_kernel.kernel_config``): the
+    pre-pass writes one K scale per BLOCK_N keys. Design values, not swept yet (no GPU when written):
+    64 query rows per consumer warpgroup (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
+    block_n = 64 if head_dim <= 64 else 128
+    return dict(block_m=64, block_n=block_n, stages=3, num_warps=4, ws=False, consumers=1, producer_regs=24,
+                consumer_regs=240, reverse=True)
+
+
+GLUON_HEAD_DIMS = (64, 128)
+
+
+def supports(*, head_dim: int, qk_bits: int, pv: str, smooth_q: bool) -> bool:
+    """Whether the Gluon kernel implements this call (else the Triton kernel runs it)."""
+    return head_dim in GLUON_HEAD_DIMS and pv == "fp8" and not smooth_q and qk_bits in (8, 4)
+
+
+def shared_layouts(head_dim: int, block_n: int):
+    """(K tile layout, Vᵀ tile layout) of the TMA descriptors (also the compile test's signature)."""
+    k_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.int8)
+    v_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl.float8e4nv)
+    return k_layout, v_layout
+
+
+def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
+           Sq: int, Sk: int, config: dict | None = None) -> None:
+    """The Gluon attention kernel on the pre-pass output (``quantize_kv``) and Q; out: (B, H, Sq, D) view."""
+    p = prepared
+    q = p["q"]
+    B, D = out.shape[0], out.shape[-1]
+    cfg = dict(gluon_config(D), **(config or {}))
+    k8, vt = p["k8"], p["vt"]
+    BH_kv, S_pad = k8.shape[0], k8.shape[1]
+    k_layout, v_layout = shared_layouts(D, cfg["block_n"])
+    k2 = k8.view(BH_kv * S_pad, D)
+    v2 = vt.view(BH_kv * D, S_pad)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [cfg["block_n"], D], k_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [D, cfg["block_n"]], v_layout)
+    grid = (cdiv(max(Sq, 1), cfg["block_m"] * cfg["consumers"]), B * H)
+    _sage_fwd_gluon_kernel[grid](
+        q, k_desc, v_desc, p["k_scale"], p["stats"], p["first_bad"], p["first_bad"].shape[1], out,
+        lse if lse is not None else out, *q.stride(), *out.stride(), H, H_kv, BH_kv, Sq, Sk, S_pad, Sk - Sq,
+        p["sm_scale"] * LOG2E,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], QMAX=p["qmax"],
+        CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
+        WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
+        CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
+        num_warps=cfg["num_warps"])
+
+
+def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
+                       smooth_k: bool = True, smooth_v: bool = False, return_lse: bool = False,
+                       config: dict | None = None, smooth_q: bool = False):
+    """``attn_kernel.sage_forward_triton``'s signature and results, on the Gluon kernel (CUDA, sm_90).
+    Same pre-pass (``quantize_kv``: statistics + quantization, 2 launches), then the Gluon attention launch."""
+    if not supports(head_dim=q.shape[-1], qk_bits=qk_bits, pv=pv, smooth_q=smooth_q):
+        raise ValueError(f"sage_forward_gluon: head_dim {q.shape[-1]}, qk_bits={qk_bits}, pv={pv!r}, "
+                         f"smooth_q={smooth_q} not implemented (head_dim 64/128, pv='fp8', no smooth_q)")
+    B, H, Sq, D = q.shape
+    H_kv, Sk = k.shape[1], k.shape[2]
+    cfg = dict(gluon_config(D), **(config or {}))
+    qmax = 127.0 if qk_bits == 8 else 7.0
+    kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=True, smooth_v=smooth_v)
+    prepared = dict(q=q, qmax=qmax, sm_scale=sm_scale, smooth_v=smooth_v, **kv)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
+    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, config=config)
+    if not return_lse:
+        return out
+    if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back
+        k_mean_q = kv["stats"][0].reshape(B, H_kv, 1, D).repeat_interleave(H // H_kv, dim=1)
+        lse = lse + (q.float() @ k_mean_q.transpose(-1, -2)).squeeze(-1) * sm_scale
+    return out, lse

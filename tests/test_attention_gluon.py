@@ -1,0 +1,143 @@
+"""The Gluon Hopper kernel (``attention/gluon_kernel.py``, issue #28) against the Triton kernel, the reference and
+fp32 attention. Gluon has no interpreter: everything but the argument check runs on the GPU box (``cuda``); the
+sm_90 compile of every variant runs in CI (tests/test_compile_sm90.py)."""
+
+import math
+
+import pytest
+import torch
+
+from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
+
+
+def _inputs(B, H, Hkv, Sq, Sk, D, dtype=torch.bfloat16, seed=0, k_bias=4.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g) * 1.5
+    k = torch.randn(B, Hkv, Sk, D, generator=g) * 1.5 + k_bias * torch.randn(D, generator=g)
+    v = torch.randn(B, Hkv, Sk, D, generator=g)
+    return [x.to(DEVICE, dtype) for x in (q, k, v)]
+
+
+def test_gluon_impl_needs_cuda():
+    x = torch.zeros(1, 1, 32, 64)
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(ValueError, match="impl='gluon'"):
+        sage_attention(x, x, x, impl="gluon")
+
+
+def _cos(a, b):
+    return accuracy_metrics(a.float(), b.float())["cos_sim"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v) or "default")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 4, 4, 1000, 1000), (2, 8, 2, 333, 1111), (1, 6, 3, 130, 130),
+                                   (1, 2, 1, 1, 77), (1, 4, 1, 257, 4096)])
+def test_cuda_gluon_matches_triton_kernel(variant, D, causal, shape):
+    """Same pre-pass, same arithmetic (folded exponent, ex2.approx.ftz, e4m3 P̃, two-level accumulation): the
+    Gluon and Triton kernels agree to cos > 0.99999 at odd lengths, GQA, Sq < Sk and Sq = 1, with LSE."""
+    from thrifty.attention.attn_kernel import sage_forward_triton
+    from thrifty.attention.gluon_kernel import sage_forward_gluon
+    B, H, Hkv, Sq, Sk = shape
+    q, k, v = _inputs(B, H, Hkv, Sq, Sk, D)
+    sm = D ** -0.5
+    ref, ref_lse = sage_forward_triton(q, k, v, causal=causal, sm_scale=sm, return_lse=True)
+    out, lse = sage_forward_gluon(q, k, v, causal=causal, sm_scale=sm, return_lse=True, config=variant)
+    assert _cos(out, ref) > 0.99999
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
+    exact = exact_attention(q, k, v, causal=causal, dtype=torch.float32)
+    assert _cos(out, exact) > 0.999
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_gluon_matches_reference_and_fp32(D, causal):
+    from thrifty.attention.attn_kernel import kernel_config
+    from thrifty.attention.gluon_kernel import sage_forward_gluon
+    q, k, v = _inputs(1, 8, 2, 1333, 1333, D)
+    cfg = kernel_config(D, torch.device("cuda"))
+    ref = sage_attention_reference(q, k, v, causal=causal, block_m=cfg["block_m"], block_n=cfg["block_n"])
+    for variant in VARIANTS:
+        if variant:
+            out = sage_forward_gluon(q, k, v, causal=causal, sm_scale=D ** -0.5, config=variant)
+        else:  # the public API's route
+            out = sage_attention(q, k, v, causal=causal, impl="gluon")
+        assert _cos(out, ref) > 0.99999, variant
+        assert _cos(out, exact_attention(q.double(), k.double(), v.double(), causal=causal)) > 0.999, variant
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v) or "default")
+def test_cuda_gluon_nan_rule(variant):
+    """NaN in → NaN out exactly for the rows that use the bad element (as the Triton kernel, reference.nonfinite_rows)."""
+    from thrifty.attention.attn_kernel import sage_forward_triton
+    from thrifty.attention.gluon_kernel import sage_forward_gluon
+    from thrifty.attention.reference import nonfinite_rows
+    for causal in (False, True):
+        q, k, v = _inputs(1, 4, 2, 300, 300, 128)
+        q[0, 1, 7, 3] = float("nan")
+        k[0, 0, 150, 5] = float("inf")
+        v[0, 1, 280, 0] = float("nan")
+        out, lse = sage_forward_gluon(q, k, v, causal=causal, sm_scale=0.125, return_lse=True, config=variant)
+        bad = nonfinite_rows(q, k, v, causal)
+        assert torch.equal(torch.isnan(out).any(-1), bad) and torch.isnan(out[bad]).all()
+        assert torch.equal(torch.isnan(lse), bad)
+        ref = sage_forward_triton(q, k, v, causal=causal, sm_scale=0.125)
+        assert _cos(out[~bad], ref[~bad]) > 0.99999
+
+
+@pytest.mark.cuda
+def test_cuda_gluon_path_ran_when_selected(monkeypatch):
+    """impl="gluon" runs the Gluon kernel (and only it) for what it implements; pv="fp16" falls back to Triton."""
+    from thrifty.attention import attn_kernel, gluon_kernel
+    calls = []
+    real_gluon, real_triton = gluon_kernel.sage_forward_gluon, attn_kernel.sage_forward_triton
+    monkeypatch.setattr(gluon_kernel, "sage_forward_gluon", lambda *a, **kw: calls.append("gluon") or real_gluon(*a, **kw))
+    monkeypatch.setattr(attn_kernel, "sage_forward_triton", lambda *a, **kw: calls.append("triton") or real_triton(*a, **kw))
+    q, k, v = _inputs(1, 4, 4, 200, 200, 64)
+    out = sage_attention(q, k, v, causal=True, impl="gluon")
+    assert calls == ["gluon"]
+    assert _cos(out, real_triton(q, k, v, causal=True, sm_scale=0.125)) > 0.99999
+    sage_attention(q, k, v, causal=True, impl="gluon", pv="fp16")
+    assert calls == ["gluon", "triton"]
+
+
+@pytest.mark.cuda
+def test_cuda_gluon_bshd_fp16_fp32_smooth_v():
+    """Strided (bshd) views, fp16 and fp32 inputs, V smoothing: as the Triton kernel."""
+    from thrifty.attention.attn_kernel import sage_forward_triton
+    from thrifty.attention.gluon_kernel import sage_forward_gluon
+    for dtype in (torch.float16, torch.float32):
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _inputs(2, 4, 2, 517, 517, 64, dtype))
+        for smooth_v in (False, True):
+            ref = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125, smooth_v=smooth_v)
+            out = sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125, smooth_v=smooth_v)
+            assert out.stride() == ref.stride() and _cos(out, ref) > 0.99999, (dtype, smooth_v)
+
+
+@pytest.mark.cuda
+def test_cuda_gluon_graph_capture():
+    from thrifty.attention.gluon_kernel import sage_forward_gluon
+    q, k, v = _inputs(1, 4, 2, 1024, 1024, 128)
+    run = lambda: sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125)
+    ref = run()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        run()  # warm up (compile) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert math.isfinite(out.float().abs().sum().item())
