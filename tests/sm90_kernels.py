@@ -379,15 +379,21 @@ def _neuzip():
                     {"meta_ptr goff_ptr": "*i64", "words_ptr pair_tables_ptr": "*i32", "lanes_ptr raw_ptr": "*u8",
                      "tables_ptr out_ptr": "*i16" if bits == 16 else "*i32"},
                     num_warps=warps, num_stages=3)  # literal in BlockPack.decode_into
-    for dtype, pairs in itertools.product((bf16, fp16, fp32), (False, True)):  # pairs: per tensor, by its code
+    for dtype in (bf16, fp16, fp32):  # one launch per kernel and block; pairs or not: per tensor, at run time
         bits, shift, kept = R.DTYPES[dtype]
-        common = dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=EK.GROUPS_PER_PROG, BITS=bits, SHIFT=shift,
-                      PAIRS=pairs)
         x_t = "*i16" if bits == 16 else "*i32"
-        yield entry(EK._lane_bits_kernel, f"{NAME[dtype]} pairs={pairs}", common, {"x_ptr": x_t, "len_ptr out_ptr": "*i32"})
-        yield entry(EK._pack_kernel, f"{NAME[dtype]} pairs={pairs}",
-                    dict(common, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8),
-                    {"x_ptr": x_t, "len_ptr code_ptr words_ptr": "*i32", "start_ptr": "*i64", "raw_ptr": "*u8"})
+        tp = triton.next_power_of_2(7)  # a transformer block's 7 linears (TP: the table's power-of-two width)
+        hist = dict(TP=tp, META_W=EK.META_W, HIST_W=EK.HIST_W, BLOCK=EK.HIST_BLOCK, BITS=bits, SHIFT=shift)
+        yield entry(EK._sym_hist_kernel, NAME[dtype], hist, {"x_ptr": x_t, "meta_ptr": "*i64", "hist_ptr": "*i32"})
+        yield entry(EK._pair_hist_kernel, NAME[dtype], dict(hist, WINDOW=EK.WINDOW),
+                    {"x_ptr": x_t, "meta_ptr": "*i64", "rank_ptr symof_ptr hist_ptr": "*i32"})
+        lanes = dict(TP=tp, META_W=EK.META_W, STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=EK.GROUPS_PER_PROG,
+                     BITS=bits, SHIFT=shift)
+        yield entry(EK._lane_bits_kernel, NAME[dtype], lanes,
+                    {"x_ptr": x_t, "meta_ptr": "*i64", "pairs_ptr tab_ptr out_ptr": "*i32"})
+        yield entry(EK._pack_kernel, NAME[dtype], dict(lanes, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8),
+                    {"x_ptr": x_t, "meta_ptr start_ptr wbase_ptr": "*i64", "pairs_ptr tab_ptr words_ptr": "*i32",
+                     "raw_ptr": "*u8"})
 
 
 # --------------------------------------------------------------------------------------------- BitNet

@@ -3,6 +3,7 @@ the per-block decode kernel (interpreter) vs the reference, memory accounting, s
 
 import copy
 import importlib
+import os
 
 import numpy as np
 import pytest
@@ -389,24 +390,80 @@ def test_triton_encoder_interpreter_matches_reference():
 
 def test_triton_block_encoder_two_host_reads(monkeypatch):
     """The block encoder (LOMO's re-encode of a whole block): every tensor's streams equal the reference's, the
-    returned host codes are the stored ones, and the block costs exactly two device-to-host reads (counted on
-    the calls that would sync on a GPU)."""
-    from thrifty.neuzip.encode_kernel import encode_block_triton
+    returned host codes are the stored ones, and the block costs exactly two device-to-host reads (``_to_host``)
+    and no other host read of a tensor (those would sync on a GPU; nor ``torch.bincount``, which reads its
+    input's min and max)."""
+    from thrifty.neuzip import encode_kernel as EK
 
     g = torch.Generator().manual_seed(12)
     xs = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in (R.GROUP * R.STEPS * 4 + 3, 500, 4100)]
     xs[1][:60] = torch.exp(torch.randn(60, generator=g) * 8).bfloat16()  # long codes, ~every pair distinct
-    reads = []
-    for name in ("cpu", "item", "__int__", "__index__", "__bool__", "__float__"):
+    reads, host_reads = [], []
+    original_to_host = EK._to_host
+    monkeypatch.setattr(EK, "_to_host", lambda t: (host_reads.append(t.shape), original_to_host(t))[1])
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: reads.append("bincount"))
+    for name in ("cpu", "item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name, **k: (reads.append(_n), _f(self, *a, **k))[1])
-    streams, codes = encode_block_triton(xs, R.STEPS)
-    assert len(reads) == 2, reads
+    streams, codes = EK.encode_block_triton(xs, R.STEPS)
+    assert len(host_reads) == 2 and not reads, (host_reads, reads)
     monkeypatch.undo()
     pairs = [_same_streams(R.encode(x, None, R.STEPS), t) for x, t in zip(xs, streams)]
     assert set(pairs) == {True, False}  # both kinds of code in one block
     for x, t, code in zip(xs, streams, codes):
         assert np.array_equal(code, CompressedTensor(t, x.dtype, x.shape, steps=R.STEPS).code_lengths())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_block_encoder_views_odd_sizes(dtype):
+    """Tensors that are views of one buffer (LOMO's block buffer: encoded in place, no copy) at odd offsets and
+    of odd, tiny and empty sizes, specials, > WINDOW distinct symbols (the pair histogram's escape path) and two
+    lane lengths: byte for byte the reference's streams."""
+    from thrifty.neuzip.encode_kernel import WINDOW, encode_block_triton
+
+    g = torch.Generator().manual_seed(13)
+    sizes = (R.GROUP * 64 * 2 + 7, 1, 0, 129, 3001)
+    buf = (torch.randn(sum(sizes), generator=g) * 0.02).to(dtype)
+    buf[:300] = torch.exp(torch.randn(300, generator=g) * 10).to(dtype)  # wide exponents: > WINDOW symbols
+    buf[300:310] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40, 0.0, 0.0, 0.0]).to(dtype)
+    views, at = [], 0
+    for n in sizes:
+        views.append(buf[at: at + n])
+        at += n
+    assert len(np.unique(R.split_symbols(R._uint_view(buf), dtype)[0])) > WINDOW
+    for steps in (R.STEPS, 128):
+        streams, _ = encode_block_triton(views, steps)
+        for v, t in zip(views, streams):
+            _same_streams(R.encode(v, None, steps), t)
+
+
+def test_triton_block_encoder_real_weights():
+    """Real weights, both encoders byte for byte: a trained MLP's (300 Adam steps) and, when converted, a
+    SmolLM2-135M block's q, k and up projections (cut to ~12K elements each so the interpreter stays quick)."""
+    from thrifty.neuzip.encode_kernel import encode_block_triton
+
+    g = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 63))
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    for _ in range(300):
+        x = torch.randn(64, 64, generator=g)
+        loss = (net(x) - torch.tanh(x[:, :63])).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    xs = [p.detach().bfloat16() for p in net.parameters()]
+    path = os.path.join(os.environ.get("THRIFTY_DATA", os.path.join(os.path.dirname(__file__), "..", "data")),
+                        "smollm2-135m", "model.safetensors")
+    if os.path.exists(path):
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            names = [k for k in f.keys() if ".layers.3." in k and k.endswith(("q_proj.weight", "k_proj.weight",
+                                                                                "up_proj.weight"))]
+            xs += [f.get_tensor(k).bfloat16().reshape(-1)[: 12_000 + 3 * i] for i, k in enumerate(sorted(names))]
+    streams, _ = encode_block_triton(xs, R.STEPS)
+    pairs = [_same_streams(R.encode(x, None, R.STEPS), t) for x, t in zip(xs, streams)]
+    assert any(pairs)
 
 
 def test_lomo_reencode_with_triton_kernels():

@@ -274,7 +274,8 @@ class BlockPack:
                 else:
                     single.append(kernel_table(table, self.dtype, table16=table16))
             single = single or [torch.zeros(1, dtype=torch.int16 if table16 else torch.int32)]
-            self._tables[key] = (torch.cat(single).to(device), torch.cat(pair or [torch.zeros(1, dtype=torch.int32)]).to(device))
+            self._tables[key] = (_h2d(torch.cat(single), device),
+                                 _h2d(torch.cat(pair or [torch.zeros(1, dtype=torch.int32)]), device))
         return self._tables[key]
 
     def _code_lengths(self, i: int) -> np.ndarray:
@@ -294,7 +295,7 @@ class BlockPack:
             wide = sum(math.ceil(g / WIDE[0]) for g in groups)
             gpp, warps = WIDE if wide >= MIN_PROGRAMS_PER_SM * sms else NARROW
             meta = self._meta_rows(groups, gpp, aligned)
-            self._meta[key] = Launch(meta.to(device), meta.shape[0], gpp, warps)
+            self._meta[key] = Launch(_h2d(meta, device), meta.shape[0], gpp, warps)
         return self._meta[key]
 
     def _meta_rows(self, groups: list, gpp: int, aligned: bool) -> torch.Tensor:
@@ -322,6 +323,14 @@ class BlockPack:
 
 
 _tensor_module._BLOCK_PACK = BlockPack  # a pair-coded CompressedTensor decodes through a one-tensor pack
+
+
+def _h2d(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA through pinned memory without waiting (a plain ``.to`` from pageable
+    memory synchronizes the stream: two per re-encoded block, for the decode and launch tables)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class Launch(NamedTuple):

@@ -1,15 +1,29 @@
 """The lossless encoder as Triton kernels (GPU path of LOMO re-encoding): same bits as :func:`reference.encode`.
 
-Steps for one tensor: (1) symbols' histogram (``torch.bincount`` on the exponent bytes: 2 cheap passes) and the
-canonical code on the host (256 symbols; the one device-to-host read); (2) ``_lane_bits_kernel``: every lane sums
-its code lengths (one vectorized pass over the elements, lane j of a group reads elements j, j+64, ... as the
-decoder does); (3) lane starts by a prefix sum of the padded lengths (torch, one value per 64·steps/64 elements,
-plus one read of the total for the word count); (4) ``_pack_kernel``: every lane appends its codes MSB-first to a
-64-bit buffer in registers and ORs each full 32-bit word into the zeroed stream (``atomic_or``: a lane's first and
-last word are shared with its neighbours; ~0.08 atomics per weight), and writes the raw sign+mantissa field of
-each element. Pair-coded tensors (reference.py: the symbol of elements 2p and 2p + 1 together, chosen by
-:func:`reference.choose_pair_code` from a second histogram, of pairs) run the same kernels with PAIRS: a lane
-step reads two elements and looks its pair up in 65536-entry length/code tables. Memory traffic ≈ 2 B read (×2 kernels) + 1 B raw + 0.33 B words per bf16 weight.
+A whole block (every tensor of a :class:`BlockPack`, one dtype) is encoded by four Triton launches over all its
+tensors at once (each program finds its tensor in a small per-tensor table, ``_tensor_of``) and ~25 small torch
+ops, with **two device-to-host reads** and no other synchronization (no ``torch.bincount``: it reads the input's
+min and max on the host, two syncs per call, and its 65536-bin pair histogram ran on contended global atomics):
+
+1. ``_sym_hist_kernel``: 256-bin histogram of the element symbols per program (``tl.histogram``), added to the
+   tensor's row (one atomic per present bin per program).
+2. Ranks (torch, on the device): each tensor's ``WINDOW`` most frequent symbols get ranks 0..WINDOW-1.
+3. ``_pair_hist_kernel``: pairs whose two symbols are both ranked count in a WINDOW² histogram per program
+   (``tl.histogram``) then one atomic per present bin into the tensor's 65536-bin row; the rare others (a symbol
+   outside the window) add one atomic each. Exact counts whatever the data (the window only decides the speed).
+4. **Read 1**: both histograms of every tensor (one copy, pinned). The host builds each code (as before:
+   ``code_lengths`` / ``choose_pair_code`` / ``canonical_codes``) and uploads one packed table (``(code << 4) |
+   length`` per present symbol) and the stored code streams in one non-blocking copy; a scatter fills the
+   per-tensor 65536-entry lookup table on the device.
+5. ``_lane_bits_kernel``: each lane sums its code lengths (lane j of a group reads elements j, j + 64, ... or
+   pairs, as the decoder). Padded lane lengths and their prefix sum over the whole block (torch); **read 2**:
+   each tensor's total bit count (the size of its word stream).
+6. ``_pack_kernel``: every lane appends its codes MSB-first to a 64-bit register buffer and ORs each full 32-bit
+   word into the zeroed stream (relaxed ``atomic_or``: a lane's first and last word are shared with its
+   neighbours), and writes the raw sign+mantissa field of each element (the element is loaded once).
+
+Traffic ≈ 4 reads of the 2 B bf16 weight (2 histograms, lane sums, pack) + 1 B raw + 0.33 B words ≈ 9.3 B per
+weight: ~0.41 GB for a 44M-weight block, ~0.15 ms at HBM speed.
 """
 
 from __future__ import annotations
@@ -20,14 +34,29 @@ import triton
 import triton.language as tl
 
 from . import reference as R
-from .tensor import code_streams, pair_symbols
+from .tensor import code_streams
 
-GROUPS_PER_PROG = 2
+GROUPS_PER_PROG = 2  # groups of 64 lanes per program of the lane kernels (128 lanes, 4 warps: a lane per thread)
+HIST_BLOCK = 4096  # elements (symbol histogram) or pairs (pair histogram) per histogram program
+WINDOW = 32  # symbols per tensor counted in the registers' pair histogram (32² bins)
+META_W = 8  # int64 fields per tensor row of the block table (``_block_meta``)
+HIST_W = 256 + R.PAIR_SYMBOLS  # one tensor's histogram row: 256 symbol bins, then 65536 pair bins
 _INT_VIEW = {16: torch.int16, 32: torch.int32}
+_META_CACHE: dict = {}  # (device, dtype, offsets, numels, steps) -> the device block table
 
 
 @triton.jit
-def _element(x_ptr, elem, ok, BITS: tl.constexpr, SHIFT: tl.constexpr):
+def _tensor_of(meta_ptr, pid, col: tl.constexpr, T, TP: tl.constexpr, META_W: tl.constexpr):
+    """(tensor index, program index within it) of program ``pid``: column ``col`` holds each tensor's first
+    program (ascending)."""
+    t_idx = tl.arange(0, TP)
+    first = tl.load(meta_ptr + t_idx * META_W + col, mask=t_idx < T, other=1 << 62)
+    t = tl.sum((pid >= first).to(tl.int32), axis=0) - 1
+    return t, pid - tl.load(meta_ptr + t * META_W + col)
+
+
+@triton.jit
+def _symbols_at(x_ptr, elem, ok, BITS: tl.constexpr, SHIFT: tl.constexpr):
     """(raw bits as int32, 8-bit symbol) of ``elem`` (0 where not ``ok``)."""
     u = tl.load(x_ptr + elem, mask=ok, other=0).to(tl.int32)
     if BITS == 16:
@@ -36,39 +65,76 @@ def _element(x_ptr, elem, ok, BITS: tl.constexpr, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _coded_symbol(x_ptr, sym_idx, lane_ok, n, BITS: tl.constexpr, SHIFT: tl.constexpr, PAIRS: tl.constexpr):
-    """(coded symbol, in range) of symbol slot ``sym_idx``: element sym_idx's symbol, or with PAIRS the pair
-    symbol of elements 2 sym_idx and 2 sym_idx + 1 (second 0 past an odd end)."""
-    if PAIRS:
-        e0 = 2 * sym_idx
-        ok = lane_ok & (e0 < n)
-        sa = _element(x_ptr, e0, ok, BITS, SHIFT)[1]
-        sb = _element(x_ptr, e0 + 1, ok & (e0 + 1 < n), BITS, SHIFT)[1]
-        return (sa << 8) | sb, ok
-    ok = lane_ok & (sym_idx < n)
-    return _element(x_ptr, sym_idx, ok, BITS, SHIFT)[1], ok
+def _sym_hist_kernel(x_ptr, meta_ptr, hist_ptr, T, TP: tl.constexpr, META_W: tl.constexpr, HIST_W: tl.constexpr,
+                     BLOCK: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
+    t, local = _tensor_of(meta_ptr, tl.program_id(0), 2, T, TP, META_W)
+    base = tl.load(meta_ptr + t * META_W)
+    n = tl.load(meta_ptr + t * META_W + 1)
+    e = local * BLOCK + tl.arange(0, BLOCK)
+    ok = e < n
+    sym = _symbols_at(x_ptr + base, e, ok, BITS, SHIFT)[1]
+    h = tl.histogram(sym, 256, mask=ok)
+    tl.atomic_add(hist_ptr + t * HIST_W + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
-def _lane_bits_kernel(x_ptr, len_ptr, out_ptr, n, n_lanes, STEPS: tl.constexpr, GROUP: tl.constexpr,
-                      GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, PAIRS: tl.constexpr):
+def _pair_hist_kernel(x_ptr, meta_ptr, rank_ptr, symof_ptr, hist_ptr, T, TP: tl.constexpr, META_W: tl.constexpr,
+                      HIST_W: tl.constexpr, WINDOW: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                      SHIFT: tl.constexpr):
+    t, local = _tensor_of(meta_ptr, tl.program_id(0), 3, T, TP, META_W)
+    base = tl.load(meta_ptr + t * META_W)
+    n = tl.load(meta_ptr + t * META_W + 1)
+    e0 = 2 * (local * BLOCK + tl.arange(0, BLOCK))
+    ok = e0 < n
+    sa = _symbols_at(x_ptr + base, e0, ok, BITS, SHIFT)[1]
+    sb = _symbols_at(x_ptr + base, e0 + 1, ok & (e0 + 1 < n), BITS, SHIFT)[1]  # 0 past an odd end
+    ra = tl.load(rank_ptr + t * 256 + sa)
+    rb = tl.load(rank_ptr + t * 256 + sb)
+    win = ok & (ra < WINDOW) & (rb < WINDOW)
+    h = tl.histogram(tl.where(win, ra * WINDOW + rb, 0), WINDOW * WINDOW, mask=win)
+    row = hist_ptr + t * HIST_W + 256
+    b = tl.arange(0, WINDOW * WINDOW)
+    pair = (tl.load(symof_ptr + t * WINDOW + b // WINDOW) << 8) | tl.load(symof_ptr + t * WINDOW + b % WINDOW)
+    tl.atomic_add(row + pair, h, mask=h > 0, sem="relaxed")
+    tl.atomic_add(row + ((sa << 8) | sb), tl.full([BLOCK], 1, tl.int32), mask=ok & ~win, sem="relaxed")
+
+
+@triton.jit
+def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, out_ptr, T, TP: tl.constexpr, META_W: tl.constexpr,
+                      STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr,
+                      SHIFT: tl.constexpr):
+    """Each lane's code bits (unpadded), at the lane's block-wide index."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
-    SYMS: tl.constexpr = STEPS // 2 if PAIRS else STEPS  # coded symbols per lane
-    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    t, local = _tensor_of(meta_ptr, tl.program_id(0), 4, T, TP, META_W)
+    x = x_ptr + tl.load(meta_ptr + t * META_W)
+    n = tl.load(meta_ptr + t * META_W + 1)
+    n_lanes = tl.load(meta_ptr + t * META_W + 6) * GROUP
+    tab = tab_ptr + t.to(tl.int64) * 65536
+    lane = local * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    sym_idx = (lane // GROUP) * (GROUP * SYMS) + lane % GROUP
     total = tl.zeros([LANES], dtype=tl.int32)
-    for _ in range(SYMS):
-        sym, ok = _coded_symbol(x_ptr, sym_idx, lane_ok, n, BITS, SHIFT, PAIRS)
-        total += tl.where(ok, tl.load(len_ptr + sym), 0)
-        sym_idx += GROUP
-    tl.store(out_ptr + lane, total, mask=lane_ok)
+    if tl.load(pairs_ptr + t) != 0:
+        p = (lane // GROUP) * (GROUP * (STEPS // 2)) + lane % GROUP
+        for _ in range(STEPS // 2):
+            e0 = 2 * p
+            ok = lane_ok & (e0 < n)
+            sa = _symbols_at(x, e0, ok, BITS, SHIFT)[1]
+            sb = _symbols_at(x, e0 + 1, ok & (e0 + 1 < n), BITS, SHIFT)[1]
+            total += tl.load(tab + ((sa << 8) | sb), mask=ok, other=0) & 15
+            p += GROUP
+    else:
+        e = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+        for _ in range(STEPS):
+            ok = lane_ok & (e < n)
+            s = _symbols_at(x, e, ok, BITS, SHIFT)[1]
+            total += tl.load(tab + s, mask=ok, other=0) & 15
+            e += GROUP
+    tl.store(out_ptr + tl.load(meta_ptr + t * META_W + 5) + lane, total, mask=lane_ok)
 
 
 @triton.jit
-def _put_raw(x_ptr, raw_ptr, elem, ok, BITS: tl.constexpr, KEPT: tl.constexpr, RAW_BYTES: tl.constexpr):
-    """Writes the raw field (sign above the KEPT low mantissa bits) of ``elem``."""
-    u = _element(x_ptr, elem, ok, BITS, 0)[0]
+def _put_raw(raw_ptr, u, elem, ok, BITS: tl.constexpr, KEPT: tl.constexpr, RAW_BYTES: tl.constexpr):
+    """Writes the raw field (sign above the KEPT low mantissa bits) of raw bits ``u`` at ``elem``."""
     raw = (((u >> (BITS - 1)) & 1) << KEPT) | (u & ((1 << KEPT) - 1))
     if RAW_BYTES == 1:
         tl.store(raw_ptr + elem, raw.to(tl.uint8), mask=ok)
@@ -80,38 +146,134 @@ def _put_raw(x_ptr, raw_ptr, elem, ok, BITS: tl.constexpr, KEPT: tl.constexpr, R
 
 
 @triton.jit
-def _pack_kernel(x_ptr, len_ptr, code_ptr, start_ptr, words_ptr, raw_ptr, n, n_lanes, STEPS: tl.constexpr,
-                 GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr,
-                 KEPT: tl.constexpr, RAW_BYTES: tl.constexpr, PAIRS: tl.constexpr):
+def _append(words, buf, nb, word, entry, ok):
+    """Appends the code of table ``entry`` ((code << 4) | length) to a lane's left-aligned 64-bit buffer; ORs
+    the buffer's top word into the stream once it is full. Returns (buf, nb, word)."""
+    length = tl.where(ok, entry & 15, 0)
+    code = tl.where(ok, entry >> 4, 0).to(tl.uint64)
+    # past the end (length 0) the shift would reach 64, undefined for a 64-bit shift: shift a zero by 0
+    buf = buf | (code << tl.where(ok, 64 - nb - length, 0).to(tl.uint64))
+    nb += length
+    full = ok & (nb >= 32)
+    tl.atomic_or(words + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=full, sem="relaxed")
+    buf = tl.where(full, buf << 32, buf)
+    nb = tl.where(full, nb - 32, nb)
+    word = tl.where(full, word + 1, word)
+    return buf, nb, word
+
+
+@triton.jit
+def _pack_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, start_ptr, wbase_ptr, words_ptr, raw_ptr, T,
+                 TP: tl.constexpr, META_W: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr,
+                 GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, KEPT: tl.constexpr,
+                 RAW_BYTES: tl.constexpr):
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
-    SYMS: tl.constexpr = STEPS // 2 if PAIRS else STEPS  # coded symbols per lane
-    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    t, local = _tensor_of(meta_ptr, tl.program_id(0), 4, T, TP, META_W)
+    x = x_ptr + tl.load(meta_ptr + t * META_W)
+    n = tl.load(meta_ptr + t * META_W + 1)
+    n_lanes = tl.load(meta_ptr + t * META_W + 6) * GROUP
+    lane0 = tl.load(meta_ptr + t * META_W + 5)  # the tensor's first lane, block-wide
+    raw = raw_ptr + tl.load(meta_ptr + t * META_W + 7)
+    words = words_ptr + tl.load(wbase_ptr + t)
+    tab = tab_ptr + t.to(tl.int64) * 65536
+    lane = local * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    sym_idx = (lane // GROUP) * (GROUP * SYMS) + lane % GROUP
-    start = tl.load(start_ptr + lane, mask=lane_ok, other=0)  # int64: the lane's first bit
+    # the lane's first bit within its tensor (the block-wide exclusive prefix sum minus the tensor's first)
+    start = tl.load(start_ptr + lane0 + lane, mask=lane_ok, other=0) - tl.load(start_ptr + lane0, mask=n_lanes > 0,
+                                                                                other=0)
     word = start >> 5
     nb = (start & 31).to(tl.int32)  # bits already in the buffer (the word's part before the lane: zeros)
     buf = tl.zeros([LANES], dtype=tl.uint64)  # valid bits left-aligned
-    for _ in range(SYMS):
-        sym, ok = _coded_symbol(x_ptr, sym_idx, lane_ok, n, BITS, SHIFT, PAIRS)
-        length = tl.where(ok, tl.load(len_ptr + sym), 0)
-        code = tl.where(ok, tl.load(code_ptr + sym), 0).to(tl.uint64)
-        # past the end (length 0) the shift would reach 64, undefined for a 64-bit shift: shift a zero by 0
-        buf = buf | (code << tl.where(ok, 64 - nb - length, 0).to(tl.uint64))
-        nb += length
-        full = ok & (nb >= 32)
-        tl.atomic_or(words_ptr + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=full)
-        buf = tl.where(full, buf << 32, buf)
-        nb = tl.where(full, nb - 32, nb)
-        word = tl.where(full, word + 1, word)
-        if PAIRS:
-            e0 = 2 * sym_idx
-            _put_raw(x_ptr, raw_ptr, e0, lane_ok & (e0 < n), BITS, KEPT, RAW_BYTES)
-            _put_raw(x_ptr, raw_ptr, e0 + 1, lane_ok & (e0 + 1 < n), BITS, KEPT, RAW_BYTES)
-        else:
-            _put_raw(x_ptr, raw_ptr, sym_idx, ok, BITS, KEPT, RAW_BYTES)
-        sym_idx += GROUP
-    tl.atomic_or(words_ptr + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=lane_ok & (nb > 0))
+    if tl.load(pairs_ptr + t) != 0:
+        p = (lane // GROUP) * (GROUP * (STEPS // 2)) + lane % GROUP
+        for _ in range(STEPS // 2):
+            e0 = 2 * p
+            ok = lane_ok & (e0 < n)
+            ok_b = ok & (e0 + 1 < n)
+            ua, sa = _symbols_at(x, e0, ok, BITS, SHIFT)
+            ub, sb = _symbols_at(x, e0 + 1, ok_b, BITS, SHIFT)
+            entry = tl.load(tab + ((sa << 8) | sb), mask=ok, other=0)
+            buf, nb, word = _append(words, buf, nb, word, entry, ok)
+            _put_raw(raw, ua, e0, ok, BITS, KEPT, RAW_BYTES)
+            _put_raw(raw, ub, e0 + 1, ok_b, BITS, KEPT, RAW_BYTES)
+            p += GROUP
+    else:
+        e = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
+        for _ in range(STEPS):
+            ok = lane_ok & (e < n)
+            u, s = _symbols_at(x, e, ok, BITS, SHIFT)
+            entry = tl.load(tab + s, mask=ok, other=0)
+            buf, nb, word = _append(words, buf, nb, word, entry, ok)
+            _put_raw(raw, u, e, ok, BITS, KEPT, RAW_BYTES)
+            e += GROUP
+    tl.atomic_or(words + word, (buf >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=lane_ok & (nb > 0),
+                 sem="relaxed")
+
+
+# ------------------------------------------------------------------------------------------------ host side
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """A device-to-host read (the encoder's only synchronizations: two per block). CUDA: into pinned memory,
+    then one wait for this stream (which holds only the encoder's own queued work on LOMO's side stream)."""
+    if t.device.type != "cuda":
+        return t.numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()
+
+
+def _to_device(a: np.ndarray, device) -> torch.Tensor:
+    """A host-to-device copy that does not wait (pinned source, non-blocking; the caching host allocator keeps
+    the pinned block until the copy is done)."""
+    t = torch.from_numpy(a)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _flat_source(xs) -> tuple[torch.Tensor, list]:
+    """(one int view covering every tensor, each tensor's element offset in it): the tensors' common storage
+    when they are contiguous views of one buffer (LOMO's block buffer: no copy), else a concatenation."""
+    bits = R.DTYPES[xs[0].dtype][0]
+    storage = xs[0].untyped_storage()
+    if all(x.is_contiguous() and x.untyped_storage().data_ptr() == storage.data_ptr() for x in xs):
+        elem = xs[0].element_size()
+        whole = torch.empty(0, dtype=xs[0].dtype, device=xs[0].device).set_(storage, 0, (storage.nbytes() // elem,))
+        return whole.view(_INT_VIEW[bits]), [x.storage_offset() for x in xs]
+    flat = torch.cat([x.detach().reshape(-1) for x in xs]).view(_INT_VIEW[bits])
+    return flat, np.concatenate([[0], np.cumsum([x.numel() for x in xs])[:-1]]).tolist()
+
+
+def _block_meta(device, dtype, offsets, numels, steps):
+    """Per tensor int64[META_W] (cached per block layout: uploaded once): element offset, n, first program of
+    the symbol histogram, of the pair histogram and of the lane kernels, first lane (block-wide), groups, raw
+    byte offset. Also the host's (programs per kernel, lane bases, lanes, raw offsets)."""
+    key = (str(device), dtype, tuple(offsets), tuple(numels), steps)
+    if key not in _META_CACHE:
+        if len(_META_CACHE) > 256:  # a model has ~2 layouts per block (two buffers); tests make many
+            _META_CACHE.clear()
+        n = np.array(numels, np.int64)
+        groups = -(-n // (R.GROUP * steps))
+        progs = [np.maximum(-(-n // HIST_BLOCK), 1), np.maximum(-(-(-(-n // 2)) // HIST_BLOCK), 1),
+                 np.maximum(-(-groups // GROUPS_PER_PROG), 1)]
+        first = [np.cumsum(p) - p for p in progs]
+        lanes = groups * R.GROUP
+        field_bytes = R.field_layout(dtype, None)[1] // 8
+        raw_off = np.cumsum(n * field_bytes) - n * field_bytes
+        meta = np.stack([np.array(offsets, np.int64), n, *first, np.cumsum(lanes) - lanes, groups, raw_off], 1)
+        lane0 = np.cumsum(lanes) - lanes
+        host = dict(programs=[int(p.sum()) for p in progs], lane0=lane0.tolist(),
+                    bounds=torch.from_numpy(np.append(lane0, lanes.sum()).astype(np.int64)).to(device),
+                    lanes=lanes.tolist(), raw_off=raw_off.tolist(), raw_bytes=(n * field_bytes).tolist())
+        _META_CACHE[key] = (torch.from_numpy(np.ascontiguousarray(meta, np.int64)).to(device), host)
+    return _META_CACHE[key]
+
+
+def _host_code(single: np.ndarray, pair: np.ndarray) -> np.ndarray:
+    """One tensor's code from its histograms, as every encoder builds it (reference.encode)."""
+    lengths = R.code_lengths(single)
+    pair_lengths = R.choose_pair_code(pair, lengths, single)
+    return lengths if pair_lengths is None else pair_lengths
 
 
 def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
@@ -120,80 +282,102 @@ def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
 
 
 def encode_block_triton(xs, steps: int = R.STEPS) -> tuple[list, list]:
-    """Streams of every tensor of a block (as :func:`encode_lossless_triton`, bit for bit) with two
-    device-to-host reads for the whole block instead of three per tensor: (1) the symbol and pair histograms
-    of all tensors in one copy, (2) every tensor's total padded bit count (the size of its word stream) in
-    one copy. Each read waits for the encoder's own queued kernels, so fewer reads let the host run ahead.
-    Returns (streams per tensor, each tensor's code as the host built it: for :meth:`BlockPack.replace`)."""
+    """Streams of every tensor of a block (one dtype; as :func:`encode_lossless_triton`, bit for bit): four
+    Triton launches for the whole block and two device-to-host reads (the histograms; the stream sizes), no
+    other synchronization (module docstring). Returns (streams per tensor, each tensor's code as the host built
+    it: for :meth:`BlockPack.replace`)."""
     steps = R.check_steps(steps)
-    dev = xs[0].device
-    flats, hists = [], []
-    for x in xs:
-        bits, shift, _ = R.DTYPES[x.dtype]
-        flat = x.detach().contiguous().reshape(-1).view(_INT_VIEW[bits])
-        sym = (flat >> shift).to(torch.uint8) if bits == 16 else ((flat >> shift) & 0xFF).to(torch.uint8)
-        flats.append(flat)
-        hists += [torch.bincount(sym, minlength=256), torch.bincount(pair_symbols(sym), minlength=R.PAIR_SYMBOLS)]
-    # read 1 (int32 when no count can pass 2^31: half the bytes of the ~0.5 MB per tensor)
-    small = max(x.numel() for x in xs) < 2 ** 31
-    counts = torch.cat(hists).to(torch.int32 if small else torch.int64).cpu().numpy().astype(np.int64)
-    width = 256 + R.PAIR_SYMBOLS
-    codes_np, tables = [], []
-    for i in range(len(xs)):
-        single = counts[i * width: i * width + 256]
-        lengths_np = R.code_lengths(single)
-        pair_lengths = R.choose_pair_code(counts[i * width + 256: (i + 1) * width], lengths_np, single)
-        lengths_np = lengths_np if pair_lengths is None else pair_lengths
-        codes_np.append(lengths_np)
-        tables += [lengths_np.astype(np.int32), R.canonical_codes(lengths_np).astype(np.int32)]
-    # all length and code tables in one host-to-device copy; each tensor's kernels read views of it
-    table_dev = torch.from_numpy(np.concatenate(tables)).to(dev)
-    views, at = [], 0
-    for t in tables:
-        views.append(table_dev[at: at + len(t)])
-        at += len(t)
-    laid = [_lane_lengths(x, flat, views[2 * i], steps, len(codes_np[i]) == R.PAIR_SYMBOLS)
-            for i, (x, flat) in enumerate(zip(xs, flats))]
-    totals = torch.stack([padded.sum() for padded, _ in laid]).cpu().tolist()  # read 2
+    dtype, dev = xs[0].dtype, xs[0].device
+    if any(x.dtype != dtype or x.device != dev for x in xs):
+        raise ValueError("xs: a block is encoded with one dtype on one device")
+    bits, shift, kept = R.DTYPES[dtype]
+    T, TP = len(xs), max(2, triton.next_power_of_2(len(xs)))
+    numels = [x.numel() for x in xs]
+    flat, offsets = _flat_source(xs)
+    meta, host = _block_meta(dev, dtype, offsets, numels, steps)
+    common = dict(TP=TP, META_W=META_W, BITS=bits, SHIFT=shift)
+    # 1-3: histograms (no host read in between)
+    hist = torch.zeros(T, HIST_W, dtype=torch.int32, device=dev)
+    _sym_hist_kernel[(host["programs"][0],)](flat, meta, hist, T, HIST_W=HIST_W, BLOCK=HIST_BLOCK, **common)
+    order = torch.argsort(hist[:, :256], dim=1, descending=True, stable=True)[:, :WINDOW]
+    rank = torch.full((T, 256), WINDOW, dtype=torch.int32, device=dev)
+    rank.scatter_(1, order, torch.arange(WINDOW, dtype=torch.int32, device=dev).expand(T, WINDOW).contiguous())
+    symof = order.to(torch.int32).contiguous()
+    _pair_hist_kernel[(host["programs"][1],)](flat, meta, rank, symof, hist, T, HIST_W=HIST_W, WINDOW=WINDOW,
+                                              BLOCK=HIST_BLOCK, **common)
+    counts = _to_host(hist).astype(np.int64)  # read 1
+    # 4: codes on the host; the lookup tables and the stored codes go up in one non-blocking copy
+    codes_np, stored, idx, entries = [], [], [], []
+    for i in range(T):
+        lengths = _host_code(counts[i, :256], counts[i, 256:])
+        codes_np.append(lengths)
+        present = np.flatnonzero(lengths)
+        code = R.canonical_codes(lengths)[present].astype(np.int64)
+        idx.append(present + i * 65536)
+        entries.append((code << 4) | lengths[present].astype(np.int64))
+        stored.append(code_streams(lengths))
+    up, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored,
+                               np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32), dev)
+    tab = torch.zeros(T * 65536, dtype=torch.int32, device=dev).scatter_(0, parts["idx"],
+                                                                         parts["entries"].to(torch.int32))
+    pairs = parts["pairs"]
+    # 5: lane lengths, their block-wide prefix sum, the stream sizes
+    n_lanes = sum(host["lanes"])
+    lane_bits = torch.empty(n_lanes, dtype=torch.int32, device=dev)
+    lane_args = dict(TP=TP, META_W=META_W, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits,
+                     SHIFT=shift)
+    _lane_bits_kernel[(host["programs"][2],)](flat, meta, pairs, tab, lane_bits, T, **lane_args)
+    unit = R.lane_unit(steps)
+    padded = (lane_bits + (unit - 1)) // unit * unit
+    ends = torch.cumsum(padded, 0, dtype=torch.int64)
+    start = ends - padded
+    marks = torch.cat([ends.new_zeros(1), ends])[host["bounds"]]  # the prefix sum at each tensor's first lane
+    totals = _to_host(marks[1:] - marks[:-1]).tolist()  # read 2
+    # 6: words and raw fields of every tensor
+    n_words = [-(-t // 32) + R.WORD_PAD for t in totals]
+    wbase = np.cumsum(n_words) - n_words
+    words = torch.zeros(int(sum(n_words)), dtype=torch.int32, device=dev)
+    raw = torch.empty(int(sum(host["raw_bytes"])), dtype=torch.uint8, device=dev)
+    _pack_kernel[(host["programs"][2],)](flat, meta, pairs, tab, start, _to_device(wbase.astype(np.int64), dev),
+                                         words, raw, T, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8,
+                                         **lane_args)
+    units = (padded // unit).to(torch.uint8)
     out = []
-    for i, (x, flat) in enumerate(zip(xs, flats)):
-        padded, start = laid[i]
-        out.append(_pack(x, flat, views[2 * i], views[2 * i + 1], padded, start, int(totals[i]), steps,
-                         len(codes_np[i]) == R.PAIR_SYMBOLS, codes_np[i]))
+    for i in range(T):
+        a, nl = host["lane0"][i], host["lanes"][i]
+        s = start[a: a + nl]
+        out.append({"words": words[int(wbase[i]): int(wbase[i]) + n_words[i]], "lane_units": units[a: a + nl],
+                    "group_offsets": (s[:: R.GROUP] - s[:1]).contiguous() if nl else s[:0],
+                    "raw": raw[host["raw_off"][i]: host["raw_off"][i] + host["raw_bytes"][i]], **parts["stored"][i]})
     return out, codes_np
 
 
-def _lane_lengths(x, flat, lengths, steps: int, pairs: bool):
-    """(padded lane lengths in bits, int64; each lane's first bit) of one tensor: the lane-sum kernel."""
-    n = x.numel()
-    bits, shift, _ = R.DTYPES[x.dtype]
-    unit = R.lane_unit(steps)
-    groups = R.n_groups(n, steps)
-    n_lanes = groups * R.GROUP
-    lane_bits = torch.zeros(n_lanes, dtype=torch.int32, device=x.device)
-    if n:
-        grid = (triton.cdiv(max(groups, 1), GROUPS_PER_PROG),)
-        _lane_bits_kernel[grid](flat, lengths, lane_bits, n, n_lanes, STEPS=steps, GROUP=R.GROUP,
-                                GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift, PAIRS=pairs)
-    padded = (lane_bits.to(torch.int64) + unit - 1) // unit * unit
-    return padded, torch.cumsum(padded, 0) - padded
+def _upload_bundle(idx, entries, stored, pairs, dev):
+    """One non-blocking host-to-device copy of the table scatter (indices, entries), the per-tensor pair flags
+    and every tensor's stored code streams; returns device views of each part."""
+    chunks, spans = [], []
 
+    def add(a: np.ndarray):
+        b = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        at = sum(len(c) for c in chunks)
+        chunks.append(b)
+        pad = -len(b) % 16
+        if pad:
+            chunks.append(np.zeros(pad, np.uint8))
+        spans.append((at, len(b), a.dtype))
 
-def _pack(x, flat, lengths, codes, padded, start, total: int, steps: int, pairs: bool, lengths_np) -> dict:
-    """One tensor's streams once its total bit count is known: the pack kernel (words and raw fields)."""
-    n = x.numel()
-    bits, shift, kept = R.DTYPES[x.dtype]
-    dev = x.device
-    unit = R.lane_unit(steps)
-    groups = R.n_groups(n, steps)
-    words = torch.zeros(-(-total // 32) + R.WORD_PAD, dtype=torch.int32, device=dev)
-    _, field_bits = R.field_layout(x.dtype, None)
-    raw = torch.empty(n * field_bits // 8, dtype=torch.uint8, device=dev)
-    if n:
-        grid = (triton.cdiv(max(groups, 1), GROUPS_PER_PROG),)
-        _pack_kernel[grid](flat, lengths, codes, start, words, raw, n, groups * R.GROUP, STEPS=steps,
-                           GROUP=R.GROUP, GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift, KEPT=kept,
-                           RAW_BYTES=field_bits // 8, PAIRS=pairs)
-    return {"words": words, "lane_units": (padded // unit).to(torch.uint8),
-            "group_offsets": start[:: R.GROUP].contiguous(), "raw": raw,
-            **{k: v.to(dev) for k, v in code_streams(lengths_np).items()}}
+    add(idx.astype(np.int64))
+    add(entries.astype(np.int64))
+    add(pairs.astype(np.int32))
+    keys = []
+    for s in stored:
+        for k, v in s.items():
+            keys.append(k)
+            add(v.numpy())
+    buf = _to_device(np.concatenate(chunks), dev)
+    torch_of = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.int16): torch.int16,
+                np.dtype(np.uint8): torch.uint8}
+    views = [buf[at: at + nb].view(torch_of[np.dtype(dt)]) for at, nb, dt in spans]
+    it = iter(zip(keys, views[3:]))
+    stored_dev = [{k: next(it)[1] for k in s} for s in stored]
+    return buf, {"idx": views[0], "entries": views[1], "pairs": views[2], "stored": stored_dev}

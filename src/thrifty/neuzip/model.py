@@ -17,8 +17,8 @@ How it runs (NOTES.md has the arithmetic):
   (:func:`thrifty.neuzip.encode.encode_on_device`: the Triton encoder kernels with ``impl="triton"`` / on CUDA,
   torch ops on the CPU): at once on the CPU; on CUDA only when its buffer is needed again (one block later in
   backward), on a side stream that waits for the block's last update only. Why: the encoder reads its histogram
-  and its stream size on the host (~5 stream syncs per tensor, ~38 per block, in ``encode_kernel`` and
-  ``BlockPack``); on the main stream each one drained everything queued, i.e. the next block's backward, so
+  and its stream size on the host (2 syncs per block since branch nze2; ~41 before, NOTES.md "Re-encode: how it
+  works now"); on the main stream each one drained everything queued, i.e. the next block's backward, so
   the GPU idled through every host step of every encode. On the side stream a sync waits for the encode's own
   small kernels while the main stream keeps running the backward of the block after it.
 * ``model.neuzip`` (:class:`CompressedWeights`) holds the packs, the buffers, ``memory()`` and ``stats``.
