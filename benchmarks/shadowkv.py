@@ -26,6 +26,8 @@ another one in the same run (``git archive <old> | tar -x -C .base``, carry ``.b
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import os
 import subprocess
@@ -272,8 +274,10 @@ def graph_ms(fn, reps: int, device) -> float:
 
 def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
     """Milliseconds of each stage of layer 0's ShadowKV attention inside a CUDA graph (after the step ran):
-    select = landmark logits + softmax/top-K/reuse plan (2 kernels); fill = key rebuild + value fetch of the
-    slots the last step filled (1 kernel); attention = split-K + merge (2 kernels)."""
+    select = landmark logits + scores/histogram + marks/top-K/reuse plan (3 kernels; where the tree's
+    ``score_and_select`` can stop early, also ``select_logits`` = the first kernel alone and ``select_scores`` = the
+    first two); fill = key rebuild + value fetch of the slots the last step filled (1 kernel); attention = split-K
+    + merge (2 kernels)."""
     e, st = att.engine, att.engine.states[0]
     fl = e.fast[0]
     dev = q.device
@@ -285,7 +289,13 @@ def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
                                    fl.sel_base, fl.chunk_size),
         "attention": lambda: decode_attention(q, fl.k, fl.v, fl.valid, scale),
     }
+    if "stop_after" in inspect.signature(score_and_select).parameters:  # a tree that can stop early (v4 on)
+        for part in ("logits", "scores"):  # the first kernels alone: select_logits <= select_scores <= select
+            timed[f"select_{part}"] = functools.partial(score_and_select, q, k_new, v_new, st.landmarks,
+                                                        st.selectable, scale, fl, stop_after=part)
     out = {name: graph_ms(fn, 20, dev) for name, fn in timed.items()}
+    if "select_logits" in out:  # the step's state is the full select's again (the parts left it half done)
+        score_and_select(q, k_new, v_new, st.landmarks, st.selectable, scale, fl)
     out["fill_rows"] = int((work >= 0).sum()) * fl.chunk_size
     return out
 
@@ -359,9 +369,11 @@ def stages_main(args, shape, contexts, gen, hit_rate, device) -> None:
         if "error" in r:
             continue
         tag = f"{r['context'] // 1024}k" + ("_baseline" if r["tree"] == "baseline" else "")
-        for stage in ("select", "fill", "attention"):
-            summary[f"{stage}_us_{tag}"] = 1e3 * r[f"{stage}_ms_per_layer"]
-    bench.print_table(rows, ["tree", "context", "hit_rate", "fill_rows", "select_ms_per_layer", "fill_ms_per_layer",
+        for stage in ("select", "fill", "attention", "select_logits", "select_scores"):
+            if f"{stage}_ms_per_layer" in r:
+                summary[f"{stage}_us_{tag}"] = 1e3 * r[f"{stage}_ms_per_layer"]
+    bench.print_table(rows, ["tree", "context", "hit_rate", "fill_rows", "select_ms_per_layer",
+                             "select_logits_ms_per_layer", "select_scores_ms_per_layer", "fill_ms_per_layer",
                              "attention_ms_per_layer", "error"])
     bench.write_result("shadowkv_stages", rows, summary,
                        extra={"what": "one layer's ShadowKV stages at batch 1 inside a CUDA graph, synthetic state",
@@ -433,7 +445,7 @@ def run_variant(name, batch, cfg, model, T, gen, steps, use_graph, arena, hit_ra
                     kv = torch.randn(2, 1, H, 1, D, dtype=torch.bfloat16, device=device)
                     parts = layer_breakdown(att, q, kv[0], kv[1])
                     row.update({f"{k}_ms_per_layer" if k != "fill_rows" else k: v for k, v in parts.items()})
-                    row["rest_ms"] = row["step_ms"] - L * sum(v for k, v in parts.items() if k != "fill_rows")
+                    row["rest_ms"] = row["step_ms"] - L * sum(parts[k] for k in ("select", "fill", "attention"))
             return row
         except torch.OutOfMemoryError as e:
             row["error"] = f"OutOfMemoryError: {e}"[:300]

@@ -2,6 +2,8 @@
 sizes), the kernel path against the reference path over many decode steps (asserting the kernels ran), and
 CUDA-graph capture of a step (GPU only)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,8 +36,10 @@ def make_state(lengths, H=3, D=32, cfg=None, dtype=torch.float32, seed=0):
 
 
 # Blocks of 16 and 16 coarse bins (one per octave: the clamped bin is reached): the select stage's multi-split,
-# multi-block and many-candidate paths at interpreter sizes. The GPU's defaults see one block at these sizes.
-SMALL = SelectTuning(logit_block=16, score_block=16, select_block=16, hist_bins=16, hist_shift=23)
+# multi-block and many-candidate paths at interpreter sizes, and tail tiles of one entry per split (the tail's
+# concatenation loops). The GPU's defaults see one block at these sizes. UNFUSED: the tail as its own launch.
+SMALL = SelectTuning(logit_block=16, score_block=16, select_block=16, hist_bins=16, hist_shift=23, tail_tile=16)
+UNFUSED = dataclasses.replace(SMALL, fused_tail=False)
 
 CFG = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=20, outlier_chunks=2, local_chunks=2, min_prompt_len=16)
 
@@ -76,7 +80,8 @@ def scores_f64(q, st):
     (torch.bfloat16, 4, [211, 99], 5, None), (torch.float32, 3, [333], 13, SMALL),
     (torch.bfloat16, 4, [211, 99], 5, SMALL),
     (torch.float32, 2, [157, 30], 13, SMALL),  # the short sequence has fewer selectable chunks than K: -1 ties
-    (torch.float32, 2, [157, 30], 13, None)])
+    (torch.float32, 2, [157, 30], 13, None), (torch.float32, 2, [157, 30], 13, UNFUSED),
+    (torch.bfloat16, 3, [333], 13, UNFUSED)])
 def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * K, outlier_chunks=2, local_chunks=2,
                          min_prompt_len=16, max_generated=8)
@@ -111,7 +116,7 @@ def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tunin
     assert torch.equal(fl.valid[:, :, fl.sel_base:fl.gen_base], picked.repeat_interleave(4, -1))
 
 
-@pytest.mark.parametrize("tuning", [None, SMALL])
+@pytest.mark.parametrize("tuning", [None, SMALL, UNFUSED])
 def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=24, outlier_chunks=1, local_chunks=1,
                          min_prompt_len=16, max_generated=8)
@@ -142,6 +147,51 @@ def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     new_set = set(now[0, 0].tolist())
     assert all(kept[0, 0, s] for s, c in enumerate(before[0, 0].tolist()) if c in new_set)  # hits stay put
     assert set(fl.work[0, 0][fl.work[0, 0] >= 0].tolist()) == new_set - set(before[0, 0].tolist())
+
+
+@pytest.mark.parametrize("tuning", [None, SMALL, UNFUSED])
+def test_select_ties_across_splits_and_clusters(tuning):
+    """Adversarial selections over several steps, against a stable sort of the kernel's scores and against the
+    reference's scores: ties straddling the threshold spread over every split (more candidates than a tail
+    block), all picks clustered in a few splits (a long miss segment), K above the short sequence's selectable
+    chunks, C not a multiple of any block; the slot maps stay each other's inverse and hits never move."""
+    cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * 21, outlier_chunks=2, local_chunks=1,
+                         min_prompt_len=16, max_generated=8)
+    H, G, D, K = 2, 1, 32, 21
+    lengths = [515, 70]  # 127 and 16 chunks (16 - 3 selectable < K)
+    e, fl = select_engine(lengths, H, G, D, cfg, torch.float32, seed=9, tuning=tuning)
+    st = e.states[0]
+    lm = st.landmarks
+    lm[0, 0, 1::2] = lm[0, 0, :1]  # head 0: half the chunks alike (ties everywhere)
+    lm[0, 1, 60:100] = lm[0, 1, 60:100] * 4  # head 1: the large scores in one stretch of chunks
+    g = torch.Generator().manual_seed(4)
+    q0 = torch.randn(2, H * G, 1, D, generator=g) * 0.5
+    prev = None
+    for step in range(3):
+        q = (q0 + 0.3 * step * torch.randn(q0.shape, generator=g)).to(DEV)
+        if step == 1:
+            q[0, 0] = -q[0, 0]  # head 0 turns around: most picks change
+        kn = vn = torch.zeros(2, H, 1, D, device=DEV)
+        score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+        fl.n_generated += 1
+        scores = fl.scratch.scores
+        torch.testing.assert_close(scores, ref.landmark_scores(q, st), atol=1e-5, rtol=1e-5)
+        ids = fl.slot_ids.long()
+        assert torch.equal(ids.sort(-1).values, top_k_lowest_ids(scores, K)), step
+        for b in range(2):
+            for h in range(H):
+                inv = torch.full((st.selectable.shape[-1],), -1, dtype=torch.int32, device=DEV)
+                inv[fl.slot_ids[b, h].long()] = torch.arange(K, dtype=torch.int32, device=DEV)
+                assert torch.equal(fl.slot_of[b, h], inv)
+        picked = st.selectable.gather(-1, ids)
+        assert torch.equal(fl.valid[:, :, fl.sel_base:fl.gen_base], picked.repeat_interleave(4, -1))
+        if prev is not None:
+            stay = (prev[..., :, None] == fl.slot_ids[..., None, :]).any(-1)  # the old chunk is still selected
+            assert torch.equal(fl.slot_ids[stay], prev[stay])  # ... in the same slot
+            new = ~stay & picked
+            assert torch.equal(fl.work[new], fl.slot_ids[new]) and (fl.work[~new] == -1).all()
+        prev = fl.slot_ids.clone()
+    assert (scores[0, 0] == scores[0, 0, 1]).sum() > K  # the ties really straddled
 
 
 @pytest.mark.parametrize("chunk_size, host", [(4, "native"), (8, "native"), (4, "fp8")])

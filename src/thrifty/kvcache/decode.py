@@ -7,10 +7,11 @@ Per layer, one buffer per (sequence, KV head) of ``N = dense + K*c + max_generat
 with a validity byte per row. A step is six launches:
   1. ``score_kernel``: the landmark logits, split over ~4 programs per SM;
   2. ``score_kernel``: the scores (softmax + group max) and their first-level histogram, on the same grid;
-  3. ``score_kernel``: append the new token (row ``gen_base + n_generated``, a device counter), the exact top-K
-     (the histogram's threshold bin, then a radix select among its chunks), and the reuse plan: a chunk still
-     selected keeps its slot (nothing moves), each new one takes a freed slot; ``work[slot]`` says which chunk
-     each slot must receive;
+  3. ``score_kernel``: on the same grid, the threshold bin from the histogram, the marks of the chunks above it
+     and per-program lists of misses and candidates; the last program of each head to finish runs the head's
+     tail: the exact top-K among the candidates (radix select) and the reuse plan (a chunk still selected keeps
+     its slot, nothing moves; each new one takes a freed slot; ``work[slot]`` says which chunk each slot must
+     receive). Program 0 of each head appends the new token (row ``gen_base + n_generated``, a device counter);
   4. ``fill_kernel``: rebuild the keys and fetch the values (from host memory) of those chunks, both in one
      launch so that they overlap;
   5-6. ``attention_kernel``: split-K attention over the whole buffer, then the merge of the splits.
@@ -36,23 +37,32 @@ class Scratch:
     part_l: torch.Tensor
     scores: torch.Tensor  # (B, H, C) fp32
     hist: torch.Tensor  # (B*H, bins) int32: first-level histogram of the scores
-    key_ref: torch.Tensor  # (B*H,) int64: the key the bins count down from
+    key_ref: torch.Tensor  # (B*H,) int32: the key the bins count down from
+    done: torch.Tensor  # (B*H,) int32: programs of the mark kernel that have finished (the last runs the tail)
     mark: torch.Tensor  # (B, H, C) int8: selected this step
-    candidates: torch.Tensor  # (B*H, C) int32: chunks of the threshold bin, in chunk order
-    miss_list: torch.Tensor  # (B, H, K) int32: newly selected chunks
+    seg_miss: torch.Tensor  # (B*H, splits*span) int32: per mark program, its sure misses (chunk*2 + selectable)
+    seg_cand: torch.Tensor  # (B*H, splits*span) int32: per mark program, its candidates (chunk*4 + miss*2 + sel)
+    seg_key: torch.Tensor  # (B*H, splits*span) int32: the candidates' score keys
+    counts: torch.Tensor  # (B*H, splits, 4) int32: per mark program: misses, candidates, min and max key
+    candidates: torch.Tensor  # (B*H, C) int32: the candidates of the head, in chunk order
+    cand_keys: torch.Tensor  # (B*H, C) int32
+    miss_list: torch.Tensor  # (B*H, K) int32: newly selected chunks (chunk*2 + selectable)
     logit_splits: tuple[int, int]
     tuning: SelectTuning
 
     @classmethod
     def allocate(cls, B, H, G, C, K, device, tuning: SelectTuning = TUNING) -> "Scratch":
-        splits = logit_splits(B * H, C, device, tuning.logit_block)
+        splits, span = logit_splits(B * H, C, device, tuning.logit_block)
         g_pad = g_pads(G)[0]
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
-        return cls(torch.empty(B * H, G, C, **f32), torch.empty(B * H, splits[0], g_pad, **f32),
-                   torch.empty(B * H, splits[0], g_pad, **f32), torch.empty(B, H, C, **f32),
-                   torch.empty(B * H, tuning.hist_bins, **i32), torch.empty(B * H, dtype=torch.int64, device=device),
-                   torch.empty(B, H, C, dtype=torch.int8, device=device), torch.empty(B * H, C, **i32),
-                   torch.empty(B, H, K, **i32), splits, tuning)
+        R = B * H
+        return cls(torch.empty(R, G, C, **f32), torch.empty(R, splits, g_pad, **f32),
+                   torch.empty(R, splits, g_pad, **f32), torch.empty(B, H, C, **f32),
+                   torch.empty(R, tuning.hist_bins, **i32), torch.empty(R, **i32), torch.zeros(R, **i32),
+                   torch.empty(B, H, C, dtype=torch.int8, device=device), torch.empty(R, splits * span, **i32),
+                   torch.empty(R, splits * span, **i32), torch.empty(R, splits * span, **i32),
+                   torch.empty(R, splits, 4, **i32), torch.empty(R, C, **i32), torch.empty(R, C, **i32),
+                   torch.empty(R, K, **i32), (splits, span), tuning)
 
 
 @dataclass
