@@ -234,7 +234,7 @@ def _apply_reference_attention(model, cfg, layers, skip_layers, impl):
 
 def _install_dispatch(model):
     """Switches the model to the dispatcher (see dispatch.py); returns what switches it back."""
-    from ..kvcache.cache import ROUTES_SHADOWKV_ATTR
+    from ..kvcache.hf import ROUTES_SHADOWKV_ATTR
     from . import dispatch
 
     previous = model.config._attn_implementation
@@ -282,8 +282,8 @@ def _apply_kv_cache(model, config, kind, layers, impl):
 
 
 def _forget_shadowkv_marks(model) -> None:
-    """The per-module notes a ShadowKVCache leaves on the attention modules (see kvcache/cache.py)."""
-    from ..kvcache.cache import _PENDING, _PREVIOUS
+    """The per-module notes a ShadowKVCache leaves on the attention modules (see kvcache/hf.py)."""
+    from ..kvcache.hf import _PENDING, _PREVIOUS
 
     for m in model.modules():
         m.__dict__.pop(_PENDING, None)

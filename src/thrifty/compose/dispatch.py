@@ -18,7 +18,7 @@ CALLS_ATTR = "_thrifty_attention_calls"
 
 def thrifty_attention(module, query, key, value, attention_mask, **kwargs):
     from ..attention.hf import OPTIONS_ATTR, hf_sage_attention
-    from ..kvcache.cache import _PENDING, shadowkv_attention
+    from ..kvcache.hf import _PENDING, shadowkv_attention
 
     calls = module.__dict__.setdefault(CALLS_ATTR, collections.Counter())
     if module.__dict__.get(_PENDING) is not None:
