@@ -252,7 +252,7 @@ def _install_dispatch(model):
 
 def _apply_kv_cache(model, config, kind, layers, impl):
     if kind == "reference":
-        return _apply_reference_kv_cache(model, config.kv_cache, impl)
+        return _apply_reference_kv_cache(model, config.kv_cache, impl, layers)
     restore_dispatch = None
     if config.attention is None:  # the dispatcher is in place already when attention is on
         restore_dispatch = _install_dispatch(model)
@@ -290,9 +290,12 @@ def _forget_shadowkv_marks(model) -> None:
         m.__dict__.pop(_PREVIOUS, None)
 
 
-def _apply_reference_kv_cache(model, kv_config, impl):
+def _apply_reference_kv_cache(model, kv_config, impl, layers):
     """thrifty.models.generate builds the model's ``thrifty_cache_factory`` when given no cache_factory."""
     from ..models.generate import CACHE_FACTORY_ATTR
+
+    # a ShadowKV cache wraps each layer's attention function in its dispatch when built: taken off with the rest
+    previous = [layer.self_attn.attention for layer in layers]
 
     def factory():
         model.__dict__[CACHE_ATTR] = _new_cache(kv_config, impl, model)
@@ -303,6 +306,8 @@ def _apply_reference_kv_cache(model, kv_config, impl):
     def take_off():
         model.__dict__.pop(CACHE_FACTORY_ATTR, None)
         model.__dict__.pop(CACHE_ATTR, None)
+        for layer, fn in zip(layers, previous):
+            layer.self_attn.attention = fn
     return take_off
 
 

@@ -15,7 +15,7 @@ transformers gives caches post-RoPE keys; the prefill un-rotates them with the m
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,9 +28,12 @@ ROUTES_SHADOWKV_ATTR = "_thrifty_routes_shadowkv"
 
 
 def shadowkv_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                       scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
+                       scaling: Optional[float] = None, is_causal: Optional[bool] = None, *,
+                       prefill_attention: Optional[Callable] = None, **kwargs):
     """transformers attention signature. With a ShadowKV mark on ``module``: the cache's prefill or sparse decode;
-    otherwise transformers' SDPA."""
+    otherwise transformers' SDPA. ``prefill_attention`` (an attention function of the same signature, default
+    SDPA) computes the prefill's output while the cache compresses the prompt's keys and values: a caller that
+    routes ShadowKV's calls itself (``thrifty.optimize``'s dispatcher) passes quantized attention there."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cache = module.__dict__.pop(_PENDING, None)
@@ -43,8 +46,8 @@ def shadowkv_attention(module, query, key, value, attention_mask, dropout: float
     if cache.engine.compressed(layer):
         out = cache.engine.decode(layer, query, key, value, scale)
         return out.transpose(1, 2).contiguous(), None
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                 is_causal=is_causal, **kwargs)
+    out = (prefill_attention or sdpa_attention_forward)(module, query, key, value, attention_mask, dropout=dropout,
+                                                        scaling=scaling, is_causal=is_causal, **kwargs)
     cache._compress_hf(layer, key, value, attention_mask, kwargs.get("position_ids"))
     return out
 
