@@ -30,7 +30,7 @@ from sage_accuracy import capture_qkv, load_model, windows  # noqa: E402
 
 from thrifty import bench  # noqa: E402
 from thrifty.attention import accuracy_metrics, exact_attention  # noqa: E402
-from thrifty.attention.api import SMOOTH_Q_BLOCK  # noqa: E402
+from thrifty.attention.sage import SMOOTH_Q_BLOCK  # noqa: E402
 from thrifty.attention.reference import sage_attention_reference  # noqa: E402
 
 COMMON = dict(qk_format="int4", smooth_k=True, k_granularity="block", block_n=64, block_m=SMOOTH_Q_BLOCK,

@@ -287,7 +287,7 @@ def _host_python_us_cpu(calls):
     from unittest import mock
 
     from thrifty import triton_utils
-    from thrifty.attention import api, attn_kernel, decode, decode_kernel, quant_kernel
+    from thrifty.attention import attn_kernel, decode, decode_kernel, quant_kernel, sage
 
     class Kernel:
         function = packed_metadata = None
@@ -311,7 +311,7 @@ def _host_python_us_cpu(calls):
     try:
         with mock.patch.object(triton_utils, "_DRIVER", fake), \
                 mock.patch.object(triton_utils, "_direct_launch_allowed", lambda: True), \
-                mock.patch.object(api, "kernels_available", lambda d: True), \
+                mock.patch.object(sage, "kernels_available", lambda d: True), \
                 mock.patch.object(decode, "kernels_available", lambda d: True):
             for lz in launchers:
                 lz.fn, lz.interpreted = FakeJit(lz.fn), False

@@ -146,7 +146,7 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
 
 
 def _attention():
-    from thrifty.attention.api import KERNEL_HEAD_DIMS
+    from thrifty.attention.sage import KERNEL_HEAD_DIMS
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     for D in KERNEL_HEAD_DIMS:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
-from thrifty.attention.api import SMOOTH_Q_BLOCK
+from thrifty.attention.sage import SMOOTH_Q_BLOCK
 from thrifty.triton_utils import interpreting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

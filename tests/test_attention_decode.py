@@ -221,8 +221,8 @@ def _spy(monkeypatch, module, name):
 
 @pytest.mark.parametrize("sq", [1, 7, 16, 17])
 def test_short_queries_go_to_sdpa(monkeypatch, sq):
-    from thrifty.attention import api
-    sdpa, quantized = _spy(monkeypatch, api, "_exact_sdpa"), _spy(monkeypatch, api, "_forward")
+    from thrifty.attention import sage
+    sdpa, quantized = _spy(monkeypatch, sage, "_exact_sdpa"), _spy(monkeypatch, sage, "_forward")
     q, k, v = _qkv(1, 4, 2, sq, 40, 64)
     out = sage_attention(q, k, v, causal=True)
     assert (sdpa, quantized) == ((["_exact_sdpa"], []) if sq <= 16 else ([], ["_forward"]))
@@ -231,8 +231,8 @@ def test_short_queries_go_to_sdpa(monkeypatch, sq):
 
 
 def test_explicit_impl_is_obeyed_for_short_queries(monkeypatch):
-    from thrifty.attention import api
-    quantized = _spy(monkeypatch, api, "_forward")
+    from thrifty.attention import sage
+    quantized = _spy(monkeypatch, sage, "_forward")
     q, k, v = _qkv(1, 4, 2, 2, 40, 64)
     sage_attention(q, k, v, causal=True, impl="reference")
     assert quantized == ["_forward"]

@@ -55,7 +55,7 @@ def _assert_matches_reference(out, ref, atol):
 
 
 def _kernel(q, k, v, causal, return_lse=False, **opts):
-    from thrifty.attention.api import _validate
+    from thrifty.attention.sage import _validate
     from thrifty.attention.attn_kernel import sage_forward_triton
     qk_bits, pv = opts.pop("qk_bits", 8), opts.pop("pv", "fp8")
     _validate(q, k, v, qk_bits, pv, "triton", "bhsd", None)
@@ -236,10 +236,10 @@ def test_kernel_nan_rows_are_exactly_the_rule_without_a_host_guard(monkeypatch, 
     """The kernels find the non-finite rows themselves (K/V in the quantization pass, Q in the attention
     kernel): NaN exactly where reference.nonfinite_rows says, and the other rows equal to a run on inputs with
     those elements zeroed. The host guard must not run on this path (it cost up to 3x at short lengths)."""
-    from thrifty.attention import api
+    from thrifty.attention import sage
     from thrifty.attention.reference import nonfinite_rows
 
-    monkeypatch.setattr(api, "nonfinite_rows", lambda *a: pytest.fail("host NaN guard ran on the kernel path"))
+    monkeypatch.setattr(sage, "nonfinite_rows", lambda *a: pytest.fail("host NaN guard ran on the kernel path"))
     g = torch.Generator().manual_seed(Sq * 31 + Sk)
     for trial in range(2):
         q, k, v = _inputs(B, H, Hkv, Sq, Sk, 64, seed=trial)

@@ -1,8 +1,8 @@
 """thrifty.optimize / undo / describe through the public API, on a tiny transformers Llama and on thrifty's
-reference model: every preset, undo bit for bit, every allowed pair of techniques, refused inputs."""
+reference model: every preset, undo bit for bit, refused inputs. Every allowed pair of techniques:
+test_optimize_pairs.py."""
 
 import copy
-import itertools
 
 import pytest
 import torch
@@ -195,60 +195,7 @@ def test_undo_of_a_plain_model_is_refused(hf_base):
         thrifty.undo(copy.deepcopy(hf_base))
 
 
-# ---------------------------------------------------------------------------------------------- pairs
-SINGLE = {"bitnet": dict(bitnet="b1.58"), "neuzip": dict(neuzip="lossless"), "cce": dict(cce=True),
-          "attention": dict(attention=True), "kv_cache": dict(kv_cache=EXACT_SHADOWKV)}
-REFUSED_PAIRS = {("bitnet", "neuzip")}
-ALLOWED_PAIRS = [p for p in itertools.combinations(SINGLE, 2) if p not in REFUSED_PAIRS]
-# what a technique leaves unchanged when it joins another: lossless NeuZip the weights (bit-exact), CCE the
-# loss value, ShadowKV at full budget and rank the greedy tokens; quantized attention changes the outputs, so a
-# pair with it must give the bits of the other technique with enable_hf put on by hand
-EXACT = {"neuzip", "cce", "kv_cache"}
-
-
-def measure(model, ids):
-    loss = train_loss(model, ids).loss.detach()
-    return dict(logits=eval_logits(model, ids), loss=loss, tokens=generate(model, ids))
-
-
-@pytest.fixture(scope="module")
-def single_results(hf_base, ids):
-    return {t: measure(thrifty.optimize(copy.deepcopy(hf_base), OptimizeConfig(**SINGLE[t])), ids) for t in SINGLE}
-
-
-@pytest.mark.parametrize("pair", ALLOWED_PAIRS, ids="+".join)
-def test_every_allowed_pair_keeps_both_on_and_matches_each_alone(pair, hf_base, ids, single_results):
-    model = thrifty.optimize(copy.deepcopy(hf_base), OptimizeConfig(**SINGLE[pair[0]], **SINGLE[pair[1]]))
-    for technique in pair:
-        assert_on(model, technique, ids)
-    got = measure(model, ids)
-    for technique, other in (pair, pair[::-1]):
-        alone = single_results[technique]  # the other technique joined this one: what does it change?
-        if other in EXACT:
-            assert torch.allclose(got["logits"], alone["logits"], atol=1e-5)
-            assert torch.allclose(got["loss"], alone["loss"], atol=1e-5)
-            assert torch.equal(got["tokens"], alone["tokens"])
-        elif other == "attention":  # the same bits as the technique alone plus enable_hf by hand
-            from thrifty.attention import enable_hf
-
-            by_hand = thrifty.optimize(copy.deepcopy(hf_base), OptimizeConfig(**SINGLE[technique]))
-            enable_hf(by_hand, qk_bits=8, pv="fp8")
-            assert not torch.equal(got["logits"], alone["logits"])
-            assert torch.equal(got["logits"], eval_logits(by_hand, ids))
-            assert torch.equal(got["loss"], train_loss(by_hand, ids).loss.detach())
-
-
-def test_a_shadowkv_generate_keeps_quantized_attention_on(hf_base, ids):
-    from thrifty.compose.dispatch import attention_calls
-
-    model = thrifty.optimize(copy.deepcopy(hf_base), OptimizeConfig(attention=True, kv_cache=EXACT_SHADOWKV))
-    generate(model, ids)
-    assert model.config._attn_implementation == "thrifty"
-    before = attention_calls(model).get("quantized", 0)
-    eval_logits(model, ids)
-    assert attention_calls(model)["quantized"] == before + len(model.model.layers)
-
-
+# ---------------------------------------------------------------------------------------------- layers
 def test_skip_layers_keep_exact_attention_and_full_precision_linears(ids):
     from thrifty.compose.dispatch import CALLS_ATTR
 

@@ -9,14 +9,19 @@ Models: ``model.set_attention(sage_seam())`` (reference Llama), ``enable_hf(mode
 ``decode_attention(q, cache)`` over a ``QuantizedKV`` (packed 8/4/3-bit cache, split-K kernel);
 ``thrifty_kv_cache(model, bits)`` for transformers' ``generate``, ``QuantizedKVCache(bits)`` for the reference
 model's. See NOTES.md for the kernel's numbers.
+
+Modules: ``sage`` (the attention function), ``seam`` (the reference model's attention seam), ``plan`` (per-layer
+4/8-bit calibration and plans), ``hf`` (transformers), ``kv_cache`` / ``decode`` (the quantized KV cache and its
+decode), ``reference`` (the readable PyTorch spec), ``routing`` and the ``*_kernel`` Triton modules.
 """
 
-from .api import (apply_plan, calibrate, load_plan, plan_from_scores, sage_attention, sage_seam,
-                  save_plan)
 from .decode import decode_attention
 from .hf import disable_hf, enable_hf, thrifty_kv_cache
 from .kv_cache import QuantizedKV, QuantizedKVCache, quantize_kv_cache
+from .plan import apply_plan, calibrate, load_plan, plan_from_scores, save_plan
 from .reference import accuracy_metrics, exact_attention, sage_attention_reference
+from .sage import sage_attention
+from .seam import sage_seam
 
 __all__ = ["sage_attention", "sage_seam", "calibrate", "plan_from_scores", "save_plan", "load_plan",
            "apply_plan", "enable_hf", "disable_hf", "sage_attention_reference", "exact_attention", "accuracy_metrics",

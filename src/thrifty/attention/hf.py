@@ -23,7 +23,9 @@ from typing import Optional
 
 import torch
 
-from .api import _check_plan, check_sage_options, sage_attention
+from .plan import _check_plan
+from .sage import sage_attention
+from .seam import check_sage_options
 from .kv_cache import QuantizedKV
 from .routing import DECODE_MAX_ROWS
 

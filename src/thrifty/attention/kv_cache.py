@@ -330,7 +330,7 @@ class QuantizedKVCache:
         else:
             kv.append(k, v)
         if self.reads_codes and k.shape[2] <= DECODE_MAX_ROWS:
-            k._thrifty_kv = kv  # read by the sage seam (api._seam_call) with decode_attention
+            k._thrifty_kv = kv  # read by the sage seam (seam._seam_call) with decode_attention
             return k, v
         return tuple(x.to(k.dtype) for x in kv.dequantize())
 

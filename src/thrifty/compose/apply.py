@@ -234,7 +234,7 @@ def _apply_reference_attention(model, cfg, layers, skip_layers, impl):
 
 def _install_dispatch(model):
     """Switches the model to the dispatcher (see dispatch.py); returns what switches it back."""
-    from ..kvcache.cache import ROUTES_SHADOWKV_ATTR
+    from ..kvcache.hf import ROUTES_SHADOWKV_ATTR
     from . import dispatch
 
     previous = model.config._attn_implementation
@@ -252,7 +252,7 @@ def _install_dispatch(model):
 
 def _apply_kv_cache(model, config, kind, layers, impl):
     if kind == "reference":
-        return _apply_reference_kv_cache(model, config.kv_cache, impl)
+        return _apply_reference_kv_cache(model, config.kv_cache, impl, layers)
     restore_dispatch = None
     if config.attention is None:  # the dispatcher is in place already when attention is on
         restore_dispatch = _install_dispatch(model)
@@ -282,17 +282,20 @@ def _apply_kv_cache(model, config, kind, layers, impl):
 
 
 def _forget_shadowkv_marks(model) -> None:
-    """The per-module notes a ShadowKVCache leaves on the attention modules (see kvcache/cache.py)."""
-    from ..kvcache.cache import _PENDING, _PREVIOUS
+    """The per-module notes a ShadowKVCache leaves on the attention modules (see kvcache/hf.py)."""
+    from ..kvcache.hf import _PENDING, _PREVIOUS
 
     for m in model.modules():
         m.__dict__.pop(_PENDING, None)
         m.__dict__.pop(_PREVIOUS, None)
 
 
-def _apply_reference_kv_cache(model, kv_config, impl):
+def _apply_reference_kv_cache(model, kv_config, impl, layers):
     """thrifty.models.generate builds the model's ``thrifty_cache_factory`` when given no cache_factory."""
     from ..models.generate import CACHE_FACTORY_ATTR
+
+    # a ShadowKV cache wraps each layer's attention function in its dispatch when built: taken off with the rest
+    previous = [layer.self_attn.attention for layer in layers]
 
     def factory():
         model.__dict__[CACHE_ATTR] = _new_cache(kv_config, impl, model)
@@ -303,6 +306,8 @@ def _apply_reference_kv_cache(model, kv_config, impl):
     def take_off():
         model.__dict__.pop(CACHE_FACTORY_ATTR, None)
         model.__dict__.pop(CACHE_ATTR, None)
+        for layer, fn in zip(layers, previous):
+            layer.self_attn.attention = fn
     return take_off
 
 

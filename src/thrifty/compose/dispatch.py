@@ -3,9 +3,11 @@ quantized attention and the int8 KV cache together, where each technique's own r
 others (a ShadowKV ``generate`` used to leave a model on plain SDPA for good).
 
 Per call, by what the module carries (all of it on the model's own modules, nothing process-wide but the name):
-a ShadowKV mark (the cache just updated this layer) -> ShadowKV; quantized-attention options (layers not in
+a ShadowKV mark (the cache just updated this layer) -> ShadowKV, whose prefill output comes from quantized
+attention on a quantized layer (ShadowKV only compresses the prompt); quantized-attention options (layers not in
 ``skip_layers``) -> :func:`thrifty.attention.hf.hf_sage_attention`, which also reads the int8 cache; otherwise
-transformers' SDPA. ``module._thrifty_attention_calls`` counts the calls per path.
+transformers' SDPA, over the dequantized int8 cache when the keys come from one (a layer without quantized
+attention cannot read its packed codes). ``module._thrifty_attention_calls`` counts the calls per path.
 """
 
 from __future__ import annotations
@@ -18,17 +20,27 @@ CALLS_ATTR = "_thrifty_attention_calls"
 
 def thrifty_attention(module, query, key, value, attention_mask, **kwargs):
     from ..attention.hf import OPTIONS_ATTR, hf_sage_attention
-    from ..kvcache.cache import _PENDING, shadowkv_attention
+    from ..kvcache.hf import _PENDING, shadowkv_attention
 
     calls = module.__dict__.setdefault(CALLS_ATTR, collections.Counter())
-    if module.__dict__.get(_PENDING) is not None:
+    quantized = OPTIONS_ATTR in module.__dict__
+    cache = module.__dict__.get(_PENDING)
+    if cache is not None:
         calls["shadowkv"] += 1
-        return shadowkv_attention(module, query, key, value, attention_mask, **kwargs)
-    if OPTIONS_ATTR in module.__dict__:
+        prefill = None
+        if quantized and not cache.engine.compressed(module.layer_idx):  # the prompt: quantized prefill
+            calls["quantized"] += 1
+            prefill = hf_sage_attention
+        return shadowkv_attention(module, query, key, value, attention_mask, prefill_attention=prefill, **kwargs)
+    if quantized:
         calls["quantized"] += 1
         return hf_sage_attention(module, query, key, value, attention_mask, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    kv = getattr(key, "_thrifty_kv", None)  # a decode step's new keys, tagged by the int8 cache for its readers
+    if kv is not None:
+        dtype = key.dtype
+        key, value = (x.to(dtype) for x in kv.dequantize())  # what the cache hands any other attention
     calls["sdpa"] += 1
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._checks import check_choice, check_positive_int
-from .corpus import SPLITS, file_sha256
+from .layout import SPLITS, file_sha256
 
 
 class TokenDataset:

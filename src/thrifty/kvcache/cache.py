@@ -1,210 +1,21 @@
 """``ShadowKVCache(model, config)``: one object that plugs ShadowKV into a transformers Llama-family model
 (``model.generate(ids, past_key_values=cache)``) or into thrifty's reference model (its pre-RoPE cache seam).
 
-Why an attention function as well as a cache: the decode step needs the query to select chunks, and a cache's
-``update`` never sees it. So the cache marks the attention module of the layer it just updated, and the
-attention function registered under :data:`ATTN_NAME` (transformers ``AttentionInterface``, with SDPA's mask
-builder under the same name in ``AttentionMaskInterface``) finds the mark and hands the query to the cache.
-Calls without a mark (another cache, no cache, a dense ShadowKV cache) run the attention the model had before the
-switch when it takes SDPA's masks (quantized attention, say), else plain SDPA, so the switch is safe to leave on a
-model. The mark lives on the model's own modules: nothing process-wide but the name.
-
-transformers gives caches post-RoPE keys; the prefill un-rotates them with the model's own rotary embedding
-(exact up to rounding, RoPE being a rotation) before the SVD.
+The cache decides dense or compressed from the first prompt and feeds the :class:`~.engine.ShadowKVEngine`;
+on a transformers model it switches the attention implementation to ShadowKV's (see ``hf.py`` for why a cache
+needs an attention function, and the marks it leaves on the attention modules).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .config import ShadowKVConfig
-from . import reference as ref
-
-ATTN_NAME = "thrifty_shadowkv"
-_PENDING = "_thrifty_shadowkv_pending"
-_PREVIOUS = "_thrifty_shadowkv_previous"  # per attention module: the implementation before the switch
-# set True on a model whose attention implementation routes ShadowKV's marked calls itself (see _setup_model)
-ROUTES_SHADOWKV_ATTR = "_thrifty_routes_shadowkv"
-BACKENDS = ("auto", "reference", "triton")
-
-
-class ShadowKVEngine:
-    """Per-layer ShadowKV state of one batch, and the two operations a model needs: compress a prompt, decode
-    one token. ``backend``: ``"auto"`` (Triton kernels on CUDA, the reference elsewhere), ``"reference"`` or
-    ``"triton"`` (also on the CPU under ``TRITON_INTERPRET=1``). ``stats`` counts which path ran."""
-
-    def __init__(self, config: ShadowKVConfig, num_layers: int, kv_heads: int, head_dim: int,
-                 cos_sin: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]):
-        if not isinstance(config, ShadowKVConfig):
-            raise TypeError(f"config: expected a ShadowKVConfig, got {type(config).__name__}")
-        config.check_model(kv_heads, head_dim)
-        self.config = config
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self._cos_sin_fn = cos_sin
-        self.states: list[Optional[ref.LayerState]] = [None] * num_layers
-        self.fast: list = [None] * num_layers  # kernel-path buffers per layer (see decode.py)
-        self.scratch: dict = {}  # kernel-path per-step scratch, shared by the layers (decode.Scratch)
-        self.select_tuning = None  # kernel-path block sizes (score_kernel.SelectTuning); None: the GPU's defaults
-        self.n_generated = [0] * num_layers
-        self.cos = self.sin = None
-        self.backend = "auto"
-        self.stats = {"reference_steps": 0, "kernel_steps": 0}
-
-    def compressed(self, layer: int) -> bool:
-        return self.states[layer] is not None
-
-    def generated(self, layer: int) -> int:
-        return self.n_generated[layer]
-
-    def prefill(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                k_pre: Optional[torch.Tensor] = None) -> None:
-        B, T = k_post.shape[0], k_post.shape[2]
-        if B == 0 or T == 0:
-            raise ValueError(f"k_post: an empty prompt (shape {tuple(k_post.shape)}) has nothing to compress; "
-                             "a ShadowKVCache keeps prompts shorter than min_prompt_len dense")
-        rows = max(T, self.config.chunk_size)  # a prompt shorter than one chunk still has one (padding) chunk
-        if self.cos is None or self.cos.shape[0] < rows or self.cos.device != k_post.device:
-            self.cos, self.sin = (t.float() for t in self._cos_sin_fn(rows, k_post.device))
-        host = torch.device("cpu") if k_post.device.type == "cuda" else k_post.device
-        self.n_generated[layer], self.fast[layer] = 0, None
-        self.states[layer] = ref.compress_prompt(k_post, v, lengths, self.cos[:T], self.sin[:T], self.config,
-                                                 host_device=host, k_pre=k_pre)
-
-    def decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
-        if q.shape[2] != 1:
-            raise ValueError(f"query: a compressed ShadowKV cache decodes one token per step, got {q.shape[2]} "
-                             "(chunked prefill is not supported)")
-        if self.generated(layer) >= self.config.max_generated:
-            raise ValueError(f"max_generated: the cache holds {self.config.max_generated} generated tokens; "
-                             "build it with a larger ShadowKVConfig.max_generated")
-        self.n_generated[layer] += 1
-        if self._use_kernels(q.device):
-            from .decode import kernel_decode_step
-
-            self.stats["kernel_steps"] += 1
-            return kernel_decode_step(self, layer, q, k_new, v_new, scale)
-        self.stats["reference_steps"] += 1
-        return ref.decode_step(self.states[layer], q, k_new, v_new, self.config, self.cos, self.sin, scale)
-
-    def kernels_support(self) -> Optional[str]:
-        """Why the Triton path cannot run this cache (None when it can)."""
-        d = self.head_dim
-        if d < 32 or d & (d - 1):
-            return f"head_dim: the Triton path needs a power of two >= 32, got {d}"
-        if self.config.selector != "shadowkv":
-            return "selector: the Triton path implements ShadowKV's landmarks, not the Quest baseline"
-        return None
-
-    def _use_kernels(self, device: torch.device) -> bool:
-        from .._checks import check_choice
-
-        check_choice("backend", self.backend, BACKENDS)
-        if self.backend == "reference":
-            return False
-        why = self.kernels_support()
-        if self.backend == "triton":
-            if why:
-                raise ValueError(why)
-            return True
-        return device.type == "cuda" and why is None  # unsupported shapes run the (exact, slower) reference
-
-    def host_bytes_per_sequence(self) -> int:
-        return sum(st.values.bytes_per_sequence() for st in self.states if st is not None)
-
-
-# ----------------------------------------------------------------------------------------------- transformers
-
-def shadowkv_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                       scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
-    """transformers attention signature. With a ShadowKV mark on ``module``: the cache's prefill or sparse decode;
-    otherwise transformers' SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    cache = module.__dict__.pop(_PENDING, None)
-    if cache is None:
-        attention = _previous_attention(module) or sdpa_attention_forward
-        return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                         is_causal=is_causal, **kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = module.layer_idx
-    if cache.engine.compressed(layer):
-        out = cache.engine.decode(layer, query, key, value, scale)
-        return out.transpose(1, 2).contiguous(), None
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                 is_causal=is_causal, **kwargs)
-    cache._compress_hf(layer, key, value, attention_mask, kwargs.get("position_ids"))
-    return out
-
-
-def _previous_attention(module):
-    """The attention function the model ran before a ShadowKVCache switched it (e.g. quantized attention), for
-    the calls ShadowKV does not take; None when it was SDPA or eager, or when it needs a mask of another shape
-    than SDPA's (the mask builder registered for ShadowKV), e.g. flash attention: those calls run SDPA."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = module.__dict__.get(_PREVIOUS)
-    if name in (None, "sdpa", ATTN_NAME) or name not in ALL_ATTENTION_FUNCTIONS:
-        return None
-    if ALL_MASK_ATTENTION_FUNCTIONS.get(name) is not sdpa_mask:
-        return None
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
-def register_attention() -> None:
-    """Registers :data:`ATTN_NAME` with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_NAME, shadowkv_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-
-
-def _cache_base():
-    try:
-        from transformers.cache_utils import Cache
-        return Cache
-    except ImportError:  # pragma: no cover - transformers is a dependency; keep the reference model usable
-        return object
-
-
-def _layer_base():
-    try:
-        from transformers.cache_utils import CacheLayerMixin
-        return CacheLayerMixin
-    except ImportError:  # pragma: no cover
-        return object
-
-
-class ShadowKVLayer(_layer_base()):
-    """One layer's view for transformers' ``Cache`` machinery; the work is done by the owning cache."""
-
-    is_compileable = False
-    is_sliding = False
-
-    def __init__(self, owner: "ShadowKVCache", layer_idx: int):
-        super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        return self.owner._update_hf(self, key_states, value_states)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.logical_length(self.layer_idx)
-
-    def get_max_length(self) -> int:
-        return -1
+from .engine import ShadowKVEngine
+from .hf import (_PENDING, _PREVIOUS, ATTN_NAME, ROUTES_SHADOWKV_ATTR, ShadowKVLayer, _cache_base, find_rotary,
+                 register_attention, valid_keys)
 
 
 def _is_thrifty_model(model) -> bool:
@@ -328,7 +139,7 @@ class ShadowKVCache(_cache_base()):
 
     # -- transformers
     def _rope_table_fn(self, model):
-        rotary = _find_rotary(model)
+        rotary = find_rotary(model)
 
         def table(n: int, device: torch.device):
             x = torch.zeros(1, dtype=torch.float32, device=device)
@@ -360,7 +171,7 @@ class ShadowKVCache(_cache_base()):
 
     def _compress_hf(self, layer: int, k, v, mask, position_ids) -> None:
         B, _, T, _ = k.shape
-        valid = _valid_keys(mask, B, T, k.device)
+        valid = valid_keys(mask, B, T, k.device)
         lengths = valid.sum(-1)
         # left-align every sequence (padding may sit on either side); stable sort keeps token order
         order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
@@ -438,19 +249,3 @@ def _model_shape(model) -> tuple[int, int, int]:
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers, kv, head_dim
-
-
-def _find_rotary(model):
-    for name, m in model.named_modules():
-        if name.endswith("rotary_emb"):
-            return m
-    raise ValueError("model: no rotary embedding module (…rotary_emb) found; ShadowKV needs RoPE to un-rotate keys")
-
-
-def _valid_keys(mask, B: int, T: int, device) -> torch.Tensor:
-    """(B, T) bool: which prompt keys are real. The mask is SDPA's (B, 1, Q, T) (True = attend; its last query
-    row sees every real key) or None (no padding)."""
-    if mask is None:
-        return torch.ones(B, T, dtype=torch.bool, device=device)
-    last = mask[:, 0, -1, -T:]
-    return last if last.dtype == torch.bool else last == 0

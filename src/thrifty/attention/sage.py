@@ -1,20 +1,18 @@
-"""Public API: :func:`sage_attention`, the model seam, exact-backward training, per-layer 4/8-bit plans."""
+"""The quantized attention function, :func:`sage_attention` (SageAttention2): argument checks, the choice between
+the Triton kernel and the PyTorch reference, exact SDPA for short queries and the fallback, and the
+exact-attention backward used when fine-tuning through it."""
 
 from __future__ import annotations
 
-import functools
-import json
-import math
 import warnings
-from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_number, check_range, check_tensor
+from .._checks import check_choice, check_range, check_tensor
 from ..triton_utils import kernels_available
-from .reference import accuracy_metrics, causal_mask, empty_attention, nonfinite_rows, sage_attention_reference
+from .reference import causal_mask, empty_attention, nonfinite_rows, sage_attention_reference
 from .routing import short_query_goes_to_sdpa
 
 # qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per block of SMOOTH_Q_BLOCK queries (one CTA
@@ -24,7 +22,6 @@ from .routing import short_query_goes_to_sdpa
 SMOOTH_Q_BLOCK = 64
 
 KERNEL_HEAD_DIMS = (64, 128)
-PLAN_FORMAT = "thrifty.sage_plan/1"
 
 
 def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
@@ -201,155 +198,4 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     return result
 
 
-# ---------------------------------------------------------------------------------------- model seam
-def sage_seam(**options) -> Callable:
-    """An attention function with the reference model's seam signature ``fn(q, k, v, *, causal, scale)``:
-    ``model.set_attention(sage_seam(qk_bits=8))``. ``options`` are :func:`sage_attention`'s keywords."""
-    check_sage_options(options)
-    fn = functools.partial(_seam_call, options=options)
-    fn.options = options
-    fn.reads_kv_codes = True  # a QuantizedKVCache hands it tagged keys for decode steps (see _seam_call)
-    return fn
-
-
-def check_sage_options(options: dict) -> None:
-    """sage_attention keywords (qk_bits, pv, smooth_*, impl), checked by name when a seam or a transformers
-    model is set up rather than at its first forward."""
-    allowed = {"qk_bits", "pv", "smooth_k", "smooth_q", "smooth_v", "impl"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise TypeError(f"options: unknown sage_attention option(s) {unknown}; expected some of {sorted(allowed)}")
-    x = torch.zeros(1, 1, 1, 8)  # a dry run on the CPU reference path checks every value by name
-    sage_attention(x, x, x, **{**options, "impl": "reference"})
-    check_choice("impl", options.get("impl", "auto"), ("auto", "triton", "gluon", "reference"))
-
-
-def _seam_call(q, k, v, *, causal, scale, options):
-    cache = getattr(k, "_thrifty_kv", None)  # a decode step's keys from a QuantizedKVCache: read its codes
-    if cache is not None:
-        from .decode import decode_attention
-        return decode_attention(q, cache, causal=causal, sm_scale=scale)
-    return sage_attention(q, k, v, causal=causal, sm_scale=scale, **options)
-
-
-# ---------------------------------------------------------------------------------------- calibration
-def _attention_layers(model):
-    try:
-        return [layer.self_attn for layer in model.model.layers]
-    except AttributeError:
-        raise TypeError("model: expected thrifty's reference LlamaForCausalLM (model.model.layers[i].self_attn)") from None
-
-
-@torch.no_grad()
-def calibrate(model, batches: Iterable, *, threshold: float = 0.99, low_bits: int = 4,
-              return_scores: bool = False, **options):
-    """Per-layer plan {layer index: bits}: 4 where the layer's 4-bit attention scores at least ``threshold``
-    on every batch, else 8. Score = cos_sim·(1 − relative L1) of the 4-bit output against the layer's
-    full-precision attention, on the layer's real inputs (the model runs in full precision meanwhile).
-
-    ``batches``: input-id tensors (B, T) (or tuples whose first item is one). ``return_scores``: return
-    ``(plan, {layer: worst score})``. ``options``: :func:`sage_attention` keywords.
-    """
-    check_range("threshold", threshold, 0.0, 1.0)
-    check_choice("low_bits", low_bits, (4, 8))
-    attns = _attention_layers(model)
-    worst = [1.0] * len(attns)
-    originals = [a.attention for a in attns]
-
-    def recorder(i, original):
-        def fn(q, k, v, *, causal, scale):
-            exact = original(q, k, v, causal=causal, scale=scale)
-            quant = sage_attention(q, k, v, causal=causal, sm_scale=scale, qk_bits=low_bits, **options)
-            score = accuracy_metrics(quant, exact)["score"]
-            if math.isnan(score):  # min() would skip a NaN and keep the layer's 1.0: a silent "4 bits is fine"
-                raise ValueError(f"batches: layer {i}'s attention is NaN on this batch (NaN weights or inputs); "
-                                 "cannot calibrate")
-            worst[i] = min(worst[i], score)
-            return exact
-        return fn
-
-    try:
-        for i, a in enumerate(attns):
-            a.attention = recorder(i, originals[i])
-        n = 0
-        for batch in batches:
-            ids = batch[0] if isinstance(batch, (tuple, list)) else batch
-            model(ids.to(next(model.parameters()).device))
-            n += 1
-        if n == 0:
-            raise ValueError("batches: expected at least one batch")
-    finally:
-        for a, original in zip(attns, originals):
-            a.attention = original
-    plan = plan_from_scores(dict(enumerate(worst)), threshold, low_bits=low_bits)
-    return (plan, dict(enumerate(worst))) if return_scores else plan
-
-
-def plan_from_scores(scores: dict, threshold: float, *, low_bits: int = 4) -> dict:
-    """{layer: bits}: ``low_bits`` where the layer's calibration score reaches ``threshold``, else 8. Lets one
-    :func:`calibrate` run (``return_scores=True``) give the plans of several thresholds."""
-    check_range("threshold", threshold, 0.0, 1.0)
-    check_choice("low_bits", low_bits, (4, 8))
-    if not isinstance(scores, dict):
-        raise TypeError(f"scores: expected a dict {{layer: score}}, got {type(scores).__name__}")
-    for i, s in scores.items():
-        check_number(f"scores[{i!r}]", s, finite=False)
-    return {i: (low_bits if s >= threshold else 8) for i, s in scores.items()}
-
-
-def save_plan(plan: dict, path, *, scores: Optional[dict] = None, **meta) -> Path:
-    """Writes ``plan`` as JSON: {"format", "layers": {"0": 8, ...}, "scores"?, "meta"?}."""
-    _check_plan(plan)
-    doc = {"format": PLAN_FORMAT, "layers": {str(i): int(b) for i, b in sorted(plan.items())}}
-    if scores:
-        doc["scores"] = {str(i): float(s) for i, s in sorted(scores.items())}
-    if meta:
-        doc["meta"] = meta
-    from .._io import atomic_path, check_output_path
-
-    path = check_output_path("path", path)
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    return path
-
-
-def load_plan(path) -> dict:
-    """Reads a plan written by :func:`save_plan`: {layer index: bits}."""
-    from .._io import read_json
-
-    doc = read_json(path, "sage plan")
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-        raise ValueError(f"{path}: not a thrifty sage plan (expected format {PLAN_FORMAT!r})")
-    layers = doc.get("layers")
-    if not isinstance(layers, dict) or not all(isinstance(i, str) and i.isdigit() and type(b) is int
-                                               for i, b in layers.items()):
-        raise ValueError(f"{path}: corrupted plan (expected \"layers\": {{\"0\": 4 or 8, ...}})")
-    plan = {int(i): b for i, b in layers.items()}
-    try:
-        _check_plan(plan)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    return plan
-
-
-def _check_plan(plan):
-    if not isinstance(plan, dict):
-        raise TypeError(f"plan: expected a dict {{layer: bits}}, got {type(plan).__name__}")
-    for i, b in plan.items():
-        if not isinstance(i, int) or b not in (4, 8):
-            raise ValueError(f"plan: expected int layer -> 4 or 8, got {i!r} -> {b!r}")
-
-
-def apply_plan(model, plan: dict, **options) -> None:
-    """Sets each layer's attention to sage attention with the plan's bits (layers not in the plan: 8)."""
-    _check_plan(plan)
-    attns = _attention_layers(model)
-    bad = [i for i in plan if not 0 <= i < len(attns)]
-    if bad:
-        raise ValueError(f"plan: layers {bad} do not exist (model has {len(attns)})")
-    for i, a in enumerate(attns):
-        a.attention = sage_seam(qk_bits=plan.get(i, 8), **options)
-
-
-__all__ = ["sage_attention", "sage_seam", "calibrate", "save_plan", "load_plan", "apply_plan",
-           "KERNEL_HEAD_DIMS"]
+__all__ = ["sage_attention", "KERNEL_HEAD_DIMS", "SMOOTH_Q_BLOCK"]

@@ -1,0 +1,46 @@
+"""The reference model's attention seam: :func:`sage_seam` gives ``model.set_attention`` a function of the seam
+signature ``fn(q, k, v, *, causal, scale)`` that runs :func:`~thrifty.attention.sage.sage_attention` (or, on a
+decode step over a ``QuantizedKVCache``, the split-K decode over the cache's codes)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from .._checks import check_choice
+from .sage import sage_attention
+
+
+def sage_seam(**options) -> Callable:
+    """An attention function with the reference model's seam signature ``fn(q, k, v, *, causal, scale)``:
+    ``model.set_attention(sage_seam(qk_bits=8))``. ``options`` are :func:`sage_attention`'s keywords."""
+    check_sage_options(options)
+    fn = functools.partial(_seam_call, options=options)
+    fn.options = options
+    fn.reads_kv_codes = True  # a QuantizedKVCache hands it tagged keys for decode steps (see _seam_call)
+    return fn
+
+
+def check_sage_options(options: dict) -> None:
+    """sage_attention keywords (qk_bits, pv, smooth_*, impl), checked by name when a seam or a transformers
+    model is set up rather than at its first forward."""
+    allowed = {"qk_bits", "pv", "smooth_k", "smooth_q", "smooth_v", "impl"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"options: unknown sage_attention option(s) {unknown}; expected some of {sorted(allowed)}")
+    x = torch.zeros(1, 1, 1, 8)  # a dry run on the CPU reference path checks every value by name
+    sage_attention(x, x, x, **{**options, "impl": "reference"})
+    check_choice("impl", options.get("impl", "auto"), ("auto", "triton", "gluon", "reference"))
+
+
+def _seam_call(q, k, v, *, causal, scale, options):
+    cache = getattr(k, "_thrifty_kv", None)  # a decode step's keys from a QuantizedKVCache: read its codes
+    if cache is not None:
+        from .decode import decode_attention
+        return decode_attention(q, cache, causal=causal, sm_scale=scale)
+    return sage_attention(q, k, v, causal=causal, sm_scale=scale, **options)
+
+
+__all__ = ["sage_seam", "check_sage_options"]
