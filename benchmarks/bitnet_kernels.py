@@ -24,7 +24,12 @@ activation quantization), ``packed_weight_mem_ratio``, ``decode_tokens_per_s_rat
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_kernels.py
 
 ``--smoke``: tiny shapes on the CPU (kernels under TRITON_INTERPRET=1), results to a temporary folder; measures
-nothing. ``--no-model`` / ``--no-sweep`` skip parts.
+nothing. ``--no-model`` / ``--no-sweep`` skip parts. ``--baseline-src OLD/src`` (``git archive OLD | tar -x -C
+/tmp/old``) also times the layer rows with another tree's kernels in the same run (rows tagged ``tree``, summary
+keys ``thrifty_speedup_vs_baseline_<shape>_t<tokens>``):
+
+    THRIFTY_COMMIT=<sha> THRIFTY_NO_INSTALL=1 bash benchmarks/run_on_gpu.sh benchmarks/bitnet_kernels.py \
+        --no-model --tokens 1,4,16 --baseline-src /tmp/old/src
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from thrifty.bitnet.pack import pack_ternary
 SHAPES = {"7B": [(4096, 4096), (11008, 4096), (4096, 11008)], "2B": [(2560, 2560), (6912, 2560), (2560, 6912)]}
 TOKENS = (1, 4, 16, 128, 2048)
 INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows
+ROWS_MARK = "BITNET_KERNEL_ROWS "  # the line a --rows-only run prints its rows on (for --baseline-src)
 
 
 def random_packed(n: int, k: int, activation: str, device, seed: int = 0) -> PackedBitLinear:
@@ -172,6 +178,9 @@ def sweep_rows(args, device) -> list[dict]:
             rs = layer.row_scale()
             planned = PK.plan(m, n, k, PK._sm_count(device))
             kernel = planned["kernel"]
+            if kernel == "decode":
+                rows += decode_sweep_rows(args, device, layer, m, planned)
+                continue
             configs = [(bn, sp, fused) for bn in ((16, 32, 64) if kernel == "gemv" else (64, 128))
                        for sp in args.sweep_splits for fused in ((False, True) if sp > 1 else (False,))]
             for block_n, split, fused in configs:
@@ -194,6 +203,47 @@ def sweep_rows(args, device) -> list[dict]:
                 except Exception as err:  # noqa: BLE001
                     row["error"] = f"{type(err).__name__}: {err}"[:300]
                 rows.append(row)
+    return rows
+
+
+def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
+    """The one-launch decode GEMV (quantizing its own input) at other rows per program and K chunks than
+    decode_plan's, and the split-K GEMV it replaced (on ready codes, + its epilogue launch) for reference."""
+    n, k = layer.out_features, layer.in_features
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    want = PK.fused_linear(x, layer)
+    sms = PK._sm_count(device)
+    configs = []
+    for rpp in sorted({planned["rows_per_program"], *(-(-n // (p * sms)) for p in (1, 2, 3, 4, 6, 8))}):
+        if rpp * planned["BLOCK_M"] > 64:
+            continue
+        for kw in (64, 128, 256):
+            configs.append(dict(planned, BLOCK_N=PK._pow2(rpp), rows_per_program=rpp, KW=kw,
+                                num_warps=max(1, min(8, kw // 32))))
+    rows = []
+    for cfg in configs:
+        row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel="decode (fused)", BLOCK_N=cfg["BLOCK_N"],
+                   rows_per_program=cfg["rows_per_program"], KW=cfg["KW"], split=1,
+                   planned=(cfg["rows_per_program"], cfg["KW"]) == (planned["rows_per_program"], planned["KW"]))
+        try:
+            row["match"] = bool(torch.equal(PK.fused_linear(x, layer, cfg), want))
+            row["gpu_ms"] = _timed(lambda: PK.fused_linear(x, layer, cfg), args, device)
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        rows.append(row)
+    codes, scale, sums = PK.quantize_codes(x, "int8")
+    old = dict(PK.plan(5, n, k, sms), kernel="gemv", BLOCK_N=32, BLOCK_M=PK._pow2(m), num_warps=4, num_stages=4)
+    groups = layer.packed.shape[1] // 64
+    split = 1
+    while -(-n // 32) * split < 4 * sms and groups // (split * 2) >= 2:  # the old plan()'s split
+        split *= 2
+    per = -(-groups // split)
+    old.update(split=-(-groups // per), groups_per_split=per, fused_epilogue=False)
+    rs = layer.row_scale()
+    rows.append(dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel="gemv split-K (old plan, ready codes)",
+                     BLOCK_N=32, split=old["split"], planned=False,
+                     gpu_ms=_timed(lambda: PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16,
+                                                           n, k, old), args, device)))
     return rows
 
 
@@ -294,6 +344,16 @@ def model_rows(args, device) -> list[dict]:
     return rows
 
 
+def baseline_rows(args) -> list[dict]:
+    """:func:`layer_rows` of the tree at ``--baseline-src`` (this script run with that tree's thrifty), tagged
+    ``tree="baseline"``: old and new kernels timed in one run on one box."""
+    from thrifty.bench import rows_from_tree
+
+    passed = ["--rows-only", "--tokens", ",".join(map(str, args.tokens)), "--warmup", str(args.warmup), "--reps",
+              str(args.reps), "--device", args.device] + ["--smoke"] * args.smoke
+    return rows_from_tree(__file__, args.baseline_src, passed, ROWS_MARK)
+
+
 def kv_cache_bytes(cfg: dict, context: int = 32768) -> dict:
     """K and V of every layer at ``context`` tokens, batch 1: bf16, int8, 4-bit, 3-bit (scales left out)."""
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] //
@@ -306,9 +366,16 @@ def kv_cache_bytes(cfg: dict, context: int = 32768) -> dict:
 def summarize(rows: list[dict]) -> dict:
     def speedups(m):
         return [r["speedup_vs_bf16"] for r in rows if r.get("impl") == "thrifty" and r.get("model") == "7B"
-                and r.get("tokens") == m and "speedup_vs_bf16" in r]
+                and r.get("tokens") == m and "speedup_vs_bf16" in r and r.get("tree") != "baseline"]
 
     out = {}
+    for r in rows:  # this tree's layer time over the baseline tree's (--baseline-src), per shape, 1 and 16 tokens
+        if r.get("tree") == "baseline" and r.get("impl") == "thrifty" and r.get("tokens") in (1, 16) and "gpu_ms" in r:
+            new = next((t for t in rows if t.get("tree") != "baseline" and t.get("impl") == "thrifty"
+                        and t.get("shape") == r["shape"] and t.get("tokens") == r["tokens"] and "gpu_ms" in t), None)
+            if new:
+                out[f"thrifty_speedup_vs_baseline_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new["gpu_ms"]
+                out[f"baseline_speedup_vs_bf16_{r['shape']}_t{r['tokens']}"] = r.get("speedup_vs_bf16")
     for key, m in (("gemv_speedup_vs_bf16_b1_min", 1), ("gemv_speedup_vs_bf16_b16_min", 16),
                    ("gemm_speedup_vs_bf16_t2048_min", 2048)):
         s = speedups(m)
@@ -386,7 +453,11 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, results to a temporary folder")
+    ap.add_argument("--baseline-src", default=None, help="src/ of another thrifty tree: its layer rows timed too")
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # --baseline-src's subprocess
     args = ap.parse_args(argv)
+    if args.baseline_src is not None and not Path(args.baseline_src, "thrifty").is_dir():
+        ap.error(f"--baseline-src: {args.baseline_src!r} holds no thrifty package (give the old tree's src/)")
     args.tokens = [int(t) for t in str(args.tokens).split(",")]
     args.shapes = SHAPES
     args.model_config = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -411,6 +482,11 @@ def main(argv=None) -> int:
     hbm = hbm_bandwidth_gbs(device, args)
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s", flush=True)
     rows = layer_rows(args, device, hbm)
+    if args.rows_only:  # a --baseline-src subprocess: this tree's layer rows, nothing written
+        print(ROWS_MARK + json.dumps(rows), flush=True)
+        return 0
+    if args.baseline_src:
+        rows += baseline_rows(args)
     rows += a48_rows(args, device)
     if not args.no_sweep:
         rows += sweep_rows(args, device)
@@ -424,7 +500,7 @@ def main(argv=None) -> int:
     path = write_result("bitnet_kernels", rows, summary, device=label, extra=extra, results_dir=results_dir)
     plot(rows, path.with_suffix(".png"), f"packed ternary W2A8 vs bf16, {label}")
     print_table([r for r in rows if "impl" in r],
-                ["model", "shape", "tokens", "impl", "gpu_ms", "host_ms", "weight_gbs", "pct_of_hbm",
+                ["tree", "model", "shape", "tokens", "impl", "gpu_ms", "host_ms", "weight_gbs", "pct_of_hbm",
                  "speedup_vs_bf16", "match"])
     for what in ("a4.8 activation", "sweep", "decode"):
         part = [r for r in rows if r.get("what") == what]

@@ -373,3 +373,67 @@ def test_split_k_on_cuda_is_exact(kernel, m, fused_epilogue):
         got, want = _kernel_vs_torch(bl, x, cfg)
         assert torch.equal(got, want)
     assert not packed_kernel._WORKSPACES[x.device].any()
+
+
+# ------------------------------------------------------------------------------------- one-launch decode GEMV
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("m,k,n,sub_norm,bias", [(1, 300, 37, False, False), (2, 513, 70, True, True),
+                                                 (3, 1100, 45, False, True), (4, 257, 33, True, False)])
+def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias):
+    """1–4 tokens of an INT8 / INT4-range layer are one launch (the kernel quantizes the rows itself): the output
+    of the two-launch path (codes kernel + matmul on them) bit for bit, the PyTorch path's for INT8 without a
+    sub-norm (γ = max is order-free; a sum — sub-norm, INT4's mean — is added in another order: a code may move
+    at an exact half, as in the codes kernel); NaN and all-zero tokens; K not a multiple of the chunk."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    bl = layer(k, n, kind, sub_norm=sub_norm, bias=bias, seed=m)
+    p = PackedBitLinear.from_bitlinear(bl, impl="torch")
+    x = tokens(m, k, seed=k + m)
+    if m >= 2:
+        x[1, 3] = float("nan")
+    cfg = PK.decode_plan(m, n, k)
+    got = PK.fused_linear(x, p)
+    two = PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(), p.bias, x.dtype, n, k,
+                          dict(cfg, kernel="gemv", BLOCK_N=32, split=1, groups_per_split=10 ** 6, num_stages=1,
+                               fused_epilogue=False))
+    want = p(x)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and (nan.any(1) == torch.isnan(x).any(1)).all()
+    ok = ~nan
+    if kind == "int8" and not sub_norm:
+        assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok], two[ok])
+    else:
+        assert ((got[ok] - want[ok]).abs() <= 2e-6 * want[ok].abs().amax() + 1e-6).all()
+    if m >= 3:  # the all-zero token: bias only
+        assert torch.equal(got[-1], want[-1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_gemv_tiles_chunks_and_masked_rows(fused):
+    """Other tiles than plan's: rows_per_program not a power of two (the tile's rest masked), several K chunks with
+    a partial last one, two tokens per program, on its own codes or on ready ones (TopK, shared inputs)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    bl = layer(1100, 45, "int8", bias=True)
+    p = PackedBitLinear.from_bitlinear(bl, impl="torch")
+    x = tokens(2, 1100, seed=3).to(torch.bfloat16)
+    want = p(x)
+    cfg = dict(kernel="decode", BLOCK_N=8, BLOCK_M=2, rows_per_program=6, KW=32, SB=256, split=1, num_warps=1,
+               num_stages=1)
+    got = PK.packed_linear(x, p, cfg) if fused else PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(),
+                                                                     p.bias, x.dtype, 45, 1100, cfg)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@needs_kernels
+def test_forward_of_a_decode_step_is_one_launch(monkeypatch):
+    """PackedBitLinear's kernel path at 1–4 rows of an INT8 layer never runs the separate codes kernel."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    p = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="triton")
+    monkeypatch.setattr(PK, "quantize_codes", lambda *a, **k: pytest.fail("codes kernel launched"))
+    want = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="torch")(tokens(2, 64))
+    assert torch.equal(p(tokens(2, 64)), want) and p.last_path == "triton"

@@ -54,6 +54,13 @@ SCRIPT = textwrap.dedent("""
                   dict(KIND=code, HAS_NORM=False, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=4096, EPS_=EPS),
                   dict(num_warps=8, num_stages=3))
         out[f"act_{kind}_fma"] = sum("fma" in l for l in act.splitlines())
+    for kind in (0, 1):  # the one-launch decode GEMV: its own INT8 / INT4-range codes, sub-norm and bias epilogue
+        dec = ptx(PK._decode_gemv_kernel, {"x_ptr": "*bf16", "nw_ptr": "*fp32", "codes_ptr": "*i32", "sum_ptr": "*i32",
+                  "scale_ptr": "*fp32", "w_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
+                  "beta_scale": "fp32", "norm_eps": "fp32"},
+                  dict(FUSED=True, KIND=kind, HAS_NORM=True, BLOCK_N=32, BLOCK_M=1, KW=256, SB=4096, HAS_BIAS=True,
+                       USE_ASM=True, EPS_=EPS), dict(num_warps=8, num_stages=1))
+        out[f"decode_{kind}_fma"] = sum("fma" in l for l in dec.splitlines())
     print(json.dumps(out))
 """)
 
@@ -78,3 +85,4 @@ def test_no_fma_where_pytorch_rounds_twice(report):
     assert report["epilogue_fma"] == 0, report
     for kind in ("int8", "int4", "topk_int8"):
         assert report[f"act_{kind}_fma"] == 0, (kind, report)
+    assert report["decode_0_fma"] == 0 and report["decode_1_fma"] == 0, report

@@ -179,15 +179,18 @@ class PackedBitLinear(nn.Module):
         if x.device != self.packed.device:
             raise ValueError(f"x: expected a tensor on {self.packed.device}, got {x.device}")
         kernels = self._use_kernels(x)
-        codes = self._input_codes(x, kernels)
         if kernels:
             from . import packed_kernel
 
             self.last_path = "triton"
-            y = packed_kernel.packed_linear(x.reshape(-1, self.in_features), self, codes=codes)
-        else:
-            self.last_path = "torch"
-            y = self._forward_torch(x, codes)
+            rows = x.reshape(-1, self.in_features)
+            if packed_kernel.fuses(self, rows.shape[0]):  # decode: one launch quantizes and multiplies
+                y = packed_kernel.fused_linear(rows, self)
+            else:
+                y = packed_kernel.packed_linear(rows, self, codes=self._input_codes(x, kernels))
+            return y.view(*x.shape[:-1], self.out_features)
+        self.last_path = "torch"
+        y = self._forward_torch(x, self._input_codes(x, kernels))
         return y.view(*x.shape[:-1], self.out_features)
 
     def _input_codes(self, x: torch.Tensor, kernels: bool):

@@ -1,6 +1,8 @@
 """Triton kernels of :class:`~thrifty.bitnet.packed.PackedBitLinear` (sm_90 target; the CPU interpreter in tests).
 
-A forward is two launches (three more when the K loop is split):
+Decode (1–4 tokens of an INT8 / INT4-range layer) is **one launch**, ``_decode_gemv_kernel``: every program
+quantizes the (short) activation rows itself in its prologue and owns whole output rows (no K split, no second
+pass); see NOTES.md "One-launch decode GEMV". Otherwise a forward is two launches (one more when K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
    INT4-range absmean, TopK+INT8) with the arithmetic of ``quant_kernel._quantize_rows_kernel`` (its helpers),
@@ -31,18 +33,19 @@ import triton.language as tl
 
 from ..triton_utils import FastLauncher, interpreting
 from .pack import GROUP, SLICE, padded_k
-from .quant_kernel import KEYS, MAX_ROW, _as_float, _cast, _div_rn, _round_half_even, _topk_keep
+from .kernel_math import COMPILED as COMPILED_, cast_to, mul_rn, quant_code, quant_round, quant_scales, subnorm
+from .kernel_math import subnorm_rstd
+from .quant_kernel import KEYS, MAX_ROW, _cast, _topk_keep
 from .reference import EPS, topk_count
 
 KINDS = {"int8": 0, "int4": 1, "topk_int8": 2}  # the codes of quant_kernel.KINDS
 USE_ASM = not interpreting()  # inline PTX (dp4a, packed decode) on the GPU; plain Triton ops in the interpreter
-# compiled (not interpreted) kernels: products that an add follows are spelled mul.rn, which LLVM never contracts
-# into an FMA (Triton's enable_fp_fusion does: one rounding where PyTorch rounds twice). Fixed at import, as the
-# kernels themselves are; a constexpr global (not a kernel argument) so that USE_ASM stays free to toggle on the GPU
-COMPILED_ = tl.constexpr(not interpreting())
-GEMV_MAX_TOKENS = 4  # up to here CUDA-core dp4a; beyond, tensor cores
+# COMPILED_ (kernel_math.COMPILED): compiled, not interpreted, kernels spell products that an add follows mul.rn,
+# which LLVM never contracts into an FMA (Triton's enable_fp_fusion does: one rounding where PyTorch rounds twice).
+# Fixed at import, as the kernels are; a constexpr global (not an argument): USE_ASM stays free to toggle on the GPU
+GEMV_MAX_TOKENS = 4  # up to here CUDA-core dp4a (the one-launch decode GEMV); beyond, tensor cores
+FUSED_KINDS = {"int8": 0, "int4": 1}  # quantized inside the decode GEMV; TopK (a 15–31-step search) launches apart
 NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±inf or NaN
-SQRT7_ = tl.constexpr(2.6457513110645907)
 GROUP_ = tl.constexpr(GROUP)  # weights per packed group (kernels read constexprs, never plain module globals)
 SLICE_ = tl.constexpr(SLICE)  # weights per 2-bit field of a group = bytes per row and group
 WORDS_ = tl.constexpr(SLICE // 4)  # int32 words per row and group
@@ -58,41 +61,24 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
     inside = cols < D
     x_in = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
     x = x_in.to(tl.float32)
-    if HAS_NORM:  # BitLinear's sub-norm, as quant_kernel computes it
-        rstd = _div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(x * x, axis=0), _as_float(D)) + norm_eps))
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        x = _cast(_cast(x * rstd, x_in.dtype).to(tl.float32) * w, x_in.dtype).to(tl.float32)
+    if HAS_NORM:  # BitLinear's sub-norm, as quant_kernel computes it (the same helpers)
+        rstd = subnorm_rstd(tl.sum(x * x, axis=0), D, norm_eps)
+        x = subnorm(x, x_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
     bits = tl.where(inside, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
     top = tl.max(bits, axis=0)
     if KIND == 1:  # INT4 range, absmean
-        # mean·beta_scale rounded on its own: ``beta + EPS_`` below would otherwise compile to one FMA
-        beta = _mul_rn(tl.math.div_rn(tl.sum(bits.to(tl.float32, bitcast=True), axis=0), _as_float(D)),
-                       beta_scale, COMPILED_)
-        q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(SQRT7_, beta + EPS_), -8.0), 7.0))
-        scale = tl.math.div_rn(beta, tl.full([], SQRT7_, tl.float32))
+        multiplier, scale = quant_scales(top, tl.sum(bits.to(tl.float32, bitcast=True), axis=0), D, beta_scale,
+                                         KIND, EPS_, COMPILED_)
     else:
         if KIND == 2:
             x = tl.where(_topk_keep(bits >> KEY_SHIFT, inside, k_keep, D, KEY_BITS), x, 0.0)
-        gamma = top.to(tl.float32, bitcast=True)
-        q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(127.0, gamma + EPS_), -128.0), 127.0))
-        scale = tl.math.div_rn(gamma, tl.full([], 127.0, tl.float32))
+        multiplier, scale = quant_scales(top, 0.0, D, beta_scale, KIND, EPS_, COMPILED_)
+    q = quant_round(x, multiplier, KIND)
     bad = top >= NAN_BITS
     codes = tl.where(inside & (top < NAN_BITS), q, 0.0).to(tl.int32)
     tl.store(codes_ptr + row * stride_c + cols, codes.to(tl.int8), mask=cols < KP)
     tl.store(scale_ptr + row, tl.where(bad, float("nan"), scale))
     tl.store(sum_ptr + row, tl.sum(codes, axis=0))
-
-
-@triton.jit
-def _mul_rn(a, b, COMPILED: tl.constexpr):
-    """``a·b`` rounded to fp32 on its own when an add follows (as PyTorch computes it): a plain product followed by
-    an add compiles to one FMA (Triton's enable_fp_fusion), ``mul.rn.f32`` is never contracted. PTX rather than
-    libdevice's mul_rn, which Triton builds with flush-to-zero (PyTorch keeps subnormals). NumPy never contracts."""
-    if COMPILED:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return a * b
 
 
 @triton.jit
@@ -105,6 +91,31 @@ def _dp4a(a, b, acc, USE_ASM: tl.constexpr):
         for byte in tl.static_range(4):
             acc += ((a >> (8 * byte)) & 0xFF) * ((b << (24 - 8 * byte)) >> 24)
         return acc
+
+
+@triton.jit
+def _dp4a_field(w, FIELD: tl.constexpr, x, acc, USE_ASM: tl.constexpr):
+    """acc + dp4a(2-bit field ``FIELD`` of the packed word ``w`` as 4 byte codes, ``x``): one asm block, so the packed
+    word (not each decoded field) is what a layout conversion would move, once for all four fields."""
+    if USE_ASM:
+        if FIELD == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; and.b32 t, $1, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }", "=r,r,r,r", [w, x, acc],
+                dtype=tl.int32, is_pure=True, pack=1)
+        elif FIELD == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }",
+                "=r,r,r,r", [w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
+        elif FIELD == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 t, t, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }",
+                "=r,r,r,r", [w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 t, t, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }",
+                "=r,r,r,r", [w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return _dp4a((w >> (2 * FIELD)) & 0x03030303, x, acc, False)
 
 
 @triton.jit
@@ -131,14 +142,21 @@ def _decode_field(p, FIELD: tl.constexpr, USE_ASM: tl.constexpr):
 def _epilogue(acc, rows, toks, N, M, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, stride_out,
               HAS_BIAS: tl.constexpr):
     """out[m, n] = ((acc[n, m] − Σx[m])·s[m])·α[n] (+ b[n]) in fp32, cast to the output dtype (nearest even)."""
-    row_ok = rows < N
     tok_ok = toks < M
     sx = tl.load(sum_ptr + toks, mask=tok_ok, other=0)
     s = tl.load(scale_ptr + toks, mask=tok_ok, other=0.0)
+    _store_out(acc, sx, s, rows, rows < N, toks, N, M, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+
+
+@triton.jit
+def _store_out(acc, sx, s, rows, row_ok, toks, N, M, alpha_ptr, bias_ptr, out_ptr, stride_out,
+               HAS_BIAS: tl.constexpr):
+    """The epilogue on Σx and the scales as values: ((acc − Σx)·s)·α (+ b), stored where ``row_ok``."""
+    tok_ok = toks < M
     a = tl.load(alpha_ptr + rows, mask=row_ok, other=0.0)
     y = (acc - sx[None, :]).to(tl.float32) * s[None, :]
     if HAS_BIAS:  # (y·α) rounded before + b, as PyTorch does: a plain product here compiles to an FMA
-        y = _mul_rn(y, a[:, None], COMPILED_) + tl.load(bias_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        y = mul_rn(y, a[:, None], COMPILED_) + tl.load(bias_ptr + rows, mask=row_ok, other=0.0)[:, None]
     else:
         y = y * a[:, None]
     ptrs = out_ptr + toks.to(tl.int64)[None, :] * stride_out + rows[:, None]
@@ -230,6 +248,109 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, 
 
 
 @triton.jit
+def _decode_gemv_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, D,
+                        n_words, rows_per_program, stride_x, x_row16, w_row16, stride_out, beta_scale, norm_eps,
+                        FUSED: tl.constexpr, KIND: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, KW: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        USE_ASM: tl.constexpr, EPS_: tl.constexpr):
+    """Decode (1–4 tokens) in one launch, no split-K: a program owns ``rows_per_program`` whole output rows (a
+    ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks all of K in chunks of ``KW`` int32 words per
+    row (16·KW weights), the next chunk's loads issued before the current one is used.
+
+    ``FUSED``: the program quantizes the activation rows itself (``x_ptr``, with the sub-norm ``nw_ptr`` if
+    ``HAS_NORM``; ``KIND`` 0 INT8 absmax, 1 INT4-range absmean): a first pass over the row gives the statistics
+    (the first weight chunk is already in flight), then every chunk's codes are recomputed from the row (an L1
+    hit) next to its weights, packed 4 to an int32 word for ``dp4a``; Σ codes comes from the same words. Else the
+    codes, their scales and sums come from memory (``codes_ptr``: int32 words; TopK's rows, shared inputs)."""
+    pid = tl.program_id(0)
+    local = tl.arange(0, BLOCK_N)
+    rows = pid * rows_per_program + local
+    row_ok = (local < rows_per_program) & (rows < N)
+    toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_ok = toks < M
+    toks64 = toks.to(tl.int64)
+    cols = tl.arange(0, KW)
+    # one int32 word per thread and row (a warp reads 128 contiguous bytes of a row per load), each thread holding
+    # its column of all the tile's rows: the activation word of a column is then needed by one thread only, and
+    # the accumulator keeps the loaded layout. (With the contiguity visible the compiler loads 16-byte vectors,
+    # 4 columns per thread, and then moves every decoded field through shared memory into the accumulator's.)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * (w_row16 * 16) + cols[None, :]
+    w_next = tl.load(w_rows, mask=row_ok[:, None] & (cols < n_words)[None, :], other=0,
+                     eviction_policy="evict_first")
+    if FUSED:  # the token statistics (the weights' first chunk is in flight meanwhile)
+        xs = tl.arange(0, SB)
+        x_rows = x_ptr + toks64[:, None] * stride_x
+        if HAS_NORM:
+            sum_sq = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
+            for k0 in range(0, D, SB):
+                x = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & (k0 + xs < D)[None, :],
+                            other=0.0).to(tl.float32)
+                sum_sq += mul_rn(x, x, COMPILED_)
+            rstd = subnorm_rstd(tl.sum(sum_sq, axis=1), D, norm_eps)
+        top = tl.zeros([BLOCK_M, SB], dtype=tl.int32)
+        abs_sum = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
+        for k0 in range(0, D, SB):
+            inside = (k0 + xs < D)[None, :]
+            x_in = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & inside, other=0.0)
+            x = x_in.to(tl.float32)
+            if HAS_NORM:
+                nw = tl.load(nw_ptr + k0 + xs, mask=k0 + xs < D, other=0.0).to(tl.float32)
+                x = subnorm(x, x_in.dtype, rstd[:, None], nw[None, :], COMPILED_)
+            bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # padding loads 0.0: bits 0
+            top = tl.maximum(top, bits)
+            if KIND == 1:
+                abs_sum += bits.to(tl.float32, bitcast=True)
+        top_row = tl.max(top, axis=1)
+        multiplier, step = quant_scales(top_row, tl.sum(abs_sum, axis=1), D, beta_scale, KIND, EPS_, COMPILED_)
+        scale = tl.where(top_row >= NAN_BITS, float("nan"), step)
+        code_sum = tl.zeros([BLOCK_M, KW], dtype=tl.int32)
+        byte = tl.arange(0, 4)
+        x_tok = x_ptr + toks64[:, None, None] * stride_x
+    else:
+        scale = tl.load(scale_ptr + toks, mask=tok_ok, other=0.0)
+        x_words = codes_ptr + toks64[:, None] * (x_row16 * 16)
+    # one token: a 2-D accumulator in the weight tile's own layout (a 3-D one made the compiler move the weights
+    # through shared memory into its layout, 32 words per thread and chunk, rather than the activation words)
+    acc = tl.zeros([BLOCK_N, KW] if BLOCK_M == 1 else [BLOCK_N, BLOCK_M, KW], dtype=tl.int32)
+    for c in range(0, tl.cdiv(n_words, KW)):
+        w = w_next
+        nxt = (c + 1) * KW + cols
+        w_next = tl.load(w_rows + (c + 1) * KW, mask=row_ok[:, None] & (nxt < n_words)[None, :], other=0,
+                         eviction_policy="evict_first")
+        word = c * KW + cols  # word j of a row: group j // 16, byte 4·(j % 16) of it
+        for field in tl.static_range(4):
+            # activation word of this field: codes 256·g + 64·field + 4·(j % 16) + 0..3
+            xw_index = (word // WORDS_) * (GROUP_ // 4) + field * WORDS_ + word % WORDS_
+            if FUSED:
+                k = (4 * xw_index)[None, :, None] + byte[None, None, :]
+                inside = k < D
+                x_in = tl.load(x_tok + k, mask=tok_ok[:, None, None] & inside, other=0.0)
+                x = x_in.to(tl.float32)
+                if HAS_NORM:
+                    nw = tl.load(nw_ptr + k, mask=inside, other=0.0).to(tl.float32)
+                    x = subnorm(x, x_in.dtype, rstd[:, None, None], nw, COMPILED_)
+                q = quant_code(x, multiplier[:, None, None], KIND, COMPILED_)
+                xw = tl.sum((q & 0xFF) << (8 * byte)[None, None, :], axis=2)  # disjoint bytes: the sum is an OR
+                code_sum = _dp4a(tl.full([BLOCK_M, KW], 0x01010101, tl.int32), xw, code_sum, USE_ASM)
+            else:
+                xw = tl.load(x_words + xw_index[None, :], mask=tok_ok[:, None] & (word < n_words)[None, :], other=0)
+            if BLOCK_M == 1:
+                acc = _dp4a_field(w, field, tl.broadcast_to(xw, acc.shape), acc, USE_ASM)
+            else:
+                acc = _dp4a_field(tl.broadcast_to(w[:, None, :], acc.shape), field,
+                                  tl.broadcast_to(xw[None, :, :], acc.shape), acc, USE_ASM)
+    if BLOCK_M == 1:
+        total = tl.sum(acc, axis=1)[:, None]
+    else:
+        total = tl.sum(acc, axis=2)
+    if FUSED:
+        sx = tl.sum(code_sum, axis=1)
+    else:
+        sx = tl.load(sum_ptr + toks, mask=tok_ok, other=0)
+    _store_out(total, sx, scale, rows, row_ok, toks, N, M, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+
+
+@triton.jit
 def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, stride_out,
                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The epilogue of a split-K matmul; leaves the workspace zero for the next one."""
@@ -251,6 +372,7 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
 
 _ACT_LAUNCH = FastLauncher(_act_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
+_DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
 _GEMM_LAUNCH = FastLauncher(_gemm_kernel)
 _EPILOGUE_LAUNCH = FastLauncher(_splitk_epilogue_kernel)
 EPILOGUE_TILE = (64, 16)  # (BLOCK_N, BLOCK_M) of the split-K epilogue
@@ -272,16 +394,38 @@ def _sm_count(device: torch.device) -> int:
     return 132  # the H100's, so that the interpreter exercises the splits the GPU would take
 
 
+def decode_plan(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """Tile of the one-launch decode GEMV (1–4 tokens): no K split, so a program owns whole rows. The fewest
+    programs per SM (p = 1, 2, ...) whose rows fit a tile of ≤ 32 rows and ≤ 64 row·token accumulators per K lane:
+    ``rows_per_program = ceil(n / (p·SMs))`` exactly (the pow2 tile's rest masked), so every SM streams the same
+    bytes (4096 rows: 32 per program, 128 programs; 11008: 28 per program, 394 = 3 per SM). Few rows per program
+    would recompute the activation codes (~9 ops per value and program) too often; many would leave SMs idle.
+    K is walked in chunks of 256 int32 words per row (4096 weights: 32 KB for 32 rows in flight per program)."""
+    block_m = _pow2(m)
+    cap = min(32, 64 // block_m)
+    p = 1
+    while _cdiv(n, p * sms) > cap:
+        p += 1
+    rows = _cdiv(n, p * sms)
+    words = padded_k(k) // 16
+    kw = min(256, _pow2(words))
+    warps = max(1, min(8, kw // 32))
+    return dict(kernel="decode", BLOCK_N=_pow2(rows), BLOCK_M=block_m, rows_per_program=rows, KW=kw,
+                SB=max(32, min(_pow2(k), 4096 // block_m)), split=1, num_warps=warps, num_stages=1)
+
+
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Kernel, tile, K split and launch options for an (m tokens) × (n, k) product, from the shape alone.
 
-    Decode (m ≤ 16) reads the weight once and is bandwidth-bound: it wants ~4 resident programs per SM with
-    several loads in flight each, so the K loop is split until there are ≥ 4·SMs programs (keeping ≥ 2 groups
-    per program). Prefill is compute-bound: 128 × 128 tiles, split only when the tiles cannot fill the GPU."""
-    groups = padded_k(k) // GROUP
+    1–4 tokens: :func:`decode_plan` (one launch, no split). Up to 64 tokens the tensor-core GEMM reads the weight
+    once and is bandwidth-bound: it wants ~4 resident programs per SM with several loads in flight each, so the K
+    loop is split until there are ≥ 4·SMs programs (keeping ≥ 2 groups per program). Prefill is compute-bound:
+    128 × 128 tiles, split only when the tiles cannot fill the GPU. (``kernel="gemv"``, the split-K CUDA-core
+    GEMV the decode kernel replaced, is still run when a config asks for it: tests, the benchmark's sweep.)"""
     if m <= GEMV_MAX_TOKENS:
-        kernel, block_n, block_m, warps, stages = "gemv", 32, _pow2(m), 4, 4
-    elif m <= 64:
+        return decode_plan(m, n, k, sms)
+    groups = padded_k(k) // GROUP
+    if m <= 64:
         kernel, block_n, block_m, warps, stages = "gemm", 64, max(16, _pow2(m)), 4, 4
     else:
         kernel, block_n, block_m, warps, stages = "gemm", 128, 128, 8, 3
@@ -346,6 +490,9 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
         # compiler it is a multiple of 16: a row stride that is not a multiple of 64 bytes would be floored
         codes = codes.contiguous()
     cfg = config or plan(m, n, k, _sm_count(codes.device))
+    if cfg["kernel"] == "decode":
+        return _decode(cfg, out, codes=codes, scale=scale, sums=sums, packed=packed, alpha_rows=alpha_rows, bias=bias,
+                       n=n, k=k)
     groups = padded_k(k) // GROUP
     split = cfg["split"] > 1
     mode = (2 if cfg.get("fused_epilogue") else 1) if split else 0
@@ -374,6 +521,51 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
     return out
 
 
+def _decode(cfg: dict, out: torch.Tensor, *, packed, alpha_rows, bias, n: int, k: int, codes=None, scale=None,
+            sums=None, x=None, kind: str = "int8", beta_scale: float = 1.0, norm_weight=None, norm_eps: float = 1e-5):
+    """One launch of ``_decode_gemv_kernel``: on ready codes, or (``x`` given) quantizing ``x`` itself."""
+    m = out.shape[0]
+    w_words = packed.view(torch.int32)
+    fused = x is not None
+    if fused:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        codes_words = sums_arg = scale_arg = alpha_rows  # unused pointers (any tensor)
+        x_arg, stride_x, x_row16 = x, x.stride(0), 0
+    else:
+        codes_words = codes.view(torch.int32)
+        x_arg, sums_arg, scale_arg, stride_x, x_row16 = codes_words, sums, scale, 0, codes_words.stride(0) // 16
+    rpp = cfg["rows_per_program"]
+    grid = (_cdiv(n, rpp), _cdiv(m, cfg["BLOCK_M"]))
+    _DECODE_LAUNCH(grid, x_arg, norm_weight if norm_weight is not None else alpha_rows, codes_words, sums_arg,
+                   scale_arg, w_words, alpha_rows, bias if bias is not None else alpha_rows, out, n, m, k,
+                   w_words.shape[1], rpp, stride_x, x_row16, w_words.stride(0) // 16, out.stride(0),
+                   float(beta_scale), float(norm_eps), FUSED=fused, KIND=FUSED_KINDS.get(kind, 0),
+                   HAS_NORM=norm_weight is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], KW=cfg["KW"],
+                   SB=cfg["SB"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM, EPS_=EPS, num_warps=cfg["num_warps"],
+                   num_stages=cfg["num_stages"])
+    return out
+
+
+def fuses(layer, m: int) -> bool:
+    """True when ``layer``'s forward on ``m`` rows is the one-launch decode GEMV quantizing its own input."""
+    return 0 < m <= GEMV_MAX_TOKENS and layer.activation in FUSED_KINDS and layer.in_features <= MAX_ROW["int8"]
+
+
+def fused_linear(x: torch.Tensor, layer, config: dict | None = None) -> torch.Tensor:
+    """``layer``'s forward on rows ``x`` (M ≤ 4, INT8 / INT4-range input) in one launch: sub-norm, quantizer and
+    the packed matmul in ``_decode_gemv_kernel``; the values of :func:`layer_codes` + :func:`matmul_codes`."""
+    m, n, k = x.shape[0], layer.out_features, layer.in_features
+    if x.dtype not in KEYS:
+        raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
+    cfg = config or decode_plan(m, n, k, _sm_count(x.device))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    norm = layer.norm
+    return _decode(cfg, out, packed=layer.packed, alpha_rows=layer.row_scale(), bias=layer.bias, n=n, k=k, x=x,
+                   kind=layer.activation, beta_scale=layer.beta_scale,
+                   norm_weight=None if norm is None else norm.weight, norm_eps=1e-5 if norm is None else norm.eps)
+
+
 def layer_codes(x: torch.Tensor, layer):
     """(codes, scales, Σ codes) of rows ``x`` (M, in) for ``layer`` (a PackedBitLinear): its sub-norm and quantizer."""
     norm = layer.norm
@@ -383,7 +575,10 @@ def layer_codes(x: torch.Tensor, layer):
 
 def packed_linear(x: torch.Tensor, layer, config: dict | None = None, codes=None) -> torch.Tensor:
     """The forward of ``layer`` (a PackedBitLinear) on rows ``x`` (M, in) with the kernels; ``codes``: the rows'
-    :func:`layer_codes` when a sibling projection already computed them."""
+    :func:`layer_codes` when a sibling projection already computed them. 1–4 rows of an INT8 / INT4-range layer
+    without ready codes: one launch (:func:`fused_linear`)."""
+    if codes is None and (config is None or config["kernel"] == "decode") and fuses(layer, x.shape[0]):
+        return fused_linear(x, layer, config)
     codes, scale, sums = codes if codes is not None else layer_codes(x, layer)
     return matmul_codes(codes, scale, sums, layer.packed, layer.row_scale(), layer.bias, x.dtype,
                         layer.out_features, layer.in_features, config)

@@ -36,7 +36,8 @@ import triton.language as tl
 from ..triton_utils import FastLauncher
 from . import topk_kernel
 from .kernel_math import as_float as _as_float, cast_rn as _cast, div_rn as _div_rn
-from .kernel_math import pow2, round_half_even as _round_half_even
+from .kernel_math import COMPILED, pow2, quant_round, quant_scales, round_half_even as _round_half_even
+from .kernel_math import subnorm, subnorm_rstd
 from .reference import EPS, SQRT7, topk_count
 
 KINDS = {"int8": 0, "int4": 1, "topk_int8": 2}
@@ -84,24 +85,22 @@ def _quantize_rows_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, stride_x, stride_y, 
     x_in = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
     x = x_in.to(tl.float32)
     if HAS_NORM:  # BitLinear's sub-norm: weight · (x / RMS(x)) in the input dtype, as RMSNorm + .to(x.dtype)
-        rstd = _div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(x * x, axis=0), _as_float(D)) + norm_eps))
+        rstd = subnorm_rstd(tl.sum(x * x, axis=0), D, norm_eps)
         w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        x = _cast(_cast(x * rstd, x_in.dtype).to(tl.float32) * w, x_in.dtype).to(tl.float32)
+        x = subnorm(x, x_in.dtype, rstd, w, COMPILED)
         tl.store(rstd_ptr + row, rstd)
     # |x| as bits: NaN and ±inf are the patterns >= inf's, so one max finds γ and the bad tokens together
     bits = tl.where(inside, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
     top = tl.max(bits, axis=0)
     if KIND == 1:  # INT4 absmean: (β/√7)·RoundClip(√7·x/(β+ε), −8, 7)
-        beta = tl.math.div_rn(tl.sum(bits.to(tl.float32, bitcast=True), axis=0), _as_float(D)) * beta_scale
-        q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(2.6457513110645907, beta + EPS_), -8.0), 7.0))
-        y = q * tl.math.div_rn(beta, tl.full([], 2.6457513110645907, tl.float32))
+        multiplier, step = quant_scales(top, tl.sum(bits.to(tl.float32, bitcast=True), axis=0), D, beta_scale,
+                                        KIND, EPS_, COMPILED)
     else:
         if KIND == 2:  # TopK: zero all but the k largest |x|
             x = tl.where(_topk_keep(bits >> KEY_SHIFT, inside, k_keep, D, KEY_BITS), x, 0.0)
         # INT8 absmax: (γ/127)·RoundClip(127·x/(γ+ε), −128, 127)
-        gamma = top.to(tl.float32, bitcast=True)
-        q = _round_half_even(tl.minimum(tl.maximum(x * _div_rn(127.0, gamma + EPS_), -128.0), 127.0))
-        y = q * tl.math.div_rn(gamma, tl.full([], 127.0, tl.float32))
+        multiplier, step = quant_scales(top, 0.0, D, beta_scale, KIND, EPS_, COMPILED)
+    y = quant_round(x, multiplier, KIND) * step
     y = tl.where(top >= FP32_INF_BITS, float("nan"), y)
     tl.store(y_ptr + row * stride_y + cols, _cast(y, y_ptr.dtype.element_ty), mask=inside)
 
