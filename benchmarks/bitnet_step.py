@@ -3,10 +3,21 @@ kernels and a4.8 with the reference quantizers, in one run at the same batch, th
 rounds (all four built first; each round visits every variant) so run order favours none; and the activation quantizers alone
 (INT8, INT4, TopK+INT8 at widths 384 / 1536 / 4096: GB/s and TopK time / INT8 time).
 
-Writes ``benchmarks/results/bitnet_step_<device>.json`` (summary keys ``train_step_time_ratio_a48_vs_fp``,
-``train_step_time_ratio_b158_vs_fp``, ``train_step_time_ratio_a48_reference_vs_fp``, ``topk_over_int8_time``
-(at width 4096; per width in the rows)) and a PNG. Batches are random token ids: the step time does not depend
-on the text, so no corpus travels. GPU box:
+**Eager and CUDA-graph steps** (``TrainConfig(cuda_graph=True)``, the step the library recommends on one GPU):
+on CUDA every variant is timed twice in the same interleaved rounds, as the eager ``Trainer.train_step`` (rows
+``path: "eager"``) and as the captured graph (rows ``path: "cuda_graph"``, variant names ``"… (cuda graph)"``;
+the graph trainers warm up and capture before the timing and must report ``last_step_path == "cuda_graph"``).
+The eager step of the 30m preset is host-bound (bitnet_profile: host 44 / 67 ms vs GPU busy 25.5 / 28.4 ms per
+fp / a4.8 step on the H200), so its ratios follow the host CPU; the graph's follow the GPU. ``--no-cuda-graph``
+(and every CPU run) times the eager steps only.
+
+Writes ``benchmarks/results/bitnet_step_<device>.json`` and a PNG. Summary keys: ``train_step_time_ratio_a48_vs_fp``,
+``train_step_time_ratio_b158_vs_fp``, ``train_step_time_ratio_a48_reference_vs_fp`` and ``step_ms_fp`` are of the
+CUDA-graph step when it was timed, else of the eager step (``train_step_path`` says which); the same keys with
+``_eager`` (always) and ``_cuda_graph`` (when timed) name their path, and ``cuda_graph_speedup_<variant>`` is
+eager time / graph time (fp, b158, a48, a48_reference). Also ``topk_over_int8_time`` (at width 4096; per width
+in the rows). Batches are random token ids: the step time does not depend on the text, so no corpus travels.
+GPU box:
 
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_step.py
 
@@ -36,32 +47,39 @@ import torch
 from thrifty import bitnet
 from thrifty.bench import RandomTokens, default_results_dir, detect_device, print_table, time_fn, write_result
 from thrifty.models import LlamaForCausalLM, preset
-from thrifty.train import Trainer, TrainConfig
+from thrifty.train import CUDA_GRAPH_WARMUP_STEPS, Trainer, TrainConfig
 
 VARIANTS = (("fp", "fp", True), ("b1.58", "b1.58", True), ("a4.8", "a4.8", True),
             ("a4.8 (reference quantizers)", "a4.8", False))
+SUMMARY_NAMES = {"fp": "fp", "b1.58": "b158", "a4.8": "a48", "a4.8 (reference quantizers)": "a48_reference"}
+GRAPH_TAG = " (cuda graph)"  # appended to a variant's name for its CUDA-graph trainer
 KINDS = ("int8", "int4", "topk_int8")
 ROWS_MARK = "BITNET_QUANTIZER_ROWS "  # the line a --rows-only run prints its rows on (for --baseline-src)
 
 
-def build_trainer(recipe: str, fused, args, device) -> Trainer:
+def build_trainer(recipe: str, fused, args, device, cuda_graph: bool = False) -> Trainer:
     """A trainer for one step of ``recipe`` in its final stage (a4.8 as a4.8), same init and batch for all."""
     config = preset(args.preset, vocab_size=args.vocab_size)
     with torch.device(device):
         model = LlamaForCausalLM(config).init_weights(seed=0)
     if recipe != "fp":
         bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
-    cfg = TrainConfig(steps=10**6, batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-3, warmup_steps=1)
+    cfg = TrainConfig(steps=10**6, batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-3, warmup_steps=1,
+                      cuda_graph=cuda_graph)
     return Trainer(model, RandomTokens(config.vocab_size), None, cfg)
 
 
 def interleaved_step_ms(trainers: dict, args, device) -> dict[str, list[float]]:
     """ms per step of every trainer, timed in rounds that visit the variants in turn: timed one after another,
     the variants' times rose in run order (H100, 65ebb36: 36, 53, 72, 101 ms), so order must not favour one.
-    ``train_step`` ends with a host sync (``float(loss)``), so the wall clock is the step time."""
-    for trainer in trainers.values():
-        for _ in range(args.warmup):
+    ``train_step`` ends with a host sync (``float(loss)``), so the wall clock is the step time. A CUDA-graph trainer
+    first runs its eager warm-up steps and the capture, so that every timed step is a replay."""
+    for name, trainer in trainers.items():
+        graphed = trainer.cfg.cuda_graph
+        for _ in range(args.warmup + (CUDA_GRAPH_WARMUP_STEPS if graphed else 0)):
             trainer.train_step()
+        if trainer.last_step_path != ("cuda_graph" if graphed else "eager"):
+            raise RuntimeError(f"{name}: the warmed-up step ran as {trainer.last_step_path!r}")
     per_round = max(1, args.reps // args.rounds)
     samples = {name: [] for name in trainers}
     for _ in range(args.rounds):
@@ -186,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, results to a temporary folder")
     ap.add_argument("--quantizers-only", action="store_true", help="skip the training steps")
+    ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time every variant's CUDA-graph step (default: on CUDA)")
     ap.add_argument("--baseline-src", default=None, help="src/ of another thrifty tree: its quantizers timed too")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # --baseline-src's subprocess
     args = ap.parse_args(argv)
@@ -201,6 +221,9 @@ def main(argv=None) -> int:
         args.out = args.out or tempfile.mkdtemp(prefix="bitnet_step_smoke_")
     args.widths = [int(w) for w in str(args.widths).split(",")]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.cuda_graph and device.type != "cuda":
+        ap.error(f"--cuda-graph: needs a CUDA device, got {device}")
+    args.cuda_graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
     torch.manual_seed(0)
     if args.rows_only:
         print(ROWS_MARK + json.dumps(quantizer_rows(args, device)), flush=True)
@@ -221,7 +244,8 @@ def main(argv=None) -> int:
     path = write_result("bitnet_step", rows, summary, device=label, extra=extra, results_dir=results_dir)
     plot(rows, path.with_suffix(".png"), f"BitNet step, {args.preset}, {args.batch_size}×{args.seq_len}, {label}")
     if not args.quantizers_only:
-        print_table([r for r in rows if r.get("what") == "step"], ["variant", "step_ms", "tokens_per_s", "vs_fp"])
+        print_table([r for r in rows if r.get("what") == "step"],
+                    ["variant", "path", "step_ms", "tokens_per_s", "vs_fp", "vs_eager"])
     print_table([r for r in rows if r.get("what") == "quantizer" or "error" in r],
                 ["tree", "kind", "features", "ms", "gbs", "over_int8_time", "gpu_ms", "gpu_gbs",
                  "gpu_over_int8_time", "exact", "error"])
@@ -231,22 +255,35 @@ def main(argv=None) -> int:
 
 
 def step_times(args, device, fused) -> tuple[list[dict], dict]:
-    """(one row per variant, the step-time summary): every variant built first, then timed in rounds."""
-    trainers = {name: build_trainer(recipe, fused if use_kernels else False, args, device)
-                for name, recipe, use_kernels in VARIANTS}
+    """(one row per variant and path, the step-time summary): every trainer built first, then timed in rounds."""
+    paths = ("eager", "cuda_graph") if args.cuda_graph else ("eager",)
+    trainers = {name + (GRAPH_TAG if path == "cuda_graph" else ""):
+                build_trainer(recipe, fused if use_kernels else False, args, device, cuda_graph=path == "cuda_graph")
+                for path in paths for name, recipe, use_kernels in VARIANTS}
     samples = interleaved_step_ms(trainers, args, device)
     del trainers
     timings = {name: statistics.median(ms) for name, ms in samples.items()}
     for name, ms in samples.items():
         print(f"  {name}: {timings[name]:.2f} ms per step (rounds: {', '.join(f'{m:.1f}' for m in ms)})", flush=True)
     tokens = args.batch_size * args.seq_len
-    rows = [{"what": "step", "variant": name, "step_ms": ms, "tokens_per_s": tokens / (ms / 1e3),
-             "vs_fp": ms / timings["fp"], "round_ms": samples[name]} for name, ms in timings.items()]
-    summary = {"train_step_time_ratio_a48_vs_fp": timings["a4.8"] / timings["fp"],
-               "train_step_time_ratio_b158_vs_fp": timings["b1.58"] / timings["fp"],
-               "train_step_time_ratio_a48_reference_vs_fp": timings["a4.8 (reference quantizers)"] / timings["fp"],
-               "step_ms_fp": timings["fp"], "tokens_per_step": tokens}
+    rows, summary = [], {"tokens_per_step": tokens, "train_step_path": paths[-1]}
+    for path in paths:
+        tag = GRAPH_TAG if path == "cuda_graph" else ""
+        ms = {variant: timings[variant + tag] for variant, _, _ in VARIANTS}
+        for variant, t in ms.items():
+            row = {"what": "step", "variant": variant + tag, "path": path, "step_ms": t,
+                   "tokens_per_s": tokens / (t / 1e3), "vs_fp": t / ms["fp"], "round_ms": samples[variant + tag]}
+            if path == "cuda_graph":
+                row["vs_eager"] = timings[variant] / t  # the graph's speed-up
+                summary[f"cuda_graph_speedup_{SUMMARY_NAMES[variant]}"] = row["vs_eager"]
+            rows.append(row)
+        keys = {f"train_step_time_ratio_{SUMMARY_NAMES[v]}_vs_fp": ms[v] / ms["fp"] for v in ms if v != "fp"}
+        keys["step_ms_fp"] = ms["fp"]
+        summary.update({f"{k}_{path}": v for k, v in keys.items()})
+        if path == paths[-1]:  # the unsuffixed keys: the graph's when timed (the recommended step), else eager's
+            summary.update(keys)
     return rows, summary
+
 
 if __name__ == "__main__":
     sys.exit(main())

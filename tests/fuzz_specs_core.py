@@ -332,7 +332,7 @@ TRAIN_CONFIG_ARGS = ArgSpec(
          "weight_decay": [NAN, -0.1], "betas": [(2.0,), (NAN, 0.9), (0.9, 1.0), "ab", (0.9, -0.1)],
          "seed": [-1, 1.5, "a"], "checkpoint_dir": [3], "extra": [3], "steps": [0, 1.5], "batch_size": [0],
          "seq_len": [-4], "grad_accum": [0], "warmup_steps": [-1], "eval_every": [-1], "eval_batches": [0],
-         "checkpoint_every": [-1], "autocast": ["fp16"]},
+         "checkpoint_every": [-1], "autocast": ["fp16"], "cuda_graph": [1, "yes", None]},
     mention={"betas": "betas"})
 
 

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from test_train_cuda_graph import stand_in_graphs  # noqa: F401 (a fixture)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,3 +53,28 @@ def test_baseline_src_times_the_other_trees_quantizers(tmp_path):
     assert all(r["exact"] for r in rows if r["kind"] == "topk_int8")
     for d in (33, 130):
         assert result["summary"][f"topk_gpu_speedup_vs_baseline_d{d}"] > 0
+
+
+def test_step_times_give_eager_and_graph_rows(stand_in_graphs):
+    """On CUDA every variant is timed eagerly and as a graph in the same rounds; the unsuffixed ratios are the
+    graph's. The graph trainers here record StandInGraphs (CPU), reference quantizers (fast off the GPU)."""
+    import argparse
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bitnet_step_under_test", ROOT / "benchmarks" / "bitnet_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(preset="tiny", vocab_size=256, batch_size=1, seq_len=8, warmup=1, reps=2, rounds=2,
+                              cuda_graph=True)
+    rows, summary = bench.step_times(args, torch.device("cpu"), False)
+    graphed = [r for r in rows if r["path"] == "cuda_graph"]
+    assert [r["variant"] for r in graphed] == [name + bench.GRAPH_TAG for name, _, _ in bench.VARIANTS]
+    assert len(stand_in_graphs) == len(bench.VARIANTS) and all(g.replays >= 2 for g in stand_in_graphs)
+    assert summary["train_step_path"] == "cuda_graph"
+    for key in ("train_step_time_ratio_a48_vs_fp", "train_step_time_ratio_b158_vs_fp", "step_ms_fp"):
+        assert summary[key] == summary[key + "_cuda_graph"] and summary[key + "_eager"] > 0
+    assert summary["cuda_graph_speedup_a48"] == pytest.approx(
+        next(r["step_ms"] for r in rows if r["variant"] == "a4.8") / next(r["step_ms"] for r in graphed
+                                                                          if r["variant"] == "a4.8 (cuda graph)"))

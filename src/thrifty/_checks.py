@@ -48,6 +48,14 @@ def check_tensor(
     return x
 
 
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """ValueError unless every id is in [0, vocab_size): an out-of-range id would crash in a kernel. Host syncs
+    for a CUDA tensor; none for a CPU batch (the Trainer's check before it copies a batch into a CUDA graph)."""
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name}: expected ids in [0, {vocab_size}), got min {lo} max {hi}")
+
+
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
     """Raises ValueError when the given tensors (None skipped) live on different devices."""
     present = {k: v for k, v in tensors.items() if v is not None}

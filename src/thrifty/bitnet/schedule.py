@@ -65,6 +65,11 @@ class TwoStageSchedule:
     def weight_decay(self, step: int, cfg) -> float:
         return cfg.weight_decay if self.stage(step, cfg.steps) == 1 else 0.0
 
+    def graph_key(self, step: int, cfg) -> str:
+        """What :meth:`apply` sets on the model at ``step`` (the recipe; the weight decay the Trainer reads from the
+        optimizer itself): a change makes a ``cuda_graph`` Trainer capture its step again."""
+        return self.recipe(step, cfg.steps)
+
     def apply(self, trainer) -> float:
         """Puts ``trainer``'s model and optimizer in the state of ``trainer.step``; returns its learning rate."""
         model, cfg, step = trainer.model, trainer.cfg, trainer.step

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_positive_int, check_range, check_tensor
+from .._checks import check_bool, check_positive_int, check_range, check_tensor, check_token_ids
 from ..layers import RMSNorm  # noqa: F401 (importable from here too)
 
 
@@ -123,6 +123,13 @@ def logits_cross_entropy(hidden, weight, labels):
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100)
 
 
+def _capturing() -> bool:
+    """True while a CUDA graph is being captured (thrifty.train's ``cuda_graph`` step): a host sync such as
+    ``int(tensor)`` is illegal then, so the checks that read tensor values are skipped and the caller checks the
+    values on the host (the Trainer checks each batch's ids before copying it into the graph's input buffer)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _is_dtensor(x) -> bool:
     if not torch.distributed.is_available():
         return False
@@ -146,6 +153,9 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, positions):
         if self._last is not None and self._last[0] is positions:
             return self._last[1], self._last[2]
+        if _capturing():
+            self._last = (positions, *self._direct_cos_sin(positions))
+            return self._last[1], self._last[2]
         length = int(positions.max()) + 1 if positions.numel() else 1
         table = self._table
         if table is None or table[0].shape[0] < length or table[0].device != positions.device:
@@ -156,6 +166,14 @@ class RotaryEmbedding(nn.Module):
             self._table = table = (emb.cos(), emb.sin())
         self._last = (positions, table[0][positions], table[1][positions])
         return self._last[1], self._last[2]
+
+    def _direct_cos_sin(self, positions):
+        """cos/sin computed at ``positions`` instead of gathered from the table: the table's length needs the
+        largest position on the host (a sync, illegal in a CUDA graph capture), and a graph must not read a table a
+        later call may regrow and free. The same fp32 products and trig as the table rows, so the same values."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
     def forward(self, x, positions):
         """Rotates x: (B, H, T, Dh) at integer positions (T,) or (B, T)."""
@@ -263,7 +281,7 @@ def _check_positions(positions, B: int, T: int) -> None:
     check_tensor("positions", positions, ndim=(1, 2), integer=True)
     if positions.shape[-1] != T or (positions.ndim == 2 and positions.shape[0] != B):
         raise ValueError(f"positions: expected shape ({T},) or ({B}, {T}) like input_ids, got {tuple(positions.shape)}")
-    if int(positions.min()) < 0:  # a negative index would wrap around the RoPE table silently
+    if not _capturing() and int(positions.min()) < 0:  # a negative index would wrap around the RoPE table
         raise ValueError(f"positions: expected positions >= 0, got min {int(positions.min())}")
 
 
@@ -310,9 +328,8 @@ class LlamaForCausalLM(nn.Module):
         B, T = input_ids.shape
         if B == 0 or T == 0:
             raise ValueError(f"input_ids: expected at least one sequence of at least one token, got shape {(B, T)}")
-        lo, hi = int(input_ids.min()), int(input_ids.max())  # one sync; an out-of-range id would crash in a kernel
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"input_ids: expected ids in [0, {self.config.vocab_size}), got min {lo} max {hi}")
+        if not _capturing():  # under capture the Trainer has checked the batch on the host
+            check_token_ids("input_ids", input_ids, self.config.vocab_size)
         check_positive_int("logits_to_keep", logits_to_keep, allow_zero=True)
         if positions is None:
             start = len(cache) if cache is not None else 0
