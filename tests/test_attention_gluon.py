@@ -33,6 +33,27 @@ def _cos(a, b):
     return accuracy_metrics(a.float(), b.float())["cos_sim"]
 
 
+ONE_WARPGROUP_NAN = pytest.mark.xfail(strict=True, reason="ws=False wrote NaN rows at D=64, B=2, H=32, S=2048 on "
+                                      "the H200 (attention_gluon_h200.json at e18fe69); not understood yet")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", [dict(), dict(ws=True, consumers=1), dict(ws=True, consumers=2),
+                                     pytest.param(dict(ws=False, consumers=1), marks=ONE_WARPGROUP_NAN)],
+                         ids=lambda v: "-".join(f"{k}{v[k]}" for k in v) or "default")
+def test_cuda_gluon_at_the_benchmark_shape(variant):
+    """The shape where the benchmark's kernel-only rows found NaN output (B=2, H=32, S=2048, D=64, non-causal):
+    every row finite and equal to the Triton kernel's."""
+    from thrifty.attention.attn_kernel import sage_forward_triton
+    from thrifty.attention.gluon_kernel import sage_forward_gluon
+    q, k, v = _inputs(2, 32, 32, 2048, 2048, 64, k_bias=0.0)
+    ref = sage_forward_triton(q, k, v, causal=False, sm_scale=0.125)
+    for _ in range(3):
+        out = sage_forward_gluon(q, k, v, causal=False, sm_scale=0.125, config=variant)
+        assert torch.isfinite(out).all()
+        assert _cos(out, ref) > 0.99999
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v) or "default")
 @pytest.mark.parametrize("D", [64, 128])
