@@ -235,6 +235,22 @@ def test_export_load_round_trip_gives_the_packed_model_logits(tmp_path, storage)
         assert torch.equal(logits(loaded(ids)), logits(bitnet.pack(model, impl="torch")(ids)))
 
 
+@pytest.mark.parametrize("recipe", ["a4.8", "b1.58"])
+def test_from_packed_builds_the_model_from_the_file_alone(tmp_path, recipe):
+    """No model to pass: the export's header holds the config and recipe; the same logits as the manual rebuild,
+    no full-precision ternary layer, and a file from another architecture is refused by name."""
+    model = tiny_model(recipe)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    path = bitnet.export(model, tmp_path / "m.safetensors")
+    loaded = LlamaForCausalLM.from_packed(path, impl="torch")
+    assert not any(isinstance(m, BitLinear) for m in loaded.modules())
+    assert sum(isinstance(m, PackedBitLinear) for m in loaded.modules()) == 2 * 7
+    with torch.no_grad():
+        assert torch.equal(logits(loaded(ids)), logits(rebuild(path)(ids)))
+    with pytest.raises(ValueError, match="missing"):
+        LlamaForCausalLM.from_packed(tmp_path / "absent.safetensors")
+
+
 def test_siblings_quantize_their_shared_input_once(tmp_path, monkeypatch):
     """q/k/v and gate/up read one tensor: packed (in memory or loaded through packed_factory) they quantize it
     once per forward, with the same logits as without sharing."""

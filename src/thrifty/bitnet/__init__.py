@@ -9,10 +9,8 @@ Public API::
     Trainer(model, train, val, cfg, schedule=bitnet.TwoStageSchedule(stage1_share=0.95))
     bitnet.measure_sparsity(model, batches)               # Table 2 of the paper
     bitnet.export(model, "model.safetensors")             # inference: ternary weights packed 2 bits each
-    head = bitnet.read_header("model.safetensors")        # then a model with PackedBitLinear shells, filled:
-    model = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head),
-                             activation=bitnet.relu_squared)
-    bitnet.load("model.safetensors", model)               # W2A8 Triton kernels on CUDA, PyTorch elsewhere
+    model = LlamaForCausalLM.from_packed("model.safetensors", device="cuda")  # W2A8 Triton kernels on CUDA
+    bitnet.load("model.safetensors", hf_model)            # into a model you built (a converted transformers one)
     bitnet.pack(model)                                    # the same in memory, in place
 """
 

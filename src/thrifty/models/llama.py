@@ -362,6 +362,23 @@ class LlamaForCausalLM(nn.Module):
     # --------------------------------------------------------------------------------------- checkpoints
 
     @classmethod
+    def from_packed(cls, path, *, device="cpu", impl: str = "auto") -> "LlamaForCausalLM":
+        """Loads a packed BitNet export (``thrifty.bitnet.export`` of a reference model): the model is built from
+        the file's own config and recipe, its ternary layers as :class:`thrifty.bitnet.PackedBitLinear` shells (no
+        full-precision weight is ever allocated for them), then filled by ``thrifty.bitnet.load`` with every
+        check first. ``impl``: the packed layers' kernels ("auto", "triton", "torch")."""
+        from ..bitnet import load, mlp_activation, packed_factory, read_header
+
+        header = read_header(path)  # a missing, unreadable or tampered file is refused here (ValueError)
+        if header["model_config"] is None:
+            raise ValueError(f"path: {path} was exported from a model other than thrifty's reference model (no "
+                             f"model_config in its header): build that model and call thrifty.bitnet.load(path, model)")
+        with torch.device(device):
+            model = cls(LlamaConfig(**header["model_config"]), linear=packed_factory(header, impl=impl),
+                        activation=mlp_activation(header["recipe"]))
+        return load(path, model).eval()
+
+    @classmethod
     def from_pretrained(cls, path, *, dtype: torch.dtype = torch.float32, device="cpu", **seams):
         """Loads a HF Llama-family checkpoint folder (config.json + *.safetensors).
 
