@@ -6,13 +6,24 @@ bf16 N(0, 0.02), as views of one flat buffer (as LOMO encodes them). Per repetit
 between CUDA events around it, synchronizing calls (torch's sync debug mode), and the bf16 input rate
 (2 B x weights / GPU time). Checks the streams against the torch encoder (``encode.encode_lossless``) once.
 
+Stages (this tree only: a tree whose ``encode_block_triton`` has no ``profile`` argument gives totals only): in
+separate repetitions (the events cost a little), ``encode_kernel.EncodeProfile`` splits one encode into its
+launch groups (GPU ms between CUDA events, host ms of queuing them), its two host reads (``read1``/``read2``:
+host ms = the wait for everything queued before them) and the host code building (host ms only:
+``code_lengths``, ``pair_code``, ``canonical``, ``code_streams``); then LOMO's pack update after it
+(``pack_replace``: ``BlockPack.replace``, the streams' concatenation; ``pack_tables``: decode tables;
+``pack_launch``: launch rows), as ``model._encode`` runs them. Median over the repetitions per stage; summary keys
+``encode_stage_<name>_host_ms`` / ``_gpu_ms``.
+
     python benchmarks/neuzip_encode_gpu.py [--baseline-src OLD/src] [--reps 10] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -66,8 +77,48 @@ def measure(device, reps: int, smoke: bool) -> dict:
         ref = encode_lossless(v, R.STEPS)
         exact &= int(all(torch.equal(ref[k].cpu(), s[k].cpu()) for k in ref))
     ms = min(gpu) if gpu else min(host)
-    return {"weights": n, "host_ms": min(host), "gpu_ms": ms, "gb_per_s": 2 * n / ms / 1e6,
-            "syncs": max(syncs), "exact": exact}
+    row = {"weights": n, "host_ms": min(host), "gpu_ms": ms, "gb_per_s": 2 * n / ms / 1e6,
+           "syncs": max(syncs), "exact": exact}
+    if "profile" in inspect.signature(encode_block_triton).parameters:
+        row["stages"] = stages(views, device, 1 if smoke else reps)
+    return row
+
+
+def stages(views, device, reps: int) -> list:
+    """[(stage, median host ms, median GPU ms or None)] of the encode and the pack update after it."""
+    from thrifty.neuzip import reference as R
+    from thrifty.neuzip.block_decode import BlockPack
+    from thrifty.neuzip.encode_kernel import EncodeProfile, encode_block_triton
+    from thrifty.neuzip.tensor import CompressedTensor
+
+    streams, _ = encode_block_triton(views, R.STEPS)
+    pack = BlockPack([CompressedTensor(s, v.dtype, v.shape, steps=R.STEPS) for s, v in zip(streams, views)])
+    per = {}
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        prof = EncodeProfile(device)
+        with prof.stage("total"):
+            out = encode_block_triton(views, R.STEPS, profile=prof)
+        with prof.stage("pack_replace"):
+            pack.replace(*out)
+        with prof.stage("pack_tables"):
+            pack.kernel_tables(pack.device)
+        with prof.stage("pack_launch"):
+            pack.launch_table(pack.device)
+        for name, h, g in prof.rows():
+            per.setdefault(name, []).append((h, g))
+    rows = []
+    for name, v in per.items():
+        gs = [g for _, g in v if g is not None]
+        rows.append((name, statistics.median(h for h, _ in v), statistics.median(gs) if gs else None))
+    return rows
+
+
+def print_stages(rows) -> None:
+    print(f"{'stage':<16}{'host ms':>10}{'gpu ms':>10}")
+    for name, h, g in rows:
+        print(f"{name:<16}{h:>10.3f}{'' if g is None else f'{g:.3f}':>10}")
 
 
 def baseline_row(src: str, reps: int, smoke: bool) -> dict:
@@ -102,8 +153,14 @@ def main(argv=None) -> int:
     if len(rows) > 1 and "gpu_ms" in rows[1]:
         summary.update(encode_block_gpu_ms_baseline=rows[1]["gpu_ms"], encode_syncs_baseline=rows[1]["syncs"],
                        encode_speedup_vs_baseline=rows[1]["gpu_ms"] / row["gpu_ms"])
+    for name, h, g in row.get("stages", []):
+        summary[f"encode_stage_{name}_host_ms"] = h
+        if g is not None:
+            summary[f"encode_stage_{name}_gpu_ms"] = g
     for r in rows:
-        print(r)
+        print({k: v for k, v in r.items() if k != "stages"})
+    if "stages" in row:
+        print_stages(row["stages"])
     print("SUMMARY", summary)
     if not args.smoke:
         from thrifty import bench

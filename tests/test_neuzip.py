@@ -655,6 +655,33 @@ def test_host_code_functions_match_the_former_loops():
     assert (R.decode_table(incomplete) == _old_decode_table(incomplete)).all()
 
 
+def test_block_encoder_pair_choice_matches_reference():
+    """The block encoder's pair-code choice on the occurring pairs only equals reference.choose_pair_code on the
+    full 65536-bin row (lengths and the choice), incl. one pair, no pair and > 4096 pairs."""
+    from thrifty.neuzip.encode_kernel import _choose_pair_code
+
+    g = np.random.default_rng(3)
+    rows = [h for h in _histograms() if len(h) == R.PAIR_SYMBOLS]
+    one = np.zeros(R.PAIR_SYMBOLS, np.int64)
+    one[40000] = 7
+    rows += [np.zeros(R.PAIR_SYMBOLS, np.int64), one,
+             g.integers(0, 3, R.PAIR_SYMBOLS),
+             (g.random(R.PAIR_SYMBOLS) < 0.01) * g.integers(1, 10 ** 6, R.PAIR_SYMBOLS)]
+    x = (torch.randn(512, 257, generator=torch.Generator().manual_seed(6)) * 0.02).bfloat16()
+    sym = R.split_symbols(R._uint_view(x), x.dtype)[0]
+    rows.append(np.bincount(R.pair_symbols(sym), minlength=R.PAIR_SYMBOLS))
+    for pair in rows:
+        sq = np.asarray(pair, np.int64).reshape(256, 256)
+        s = sq.sum(axis=1) + sq.sum(axis=0) if pair.sum() else np.ones(256, np.int64)
+        for single in (s, np.ones(256, np.int64) * 10 ** 6):
+            lengths = R.code_lengths(single)
+            want = R.choose_pair_code(pair, lengths, single)
+            got = _choose_pair_code(pair.astype(np.int32), lengths, single)
+            assert (want is None) == (got is None)
+            if want is not None:
+                assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
 def _old_meta_rows(pack, gpp, aligned):
     """BlockPack's launch rows as the former per-program Python loop built them (the oracle)."""
     import math

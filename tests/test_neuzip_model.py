@@ -414,6 +414,31 @@ def test_triton_block_encoder_two_host_reads(monkeypatch):
         assert np.array_equal(code, CompressedTensor(t, x.dtype, x.shape, steps=R.STEPS).code_lengths())
 
 
+def test_triton_block_encoder_profile_same_bytes(monkeypatch):
+    """With an EncodeProfile (the benchmark's per-stage split) the encoder gives the same streams and codes, still
+    two host reads, and records every stage once (host ms; GPU ms only on CUDA)."""
+    from thrifty.neuzip import encode_kernel as EK
+
+    g = torch.Generator().manual_seed(14)
+    xs = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in (R.GROUP * R.STEPS * 2 + 5, 700)]
+    plain, plain_codes = EK.encode_block_triton(xs, R.STEPS)
+    host_reads = []
+    original_to_host = EK._to_host
+    monkeypatch.setattr(EK, "_to_host", lambda t: (host_reads.append(t.shape), original_to_host(t))[1])
+    prof = EK.EncodeProfile(xs[0].device)
+    streams, codes = EK.encode_block_triton(xs, R.STEPS, profile=prof)
+    monkeypatch.undo()
+    assert len(host_reads) == 2
+    for a, b in zip(plain, streams):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(np.array_equal(a, b) for a, b in zip(plain_codes, codes))
+    rows = prof.rows()
+    names = [r[0] for r in rows]
+    assert names == ["setup", "sym_hist", "ranks", "pair_hist", "read1", "code_lengths", "pair_code", "canonical",
+                     "code_streams", "upload_tables", "lane_bits", "cumsum", "read2", "pack", "outputs"]
+    assert all(h >= 0 and gpu is None for _, h, gpu in rows)  # CPU: no events
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_block_encoder_views_odd_sizes(dtype):
     """Tensors that are views of one buffer (LOMO's block buffer: encoded in place, no copy) at odd offsets and

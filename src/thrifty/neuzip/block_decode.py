@@ -172,11 +172,18 @@ class BlockPack:
         parts = {k: [s.get(k, empty).reshape(-1) for s in streams] for k in PACK_STREAMS}
         self.sizes = {k: [p.numel() for p in v] for k, v in parts.items()}
         self.bases, self.streams = {}, {}
-        for k, v in parts.items():
-            align = ALIGN_BYTES // v[0].element_size()
-            padded = [torch.cat([p, p.new_zeros(-p.numel() % align)]) for p in v]
-            self.bases[k] = [0] + np.cumsum([p.numel() for p in padded])[:-1].tolist()
-            self.streams[k] = torch.cat(padded)
+        for k, v in parts.items():  # one concatenation per stream, the padding between the parts (was a padded
+            align = ALIGN_BYTES // v[0].element_size()  # copy of each part, then a copy of all: 2 passes)
+            pieces, bases, at = [], [], 0
+            for p in v:
+                pad = -p.numel() % align
+                bases.append(at)
+                pieces.append(p)
+                if pad:
+                    pieces.append(p.new_zeros(pad))
+                at += p.numel() + pad
+            self.bases[k] = bases
+            self.streams[k] = torch.cat(pieces)
         self._tables: dict = {}
         self._meta: dict = {}
         self._launches: dict = {}  # (buffer address, size, dtype) -> the checked launch arguments

@@ -28,6 +28,9 @@ weight: ~0.41 GB for a 44M-weight block, ~0.15 ms at HBM speed.
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import torch
 import triton
@@ -211,6 +214,60 @@ def _pack_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, start_ptr, wbase_ptr, word
 
 
 # ------------------------------------------------------------------------------------------------ host side
+class EncodeProfile:
+    """Per-stage times of :func:`encode_block_triton` (benchmarks; ``profile=None`` there records nothing).
+
+    ``stage(name)``: a span of host code, timed with ``time.perf_counter`` (host ms) and, on CUDA, with two
+    events on the current stream (GPU ms: from the stream reaching the stage's first queued work to the end of
+    its last; for a stage that queues nothing this is the GPU's idle gap while the host runs it). ``add_host``:
+    host time only, summed over calls (the per-tensor code building). A stage entered twice adds up.
+    ``rows()`` waits for the device (once, after the encode) and returns ``[(name, host_ms, gpu_ms or None)]``
+    in first-seen order."""
+
+    def __init__(self, device=None):
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self._host: dict = {}
+        self._events: dict = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        e0 = e1 = None
+        if self.cuda:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host[name] = self._host.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+            if self.cuda:
+                e1 = torch.cuda.Event(enable_timing=True)
+                e1.record()
+                self._events.setdefault(name, []).append((e0, e1))
+            else:
+                self._events.setdefault(name, [])
+
+    def add_host(self, name: str, ms: float) -> None:
+        self._host[name] = self._host.get(name, 0.0) + ms
+
+    def rows(self) -> list:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out = []
+        for name, host_ms in self._host.items():
+            ev = self._events.get(name)
+            gpu = sum(a.elapsed_time(b) for a, b in ev) if ev else None
+            out.append((name, host_ms, gpu))
+        return out
+
+
+def _stage(profile, name: str):
+    return _NULL_STAGE if profile is None else profile.stage(name)
+
+
+_NULL_STAGE = contextlib.nullcontext()
+
+
 def _to_host(t: torch.Tensor) -> np.ndarray:
     """A device-to-host read (the encoder's only synchronizations: two per block). CUDA: into pinned memory,
     then one wait for this stream (which holds only the encoder's own queued work on LOMO's side stream)."""
@@ -269,23 +326,17 @@ def _block_meta(device, dtype, offsets, numels, steps):
     return _META_CACHE[key]
 
 
-def _host_code(single: np.ndarray, pair: np.ndarray) -> np.ndarray:
-    """One tensor's code from its histograms, as every encoder builds it (reference.encode)."""
-    lengths = R.code_lengths(single)
-    pair_lengths = R.choose_pair_code(pair, lengths, single)
-    return lengths if pair_lengths is None else pair_lengths
-
-
 def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
     """Streams of ``x`` (bf16 / fp16 / fp32, CUDA or the interpreter), as :func:`encode.encode_lossless`."""
     return encode_block_triton([x], steps)[0][0]
 
 
-def encode_block_triton(xs, steps: int = R.STEPS) -> tuple[list, list]:
+def encode_block_triton(xs, steps: int = R.STEPS, profile: "EncodeProfile | None" = None) -> tuple[list, list]:
     """Streams of every tensor of a block (one dtype; as :func:`encode_lossless_triton`, bit for bit): four
     Triton launches for the whole block and two device-to-host reads (the histograms; the stream sizes), no
     other synchronization (module docstring). Returns (streams per tensor, each tensor's code as the host built
-    it: for :meth:`BlockPack.replace`)."""
+    it: for :meth:`BlockPack.replace`). profile: an :class:`EncodeProfile` to record each stage's host and GPU
+    time in (benchmarks); None records nothing."""
     steps = R.check_steps(steps)
     dtype, dev = xs[0].dtype, xs[0].device
     if any(x.dtype != dtype or x.device != dev for x in xs):
@@ -293,63 +344,109 @@ def encode_block_triton(xs, steps: int = R.STEPS) -> tuple[list, list]:
     bits, shift, kept = R.DTYPES[dtype]
     T, TP = len(xs), max(2, triton.next_power_of_2(len(xs)))
     numels = [x.numel() for x in xs]
-    flat, offsets = _flat_source(xs)
-    meta, host = _block_meta(dev, dtype, offsets, numels, steps)
+    with _stage(profile, "setup"):  # one int view of the block (a copy unless views of one buffer), the table
+        flat, offsets = _flat_source(xs)
+        meta, host = _block_meta(dev, dtype, offsets, numels, steps)
     common = dict(TP=TP, META_W=META_W, BITS=bits, SHIFT=shift)
     # 1-3: histograms (no host read in between)
-    hist = torch.zeros(T, HIST_W, dtype=torch.int32, device=dev)
-    _sym_hist_kernel[(host["programs"][0],)](flat, meta, hist, T, HIST_W=HIST_W, BLOCK=HIST_BLOCK, **common)
-    order = torch.argsort(hist[:, :256], dim=1, descending=True, stable=True)[:, :WINDOW]
-    rank = torch.full((T, 256), WINDOW, dtype=torch.int32, device=dev)
-    rank.scatter_(1, order, torch.arange(WINDOW, dtype=torch.int32, device=dev).expand(T, WINDOW).contiguous())
-    symof = order.to(torch.int32).contiguous()
-    _pair_hist_kernel[(host["programs"][1],)](flat, meta, rank, symof, hist, T, HIST_W=HIST_W, WINDOW=WINDOW,
-                                              BLOCK=HIST_BLOCK, **common)
-    counts = _to_host(hist).astype(np.int64)  # read 1
+    with _stage(profile, "sym_hist"):
+        hist = torch.zeros(T, HIST_W, dtype=torch.int32, device=dev)
+        _sym_hist_kernel[(host["programs"][0],)](flat, meta, hist, T, HIST_W=HIST_W, BLOCK=HIST_BLOCK, **common)
+    with _stage(profile, "ranks"):
+        order = torch.argsort(hist[:, :256], dim=1, descending=True, stable=True)[:, :WINDOW]
+        rank = torch.full((T, 256), WINDOW, dtype=torch.int32, device=dev)
+        rank.scatter_(1, order, torch.arange(WINDOW, dtype=torch.int32, device=dev).expand(T, WINDOW).contiguous())
+        symof = order.to(torch.int32).contiguous()
+    with _stage(profile, "pair_hist"):
+        _pair_hist_kernel[(host["programs"][1],)](flat, meta, rank, symof, hist, T, HIST_W=HIST_W, WINDOW=WINDOW,
+                                                  BLOCK=HIST_BLOCK, **common)
+    with _stage(profile, "read1"):
+        counts = _to_host(hist)  # read 1 (int32; each code function widens the rows it reads)
     # 4: codes on the host; the lookup tables and the stored codes go up in one non-blocking copy
     codes_np, stored, idx, entries = [], [], [], []
+    clock = time.perf_counter
     for i in range(T):
-        lengths = _host_code(counts[i, :256], counts[i, 256:])
+        t0 = clock()
+        single = counts[i, :256].astype(np.int64)
+        lengths = R.code_lengths(single)
+        t1 = clock()
+        pair_lengths = _choose_pair_code(counts[i, 256:], lengths, single)
+        t2 = clock()
+        if pair_lengths is not None:
+            lengths = pair_lengths
         codes_np.append(lengths)
         present = np.flatnonzero(lengths)
         code = R.canonical_codes(lengths)[present].astype(np.int64)
         idx.append(present + i * 65536)
         entries.append((code << 4) | lengths[present].astype(np.int64))
+        t3 = clock()
         stored.append(code_streams(lengths))
-    up, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored,
-                               np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32), dev)
-    tab = torch.zeros(T * 65536, dtype=torch.int32, device=dev).scatter_(0, parts["idx"],
-                                                                         parts["entries"].to(torch.int32))
-    pairs = parts["pairs"]
+        if profile is not None:
+            profile.add_host("code_lengths", (t1 - t0) * 1e3)
+            profile.add_host("pair_code", (t2 - t1) * 1e3)
+            profile.add_host("canonical", (t3 - t2) * 1e3)
+            profile.add_host("code_streams", (clock() - t3) * 1e3)
+    with _stage(profile, "upload_tables"):
+        up, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored,
+                                   np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32), dev)
+        tab = torch.zeros(T * 65536, dtype=torch.int32, device=dev).scatter_(0, parts["idx"],
+                                                                             parts["entries"].to(torch.int32))
+        pairs = parts["pairs"]
     # 5: lane lengths, their block-wide prefix sum, the stream sizes
     n_lanes = sum(host["lanes"])
-    lane_bits = torch.empty(n_lanes, dtype=torch.int32, device=dev)
     lane_args = dict(TP=TP, META_W=META_W, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits,
                      SHIFT=shift)
-    _lane_bits_kernel[(host["programs"][2],)](flat, meta, pairs, tab, lane_bits, T, **lane_args)
-    unit = R.lane_unit(steps)
-    padded = (lane_bits + (unit - 1)) // unit * unit
-    ends = torch.cumsum(padded, 0, dtype=torch.int64)
-    start = ends - padded
-    marks = torch.cat([ends.new_zeros(1), ends])[host["bounds"]]  # the prefix sum at each tensor's first lane
-    totals = _to_host(marks[1:] - marks[:-1]).tolist()  # read 2
+    with _stage(profile, "lane_bits"):
+        lane_bits = torch.empty(n_lanes, dtype=torch.int32, device=dev)
+        _lane_bits_kernel[(host["programs"][2],)](flat, meta, pairs, tab, lane_bits, T, **lane_args)
+    with _stage(profile, "cumsum"):
+        unit = R.lane_unit(steps)
+        padded = (lane_bits + (unit - 1)) // unit * unit
+        ends = torch.cumsum(padded, 0, dtype=torch.int64)
+        start = ends - padded
+        marks = torch.cat([ends.new_zeros(1), ends])[host["bounds"]]  # the prefix sum at each tensor's first lane
+        sizes = marks[1:] - marks[:-1]
+    with _stage(profile, "read2"):
+        totals = _to_host(sizes).tolist()  # read 2
     # 6: words and raw fields of every tensor
-    n_words = [-(-t // 32) + R.WORD_PAD for t in totals]
-    wbase = np.cumsum(n_words) - n_words
-    words = torch.zeros(int(sum(n_words)), dtype=torch.int32, device=dev)
-    raw = torch.empty(int(sum(host["raw_bytes"])), dtype=torch.uint8, device=dev)
-    _pack_kernel[(host["programs"][2],)](flat, meta, pairs, tab, start, _to_device(wbase.astype(np.int64), dev),
-                                         words, raw, T, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8,
-                                         **lane_args)
-    units = (padded // unit).to(torch.uint8)
-    out = []
-    for i in range(T):
-        a, nl = host["lane0"][i], host["lanes"][i]
-        s = start[a: a + nl]
-        out.append({"words": words[int(wbase[i]): int(wbase[i]) + n_words[i]], "lane_units": units[a: a + nl],
-                    "group_offsets": (s[:: R.GROUP] - s[:1]).contiguous() if nl else s[:0],
-                    "raw": raw[host["raw_off"][i]: host["raw_off"][i] + host["raw_bytes"][i]], **parts["stored"][i]})
+    with _stage(profile, "pack"):
+        n_words = [-(-t // 32) + R.WORD_PAD for t in totals]
+        wbase = np.cumsum(n_words) - n_words
+        words = torch.zeros(int(sum(n_words)), dtype=torch.int32, device=dev)
+        raw = torch.empty(int(sum(host["raw_bytes"])), dtype=torch.uint8, device=dev)
+        _pack_kernel[(host["programs"][2],)](flat, meta, pairs, tab, start, _to_device(wbase.astype(np.int64), dev),
+                                             words, raw, T, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8,
+                                             **lane_args)
+    with _stage(profile, "outputs"):
+        units = (padded // unit).to(torch.uint8)
+        out = []
+        for i in range(T):
+            a, nl = host["lane0"][i], host["lanes"][i]
+            s = start[a: a + nl]
+            out.append({"words": words[int(wbase[i]): int(wbase[i]) + n_words[i]], "lane_units": units[a: a + nl],
+                        "group_offsets": (s[:: R.GROUP] - s[:1]).contiguous() if nl else s[:0],
+                        "raw": raw[host["raw_off"][i]: host["raw_off"][i] + host["raw_bytes"][i]],
+                        **parts["stored"][i]})
     return out, codes_np
+
+
+def _choose_pair_code(pair_counts: np.ndarray, single_lengths: np.ndarray, single_counts: np.ndarray):
+    """:func:`reference.choose_pair_code` of one tensor's 65536-bin pair row, on the pairs that occur only
+    (~300): the same lengths (the package-merge orders leaves by (count, symbol), and the compacted row keeps
+    the symbols' order) and the same choice (the same sums), without ~8 passes over 65536 bins."""
+    present = np.flatnonzero(pair_counts)
+    m = len(present)
+    if m == 0 or m > R.MAX_PAIRS:
+        return None
+    c = pair_counts[present].astype(np.int64)
+    compact = R.limited_lengths(c)
+    pair_bits = int((c * compact).sum()) + 24 * m
+    single_bits = int((np.asarray(single_counts, np.int64) * single_lengths.astype(np.int64)).sum()) + 8 * 256
+    if pair_bits > R.PAIR_SIZE_SLACK * single_bits:
+        return None
+    lengths = np.zeros(R.PAIR_SYMBOLS, np.uint8)
+    lengths[present] = compact
+    return lengths
 
 
 def _upload_bundle(idx, entries, stored, pairs, dev):
