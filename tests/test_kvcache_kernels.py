@@ -194,52 +194,6 @@ def test_select_ties_across_splits_and_clusters(tuning):
     assert (scores[0, 0] == scores[0, 0, 1]).sum() > K  # the ties really straddled
 
 
-def threshold_bins(fl, tuning):
-    """The select stage's first-level bins of the kernel's scores (score_kernel's module doc), from its ``ref``."""
-    tu = tuning or SelectTuning()
-    bits = fl.scratch.scores.contiguous().view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
-    ref_key = fl.scratch.key_ref.view(key.shape[:-1]).long()[..., None]
-    below = ((ref_key - key.clamp(min=0)) >> tu.hist_shift).clamp(0, tu.hist_bins - 2)
-    return key, torch.where(key < 0, tu.hist_bins - 1, below)
-
-
-@pytest.mark.parametrize("tuning", [None, SMALL, UNFUSED])
-def test_select_takes_every_candidate_without_radix(tuning):
-    """K = the short sequence's selectable chunks: the threshold bin is taken whole (the tail skips the radix
-    select), with distinct keys in it (a radix would have had passes to run); the long sequence takes the radix
-    path in the same launch."""
-    cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * 14, outlier_chunks=2, local_chunks=1,
-                         min_prompt_len=16, max_generated=8)
-    H, G, D, K = 2, 2, 32, 14
-    e, fl = select_engine([515, 70], H, G, D, cfg, torch.float32, seed=3, tuning=tuning)
-    st = e.states[0]
-    assert (st.selectable[1].sum(-1) == K).all()  # 16 chunks, 2 not selectable
-    g = torch.Generator().manual_seed(8)
-    spread_seen = False
-    for step in range(2):
-        q = (torch.randn(2, H * G, 1, D, generator=g) * 2).to(DEV)
-        kn = vn = torch.zeros(2, H, 1, D, device=DEV)
-        score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
-        fl.n_generated += 1
-        scores = fl.scratch.scores
-        ids = fl.slot_ids.long()
-        assert torch.equal(ids.sort(-1).values, top_k_lowest_ids(scores, K)), step
-        assert torch.equal(ids[1].sort(-1).values, st.selectable[1].nonzero()[:, 1].view(H, K))
-        assert (fl.work[1] == -1).all() if step else torch.equal(fl.work[1], fl.slot_ids[1])
-        key, bins = threshold_bins(fl, tuning)
-        for h in range(H):
-            top = bins[1, h][st.selectable[1, h]].max()
-            assert (bins[1, h] <= top).sum() == K  # the whole threshold bin is taken
-            spread_seen |= key[1, h][bins[1, h] == top].unique().numel() > 1
-        for b in range(2):
-            for h in range(H):
-                inv = torch.full((st.selectable.shape[-1],), -1, dtype=torch.int32, device=DEV)
-                inv[fl.slot_ids[b, h].long()] = torch.arange(K, dtype=torch.int32, device=DEV)
-                assert torch.equal(fl.slot_of[b, h], inv)
-    assert spread_seen or tuning is None  # the coarse bins put several distinct keys in the taken bin
-
-
 @pytest.mark.parametrize("chunk_size, host", [(4, "native"), (8, "native"), (4, "fp8")])
 def test_fill_kernel_matches_reference(chunk_size, host):
     cfg = ShadowKVConfig(rank=20, chunk_size=chunk_size, sparse_budget=5 * chunk_size, outlier_chunks=1,

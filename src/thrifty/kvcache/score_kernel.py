@@ -17,12 +17,10 @@ on one grid (sequence x KV head, splits of the chunk axis; ~4 programs per SM ev
    ``gen_base + n_generated``, a device counter). Then each program adds 1 to the head's arrival counter; the
    program that arrives last (it sees ``splits - 1``) runs the head's **tail** (``_tail``), which never walks C:
    * concatenates the segments into one chunk-ordered miss list and one candidate list (the offsets are the
-     prefix sums of the per-program counts; all three lists in one loop of tiles, their loads in flight
-     together), counting the radix select's first pass on the way;
+     prefix sums of the per-program counts);
    * the exact K-th largest among the candidates by a radix select (passes of 9 bits with ``tl.histogram`` over
      the candidates' keys relative to the smallest, no sort; the passes above the keys' spread are skipped, all
-     of them when the candidates are all equal, e.g. the -1 padding picks of a short sequence, or when every
-     candidate is taken: sure picks + candidates = K). Ties at the
+     of them when the candidates are all equal, e.g. the -1 padding picks of a short sequence). Ties at the
      threshold go to the lowest chunk ids (``torch.topk`` leaves them unspecified); taken candidates are marked
      and their misses appended to the miss list;
    * the reuse plan: a chunk still selected keeps its slot (nothing moves), each newly selected chunk takes a
@@ -313,32 +311,16 @@ def _select_tail_kernel(hist_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_
 
 
 @triton.jit
-def _join(mseg_ptr, cseg_ptr, kseg_ptr, misses, cands, ckeys, row, n_m, n_c, lo_key, first, SPAN, SPLITS,
-          S_PAD: tl.constexpr, OB: tl.constexpr):
-    """Copies the per-program segments (split s at ``(row*SPLITS + s)*SPAN``: ``n_m[s]`` sure misses, ``n_c[s]``
-    candidate entries and keys) to one chunk-ordered miss list, candidate list and key list, all three in the
-    same tiles of S_PAD x OB entries (their loads in flight together). Returns the histogram of the candidates'
-    digit ``((key - lo_key) >> first) & 511``: the radix select's first pass."""
+def _concat(src_ptr, dst_ptr, row, counts, starts, SPAN, SPLITS, S_PAD: tl.constexpr, OB: tl.constexpr):
+    """Copies the per-program segments (``counts`` entries each, split s at ``(row*SPLITS + s)*SPAN``) to
+    ``dst_ptr[starts[s]:]``: one chunk-ordered list. Tiles of S_PAD x OB entries."""
     s = tl.arange(0, S_PAD)
     o = tl.arange(0, OB)
-    live = (s < SPLITS)[:, None]
-    src = (row * SPLITS + s)[:, None] * SPAN
-    m_at = (tl.cumsum(n_m, 0) - n_m)[:, None]
-    c_at = (tl.cumsum(n_c, 0) - n_c)[:, None]
-    hist = tl.zeros((512,), tl.int32)
-    for o0 in range(0, tl.maximum(tl.max(n_m, 0), tl.max(n_c, 0)), OB):
+    src = src_ptr + (row * SPLITS + s)[:, None] * SPAN
+    for o0 in range(0, tl.max(counts, 0), OB):
         oo = o0 + o[None, :]
-        mm = live & (oo < n_m[:, None])
-        mc = live & (oo < n_c[:, None])
-        miss = tl.load(mseg_ptr + src + oo, mask=mm)
-        entry = tl.load(cseg_ptr + src + oo, mask=mc)
-        key = tl.load(kseg_ptr + src + oo, mask=mc, other=0)
-        tl.store(misses + m_at + oo, miss, mask=mm)
-        tl.store(cands + c_at + oo, entry, mask=mc)
-        tl.store(ckeys + c_at + oo, key, mask=mc)
-        digit = ((key - lo_key) >> first) & 511
-        hist += tl.histogram(tl.reshape(digit, (S_PAD * OB,)), 512, mask=tl.reshape(mc, (S_PAD * OB,)))
-    return hist
+        m = (s < SPLITS)[:, None] & (oo < counts[:, None])
+        tl.store(dst_ptr + starts[:, None] + oo, tl.load(src + oo, mask=m), mask=m)
 
 
 @triton.jit
@@ -361,34 +343,30 @@ def _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, mis
     n_sure = tl.sum(n_m, 0)
     n_cand = tl.sum(n_c, 0)
     misses = miss_ptr + row * K
-    # the need-th largest key among the candidates: radix select on key - lo_key (in [0, 2^31): the candidates
-    # share a bin, which is either non-negative keys or only -1 scores, then all equal); digits above the
-    # spread are all 0 and skipped. The first pass (digit at ``first``, the highest one below the spread: no
-    # prefix to match yet) is counted while the segments are joined
-    spread = hi_key - lo_key
-    first = tl.where(spread >= (1 << 27), 27, tl.where(spread >= (1 << 18), 18, tl.where(spread >= 512, 9, 0)))
     # the sure misses' chunk ids, tagged selectable (bit 0), then the candidates' entries and keys
-    hist = _join(mseg_ptr, cseg_ptr, kseg_ptr, misses, cand_ptr + base, ckey_ptr + base, row, n_m, n_c, lo_key,
-                 first, SPAN, SPLITS, S_PAD, OB)
+    _concat(mseg_ptr, misses, row, n_m, (tl.cumsum(n_m, 0) - n_m), SPAN, SPLITS, S_PAD, OB)
+    _concat(cseg_ptr, cand_ptr + base, row, n_c, tl.cumsum(n_c, 0) - n_c, SPAN, SPLITS, S_PAD, OB)
+    _concat(kseg_ptr, ckey_ptr + base, row, n_c, tl.cumsum(n_c, 0) - n_c, SPAN, SPLITS, S_PAD, OB)
     tl.debug_barrier()  # the passes below read what other threads wrote
 
-    # need == n_cand: every candidate is taken (thr = lo_key, all ties taken), no pass at all
-    go = need < n_cand
+    # the need-th largest key among the candidates: radix select on key - lo_key (in [0, 2^31): the candidates
+    # share a bin, which is either non-negative keys or only -1 scores, then all equal); digits above the
+    # spread are all 0 and skipped
+    spread = hi_key - lo_key
     prefix = need * 0
     bins = tl.arange(0, 512)
     j0 = tl.arange(0, BLOCK)
     for i in tl.static_range(4):  # digits of 9 bits: 2 passes within one bin of 2^18 keys
         shift = 27 - 9 * i
-        if go & ((spread >> shift) != 0):
-            if shift != first:  # a later pass: the keys with the digits chosen so far
-                hist = tl.zeros((512,), tl.int32)
-                for c0 in range(0, n_cand, BLOCK):
-                    j = c0 + j0
-                    match = j < n_cand
-                    u = tl.load(ckey_ptr + base + j, mask=match, other=0) - lo_key
-                    if i > 0:
-                        match = match & ((u >> (shift + 9)) == (prefix >> (shift + 9)))
-                    hist += tl.histogram((u >> shift) & 511, 512, mask=match)
+        if (spread >> shift) != 0:
+            hist = tl.zeros((512,), tl.int32)
+            for c0 in range(0, n_cand, BLOCK):
+                j = c0 + j0
+                match = j < n_cand
+                u = tl.load(ckey_ptr + base + j, mask=match, other=0) - lo_key
+                if i > 0:
+                    match = match & ((u >> (shift + 9)) == (prefix >> (shift + 9)))
+                hist += tl.histogram((u >> shift) & 511, 512, mask=match)
             at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matched keys with this digit or larger
             digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
             need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
