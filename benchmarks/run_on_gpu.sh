@@ -17,8 +17,10 @@ run() {
   echo "== $(date -u +%FT%TZ) $BENCH $* on $(hostname)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader || true
   # The tree copied to the box normally has no .git: then the commit must come from the caller.
-  if git rev-parse HEAD >/dev/null 2>&1; then echo "git: $(git rev-parse HEAD)"
-  else echo "git: no .git here; THRIFTY_COMMIT=${THRIFTY_COMMIT:-<unset: results get commit null>}"; fi
+  # THRIFTY_COMMIT first: the box's tree can carry a stale .git (seen at 2fcb084 while main was 3 commits on).
+  if [ -n "${THRIFTY_COMMIT:-}" ]; then echo "commit: THRIFTY_COMMIT=$THRIFTY_COMMIT"
+  elif git rev-parse HEAD >/dev/null 2>&1; then echo "git: $(git rev-parse HEAD) (may be stale on the box: set THRIFTY_COMMIT)"
+  else echo "git: no .git here; THRIFTY_COMMIT unset: results get commit null"; fi
 
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
