@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..triton_utils import FastLauncher, mma
 from .quant_kernel import (FP8_MAX, INTERPRET, LOG2E, MAX_SPLIT, cdiv, launch_with, quantize_kv, quantize_rows,
-                           to_e4m3)
+                           to_e4m3, unsmoothed_lse)
 
 LN2 = math.log(2.0)
 
@@ -304,7 +304,6 @@ def sage_forward_triton(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int 
     launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, sig=sig)
     if not return_lse:
         return out
-    if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back
-        k_mean_q = prepared["stats"][0].reshape(B, H_kv, 1, D).repeat_interleave(H // H_kv, dim=1)
-        lse = lse + (q.float() @ k_mean_q.transpose(-1, -2)).squeeze(-1) * sm_scale
+    if smooth_k:  # the kernel's LSE is of the smoothed scores
+        lse = unsmoothed_lse(lse, q, prepared["stats"][0], sm_scale)
     return out, lse

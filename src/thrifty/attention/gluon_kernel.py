@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .quant_kernel import FP8_MAX, LOG2E, MAX_SPLIT, cdiv, quantize_kv
+from .quant_kernel import FP8_MAX, LOG2E, MAX_SPLIT, cdiv, quantize_kv, unsmoothed_lse
 
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 MAGIC = 12582912.0  # 1.5·2^23: s + 0x4B400000 read as a float is MAGIC + s exactly for |s| < 2^22
@@ -394,7 +394,6 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
     launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, config=config)
     if not return_lse:
         return out
-    if smooth_k:  # the kernel's LSE is of the smoothed scores; add q·mean(K)·sm_scale back
-        k_mean_q = kv["stats"][0].reshape(B, H_kv, 1, D).repeat_interleave(H // H_kv, dim=1)
-        lse = lse + (q.float() @ k_mean_q.transpose(-1, -2)).squeeze(-1) * sm_scale
+    if smooth_k:  # the kernel's LSE is of the smoothed scores
+        lse = unsmoothed_lse(lse, q, kv["stats"][0], sm_scale)
     return out, lse

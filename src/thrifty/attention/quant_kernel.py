@@ -238,3 +238,12 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
         HAS_STATS=has_stats, PRE_ROUND=INTERPRET, num_warps=4, num_stages=3)
     return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, first_bad=first_bad)
+
+
+def unsmoothed_lse(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """The log-sum-exp of the unsmoothed scores from the kernel's (of scores against K − mean(K)): adds
+    q·mean(K)·sm_scale back per query row. ``k_mean``: the pre-pass's per-(batch, KV head) mean, (B·H_kv, D)."""
+    B, H, _, D = q.shape
+    H_kv = k_mean.numel() // (B * D)
+    k_mean_q = k_mean.reshape(B, H_kv, 1, D).repeat_interleave(H // H_kv, dim=1)
+    return lse + (q.float() @ k_mean_q.transpose(-1, -2)).squeeze(-1) * sm_scale
