@@ -10,7 +10,10 @@
     against LOMO AdamW 8-bit states without NeuZip (identical bits: lossless). Peak memory, iterations/s, the
     loss of every step. Memory arithmetic: NOTES.md ("In models: arithmetic for the goals").
 (2) Inference (Table 3): a model trained here (``--checkpoint`` = a ``thrifty pretrain`` folder; without one a
-    30m model is pre-trained here first, ``--train-steps``), bf16. Rows: bf16, NeuZip 7 (lossless) / 3 / 1 / 0
+    ``--preset`` model, 30m by default, is pre-trained here first, ``--train-steps``), bf16; or ``--checkpoint
+    smollm2`` (the real SmolLM2-135M, Q4_1-distorted). NeuZip rows code the embedding and lm_head too
+    (``NeuZipConfig(vocab=True)``; ``--no-vocab`` keeps them plain), and their memory is the whole model as it sits
+    on the device (coded weights, decode buffers, launch tables, plain norms). Rows: bf16, NeuZip 7 (lossless) / 3 / 1 / 0
     bits, and per-block (64 weights along the input) INT8 and INT4 round-to-nearest (absmax scale) as reference
     points (weights fake-quantized: their perplexity is real, their memory is counted, their speed is not
     measured — no integer kernel here). Weight memory, tokens/s of a forward over a batch, validation perplexity.
@@ -44,7 +47,7 @@ import torch
 
 from thrifty import bench
 from thrifty.models import LlamaConfig, LlamaForCausalLM, preset
-from thrifty.neuzip import LomoConfig, compress_model, lomo
+from thrifty.neuzip import LomoConfig, NeuZipConfig, compress_model, lomo
 
 TRAIN_SHAPE = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
@@ -370,13 +373,18 @@ def trained_model(args, device):
 
     corpus = data_dir() / "corpus"
     val = TokenDataset(corpus, "validation")
+    if args.checkpoint == "smollm2":
+        from thrifty.evaluate import load_any_model
+
+        model = load_any_model("smollm2", device, torch.bfloat16).to(torch.bfloat16)
+        return model, val, "the real SmolLM2-135M (Q4_1 GGUF dequantized: its weight statistics are distorted)"
     if args.checkpoint:
         model = LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device=device)
         return model, val, f"checkpoint {args.checkpoint} (trained here with thrifty pretrain)"
     from thrifty.train import TrainConfig, Trainer
 
     train = TokenDataset(corpus, "train")
-    name = "tiny" if args.smoke else "30m"
+    name = "tiny" if args.smoke else args.preset
     with torch.device(device):
         model = LlamaForCausalLM(preset(name)).init_weights(seed=0)
     steps = 4 if args.smoke else args.train_steps
@@ -401,11 +409,13 @@ def infer_rows(args, device, base, val, measure_speed=True):
         try:
             model = copy.deepcopy(base)
             if isinstance(k, int):
-                compress_model(model, "lossy", k)
+                compress_model(model, config=NeuZipConfig(mode="lossy", mantissa_bits=k, vocab=args.vocab))
                 mem = model.neuzip.memory()
-                row["weight_mib"] = (mem["compressed_bytes"] + mem["launch_table_bytes"]
-                                     + mem["uncompressed_param_bytes"]) / 2**20
+                # the whole model as it sits in memory: coded blocks and vocabulary, decode buffers, launch
+                # tables, and everything kept plain (norms; the vocabulary too with --no-vocab)
+                row["weight_mib"] = mem["total_weight_bytes"] / 2**20
                 row["buffer_mib"] = mem["buffer_bytes"] / 2**20
+                row["vocab_coded"] = args.vocab
                 row["block_weights_ratio_vs_bf16"] = mem["ratio_vs_bf16"]
             elif k in ("int8", "int4"):
                 bits = 8 if k == "int8" else 4
@@ -556,6 +566,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--checkpoint", default=None, help="a thrifty pretrain folder (real trained weights)")
     p.add_argument("--train-steps", type=int, default=1000, help="pre-training steps when no checkpoint is given")
+    p.add_argument("--preset", default="30m", help="model preset pre-trained when no checkpoint is given")
+    p.add_argument("--no-vocab", dest="vocab", action="store_false",
+                   help="inference rows: keep the embedding and lm_head plain (default: NeuZipConfig(vocab=True))")
     p.add_argument("--train-iters", type=int, default=8, help="timed training iterations per variant (part 1)")
     p.add_argument("--train-batch", type=int, default=4)
     p.add_argument("--eval-batches", type=int, default=16)
@@ -577,7 +590,8 @@ def main(argv=None) -> int:
         args.checkpoint = args.cpu_accuracy
         base, val, what = trained_model(args, device)
         rows = infer_rows(args, device, base, val, measure_speed=False)
-        rows += fp32_rows(args, device, val)
+        if args.checkpoint != "smollm2":  # its weights exist in bf16/fp32 only as the GGUF's dequantization
+            rows += fp32_rows(args, device, val)
         summary = _summary([], {}, rows, [])
         path = bench.write_result("neuzip_models", rows, summary, device="cpu-accuracy",
                                   extra={"model": what, "note": "CPU run: accuracy and weight memory only; no "

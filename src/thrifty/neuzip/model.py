@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_choice
+from .._checks import check_bool, check_choice
 from . import reference as R
 from .block_decode import BlockPack, pack_tensors
 from .tensor import CompressedTensor
@@ -52,12 +52,15 @@ class NeuZipConfig:
 
     mode: "lossless" (bit-exact, trainable) or "lossy" (bf16 weights rounded to ``mantissa_bits`` = 0, 1, 3;
     7 keeps every bf16 bit, the paper's "7-bit (lossless)"). steps: symbols per lane of the codec (64, 128,
-    256). impl: decoder ("auto": the block kernel on CUDA, the NumPy reference on CPU)."""
+    256). impl: decoder ("auto": the block kernel on CUDA, the NumPy reference on CPU). vocab: also code the
+    input embedding and the lm_head (serving only: no weight gradient; see ``vocab.py``), so the whole model
+    shrinks, not only its blocks."""
 
     mode: str = "lossless"
     mantissa_bits: Optional[int] = None
     steps: int = R.STEPS
     impl: str = "auto"
+    vocab: bool = False
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -70,6 +73,7 @@ class NeuZipConfig:
             raise ValueError(f"mantissa_bits: lossy mode needs one of {list(R.LOSSY_MANTISSA_BITS)}, got {k!r}")
         R.check_steps(self.steps)
         check_choice("impl", self.impl, IMPLS)
+        check_bool("vocab", self.vocab)
 
     @property
     def kept_bits(self) -> Optional[int]:
@@ -150,6 +154,7 @@ class CompressedWeights:
         self.frozen: set = set()  # weights that had requires_grad=False
         self.stats = {"block_runs": 0, "decodes": 0, "reencodes": 0}
         self._model = weakref.ref(model)
+        self.vocab: dict = {}  # module name -> CompressedVocab (NeuZipConfig.vocab; tied modules share one)
         self.device = packs[0].device
         self.dtype = packs[0].dtype
         size = max(p.total_numel for p in packs)
@@ -199,6 +204,15 @@ class CompressedWeights:
             b = self._take(exclude=self.current if self.owner[self.current] != -1 else None)
             self._decode(block, b)
         self.current = b
+        return self.buffers[b]
+
+    def borrow_buffer(self) -> torch.Tensor:
+        """A decode buffer for a use outside the blocks (the vocabulary chunks): not the current block's, and
+        emptied, so the next block decode into it starts over."""
+        b = next((c for c in range(N_BUFFERS) if c != self.current), self.current)
+        if self.dirty[b]:
+            self._reencode(self.owner[b], b)
+        self.owner[b] = -1
         return self.buffers[b]
 
     def before_block(self, block: int) -> None:
@@ -327,12 +341,15 @@ class CompressedWeights:
             if prm.data_ptr() not in seen:
                 seen.add(prm.data_ptr())
                 other += prm.numel() * prm.element_size()
-        tables = sum(p.launch_table(p.device)[0].numel() * 8 for p in self.packs) if self._impl() == "triton" else 0
+        vocab_packs = [p for v in {id(v): v for v in self.vocab.values()}.values() for p in v.packs]
+        vocab = sum(p.nbytes for p in vocab_packs)
+        tables = (sum(p.launch_table(p.device)[0].numel() * 8 for p in self.packs + vocab_packs)
+                  if self._impl() == "triton" else 0)
         buffers = sum(b.numel() * b.element_size() for b in self.buffers)
         return {"blocks": blocks, "compressed_bytes": comp, "bf16_bytes": bf16, "ratio_vs_bf16": comp / max(bf16, 1),
                 "original_bytes": original, "ratio_vs_original": comp / max(original, 1),
                 "buffer_bytes": buffers, "launch_table_bytes": tables, "uncompressed_param_bytes": other,
-                "total_weight_bytes": comp + buffers + tables + other}
+                "vocab_compressed_bytes": vocab, "total_weight_bytes": comp + vocab + buffers + tables + other}
 
 
 # ---------------------------------------------------------------------------------------------- conversion
@@ -385,6 +402,9 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
 
         if not isinstance(train, LomoConfig):  # checked here: lomo() runs after the model was changed
             raise TypeError(f"train: expected None or a LomoConfig, got {type(train).__name__}")
+    if train is not None and config.vocab:
+        raise ValueError("train: NeuZipConfig(vocab=True) codes the embedding and lm_head for serving only (they "
+                         "get no weight gradient); train with vocab=False")
     if train is not None and config.kept_bits is not None:
         raise ValueError(f"train: lossy NeuZip (mantissa_bits={config.mantissa_bits}) cannot be trained; use "
                          "mode='lossless'")
@@ -404,7 +424,11 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
         groups.append(linears)
     packs = [pack_tensors([m.weight.detach() for _, m in linears], config.kept_bits, config.steps)
              for linears in groups]
+    if config.vocab:  # checked before anything is changed: a refusal leaves the model as it was
+        _check_vocab(model, config, max(p.total_numel for p in packs))
     _install(model, blocks, groups, packs, config)
+    if config.vocab:
+        _install_vocab(model, model.neuzip, config)
     if train is not None:
         from .lomo import lomo
 
@@ -421,6 +445,61 @@ def _install(model: nn.Module, blocks: nn.ModuleList, groups: list, packs: list,
             _set_module(model, name, CompressedLinear(m.in_features, m.out_features, m.bias, state, i, j, name))
         state.hooks.append(blocks[i].register_forward_pre_hook(lambda _m, _args, i=i: state.before_block(i)))
     model.neuzip = state
+
+
+def _check_vocab(model: nn.Module, config: NeuZipConfig, buffer_numel: int) -> None:
+    from .vocab import find_vocab
+
+    names = [n for n in find_vocab(model) if n is not None]
+    if not names:
+        raise ValueError("vocab: the model has no nn.Embedding input embedding or bias-free nn.Linear lm_head")
+    for name in names:
+        w = model.get_submodule(name).weight
+        if config.kept_bits is not None and w.dtype != torch.bfloat16:
+            raise ValueError(f"mantissa_bits: lossy mode needs bfloat16 weights, {name} has {w.dtype}; cast with "
+                             "model.to(torch.bfloat16) first")
+        if w.dtype not in R.DTYPES:
+            raise ValueError(f"vocab: {name} has dtype {w.dtype}, which NeuZip cannot code (bf16, fp16, fp32)")
+        if w.shape[1] > buffer_numel:
+            raise ValueError(f"vocab: a row of {name} ({w.shape[1]} weights) does not fit the block decode buffer")
+
+
+def _install_vocab(model: nn.Module, state: "CompressedWeights", config: NeuZipConfig) -> None:
+    """The embedding and the bias-free lm_head as chunked compressed modules (one shared matrix when tied)."""
+    from .vocab import CompressedEmbedding, CompressedHead, CompressedVocab, find_vocab
+
+    by_weight: dict = {}
+    for name in find_vocab(model):
+        if name is None:
+            continue
+        module = model.get_submodule(name)
+        w = module.weight
+        if id(w) not in by_weight:
+            by_weight[id(w)] = CompressedVocab(w, state.buffers[0].numel() // w.shape[1], config.kept_bits,
+                                               config.steps)
+        vocab = by_weight[id(w)]
+        state.vocab[name] = vocab
+        if isinstance(module, nn.Embedding):
+            new = CompressedEmbedding(vocab, state, module.padding_idx)
+        else:
+            new = CompressedHead(vocab, state)
+        new.__dict__["frozen"] = not w.requires_grad
+        _set_module(model, name, new)
+
+
+def _restore_vocab(model: nn.Module, state: "CompressedWeights") -> None:
+    decoded: dict = {}
+    for name, vocab in state.vocab.items():
+        module = model.get_submodule(name)
+        if id(vocab) not in decoded:
+            decoded[id(vocab)] = nn.Parameter(vocab.decoded(), requires_grad=not module.__dict__.get("frozen"))
+        weight = decoded[id(vocab)]
+        if hasattr(module, "embedding_dim"):
+            plain = nn.Embedding(*vocab.shape, padding_idx=module.padding_idx, device="meta")
+        else:
+            plain = nn.Linear(vocab.shape[1], vocab.shape[0], bias=False, device="meta")
+        plain.weight = weight  # the same Parameter for tied modules: the tie survives the round trip
+        _set_module(model, name, plain)
 
 
 def decompress_model(model: nn.Module) -> nn.Module:
@@ -443,6 +522,7 @@ def decompress_model(model: nn.Module) -> nn.Module:
         linear.weight = nn.Parameter(weight, requires_grad=name not in state.frozen)
         linear.bias = compressed.bias
         _set_module(model, module_name, linear)
+    _restore_vocab(model, state)
     for hook in state.hooks:
         hook.remove()
     del model.neuzip
@@ -461,6 +541,9 @@ def save_compressed(model: nn.Module, path) -> Path:
     state = getattr(model, "neuzip", None)
     if state is None:
         raise ValueError("model: not compressed (call compress_model first)")
+    if state.vocab:
+        raise ValueError("model: compressed with NeuZipConfig(vocab=True), whose chunked embedding/lm_head the "
+                         "checkpoint format does not hold yet; save it compressed with vocab=False (the default)")
     path = Path(path)
     if (path / CHECKPOINT_FILE).exists():
         raise ValueError(f"path: {path / CHECKPOINT_FILE} exists; refusing to overwrite it")
