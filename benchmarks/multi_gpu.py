@@ -16,6 +16,9 @@ Per preset, three torchrun launches, each running every recipe in turn (one star
 launch): N GPUs x b (throughput, loss curve, bytes per step, --profile), then at once 1 GPU x b on GPU 0 (the
 throughput baseline) beside 1 GPU x N.b on GPU 1 (the loss reference; --sequential runs them one by one).
 Defaults: 55 timed steps after 5 warm-up, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
+--repeats R (3): the N-GPU and 1-GPU launches interleaved R times (N, 1, N, 1, ...), scaling = the median pair,
+spread beside it; the loss reference (once) accumulates N micro-batches of b rows (--grad-accum N: the ranks' GEMM
+shapes and bf16 gradient roundings, which BitNet's codes amplify otherwise; parallel/NOTES.md, issue #33).
 
 Budget (10-minute calls): measured on 2xH200 at a305afd, 135m 238 s and 1b 176 s per call (3 launches, 4
 recipes, 60 steps each); the equivalence phase adds 10 steps and one model build per recipe and launch, ~+20%.
