@@ -16,6 +16,9 @@ Per preset, three torchrun launches, each running every recipe in turn (one star
 launch): N GPUs x b (throughput, loss curve, bytes per step, --profile), then at once 1 GPU x b on GPU 0 (the
 throughput baseline) beside 1 GPU x N.b on GPU 1 (the loss reference; --sequential runs them one by one).
 Defaults: 55 timed steps after 5 warm-up, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
+--repeats R (3): the N-GPU and 1-GPU launches interleaved R times (N, 1, N, 1, ...), scaling = the median pair,
+spread beside it; the loss reference (once) accumulates N micro-batches of b rows (--grad-accum N: the ranks' GEMM
+shapes and bf16 gradient roundings, which BitNet's codes amplify otherwise; parallel/NOTES.md, issue #33).
 
 Budget (10-minute calls): measured on 2xH200 at a305afd, 135m 238 s and 1b 176 s per call (3 launches, 4
 recipes, 60 steps each); the equivalence phase adds 10 steps and one model build per recipe and launch, ~+20%.
@@ -219,8 +222,12 @@ def _equivalence_phase(args, recipe, base, device, world, rank, data):
     from thrifty.parallel.equivalence import record_steps
     from thrifty.train import TrainConfig
 
+    # constant lr: no schedule in the comparison. The 1-GPU reference runs --grad-accum N micro-batches of the
+    # ranks' b rows (the same global batch and step): one batch of N.b rows rounds its bf16 weight gradients over
+    # other partial sums (and cuBLAS picks kernels by M), a ~1e-3-relative difference that BitNet's ternary and
+    # INT4/INT8 codes turn into O(1) code flips from step 1 on (thrifty/parallel/NOTES.md, "BitNet and loss_match")
     cfg = TrainConfig(steps=args.equiv_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.equiv_lr,
-                      warmup_steps=0, min_lr_ratio=1.0, seed=0)  # constant lr: no schedule in the comparison
+                      warmup_steps=0, min_lr_ratio=1.0, seed=0, grad_accum=args.grad_accum)
     trainer = _trainer(args, recipe, base, device, world, rank, data, cfg)
     record = {**record_steps(trainer, args.equiv_steps), "lr": args.equiv_lr}
     del trainer
@@ -236,7 +243,7 @@ def _one_recipe(args, recipe, base, device, rank, world, data, source):
     equivalence = _equivalence_phase(args, recipe, base, device, world, rank, data) if args.equiv_steps else None
     total = args.warmup + args.steps
     cfg = TrainConfig(steps=total, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      warmup_steps=max(1, total // 4), seed=0)
+                      warmup_steps=max(1, total // 4), seed=0, grad_accum=args.grad_accum)
     trainer = _trainer(args, recipe, base, device, world, rank, data, cfg)
     model = trainer.model
     cuda = device.type == "cuda"
@@ -253,7 +260,9 @@ def _one_recipe(args, recipe, base, device, rank, world, data, source):
     torch.distributed.all_gather_into_tensor(peaks, peak)
     steady = step_s[args.warmup:]
     part = {"recipe": recipe, "preset": args.preset, "gpus": world, "batch_per_gpu": args.batch_size,
-            "seq_len": args.seq_len, "tokens_per_s": world * args.batch_size * args.seq_len / statistics.median(steady),
+            "grad_accum": args.grad_accum,
+            "seq_len": args.seq_len,
+            "tokens_per_s": world * args.grad_accum * args.batch_size * args.seq_len / statistics.median(steady),
             "step_ms_median": 1e3 * statistics.median(steady), "peak_gib_per_gpu": [float(p) for p in peaks.cpu()],
             "losses": losses, "data": source, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
             "timed_steps": len(steady), "prefetch": args.prefetch, "block_units": args.block_units,
@@ -367,7 +376,7 @@ def _cmd(args, gpus, batch, part, recipes, extra=()):
            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--lr", str(args.lr), "--part", str(part), "--prefetch", str(args.prefetch),
            "--nccl-timeout", str(args.nccl_timeout), "--equiv-steps", str(args.equiv_steps),
-           "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units,
+           "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units, "--repeats", str(args.repeats),
            "--blocks-per-unit", args.blocks_per_unit] + \
         (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + \
         (["--inject-bug", args.inject_bug] if args.inject_bug else []) + list(extra)
@@ -399,32 +408,50 @@ def _launch_all(args, jobs):
 
 
 def _run_preset(args, gpus, tmp):
-    """The three launches of one preset -> {recipe: {"one": part, "many": part, "ref": part}} or error strings."""
+    """The launches of one preset -> {recipe: {"one": part, "many": part, "ref": part, "ones": [...],
+    "manys": [...]}} or error strings. ``--repeats`` R: N GPUs and 1 GPU interleaved (N, 1, N, 1, ...), R of each,
+    so a drift of the box (clocks, a neighbour) lands on both sides of the ratio; the equivalence phase and
+    --profile run in the first N-GPU launch only. The loss reference (1 GPU x N.b) runs once: beside the first
+    1-GPU launch on GPU 1 as before (concurrent), or after the series (--sequential, --smoke)."""
     b = args.batch_size
     runnable = [r for r in args.recipes.split(",") if not _recipe_missing(r)]
     out = {r: {"error": _recipe_missing(r)} for r in args.recipes.split(",") if _recipe_missing(r)}
     if not runnable:
         return out, False
     rec = ",".join(runnable)
-    files = {k: tmp / f"{args.preset}_{k}.json" for k in ("many", "one", "ref")}
+    repeats = max(1, args.repeats)
+    files = {"ref": tmp / f"{args.preset}_ref.json"}
+    for i in range(repeats):
+        files[f"many{i}"], files[f"one{i}"] = tmp / f"{args.preset}_many{i}.json", tmp / f"{args.preset}_one{i}.json"
     concurrent = torch.cuda.is_available() and gpus >= 2 and not args.sequential and not args.smoke
+    later = argparse.Namespace(**{**vars(args), "profile": False, "equiv_steps": 0})  # timing only
     try:
-        _launch_all(args, [(_cmd(args, gpus, b, files["many"], rec), None)])
-        one = (_cmd(args, 1, b, files["one"], rec), "0" if concurrent else None)
-        ref_args = argparse.Namespace(**{**vars(args), "profile": False})
-        ref = (_cmd(ref_args, 1, gpus * b, files["ref"], rec), "1" if concurrent else None)
-        if concurrent:  # the 1-GPU baseline on GPU 0 beside the loss reference on GPU 1 (two processes, as on N)
-            _launch_all(args, [one, ref])
-        else:
-            _launch_all(args, [one])
-            _launch_all(args, [ref])
+        for i in range(repeats):
+            _launch_all(args, [(_cmd(args if i == 0 else later, gpus, b, files[f"many{i}"], rec), None)])
+            one = (_cmd(later, 1, b, files[f"one{i}"], rec), "0" if concurrent else None)
+            # the loss reference accumulates N micro-batches of b rows: the step of one batch of N.b rows, with the
+            # ranks' per-micro-batch GEMM shapes and bf16 gradient roundings (see _equivalence_phase)
+            ref_args = argparse.Namespace(**{**vars(args), "profile": False})
+            ref = (_cmd(ref_args, 1, b, files["ref"], rec, ["--grad-accum", str(gpus)]), "1" if concurrent else None)
+            if concurrent and i == 0:  # the 1-GPU baseline on GPU 0 beside the loss reference on GPU 1
+                _launch_all(args, [one, ref])
+            else:
+                _launch_all(args, [one])
+                if i == repeats - 1 and not concurrent:
+                    _launch_all(args, [ref])
     except Exception as err:  # keep whatever parts were written
         print(f"{args.preset}: {type(err).__name__}: {err}", flush=True)
     got = {k: json.loads(f.read_text()) if f.is_file() else {} for k, f in files.items()}
     for r in runnable:
         runs = {k: got[k].get(r, {"error": "no result (launch failed or timed out)"}) for k in files}
-        bad = [f"{k}: {v['error']}" for k, v in runs.items() if "error" in v]
-        out[r] = {"error": "; ".join(bad)} if bad else runs
+        first = {"many": runs["many0"], "one": runs["one0"], "ref": runs["ref"]}
+        bad = [f"{k}: {v['error']}" for k, v in first.items() if "error" in v]
+        if bad:
+            out[r] = {"error": "; ".join(bad)}
+            continue
+        pairs = [(runs[f"one{i}"], runs[f"many{i}"]) for i in range(repeats)]
+        pairs = [(o, m) for o, m in pairs if "error" not in o and "error" not in m]  # a late failed pair drops out
+        out[r] = {**first, "ones": [o for o, _ in pairs], "manys": [m for _, m in pairs]}
     return out, concurrent
 
 
@@ -435,15 +462,23 @@ def _fold(preset, results, gpus, rows, summary, curves, extra):
             continue
         one, many, ref = res["one"], res["many"], res["ref"]
         key = f"{preset}_{recipe}"
+        med = {id(one): res.get("ones") or [one], id(many): res.get("manys") or [many], id(ref): [ref]}
         for run, label in ((one, "1 GPU"), (many, f"{gpus} GPUs"), (ref, f"1 GPU, {gpus}x batch")):
+            reps = med[id(run)]  # tokens/s and step time: the median over the repeats (other columns: the first)
             rows.append({"preset": preset, "recipe": recipe, "run": label, "gpus": run["gpus"],
-                         "batch_per_gpu": run["batch_per_gpu"], "tokens_per_s": run["tokens_per_s"],
-                         "step_ms": run["step_ms_median"], "peak_gib_per_gpu": max(run["peak_gib_per_gpu"]),
+                         "batch_per_gpu": run["batch_per_gpu"],
+                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
+                         "step_ms": statistics.median(r["step_ms_median"] for r in reps), "repeats": len(reps), "peak_gib_per_gpu": max(run["peak_gib_per_gpu"]),
                          "final_loss": run["losses"][-1], "timed_steps": run["timed_steps"], "data": run["data"],
                          "params_m": run["params_m"]})
-        summary[f"{key}_scaling_efficiency_{gpus}gpu"] = many["tokens_per_s"] / (gpus * one["tokens_per_s"])
-        summary[f"{key}_tokens_per_s_1gpu"] = one["tokens_per_s"]
-        summary[f"{key}_tokens_per_s_{gpus}gpu"] = many["tokens_per_s"]
+        ones, manys = res.get("ones") or [one], res.get("manys") or [many]
+        scalings = [m["tokens_per_s"] / (gpus * o["tokens_per_s"]) for o, m in zip(ones, manys)]
+        summary[f"{key}_scaling_efficiency_{gpus}gpu"] = statistics.median(scalings)  # of the interleaved pairs
+        summary[f"{key}_scaling_efficiency_{gpus}gpu_spread"] = max(scalings) - min(scalings)
+        summary[f"{key}_scaling_efficiency_{gpus}gpu_repeats"] = len(scalings)
+        extra.setdefault("scaling_runs", {})[key] = scalings
+        summary[f"{key}_tokens_per_s_1gpu"] = statistics.median(o["tokens_per_s"] for o in ones)
+        summary[f"{key}_tokens_per_s_{gpus}gpu"] = statistics.median(m["tokens_per_s"] for m in manys)
         p1, pn = max(one["peak_gib_per_gpu"]), max(many["peak_gib_per_gpu"])
         summary[f"{key}_peak_gib_per_gpu_1gpu"] = p1
         summary[f"{key}_peak_gib_per_gpu_{gpus}gpu"] = pn
@@ -645,6 +680,9 @@ def main():
     ap.add_argument("--steps", type=int, default=55, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.0, help="the timed run's peak lr (0: the preset's)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved N-GPU / 1-GPU launch pairs per preset; the scaling is their median "
+                         "(a single pair moved +-0.1 between runs of the same code)")
     ap.add_argument("--equiv-steps", type=int, default=EQUIV_STEPS,
                     help="steps of the equivalence phase that decides loss_match (0: none)")
     ap.add_argument("--equiv-lr", type=float, default=0.0, help="its constant lr (0: the preset's)")
@@ -672,16 +710,20 @@ def main():
     ap.add_argument("--ckpt", choices=("save", "load"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt-world", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--grad-accum", type=int, default=1, help=argparse.SUPPRESS)  # the loss reference's micro-batches
     args = ap.parse_args()
     if args.inject_bug and not args.smoke:
         ap.error("--inject-bug: test-only, allowed with --smoke alone (it would make a real run's result wrong)")
     if args.blocks_per_unit != "auto" and not (args.blocks_per_unit.isdigit() and int(args.blocks_per_unit) >= 1):
         ap.error(f"--blocks-per-unit: expected auto or an int >= 1, got {args.blocks_per_unit!r}")
+    if args.repeats < 1:
+        ap.error(f"--repeats: expected 1 or more, got {args.repeats}")
     if args.equiv_steps < 0:
         ap.error(f"--equiv-steps: expected 0 or more, got {args.equiv_steps}")
     if args.smoke and not args.worker:
         args.presets, args.steps, args.warmup = "tiny", 4, 1
         args.equiv_steps = min(args.equiv_steps, 4)
+        args.repeats = min(args.repeats, 2)  # the interleaving exercised, at CPU cost
         args.gpus = args.gpus or 2
     if args.merge:
         merge(args)
