@@ -526,29 +526,29 @@ def _build_codes(counts: np.ndarray, profile, spares: bool = False) -> tuple[lis
 
 def _with_spares(lengths: np.ndarray, row: np.ndarray, single: np.ndarray) -> np.ndarray:
     """``lengths`` (a tensor's fresh code) recomputed with count 1 for the symbols a step is likely to add
-    (``SPARE_EXPECTED``): pairs of occurring symbols with expected count >= SPARE_EXPECTED, or single symbols next
-    to occurring ones. Unchanged when there are none or the pair code would exceed MAX_PAIRS."""
+    (``SPARE_EXPECTED``): single symbols next to occurring ones (+-1: an exponent one octave off); for a pair
+    code, the absent pairs of those symbols with expected count >= SPARE_EXPECTED (a new symbol counted once).
+    Unchanged when there are none or the pair code would exceed MAX_PAIRS."""
     occurring = single > 0
     if not occurring.any():
         return lengths
-    if len(lengths) == R.PAIR_SYMBOLS:
-        pair_counts = row[256:].astype(np.int64)
-        p = single / single.sum()
-        expected = (pair_counts.sum() * np.outer(p, p)).reshape(-1)  # index (a << 8) | b
-        spare = (expected >= SPARE_EXPECTED) & (pair_counts == 0)
-        counts = np.where(spare, 1, pair_counts)
-        present = np.flatnonzero(counts)
-        if not spare.any() or len(present) > R.MAX_PAIRS:
-            return lengths
-        out = np.zeros(R.PAIR_SYMBOLS, np.uint8)
-        out[present] = R.limited_lengths(counts[present])
-        return out
     near = occurring.copy()
     near[1:] |= occurring[:-1]
     near[:-1] |= occurring[1:]
-    if (near == occurring).all():
+    with_new = np.where(near & ~occurring, 1, single)
+    if len(lengths) != R.PAIR_SYMBOLS:
+        return lengths if (near == occurring).all() else R.code_lengths(with_new)
+    pair_counts = row[256:].astype(np.int64)
+    p = with_new / with_new.sum()
+    expected = (pair_counts.sum() * np.outer(p, p)).reshape(-1)  # index (a << 8) | b
+    spare = (expected >= SPARE_EXPECTED) & (pair_counts == 0)
+    counts = np.where(spare, 1, pair_counts)
+    present = np.flatnonzero(counts)
+    if not spare.any() or len(present) > R.MAX_PAIRS:
         return lengths
-    return R.code_lengths(np.where(near & ~occurring, 1, single))
+    out = np.zeros(R.PAIR_SYMBOLS, np.uint8)
+    out[present] = R.limited_lengths(counts[present])
+    return out
 
 
 def _lookup_table(T: int, idx: torch.Tensor, entries: torch.Tensor, dev) -> torch.Tensor:
