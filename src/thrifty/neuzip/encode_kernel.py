@@ -22,6 +22,10 @@ min and max on the host, two syncs per call, and its 65536-bin pair histogram ra
    word into the zeroed stream (relaxed ``atomic_or``: a lane's first and last word are shared with its
    neighbours), and writes the raw sign+mantissa field of each element (the element is loaded once).
 
+Code reuse (:func:`reencode_block_triton`, LOMO's default): with the block's previous :class:`BlockCode`, only
+5 and 6 run (the lane kernel also counts symbols the old code has no code for) with **one** read (the sizes and
+those counts); an uncovered symbol falls back to the fresh encode. NOTES.md "Re-encode" has the design.
+
 Traffic ≈ 4 reads of the 2 B bf16 weight (2 histograms, lane sums, pack) + 1 B raw + 0.33 B words ≈ 9.3 B per
 weight: ~0.41 GB for a 44M-weight block, ~0.15 ms at HBM speed.
 """
