@@ -15,6 +15,14 @@ host ms = the wait for everything queued before them) and the host code building
 ``pack_launch``: launch rows), as ``model._encode`` runs them. Median over the repetitions per stage; summary keys
 ``encode_stage_<name>_host_ms`` / ``_gpu_ms``.
 
+Re-encode with code reuse (this tree only: ``encode_kernel.reencode_block_triton``, LOMO's default): a code is
+built once (with spares), then per repetition the block drifts by an AdamW-like step (every weight +-1e-4, in
+place) and is re-encoded with the last code; host ms, GPU ms, syncs, how many repetitions reused the code, and
+each drifted block decoded back (NumPy reference, two tensors) against its weights (``reencode_lossless``). Its
+stage split (then the pack update with kept tables) in ``reuse_stages``; keys ``reencode_reuse_ms`` (GPU ms,
+median), ``reencode_reuse_host_ms``, ``reencode_reuse_syncs``, ``reencode_reused`` (fraction),
+``reencode_stage_<name>_host_ms`` / ``_gpu_ms``.
+
     python benchmarks/neuzip_encode_gpu.py [--baseline-src OLD/src] [--reps 10] [--smoke]
 """
 
@@ -81,7 +89,79 @@ def measure(device, reps: int, smoke: bool) -> dict:
            "syncs": max(syncs), "exact": exact}
     if "profile" in inspect.signature(encode_block_triton).parameters:
         row["stages"] = stages(views, device, 1 if smoke else reps)
+    try:
+        from thrifty.neuzip.encode_kernel import reencode_block_triton  # noqa: F401
+    except ImportError:  # an older tree: no code reuse
+        return row
+    row.update(reuse(buf, views, device, 2 if smoke else reps))
     return row
+
+
+def _drift(buf, g) -> None:
+    """An AdamW-like step in place: every weight moves by 1e-4 (Adam's early steps are ~lr x sign)."""
+    step = torch.randint(0, 2, buf.shape, generator=g).float().mul_(2e-4).sub_(1e-4).to(buf.device)
+    buf.copy_((buf.float() - step).to(buf.dtype))
+
+
+def reuse(buf, views, device, reps: int) -> dict:
+    """Re-encodes of a drifting block with code reuse (module docstring): times, syncs, reuse rate, lossless."""
+    from thrifty.neuzip import reference as R
+    from thrifty.neuzip.block_decode import BlockPack
+    from thrifty.neuzip.encode_kernel import EncodeProfile, reencode_block_triton
+    from thrifty.neuzip.tensor import CompressedTensor
+
+    cuda = device.type == "cuda"
+    g = torch.Generator(device="cpu").manual_seed(1)
+    streams, lengths, code, _ = reencode_block_triton(views, None)
+    pack = BlockPack([CompressedTensor(s, v.dtype, v.shape, steps=R.STEPS) for s, v in zip(streams, views)])
+    pack.replace(streams, lengths)
+    host, gpu, syncs, reused_n, exact = [], [], [], 0, 1
+    for _ in range(reps):
+        _drift(buf, g)
+        if cuda:
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        with warnings.catch_warnings(record=True) as log:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            t0 = time.perf_counter()
+            streams, lengths, code, reused = reencode_block_triton(views, code)
+            host.append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum(1 for w in log if "synchroniz" in str(w.message)))
+        if cuda:
+            e1.record()
+            torch.cuda.synchronize()
+            gpu.append(e0.elapsed_time(e1))
+        reused_n += reused
+        for v, s in zip(views[1:3], streams[1:3]):  # the two small tensors (the NumPy decode is slow)
+            got = CompressedTensor(s, v.dtype, v.shape, steps=R.STEPS).decompress(impl="reference").to(v.device)
+            exact &= int(torch.equal(got.view(torch.int16), v.view(torch.int16)))
+    per = {}
+    for _ in range(reps):  # the stage split of a reuse and LOMO's pack update after it
+        _drift(buf, g)
+        if cuda:
+            torch.cuda.synchronize()
+        prof = EncodeProfile(device)
+        with prof.stage("total"):
+            streams, lengths, code, reused = reencode_block_triton(views, code, profile=prof)
+        with prof.stage("pack_replace"):
+            pack.replace(streams, lengths, keep_tables=reused)
+        with prof.stage("pack_tables"):
+            pack.kernel_tables(pack.device)
+        with prof.stage("pack_launch"):
+            pack.launch_table(pack.device)
+        for name, h, gms in prof.rows():
+            per.setdefault(name, []).append((h, gms))
+    rows = []
+    for name, v in per.items():
+        gs = [x for _, x in v if x is not None]
+        rows.append((name, statistics.median(h for h, _ in v), statistics.median(gs) if gs else None))
+    return {"reuse_host_ms": statistics.median(host), "reuse_gpu_ms": statistics.median(gpu or host),
+            "reuse_syncs": max(syncs), "reused": reused_n / reps, "reuse_lossless": exact, "reuse_stages": rows}
 
 
 def stages(views, device, reps: int) -> list:
@@ -157,10 +237,21 @@ def main(argv=None) -> int:
         summary[f"encode_stage_{name}_host_ms"] = h
         if g is not None:
             summary[f"encode_stage_{name}_gpu_ms"] = g
+    if "reuse_gpu_ms" in row:
+        summary.update(reencode_reuse_ms=row["reuse_gpu_ms"], reencode_reuse_host_ms=row["reuse_host_ms"],
+                       reencode_reuse_syncs=row["reuse_syncs"], reencode_reused=row["reused"],
+                       reencode_lossless=row["reuse_lossless"])
+        for name, h, g in row["reuse_stages"]:
+            summary[f"reencode_stage_{name}_host_ms"] = h
+            if g is not None:
+                summary[f"reencode_stage_{name}_gpu_ms"] = g
     for r in rows:
-        print({k: v for k, v in r.items() if k != "stages"})
+        print({k: v for k, v in r.items() if k not in ("stages", "reuse_stages")})
     if "stages" in row:
         print_stages(row["stages"])
+    if "reuse_stages" in row:
+        print("re-encode with code reuse:")
+        print_stages(row["reuse_stages"])
     print("SUMMARY", summary)
     if not args.smoke:
         from thrifty import bench

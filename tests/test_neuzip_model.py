@@ -308,6 +308,8 @@ def test_bad_arguments():
         NeuZipConfig(steps=100)
     with pytest.raises(ValueError, match="impl"):
         NeuZipConfig(impl="cuda")
+    with pytest.raises(TypeError, match="reuse_code"):
+        NeuZipConfig(reuse_code=1)
     with pytest.raises(ValueError, match="mantissa_bits"):  # lossy needs bf16 weights
         compress_model(tiny(torch.float32), "lossy", 3)
     with pytest.raises(ValueError, match="train"):  # lossy weights cannot be trained
@@ -489,6 +491,167 @@ def test_triton_block_encoder_real_weights():
     streams, _ = encode_block_triton(xs, R.STEPS)
     pairs = [_same_streams(R.encode(x, None, R.STEPS), t) for x, t in zip(xs, streams)]
     assert any(pairs)
+
+
+def _block_views(dtype, sizes, seed):
+    """Views of one buffer (as LOMO's block buffer) of N(0, 0.02) weights with a few long codes."""
+    g = torch.Generator().manual_seed(seed)
+    buf = (torch.randn(sum(sizes), generator=g) * 0.02).to(dtype)
+    buf[:30] = torch.exp(torch.randn(30, generator=g) * 3).to(dtype)
+    views, at = [], 0
+    for n in sizes:
+        views.append(buf[at: at + n])
+        at += n
+    return buf, views
+
+
+def _drift(buf, seed, scale=2e-3):
+    """An optimizer-like step in place: every weight moves by ~scale of itself (no new exponent this small)."""
+    g = torch.Generator().manual_seed(seed)
+    buf.copy_((buf.float() * (1 + scale * torch.randn(buf.shape, generator=g))).to(buf.dtype))
+
+
+def _decodes_to(streams, views, pack=None):
+    """Each tensor's streams decode (NumPy reference) to its view's bits; with ``pack`` also the one-launch block
+    decode (interpreter) of the pack those streams were put in."""
+    for v, t in zip(views, streams):
+        got = CompressedTensor(t, v.dtype, v.shape, steps=R.STEPS).decompress(impl="reference")
+        assert torch.equal(int_bits(got), int_bits(v))
+    if pack is not None:
+        out = torch.empty(pack.total_numel, dtype=pack.dtype)
+        pack.decode_into(out, impl="triton")
+        assert torch.equal(int_bits(out), int_bits(torch.cat([v.reshape(-1) for v in views])))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reencode_reusing_the_code_is_lossless(dtype):
+    """A drifted block re-encoded with its previous code (LOMO's default): reused, the same stored code, a
+    different word stream than a fresh code's (pair and single tensors, odd, tiny and empty sizes), and both
+    decoders give back the drifted weights bit for bit, the block decode through the pack's kept tables."""
+    from thrifty.neuzip.block_decode import BlockPack
+    from thrifty.neuzip.encode_kernel import reencode_block_triton
+
+    sizes = (R.GROUP * R.STEPS * 2 + 7, 1, 0, 129, 3001, 24_001)
+    buf, views = _block_views(dtype, sizes, seed=21)
+    streams, lengths, code, reused = reencode_block_triton(views, None)
+    assert not reused
+    pack = BlockPack([CompressedTensor(s, v.dtype, v.shape, steps=R.STEPS) for s, v in zip(streams, views)])
+    pack.replace(streams, lengths)
+    tables = pack.kernel_tables(pack.device)
+    _drift(buf, seed=22)
+    new, new_lengths, new_code, reused = reencode_block_triton(views, code)
+    assert reused and new_code is code and new_lengths is lengths
+    assert all(torch.equal(new[i][k], streams[i][k]) for i in range(len(sizes)) for k in ("lengths", "pair_syms")
+               if k in streams[i])  # the old code is stored with the new streams
+    fresh, _, _, _ = reencode_block_triton(views, None)
+    assert any(not torch.equal(a["words"], b["words"]) for a, b in zip(new, fresh))  # the weights did change
+    pack.replace(new, new_lengths, keep_tables=True)
+    assert pack.kernel_tables(pack.device) is tables  # not rebuilt
+    _decodes_to(new, views, pack)
+    assert any(pack.pairs) and not all(pack.pairs)
+
+
+def test_reencode_falls_back_to_a_fresh_code_on_a_new_exponent():
+    """A weight whose exponent the old code has no code for (in a pair tensor, in a single-symbol one): a fresh
+    code (with spares: lossless, not the reference's bytes) that covers it; the code after it is reused again."""
+    from thrifty.neuzip.encode_kernel import reencode_block_triton
+
+    sizes = (R.GROUP * R.STEPS * 4 + 5, 129)  # a single-symbol tensor (the long codes), a pair one
+    for slot in range(len(sizes)):
+        buf, views = _block_views(torch.bfloat16, sizes, seed=31)
+        _, _, code, _ = reencode_block_triton(views, None)
+        assert [c.size for c in code.lengths] == [256, R.PAIR_SYMBOLS]
+        views[slot][40] = 3.0e38  # exponent 254: in no N(0, 0.02) block
+        streams, _, new_code, reused = reencode_block_triton(views, code)
+        assert not reused and new_code is not code
+        _decodes_to(streams, views)
+        _drift(buf, seed=32, scale=1e-4)
+        again, _, _, reused = reencode_block_triton(views, new_code)
+        assert reused
+        _decodes_to(again, views)
+
+
+def test_reencode_rebuilds_a_code_whose_bits_grew():
+    """A reused code whose block needs more than REBUILD_GROWTH more bits than at its fresh build is marked stale
+    and replaced at the next encode (no extra read: the sizes are read anyway)."""
+    import dataclasses
+
+    from thrifty.neuzip import encode_kernel as EK
+
+    _, views = _block_views(torch.bfloat16, (R.GROUP * R.STEPS + 5, 700), seed=41)
+    _, _, code, _ = EK.reencode_block_triton(views, None)
+    _, _, same, reused = EK.reencode_block_triton(views, code)
+    assert reused and same is code and not same.stale  # no growth: kept as is
+    shrunk = dataclasses.replace(code, fresh_bits=int(code.fresh_bits / (1 + 2 * EK.REBUILD_GROWTH)))
+    streams, _, stale, reused = EK.reencode_block_triton(views, shrunk)
+    assert reused and stale.stale
+    _decodes_to(streams, views)
+    _, _, fresh, reused = EK.reencode_block_triton(views, stale)
+    assert not reused and not fresh.stale and fresh.fresh_bits == code.fresh_bits
+
+
+def test_reencode_bad_previous():
+    from thrifty.neuzip.encode_kernel import reencode_block_triton
+
+    _, views = _block_views(torch.bfloat16, (300, 200), seed=51)
+    _, _, code, _ = reencode_block_triton(views, None)
+    with pytest.raises(TypeError, match="previous"):
+        reencode_block_triton(views, {"code": 1})
+    with pytest.raises(ValueError, match="previous"):
+        reencode_block_triton(views[:1], code)
+
+
+def _count_reads(monkeypatch, EK):
+    """(list of ``_to_host`` reads, list of other host reads) while the monkeypatches hold."""
+    host_reads, reads = [], []
+    original_to_host = EK._to_host
+    monkeypatch.setattr(EK, "_to_host", lambda t: (host_reads.append(t.shape), original_to_host(t))[1])
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: reads.append("bincount"))
+    for name in ("cpu", "item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name, **k: (reads.append(_n), _f(self, *a, **k))[1])
+    return host_reads, reads
+
+
+def test_reencode_reusing_the_code_reads_the_host_once(monkeypatch):
+    """The reuse path costs one device-to-host read (the stream sizes with the coverage counts; the fresh encode
+    two) and no other host read of a tensor; the fallback three (its check, then the fresh encode's two)."""
+    from thrifty.neuzip import encode_kernel as EK
+
+    buf, views = _block_views(torch.bfloat16, (R.GROUP * R.STEPS * 2 + 3, 500, 4100), seed=61)
+    _, _, code, _ = EK.reencode_block_triton(views, None)
+    _drift(buf, seed=62)
+    host_reads, reads = _count_reads(monkeypatch, EK)
+    streams, _, _, reused = EK.reencode_block_triton(views, code)
+    assert reused and len(host_reads) == 1 and not reads, (host_reads, reads)
+    views[1][7] = 3.0e38  # a new exponent
+    host_reads.clear()
+    streams, _, _, reused = EK.reencode_block_triton(views, code)
+    assert not reused and len(host_reads) == 3 and not reads, (host_reads, reads)
+    monkeypatch.undo()
+    _decodes_to(streams, views)
+
+
+def test_lomo_triton_reuses_codes_bit_identical():
+    """Three LOMO steps with the Triton encoder (interpreter): the first re-encode builds a code, a later one
+    reuses it (stats; at these ~1K-weight tensors a step often adds a rare pair: the other falls back), and the
+    training stays bit-identical to the plain model; reuse_code=False builds every time, with the same weights."""
+    cfg = LomoConfig(optimizer="adamw", lr=1e-5)
+    plain = tiny(torch.bfloat16, layers=1)
+    reusing = compress_model(copy.deepcopy(plain), config=NeuZipConfig(impl="triton"), train=cfg)
+    building = compress_model(copy.deepcopy(plain), config=NeuZipConfig(impl="triton", reuse_code=False), train=cfg)
+    opt = lomo(plain, cfg)
+    for step in range(3):
+        x, y = batch(seed=step, t=4, b=1)
+        losses = [m(x, labels=y) for m in (plain, reusing, building)]
+        for loss in losses:
+            loss.backward()
+        assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+    assert reusing.neuzip.stats["code_builds"] == 2 and reusing.neuzip.stats["code_reuses"] == 1
+    assert building.neuzip.stats["code_builds"] == 3 and building.neuzip.stats["code_reuses"] == 0
+    for model in (reusing, building):
+        for n, w in model.neuzip.decoded_weights().items():
+            assert torch.equal(int_bits(w), int_bits(plain.get_parameter(n)))
 
 
 def test_lomo_reencode_with_triton_kernels():

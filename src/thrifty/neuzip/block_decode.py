@@ -161,11 +161,13 @@ class BlockPack:
         self._set_streams([t.streams for t in tensors])
 
     # ------------------------------------------------------------------------------------------ streams
-    def _set_streams(self, streams: Sequence[dict], code_lengths: Optional[Sequence[np.ndarray]] = None) -> None:
+    def _set_streams(self, streams: Sequence[dict], code_lengths: Optional[Sequence[np.ndarray]] = None,
+                     keep_tables: bool = False) -> None:
         """Concatenates per-tensor streams, each part padded to ALIGN_BYTES (the pair kernel loads two raw
         bytes at a time); remembers each tensor's base in every stream and whether it is pair-coded.
         code_lengths: each tensor's code as :meth:`CompressedTensor.code_lengths` reads it, when the caller has
-        it on the host (the encoder), so the decode tables need no device-to-host read."""
+        it on the host (the encoder), so the decode tables need no device-to-host read. keep_tables: the codes
+        are those of the current decode tables (a re-encode that reused its code): keep them."""
         self.pairs = ["pair_syms" in s for s in streams]
         self._host_lengths = None if code_lengths is None else list(code_lengths)
         empty = torch.zeros(0, dtype=torch.int16, device=streams[0]["words"].device)
@@ -184,18 +186,25 @@ class BlockPack:
                 at += p.numel() + pad
             self.bases[k] = bases
             self.streams[k] = torch.cat(pieces)
-        self._tables: dict = {}
-        self._meta: dict = {}
+        if not keep_tables:
+            self._tables: dict = {}
+        self._meta: dict = {}  # the launch rows hold the stream bases: rebuilt either way
         self._launches: dict = {}  # (buffer address, size, dtype) -> the checked launch arguments
 
-    def replace(self, streams: Sequence[dict], code_lengths: Optional[Sequence[np.ndarray]] = None) -> None:
+    def replace(self, streams: Sequence[dict], code_lengths: Optional[Sequence[np.ndarray]] = None,
+                keep_tables: bool = False) -> None:
         """New streams for every tensor (after a LOMO update re-encoded them); shapes and dtype unchanged.
-        code_lengths: see :meth:`_set_streams` (must be the codes of ``streams``)."""
+        code_lengths: see :meth:`_set_streams` (must be the codes of ``streams``). keep_tables: the streams are
+        coded with the pack's current codes (the encoder reused them), so the decode tables stay (their rebuild
+        was ~2.6 ms of host time per 1B-class block); needs ``code_lengths``, the same pair flags."""
         if len(streams) != len(self.shapes):
             raise ValueError(f"streams: expected {len(self.shapes)} tensors, got {len(streams)}")
         if code_lengths is not None and len(code_lengths) != len(streams):
             raise ValueError(f"code_lengths: expected {len(streams)} codes, got {len(code_lengths)}")
-        self._set_streams(streams, code_lengths)
+        if keep_tables and (code_lengths is None or ["pair_syms" in s for s in streams] != self.pairs):
+            raise ValueError("keep_tables: only for streams coded with the pack's current codes (pass their "
+                             "code_lengths; pair flags unchanged)")
+        self._set_streams(streams, code_lengths, keep_tables)
 
     def tensor(self, i: int) -> CompressedTensor:
         """Tensor i as a CompressedTensor whose streams are views into the pack (no copy)."""

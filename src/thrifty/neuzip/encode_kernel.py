@@ -22,6 +22,10 @@ min and max on the host, two syncs per call, and its 65536-bin pair histogram ra
    word into the zeroed stream (relaxed ``atomic_or``: a lane's first and last word are shared with its
    neighbours), and writes the raw sign+mantissa field of each element (the element is loaded once).
 
+Code reuse (:func:`reencode_block_triton`, LOMO's default): with the block's previous :class:`BlockCode`, only
+5 and 6 run (the lane kernel also counts symbols the old code has no code for) with **one** read (the sizes and
+those counts); an uncovered symbol falls back to the fresh encode. NOTES.md "Re-encode" has the design.
+
 Traffic ≈ 4 reads of the 2 B bf16 weight (2 histograms, lane sums, pack) + 1 B raw + 0.33 B words ≈ 9.3 B per
 weight: ~0.41 GB for a 44M-weight block, ~0.15 ms at HBM speed.
 """
@@ -29,6 +33,7 @@ weight: ~0.41 GB for a 44M-weight block, ~0.15 ms at HBM speed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
@@ -103,10 +108,12 @@ def _pair_hist_kernel(x_ptr, meta_ptr, rank_ptr, symof_ptr, hist_ptr, T, TP: tl.
 
 
 @triton.jit
-def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, out_ptr, T, TP: tl.constexpr, META_W: tl.constexpr,
-                      STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr,
-                      SHIFT: tl.constexpr):
-    """Each lane's code bits (unpadded), at the lane's block-wide index."""
+def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, out_ptr, miss_ptr, T, TP: tl.constexpr,
+                      META_W: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
+                      BITS: tl.constexpr, SHIFT: tl.constexpr, CHECK: tl.constexpr):
+    """Each lane's code bits (unpadded), at the lane's block-wide index. CHECK (a reused code): also adds to
+    ``miss_ptr[t]`` the number of the tensor's symbols (or pairs) that have no code in the table (length 0), so
+    the coverage of an old code is decided on the device and read with the stream sizes."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     t, local = _tensor_of(meta_ptr, tl.program_id(0), 4, T, TP, META_W)
     x = x_ptr + tl.load(meta_ptr + t * META_W)
@@ -116,6 +123,7 @@ def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, out_ptr, T, TP: tl.co
     lane = local * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
     total = tl.zeros([LANES], dtype=tl.int32)
+    missing = tl.zeros([LANES], dtype=tl.int32)
     if tl.load(pairs_ptr + t) != 0:
         p = (lane // GROUP) * (GROUP * (STEPS // 2)) + lane % GROUP
         for _ in range(STEPS // 2):
@@ -123,16 +131,25 @@ def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, out_ptr, T, TP: tl.co
             ok = lane_ok & (e0 < n)
             sa = _symbols_at(x, e0, ok, BITS, SHIFT)[1]
             sb = _symbols_at(x, e0 + 1, ok & (e0 + 1 < n), BITS, SHIFT)[1]
-            total += tl.load(tab + ((sa << 8) | sb), mask=ok, other=0) & 15
+            length = tl.load(tab + ((sa << 8) | sb), mask=ok, other=0) & 15
+            total += length
+            if CHECK:
+                missing += (ok & (length == 0)).to(tl.int32)
             p += GROUP
     else:
         e = (lane // GROUP) * (GROUP * STEPS) + lane % GROUP
         for _ in range(STEPS):
             ok = lane_ok & (e < n)
             s = _symbols_at(x, e, ok, BITS, SHIFT)[1]
-            total += tl.load(tab + s, mask=ok, other=0) & 15
+            length = tl.load(tab + s, mask=ok, other=0) & 15
+            total += length
+            if CHECK:
+                missing += (ok & (length == 0)).to(tl.int32)
             e += GROUP
     tl.store(out_ptr + tl.load(meta_ptr + t * META_W + 5) + lane, total, mask=lane_ok)
+    if CHECK:
+        n_missing = tl.sum(missing, axis=0)
+        tl.atomic_add(miss_ptr + t, n_missing, mask=n_missing > 0, sem="relaxed")  # one atomic per program at most
 
 
 @triton.jit
@@ -331,24 +348,141 @@ def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
     return encode_block_triton([x], steps)[0][0]
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockCode:
+    """A block's code as the encoder built it, kept so the next re-encode can reuse it (LOMO: a step barely moves
+    the exponent histogram, and rebuilding the Huffman codes on the host was ~90% of a re-encode).
+
+    layout: (device, dtype, numels, steps) of the block it codes. idx / entries: the lookup table's present
+    positions (``t * 65536 + symbol``) and entries (``(code << 4) | length``) on the device (a few hundred per
+    tensor: the 65536-entry tables are rebuilt from them, not kept). pairs: int32[T] per-tensor pair flags on the
+    device. stored: each tensor's stored code streams (device). lengths: each tensor's code lengths (host; what
+    :meth:`BlockPack.replace` takes). fresh_bits: the block's coded bits when this code was built. stale: rebuild
+    at the next encode (the coded bits grew past ``REBUILD_GROWTH`` under this code)."""
+
+    layout: tuple
+    idx: torch.Tensor
+    entries: torch.Tensor
+    pairs: torch.Tensor
+    stored: list
+    lengths: list
+    fresh_bits: int
+    stale: bool = False
+
+
+# a reused code is rebuilt at the next encode once the block's coded bits exceed those of its fresh build by this
+# fraction (the code drifted away from the weights; ~1% of the coded part is ~0.3% of the stream). Not tuned: the
+# read of the stream sizes gives the check for free, and a LOMO step moves the bits by far less.
+REBUILD_GROWTH = 0.01
+# A code built for reuse also codes the absent pairs of occurring symbols whose expected count (pairs x p(a) x
+# p(b)) is at least this, and the neighbours (+-1) of occurring single symbols: after a step the rare tail of the
+# pair histogram changes (simulated on CPU, bf16 N(0, 0.02) 5632x2048 after AdamW-like steps of 1e-4: 11-35 new
+# pairs per step against the last code, none outside these spares at 1e-3; 193 spares, ~4.7% of the code space
+# at 12 bits: ~0.035 coded bits per element, ~0.3% of the stream). Without them nearly every re-encode fell back.
+SPARE_EXPECTED = 1e-3
+
+
+def _layout(xs, steps: int) -> tuple:
+    return (str(xs[0].device), xs[0].dtype, tuple(x.numel() for x in xs), steps)
+
+
 def encode_block_triton(xs, steps: int = R.STEPS, profile: "EncodeProfile | None" = None) -> tuple[list, list]:
     """Streams of every tensor of a block (one dtype; as :func:`encode_lossless_triton`, bit for bit): four
     Triton launches for the whole block and two device-to-host reads (the histograms; the stream sizes), no
     other synchronization (module docstring). Returns (streams per tensor, each tensor's code as the host built
     it: for :meth:`BlockPack.replace`). profile: an :class:`EncodeProfile` to record each stage's host and GPU
     time in (benchmarks); None records nothing."""
+    streams, lengths, _ = _encode_fresh(xs, R.check_steps(steps), profile)
+    return streams, lengths
+
+
+def reencode_block_triton(xs, previous: "BlockCode | None", steps: int = R.STEPS,
+                          profile: "EncodeProfile | None" = None) -> tuple[list, list, BlockCode, bool]:
+    """The block encoded with ``previous`` (the code of its last encode) when that code still has a code for
+    every symbol (or pair) that occurs, else with a fresh code (:func:`encode_block_triton`'s bytes).
+
+    Reuse: one lane-bits launch that also counts uncovered symbols on the device, the prefix sum, **one**
+    device-to-host read (stream sizes and those counts together), the pack launch; no histograms, no host code
+    build, no table upload. Uncovered (a new exponent appeared): the fresh encode after it (3 reads in all).
+    A reused stream decodes to the same bits (lossless) but its bytes are not the fresh code's.
+
+    Returns (streams, code lengths per tensor, the code to pass next time, whether ``previous`` was reused)."""
     steps = R.check_steps(steps)
+    if previous is not None and not isinstance(previous, BlockCode):
+        raise TypeError(f"previous: expected a BlockCode or None, got {type(previous).__name__}")
+    if previous is not None and previous.layout != _layout(xs, steps):
+        raise ValueError(f"previous: a code of block layout {previous.layout}, not of these tensors' "
+                         f"{_layout(xs, steps)}")
+    if previous is not None and not previous.stale:
+        reused = _encode_reusing(xs, steps, previous, profile)
+        if reused is not None:
+            return (*reused, True)
+    return (*_encode_fresh(xs, steps, profile, spares=True), False)
+
+
+def _prepare(xs, steps: int, profile):
+    """(flat int view, block table, host layout, common kernel arguments) of a block; checks the tensors."""
     dtype, dev = xs[0].dtype, xs[0].device
     if any(x.dtype != dtype or x.device != dev for x in xs):
         raise ValueError("xs: a block is encoded with one dtype on one device")
-    bits, shift, kept = R.DTYPES[dtype]
-    T, TP = len(xs), max(2, triton.next_power_of_2(len(xs)))
-    numels = [x.numel() for x in xs]
+    bits, shift, _ = R.DTYPES[dtype]
     with _stage(profile, "setup"):  # one int view of the block (a copy unless views of one buffer), the table
         flat, offsets = _flat_source(xs)
-        meta, host = _block_meta(dev, dtype, offsets, numels, steps)
-    common = dict(TP=TP, META_W=META_W, BITS=bits, SHIFT=shift)
-    # 1-3: histograms (no host read in between)
+        meta, host = _block_meta(dev, dtype, offsets, [x.numel() for x in xs], steps)
+    T = len(xs)
+    lane_args = dict(TP=max(2, triton.next_power_of_2(T)), META_W=META_W, STEPS=steps, GROUP=R.GROUP,
+                     GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits, SHIFT=shift)
+    return flat, meta, host, lane_args
+
+
+def _encode_fresh(xs, steps: int, profile, spares: bool = False) -> tuple[list, list, BlockCode]:
+    """A fresh code for every tensor: histograms, read 1, host code build, upload, lanes, read 2, pack.
+    spares: the code also covers likely new symbols (``SPARE_EXPECTED``; a code to reuse: not the reference's
+    bytes, but as lossless); False: byte for byte the reference's streams."""
+    flat, meta, host, lane_args = _prepare(xs, steps, profile)
+    dtype, dev, T = xs[0].dtype, xs[0].device, len(xs)
+    hist = _histograms(flat, meta, host, T, lane_args, profile)
+    with _stage(profile, "read1"):
+        counts = _to_host(hist)  # read 1 (int32; each code function widens the rows it reads)
+    codes_np, stored, idx, entries = _build_codes(counts, profile, spares)
+    with _stage(profile, "upload_tables"):
+        _, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored,
+                                  np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32), dev)
+        tab = _lookup_table(T, parts["idx"], parts["entries"], dev)
+    padded, start, sizes = _lane_sizes(flat, meta, host, parts["pairs"], tab, lane_args, profile, miss=None)
+    with _stage(profile, "read2"):
+        totals = _to_host(sizes).tolist()  # read 2
+    out = _pack_and_outputs(flat, meta, host, parts["pairs"], tab, start, padded, totals, parts["stored"], dtype,
+                            lane_args, profile)
+    code = BlockCode(_layout(xs, steps), parts["idx"], parts["entries"], parts["pairs"], parts["stored"], codes_np,
+                     int(sum(totals)))
+    return out, codes_np, code
+
+
+def _encode_reusing(xs, steps: int, code: BlockCode, profile):
+    """The block under ``code``: (streams, lengths, code) with one host read, or None when a symbol (or pair)
+    that occurs has no code in it (nothing is written then; the caller encodes afresh)."""
+    flat, meta, host, lane_args = _prepare(xs, steps, profile)
+    dtype, dev, T = xs[0].dtype, xs[0].device, len(xs)
+    with _stage(profile, "reuse_table"):  # the 65536-entry tables from the kept entries (two small launches)
+        tab = _lookup_table(T, code.idx, code.entries, dev)
+        miss = torch.zeros(T, dtype=torch.int32, device=dev)
+    padded, start, sizes = _lane_sizes(flat, meta, host, code.pairs, tab, lane_args, profile, miss=miss)
+    with _stage(profile, "read2"):  # the only read: the stream sizes and the uncovered counts together
+        read = _to_host(torch.cat([sizes, miss.to(torch.int64)]))
+    totals, missing = read[:T].tolist(), read[T:]
+    if missing.any():
+        return None
+    out = _pack_and_outputs(flat, meta, host, code.pairs, tab, start, padded, totals, code.stored, dtype, lane_args,
+                            profile)
+    stale = sum(totals) > (1 + REBUILD_GROWTH) * code.fresh_bits
+    return out, code.lengths, dataclasses.replace(code, stale=stale) if stale else code
+
+
+def _histograms(flat, meta, host, T: int, lane_args: dict, profile) -> torch.Tensor:
+    """int32[T, HIST_W]: each tensor's symbol and pair histogram (1-3 of the module docstring; no host read)."""
+    dev = flat.device
+    common = dict(TP=lane_args["TP"], META_W=META_W, BITS=lane_args["BITS"], SHIFT=lane_args["SHIFT"])
     with _stage(profile, "sym_hist"):
         hist = torch.zeros(T, HIST_W, dtype=torch.int32, device=dev)
         _sym_hist_kernel[(host["programs"][0],)](flat, meta, hist, T, HIST_W=HIST_W, BLOCK=HIST_BLOCK, **common)
@@ -360,12 +494,15 @@ def encode_block_triton(xs, steps: int = R.STEPS, profile: "EncodeProfile | None
     with _stage(profile, "pair_hist"):
         _pair_hist_kernel[(host["programs"][1],)](flat, meta, rank, symof, hist, T, HIST_W=HIST_W, WINDOW=WINDOW,
                                                   BLOCK=HIST_BLOCK, **common)
-    with _stage(profile, "read1"):
-        counts = _to_host(hist)  # read 1 (int32; each code function widens the rows it reads)
-    # 4: codes on the host; the lookup tables and the stored codes go up in one non-blocking copy
+    return hist
+
+
+def _build_codes(counts: np.ndarray, profile, spares: bool = False) -> tuple[list, list, list, list]:
+    """Host code build from the read histograms: (code lengths, stored code streams, table positions, table
+    entries) per tensor. spares: see :func:`_encode_fresh`."""
     codes_np, stored, idx, entries = [], [], [], []
     clock = time.perf_counter
-    for i in range(T):
+    for i in range(counts.shape[0]):
         t0 = clock()
         single = counts[i, :256].astype(np.int64)
         lengths = R.code_lengths(single)
@@ -374,6 +511,8 @@ def encode_block_triton(xs, steps: int = R.STEPS, profile: "EncodeProfile | None
         t2 = clock()
         if pair_lengths is not None:
             lengths = pair_lengths
+        if spares:
+            lengths = _with_spares(lengths, counts[i], single)
         codes_np.append(lengths)
         present = np.flatnonzero(lengths)
         code = R.canonical_codes(lengths)[present].astype(np.int64)
@@ -386,29 +525,65 @@ def encode_block_triton(xs, steps: int = R.STEPS, profile: "EncodeProfile | None
             profile.add_host("pair_code", (t2 - t1) * 1e3)
             profile.add_host("canonical", (t3 - t2) * 1e3)
             profile.add_host("code_streams", (clock() - t3) * 1e3)
-    with _stage(profile, "upload_tables"):
-        up, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored,
-                                   np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32), dev)
-        tab = torch.zeros(T * 65536, dtype=torch.int32, device=dev).scatter_(0, parts["idx"],
-                                                                             parts["entries"].to(torch.int32))
-        pairs = parts["pairs"]
-    # 5: lane lengths, their block-wide prefix sum, the stream sizes
-    n_lanes = sum(host["lanes"])
-    lane_args = dict(TP=TP, META_W=META_W, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=GROUPS_PER_PROG, BITS=bits,
-                     SHIFT=shift)
+    return codes_np, stored, idx, entries
+
+
+def _with_spares(lengths: np.ndarray, row: np.ndarray, single: np.ndarray) -> np.ndarray:
+    """``lengths`` (a tensor's fresh code) recomputed with count 1 for the symbols a step is likely to add
+    (``SPARE_EXPECTED``): single symbols next to occurring ones (+-1: an exponent one octave off); for a pair
+    code, the absent pairs of those symbols with expected count >= SPARE_EXPECTED (a new symbol counted once).
+    Unchanged when there are none or the pair code would exceed MAX_PAIRS."""
+    occurring = single > 0
+    if not occurring.any():
+        return lengths
+    near = occurring.copy()
+    near[1:] |= occurring[:-1]
+    near[:-1] |= occurring[1:]
+    with_new = np.where(near & ~occurring, 1, single)
+    if len(lengths) != R.PAIR_SYMBOLS:
+        return lengths if (near == occurring).all() else R.code_lengths(with_new)
+    pair_counts = row[256:].astype(np.int64)
+    p = with_new / with_new.sum()
+    expected = (pair_counts.sum() * np.outer(p, p)).reshape(-1)  # index (a << 8) | b
+    spare = (expected >= SPARE_EXPECTED) & (pair_counts == 0)
+    counts = np.where(spare, 1, pair_counts)
+    present = np.flatnonzero(counts)
+    if not spare.any() or len(present) > R.MAX_PAIRS:
+        return lengths
+    out = np.zeros(R.PAIR_SYMBOLS, np.uint8)
+    out[present] = R.limited_lengths(counts[present])
+    return out
+
+
+def _lookup_table(T: int, idx: torch.Tensor, entries: torch.Tensor, dev) -> torch.Tensor:
+    """int32[T * 65536] lookup entries (0 = no code) from the present positions and their entries."""
+    return torch.zeros(T * 65536, dtype=torch.int32, device=dev).scatter_(0, idx, entries.to(torch.int32))
+
+
+def _lane_sizes(flat, meta, host, pairs, tab, lane_args: dict, profile, miss):
+    """(padded lane bits, each lane's first bit block-wide, each tensor's stream bits) on the device (5 of the
+    module docstring). miss: int32[T] to count uncovered symbols into (a reused code), or None (a fresh one)."""
+    dev, T = flat.device, pairs.numel()
     with _stage(profile, "lane_bits"):
-        lane_bits = torch.empty(n_lanes, dtype=torch.int32, device=dev)
-        _lane_bits_kernel[(host["programs"][2],)](flat, meta, pairs, tab, lane_bits, T, **lane_args)
+        lane_bits = torch.empty(sum(host["lanes"]), dtype=torch.int32, device=dev)
+        # a fresh code covers every symbol: CHECK off, miss_ptr unused (any int32 pointer)
+        _lane_bits_kernel[(host["programs"][2],)](flat, meta, pairs, tab, lane_bits, pairs if miss is None else miss,
+                                                  T, CHECK=miss is not None, **lane_args)
     with _stage(profile, "cumsum"):
-        unit = R.lane_unit(steps)
+        unit = R.lane_unit(lane_args["STEPS"])
         padded = (lane_bits + (unit - 1)) // unit * unit
         ends = torch.cumsum(padded, 0, dtype=torch.int64)
         start = ends - padded
         marks = torch.cat([ends.new_zeros(1), ends])[host["bounds"]]  # the prefix sum at each tensor's first lane
         sizes = marks[1:] - marks[:-1]
-    with _stage(profile, "read2"):
-        totals = _to_host(sizes).tolist()  # read 2
-    # 6: words and raw fields of every tensor
+    return padded, start, sizes
+
+
+def _pack_and_outputs(flat, meta, host, pairs, tab, start, padded, totals, stored, dtype, lane_args, profile):
+    """6 of the module docstring: words and raw fields of every tensor, then each tensor's stream views."""
+    dev, T = flat.device, len(totals)
+    kept = R.DTYPES[dtype][2]
+    unit = R.lane_unit(lane_args["STEPS"])
     with _stage(profile, "pack"):
         n_words = [-(-t // 32) + R.WORD_PAD for t in totals]
         wbase = np.cumsum(n_words) - n_words
@@ -426,8 +601,8 @@ def encode_block_triton(xs, steps: int = R.STEPS, profile: "EncodeProfile | None
             out.append({"words": words[int(wbase[i]): int(wbase[i]) + n_words[i]], "lane_units": units[a: a + nl],
                         "group_offsets": (s[:: R.GROUP] - s[:1]).contiguous() if nl else s[:0],
                         "raw": raw[host["raw_off"][i]: host["raw_off"][i] + host["raw_bytes"][i]],
-                        **parts["stored"][i]})
-    return out, codes_np
+                        **stored[i]})
+    return out
 
 
 def _choose_pair_code(pair_counts: np.ndarray, single_lengths: np.ndarray, single_counts: np.ndarray):

@@ -54,13 +54,21 @@ class NeuZipConfig:
     7 keeps every bf16 bit, the paper's "7-bit (lossless)"). steps: symbols per lane of the codec (64, 128,
     256). impl: decoder ("auto": the block kernel on CUDA, the NumPy reference on CPU). vocab: also code the
     input embedding and the lm_head (serving only: no weight gradient; see ``vocab.py``), so the whole model
-    shrinks, not only its blocks."""
+    shrinks, not only its blocks.
+
+    reuse_code: LOMO training with the Triton encoder (``impl`` "triton", or "auto" on CUDA) re-encodes each
+    block with the code of its previous encode while that code still has a code for every exponent (or pair)
+    that occurs; else, or once the coded bits grew 1% past the code's fresh build, it builds a new one. Why: a
+    step barely moves the exponent histogram, and the host Huffman build plus the decode tables were ~13 of a
+    re-encode's ~14 ms per 1B-class block. Still lossless (the weights decode bit for bit); the streams are
+    slightly longer and not byte-identical to a fresh encode. False: a fresh code every step."""
 
     mode: str = "lossless"
     mantissa_bits: Optional[int] = None
     steps: int = R.STEPS
     impl: str = "auto"
     vocab: bool = False
+    reuse_code: bool = True
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)
@@ -74,6 +82,7 @@ class NeuZipConfig:
         R.check_steps(self.steps)
         check_choice("impl", self.impl, IMPLS)
         check_bool("vocab", self.vocab)
+        check_bool("reuse_code", self.reuse_code)
 
     @property
     def kept_bits(self) -> Optional[int]:
@@ -152,7 +161,9 @@ class CompressedWeights:
         self.optimizer = None
         self.hooks: list = []  # the blocks' forward pre-hooks (removed by decompress_model)
         self.frozen: set = set()  # weights that had requires_grad=False
-        self.stats = {"block_runs": 0, "decodes": 0, "reencodes": 0}
+        # code_reuses / code_builds: Triton re-encodes that kept the block's last code / built a fresh one
+        self.stats = {"block_runs": 0, "decodes": 0, "reencodes": 0, "code_reuses": 0, "code_builds": 0}
+        self._codes: dict = {}  # block -> its last encode's BlockCode (config.reuse_code)
         self._model = weakref.ref(model)
         self.vocab: dict = {}  # module name -> CompressedVocab (NeuZipConfig.vocab; tied modules share one)
         self.device = packs[0].device
@@ -284,10 +295,15 @@ class CompressedWeights:
         pack = self.packs[block]
         buf = self.buffers[b]
         views = [buf[o: o + n].view(shape) for o, n, shape in zip(pack.offsets, pack.numels, pack.shapes)]
-        if self._impl() == "triton":  # the whole block at once: two device-to-host reads, and the codes the
-            from .encode_kernel import encode_block_triton  # decode tables need stay on the host
+        if self._impl() == "triton":  # the whole block at once: one or two device-to-host reads, and the codes
+            from .encode_kernel import reencode_block_triton  # the decode tables need stay on the host
 
-            pack.replace(*encode_block_triton(views, pack.steps))
+            previous = self._codes.get(block) if self.config.reuse_code else None
+            streams, lengths, code, reused = reencode_block_triton(views, previous, pack.steps)
+            if self.config.reuse_code:
+                self._codes[block] = code
+            pack.replace(streams, lengths, keep_tables=reused)
+            self.stats["code_reuses" if reused else "code_builds"] += 1
         else:
             pack.replace([encode_on_device(v, pack.steps, "torch") for v in views])
         if self._impl() == "triton":  # the launch tables now, on this stream, not inside the next decode
