@@ -156,7 +156,7 @@ def _apply_bitnet(model, config, kind, layers, impl):
 
     cfg = config.bitnet
     if impl != "auto":
-        cfg = dataclasses.replace(cfg, fused={"reference": False, "triton": "triton"}[impl])
+        cfg = dataclasses.replace(cfg, impl=impl)
     eps = getattr(model.config, "rms_norm_eps", None)
     if eps is not None:
         cfg = dataclasses.replace(cfg, norm_eps=eps)  # the sub-norms match the model's own RMSNorms
@@ -318,9 +318,7 @@ def _new_cache(kv_config, impl, model):
         return thrifty_kv_cache(model, bits=kv_config.bits)
     from ..kvcache import ShadowKVCache
 
-    cache = ShadowKVCache(model, kv_config)
-    cache.engine.backend = impl
-    return cache
+    return ShadowKVCache(model, kv_config, impl=impl)
 
 
 _APPLY = {"bitnet": _apply_bitnet, "neuzip": _apply_neuzip, "cce": _apply_cce, "attention": _apply_attention,
