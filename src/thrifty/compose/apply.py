@@ -138,9 +138,9 @@ def _check_against_model(config: OptimizeConfig, model, kind: str, n_layers: int
         raise TypeError("kv_cache: the int8 KV cache is a transformers Cache; thrifty's reference model has no "
                         "int8 cache (use ShadowKV there, or a transformers model)")
     if kv is not None and not isinstance(kv, LowBitKVConfig):
-        from ..kvcache.cache import _model_shape
+        from ..kvcache.cache import model_shape
 
-        _, kv_heads, head_dim = _model_shape(model)
+        _, kv_heads, head_dim = model_shape(model)
         kv.check_model(kv_heads, head_dim)
 
 
@@ -283,11 +283,11 @@ def _apply_kv_cache(model, config, kind, layers, impl):
 
 def _forget_shadowkv_marks(model) -> None:
     """The per-module notes a ShadowKVCache leaves on the attention modules (see kvcache/hf.py)."""
-    from ..kvcache.hf import _PENDING, _PREVIOUS
+    from ..kvcache.hf import PENDING_ATTR, PREVIOUS_ATTR
 
     for m in model.modules():
-        m.__dict__.pop(_PENDING, None)
-        m.__dict__.pop(_PREVIOUS, None)
+        m.__dict__.pop(PENDING_ATTR, None)
+        m.__dict__.pop(PREVIOUS_ATTR, None)
 
 
 def _apply_reference_kv_cache(model, kv_config, impl, layers):

@@ -45,8 +45,8 @@ class AttentionConfig:
         check_choice("qk_bits", self.qk_bits, (4, 8))
         check_choice("pv", self.pv, ("fp8", "fp16"))
         if self.plan is not None:
-            from ..attention.plan import _check_plan
-            _check_plan(self.plan)
+            from ..attention import check_plan
+            check_plan(self.plan)
 
     def bits_of(self, layer: int) -> int:
         return (self.plan or {}).get(layer, self.qk_bits)

@@ -14,8 +14,8 @@ import torch
 
 from .config import ShadowKVConfig
 from .engine import ShadowKVEngine
-from .hf import (_PENDING, _PREVIOUS, ATTN_NAME, ROUTES_SHADOWKV_ATTR, ShadowKVLayer, _cache_base, find_rotary,
-                 register_attention, valid_keys)
+from .hf import (ATTN_NAME, PENDING_ATTR, PREVIOUS_ATTR, ROUTES_SHADOWKV_ATTR, ShadowKVLayer, _cache_base,
+                 find_rotary, register_attention, valid_keys)
 
 
 def _is_thrifty_model(model) -> bool:
@@ -49,7 +49,7 @@ class ShadowKVCache(_cache_base()):
 
     def __init__(self, model, config: Optional[ShadowKVConfig] = None, *, impl: str = "auto"):
         config = ShadowKVConfig() if config is None else config
-        num_layers, kv_heads, head_dim = _model_shape(model)
+        num_layers, kv_heads, head_dim = model_shape(model)
         self.engine = ShadowKVEngine(config, num_layers, kv_heads, head_dim, self._rope_table_fn(model), impl=impl)
         self.config = config
         self._dense: Optional[bool] = None  # decided by the first prompt
@@ -160,7 +160,7 @@ class ShadowKVCache(_cache_base()):
             if hasattr(m, "layer_idx") and hasattr(m, "o_proj"):
                 self._modules[m.layer_idx] = m
                 if previous != ATTN_NAME:  # the calls ShadowKV does not take keep running it
-                    m.__dict__[_PREVIOUS] = previous
+                    m.__dict__[PREVIOUS_ATTR] = previous
         if not getattr(model, ROUTES_SHADOWKV_ATTR, False):
             model.set_attn_implementation(ATTN_NAME)
 
@@ -168,7 +168,7 @@ class ShadowKVCache(_cache_base()):
         idx = layer.layer_idx
         if self._dense_k[idx] is not None or self._decide(k.shape[2]):
             return self._dense_append(idx, k, v)
-        self._modules[idx].__dict__[_PENDING] = self
+        self._modules[idx].__dict__[PENDING_ATTR] = self
         return k, v
 
     def _compress_hf(self, layer: int, k, v, mask, position_ids) -> None:
@@ -240,7 +240,8 @@ class _ThriftyDispatch:
 
 # ----------------------------------------------------------------------------------------------- helpers
 
-def _model_shape(model) -> tuple[int, int, int]:
+def model_shape(model) -> tuple[int, int, int]:
+    """(num_layers, kv_heads, head_dim) of a Llama-family model (transformers or thrifty's reference model)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "num_hidden_layers"):
         raise TypeError(f"model: expected a Llama-family model with a .config (transformers or "
