@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 from .._checks import check_bool, check_choice, check_impl, check_range
