@@ -90,12 +90,12 @@ class _CountedLaunch:
             self.counter.inside_kernel -= 1
 
 
-def make_trainer(recipe: str, fused, args, device) -> Trainer:
+def make_trainer(recipe: str, impl: str, args, device) -> Trainer:
     config = preset(args.preset, vocab_size=args.vocab_size)
     with torch.device(device):
         model = LlamaForCausalLM(config).init_weights(seed=0)
     if recipe != "fp":
-        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
+        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, impl=impl))
     cfg = TrainConfig(steps=10**6, batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-3, warmup_steps=1,
                       autocast="bf16")  # bf16 autocast on the CPU too: the smoke run takes the GPU's dtype path
     return Trainer(model, RandomTokens(config.vocab_size), None, cfg)
@@ -242,10 +242,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, results to a temporary folder")
     args = ap.parse_args(argv)
-    fused = True
+    impl = "auto"
     if args.smoke:  # set TRITON_INTERPRET=1 before thrifty is imported: the kernels run in the interpreter
         args.preset, args.vocab_size, args.batch_size, args.seq_len = "tiny", 256, 1, 8
-        args.warmup, args.reps, args.top, fused = 0, 1, 5, "triton"
+        args.warmup, args.reps, args.top, impl = 0, 1, 5, "triton"
         args.out = args.out or tempfile.mkdtemp(prefix="bitnet_profile_smoke_")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     label = args.label or detect_device(device)
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     rows, tables, per = [], {}, {}
     trainers = {}
     for recipe in recipes:
-        trainers[recipe] = trainer = make_trainer(recipe, fused, args, device)
+        trainers[recipe] = trainer = make_trainer(recipe, impl, args, device)
         for _ in range(args.warmup):
             trainer.train_step()
     # step times interleaved (fp, b1.58, a4.8, fp, ...): no recipe pays for running later in the process

@@ -43,14 +43,14 @@ from thrifty.train import Trainer, TrainConfig
 SUMMARY_NAMES = {"fp": "fp", "b1.58": "b158", "a4.8": "a48", "a4.8-fp4": "a48_fp4", "int4-all": "int4_all"}
 
 
-def build(recipe: str, args, device, fused: bool = True):
+def build(recipe: str, args, device, impl: str = "auto"):
     with torch.device(device):
         model = LlamaForCausalLM(preset(args.preset)).init_weights(seed=args.seed)
     schedule = bitnet.build_for_pretraining(model, recipe, stage1_share=args.stage1_share)
-    if not fused:
+    if impl != "auto":
         for m in model.modules():
             if isinstance(m, bitnet.BitLinear):
-                m.configure(fused=False)
+                m.configure(impl=impl)
     return model, schedule
 
 
@@ -101,12 +101,12 @@ def train_recipe(recipe: str, args, train, val, device) -> dict:
     return out
 
 
-def time_step(recipe: str, args, train, device, fused: bool = True) -> float:
+def time_step(recipe: str, args, train, device, impl: str = "auto") -> float:
     """Median ms of one training step (forward, backward, AdamW) of ``recipe`` at the run's batch, in its final
     stage (a4.8 as a4.8, not its b1.58 stage)."""
-    model, schedule = build(recipe, args, device, fused=fused)
+    model, schedule = build(recipe, args, device, impl=impl)
     if schedule is not None:
-        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
+        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, impl=impl))
     cfg = train_config(recipe, args)
     trainer = Trainer(model, train, None, cfg)  # plain schedule: the recipe stays as set
     timing = time_fn(trainer.train_step, warmup=3, reps=args.timing_reps, device=device)
@@ -242,10 +242,10 @@ def main(argv=None) -> int:
         print(f"== {recipe}: {args.steps} steps × {args.batch_size} × {args.seq_len} on {device}", flush=True)
         runs[recipe] = train_recipe(recipe, args, train, val, device)
     if not args.no_timing:
-        variants = [("fp", "fp", True), ("b1.58", "b1.58", True), ("a4.8", "a4.8", True),
-                    ("a4.8 (reference quantizers)", "a4.8", False)]
-        for name, recipe, fused in variants:
-            timings[name] = time_step(recipe, args, train, device, fused=fused)
+        variants = [("fp", "fp", "auto"), ("b1.58", "b1.58", "auto"), ("a4.8", "a4.8", "auto"),
+                    ("a4.8 (reference quantizers)", "a4.8", "reference")]
+        for name, recipe, impl in variants:
+            timings[name] = time_step(recipe, args, train, device, impl=impl)
     runs = {r: runs[r] for r in SUMMARY_NAMES if r in runs}  # fixed order
 
     rows = []

@@ -57,13 +57,13 @@ KINDS = ("int8", "int4", "topk_int8")
 ROWS_MARK = "BITNET_QUANTIZER_ROWS "  # the line a --rows-only run prints its rows on (for --baseline-src)
 
 
-def build_trainer(recipe: str, fused, args, device, cuda_graph: bool = False) -> Trainer:
+def build_trainer(recipe: str, impl: str, args, device, cuda_graph: bool = False) -> Trainer:
     """A trainer for one step of ``recipe`` in its final stage (a4.8 as a4.8), same init and batch for all."""
     config = preset(args.preset, vocab_size=args.vocab_size)
     with torch.device(device):
         model = LlamaForCausalLM(config).init_weights(seed=0)
     if recipe != "fp":
-        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
+        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, impl=impl))
     cfg = TrainConfig(steps=10**6, batch_size=args.batch_size, seq_len=args.seq_len, lr=1e-3, warmup_steps=1,
                       cuda_graph=cuda_graph)
     return Trainer(model, RandomTokens(config.vocab_size), None, cfg)
@@ -213,11 +213,11 @@ def main(argv=None) -> int:
         ap.error(f"--rounds/--reps: need 1 <= rounds <= reps, got rounds={args.rounds}, reps={args.reps}")
     if args.baseline_src is not None and not Path(args.baseline_src, "thrifty").is_dir():
         ap.error(f"--baseline-src: {args.baseline_src!r} holds no thrifty package (give the old tree's src/)")
-    fused = True
+    impl = "auto"
     if args.smoke:  # the kernels under the interpreter: set TRITON_INTERPRET=1 before thrifty is imported
         args.preset, args.vocab_size, args.batch_size, args.seq_len = "tiny", 256, 1, 8
         args.tokens, args.widths = 4, "33,130"
-        args.warmup, args.reps, args.rounds, fused = 1, 2, 2, "triton"
+        args.warmup, args.reps, args.rounds, impl = 1, 2, 2, "triton"
         args.out = args.out or tempfile.mkdtemp(prefix="bitnet_step_smoke_")
     args.widths = [int(w) for w in str(args.widths).split(",")]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
 
     rows, summary = [], {}
     if not args.quantizers_only:
-        step_rows, summary = step_times(args, device, fused)
+        step_rows, summary = step_times(args, device, impl)
         rows += step_rows
     rows += [dict(r, tree="this") for r in quantizer_rows(args, device)]
     if args.baseline_src:
@@ -254,11 +254,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def step_times(args, device, fused) -> tuple[list[dict], dict]:
+def step_times(args, device, impl) -> tuple[list[dict], dict]:
     """(one row per variant and path, the step-time summary): every trainer built first, then timed in rounds."""
     paths = ("eager", "cuda_graph") if args.cuda_graph else ("eager",)
     trainers = {name + (GRAPH_TAG if path == "cuda_graph" else ""):
-                build_trainer(recipe, fused if use_kernels else False, args, device, cuda_graph=path == "cuda_graph")
+                build_trainer(recipe, impl if use_kernels else "reference", args, device, cuda_graph=path == "cuda_graph")
                 for path in paths for name, recipe, use_kernels in VARIANTS}
     samples = interleaved_step_ms(trainers, args, device)
     del trainers

@@ -464,6 +464,14 @@ class _RandomTokens:
         return x[:, :-1], x[:, 1:]
 
 
+def _bitnet_config(bitnet, recipe: str, kernels: bool):
+    """The recipe with the Triton quantizers ("auto") or the reference ones; the old tree (2fcb084) names the choice
+    ``fused`` (True / False), the new one ``impl``."""
+    if "impl" in bitnet.BitNetConfig.__dataclass_fields__:
+        return bitnet.BitNetConfig(recipe=recipe, impl="auto" if kernels else "reference")
+    return bitnet.BitNetConfig(recipe=recipe, fused=kernels)
+
+
 def sec_bitnet(ctx: Ctx):
     torch = ctx.torch
     from thrifty import bitnet
@@ -498,9 +506,9 @@ def sec_bitnet(ctx: Ctx):
     ctx.free()
     # one training step (forward, backward, clip, AdamW) of the bitnet_repro.py timing path, random tokens
     name, batch, seq = ("tiny", 2, 32) if ctx.smoke else ("30m", 32, 512)
-    for recipe, fused in (("fp", True), ("a4.8", True), ("a4.8", False)):
+    for recipe, kernels in (("fp", True), ("a4.8", True), ("a4.8", False)):
         fig = {"fp": "bitnet_fp_step_ms", "a4.8": "bitnet_a48_step_ms"}[recipe]
-        if not fused:  # the reference quantizers: only when the fused ones failed
+        if not kernels:  # the reference quantizers: only when the fused ones failed
             if any(r.get("figure") == fig and "value" in r for r in ctx.rows):
                 continue
             fig = "bitnet_a48_reference_quantizers_step_ms"
@@ -512,14 +520,14 @@ def sec_bitnet(ctx: Ctx):
                 model = LlamaForCausalLM(cfg_model).init_weights(seed=0)
             if recipe != "fp":
                 bitnet.build_for_pretraining(model, recipe)
-                bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
+                bitnet.convert(model, _bitnet_config(bitnet, recipe, kernels))
             cfg = TrainConfig(steps=1000, batch_size=batch, seq_len=seq, lr=1e-3, warmup_steps=10)
             trainer = Trainer(model, _RandomTokens(model.config.vocab_size), None, cfg)
             t = ctx.time_wall(trainer.train_step, warmup=3, reps=8,
                               budget_s=4.0)  # train_step ends with a host sync (float(grad norm))
             ctx.add(fig, "ms", t["ms"], higher_is_better=False, kind="anchor" if recipe == "fp" else "thrifty",
                     anchor=None if recipe == "fp" else "bitnet_fp_step_ms",
-                    label=f"{name} preset, {recipe}{'' if fused else ' (reference quantizers)'}, batch {batch}x{seq}",
+                    label=f"{name} preset, {recipe}{'' if kernels else ' (reference quantizers)'}, batch {batch}x{seq}",
                     **t)
             del trainer, model
         except Exception as e:  # noqa: BLE001

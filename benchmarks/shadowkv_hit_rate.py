@@ -70,8 +70,7 @@ def main():
                     model(input_ids=ids[:, :ctx], past_key_values=dense, use_cache=True)
                     cfg = ShadowKVConfig(rank=160, chunk_size=8, sparse_budget=budget, outlier_chunks=8,
                                          local_chunks=4, min_prompt_len=min(ctx, 1024), max_generated=args.cont + 1)
-                    cache = ShadowKVCache(model, cfg)
-                    cache.engine.backend = "reference"
+                    cache = ShadowKVCache(model, cfg, impl="reference")
                     cache.load_prompt([(layer.keys, layer.values) for layer in dense.layers])
                     log.prev.clear()
                     for t in range(ctx, span):

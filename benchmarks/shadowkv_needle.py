@@ -51,7 +51,7 @@ def parse(argv=None):
     ap.add_argument("--local", type=int, default=4)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prefill-batch", type=int, default=8)
-    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"],
+    ap.add_argument("--impl", default="auto", choices=["auto", "reference", "triton"],
                     help="ShadowKV decode path (auto: Triton kernels on CUDA; Quest always runs the reference)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seconds", type=float, default=540,
@@ -206,7 +206,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         tl, texts = {}, {}
         scores = evaluate_batch(model, tasks, methods, decode, prefill_batch=args.prefill_batch, timings=tl,
-                                texts=texts, backend=args.backend)
+                                texts=texts, impl=args.impl)
         for k, v in tl.items():
             timings[k] = timings.get(k, 0.0) + v
         per_len.setdefault(n, []).append(time.perf_counter() - t0)

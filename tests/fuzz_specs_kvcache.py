@@ -75,9 +75,8 @@ LOAD_ARGS = ArgSpec(
     mention={"keys_values": "keys"})  # "keys_values" or, for a NaN key, "keys"
 
 
-def _engine(backend="reference", **kw):
-    eng = ShadowKVEngine(ShadowKVConfig(**{**_SMALL, **kw}), 1, 2, 8, lambda T, dev: _rope(T, dev, 8))
-    eng.backend = backend
+def _engine(impl="reference", **kw):
+    eng = ShadowKVEngine(ShadowKVConfig(**{**_SMALL, **kw}), 1, 2, 8, lambda T, dev: _rope(T, dev, 8), impl=impl)
     return eng
 
 
@@ -130,12 +129,12 @@ def decode_inputs(draw, head_dims=(2, 4, 8), max_len=30, max_batch=2, dtypes=(to
                 scale=draw(st.sampled_from([1.0 / math.sqrt(D), 0.3])), H=H, D=D)
 
 
-def _decode(a, backend="reference"):
-    eng = ShadowKVEngine(ShadowKVConfig(**a["config"]), 1, a["H"], a["D"], lambda T, dev: _rope(T, dev, a["D"]))
-    eng.backend = backend
+def _decode(a, impl="reference"):
+    eng = ShadowKVEngine(ShadowKVConfig(**a["config"]), 1, a["H"], a["D"], lambda T, dev: _rope(T, dev, a["D"]),
+                         impl=impl)
     eng.prefill(0, a["k"], a["v"], a["lengths"])
     outs = [eng.decode(0, q, kn, vn, a["scale"]) for q, kn, vn in zip(a["qs"], a["ks"], a["vs"])]
-    assert eng.stats["kernel_steps" if backend == "triton" else "reference_steps"] == len(outs)
+    assert eng.stats["kernel_steps" if impl == "triton" else "reference_steps"] == len(outs)
     return torch.stack(outs)
 
 

@@ -28,7 +28,7 @@ def fresh(shape, seed, dtype=torch.float32):
 
 def layer(d_in, d_out, kind, sub_norm, seed):
     torch.manual_seed(seed)
-    m = BitLinear(d_in, d_out, activation=kind, sub_norm=sub_norm, fused="triton", device=DEVICE)
+    m = BitLinear(d_in, d_out, activation=kind, sub_norm=sub_norm, impl="triton", device=DEVICE)
     if sub_norm:
         with torch.no_grad():
             m.norm.weight.uniform_(0.5, 1.5)
@@ -152,18 +152,20 @@ def test_quantize_rows_refuses_bad_arguments():
         QK.quantize_rows(x.double(), "int8")
     with pytest.raises(ValueError, match="norm_weight"):
         QK.quantize_rows(x, "int8", norm_weight=torch.ones(7, device=DEVICE))
-    with pytest.raises(TypeError, match="fused"):
-        BitLinear(8, 4, fused="yes")
-    with pytest.raises(TypeError, match="fused"):
-        bitnet.BitNetConfig(fused="always")
+    with pytest.raises(ValueError, match="impl"):
+        BitLinear(8, 4, impl="yes")
+    with pytest.raises(TypeError, match="impl"):
+        BitLinear(8, 4, impl=True)
+    with pytest.raises(ValueError, match="impl"):
+        bitnet.BitNetConfig(impl="always")
 
 
-def tiny_model(recipe="a4.8", fused="triton", seed=1):
+def tiny_model(recipe="a4.8", impl="triton", seed=1):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(cfg).init_weights(seed=seed)
-    return bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=fused))
+    return bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, impl=impl))
 
 
 def test_shared_inputs_are_quantized_once(monkeypatch):
@@ -194,7 +196,7 @@ def test_shared_inputs_are_quantized_once(monkeypatch):
 
 def test_checkpoint_records_the_recipe_and_rebuilds_bitlinears(tmp_path):
     for recipe, strength in (("a4.8", 1.0), ("b1.58", 0.25)):
-        model = tiny_model(recipe, fused=True)
+        model = tiny_model(recipe, impl="auto")
         bitnet.set_strength(model, strength)
         ids = torch.randint(0, 64, (2, 9), device=DEVICE)
         with torch.no_grad():

@@ -85,7 +85,7 @@ def test_packed_layer_is_the_training_forward(kind, sub_norm, bias, splits):
     """The integer dot equals the training operands' dot exactly; the output differs from BitLinear's fp32
     F.linear only by fp32 rounding (float64 of the same quantized operands is the judge)."""
     bl = layer(300, 33, kind, sub_norm=sub_norm, bias=bias, splits=splits)
-    packed = PackedBitLinear.from_bitlinear(bl, impl="torch")
+    packed = PackedBitLinear.from_bitlinear(bl, impl="reference")
     x = tokens(5, 300, seed=1)
     with torch.no_grad():
         xq = ref.quantize_activation(bl._normed(x), kind).double()
@@ -106,7 +106,7 @@ def test_packed_layer_is_the_training_forward(kind, sub_norm, bias, splits):
     tol = 4 * torch.finfo(torch.float32).eps * exact.abs().amax(1, keepdim=True).clamp_min(1e-30)
     assert ((y.double() - exact).abs() <= tol).all()
     assert ((training.double() - exact).abs() <= 16 * tol).all()  # both are fp32 roundings of `exact`
-    assert packed.last_path == "torch"
+    assert packed.last_path == "reference"
 
 
 def test_from_bitlinear_refuses_what_it_cannot_pack_exactly():
@@ -136,7 +136,7 @@ def test_packed_weights_are_an_eighth_of_bf16_bytes():
 def _kernel_vs_torch(bl, x, config=None):
     from thrifty.bitnet import packed_kernel
 
-    p = PackedBitLinear.from_bitlinear(bl, impl="torch")
+    p = PackedBitLinear.from_bitlinear(bl, impl="reference")
     want = p(x)
     got = packed_kernel.packed_linear(x.reshape(-1, p.in_features), p, config).view(want.shape)
     return got, want
@@ -209,7 +209,7 @@ def tiny_model(recipe="a4.8", seed=0):
     return model.eval()
 
 
-def rebuild(path, impl="torch"):
+def rebuild(path, impl="reference"):
     """The reference model of an export, built from its header with PackedBitLinear shells, then loaded."""
     head = bitnet.read_header(path)
     model = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head, impl=impl),
@@ -232,7 +232,7 @@ def test_export_load_round_trip_gives_the_packed_model_logits(tmp_path, storage)
     assert sum(isinstance(m, PackedBitLinear) for m in loaded.modules()) == 2 * 7
     assert not any(isinstance(m, BitLinear) for m in loaded.modules())
     with torch.no_grad():
-        assert torch.equal(logits(loaded(ids)), logits(bitnet.pack(model, impl="torch")(ids)))
+        assert torch.equal(logits(loaded(ids)), logits(bitnet.pack(model, impl="reference")(ids)))
 
 
 @pytest.mark.parametrize("recipe", ["a4.8", "b1.58"])
@@ -242,7 +242,7 @@ def test_from_packed_builds_the_model_from_the_file_alone(tmp_path, recipe):
     model = tiny_model(recipe)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
     path = bitnet.export(model, tmp_path / "m.safetensors")
-    loaded = LlamaForCausalLM.from_packed(path, impl="torch")
+    loaded = LlamaForCausalLM.from_packed(path, impl="reference")
     assert not any(isinstance(m, BitLinear) for m in loaded.modules())
     assert sum(isinstance(m, PackedBitLinear) for m in loaded.modules()) == 2 * 7
     with torch.no_grad():
@@ -258,7 +258,7 @@ def test_siblings_quantize_their_shared_input_once(tmp_path, monkeypatch):
 
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
     path = bitnet.export(tiny_model("b1.58"), tmp_path / "m.safetensors")
-    for model in (bitnet.pack(tiny_model("b1.58"), impl="torch"), rebuild(path)):
+    for model in (bitnet.pack(tiny_model("b1.58"), impl="reference"), rebuild(path)):
         calls = []
         original = packed_module.activation_codes
         monkeypatch.setattr(packed_module, "activation_codes", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -280,7 +280,7 @@ def test_packed_model_is_the_training_model():
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         training = logits(tiny_model("b1.58")(ids))
-        packed = logits(bitnet.pack(tiny_model("b1.58"), impl="torch")(ids))
+        packed = logits(bitnet.pack(tiny_model("b1.58"), impl="reference")(ids))
     assert ((training - packed).abs() <= 1e-5 * training.abs().max()).all()
 
 
@@ -405,7 +405,7 @@ def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias):
     from thrifty.bitnet import packed_kernel as PK
 
     bl = layer(k, n, kind, sub_norm=sub_norm, bias=bias, seed=m)
-    p = PackedBitLinear.from_bitlinear(bl, impl="torch")
+    p = PackedBitLinear.from_bitlinear(bl, impl="reference")
     x = tokens(m, k, seed=k + m)
     if m >= 2:
         x[1, 3] = float("nan")
@@ -434,7 +434,7 @@ def test_decode_gemv_tiles_chunks_and_masked_rows(fused):
     from thrifty.bitnet import packed_kernel as PK
 
     bl = layer(1100, 45, "int8", bias=True)
-    p = PackedBitLinear.from_bitlinear(bl, impl="torch")
+    p = PackedBitLinear.from_bitlinear(bl, impl="reference")
     x = tokens(2, 1100, seed=3).to(torch.bfloat16)
     want = p(x)
     cfg = dict(kernel="decode", BLOCK_N=8, BLOCK_M=2, rows_per_program=6, KW=32, SB=256, split=1, num_warps=1,
@@ -451,5 +451,5 @@ def test_forward_of_a_decode_step_is_one_launch(monkeypatch):
 
     p = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="triton")
     monkeypatch.setattr(PK, "quantize_codes", lambda *a, **k: pytest.fail("codes kernel launched"))
-    want = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="torch")(tokens(2, 64))
+    want = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="reference")(tokens(2, 64))
     assert torch.equal(p(tokens(2, 64)), want) and p.last_path == "triton"

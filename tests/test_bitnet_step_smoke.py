@@ -68,7 +68,7 @@ def test_step_times_give_eager_and_graph_rows(stand_in_graphs):
     spec.loader.exec_module(bench)
     args = argparse.Namespace(preset="tiny", vocab_size=256, batch_size=1, seq_len=8, warmup=1, reps=2, rounds=2,
                               cuda_graph=True)
-    rows, summary = bench.step_times(args, torch.device("cpu"), False)
+    rows, summary = bench.step_times(args, torch.device("cpu"), "reference")
     graphed = [r for r in rows if r["path"] == "cuda_graph"]
     assert [r["variant"] for r in graphed] == [name + bench.GRAPH_TAG for name, _, _ in bench.VARIANTS]
     assert len(stand_in_graphs) == len(bench.VARIANTS) and all(g.replays >= 2 for g in stand_in_graphs)

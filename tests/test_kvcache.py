@@ -287,7 +287,7 @@ def _engine(cfg, H, D):
     from thrifty.kvcache import ShadowKVEngine
 
     eng = ShadowKVEngine(cfg, 1, H, D, lambda T, dev: rope_table(T, D))
-    eng.backend = "reference"
+    eng.impl = "reference"
     return eng
 
 

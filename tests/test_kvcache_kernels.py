@@ -55,7 +55,7 @@ def select_engine(lengths, H, G, D, cfg, dtype, seed, tuning=None):
     st, k, v, cos, sin = make_state(lengths, H=H, D=D, cfg=cfg, dtype=dtype, seed=seed)
     e = ShadowKVEngine(cfg, 1, H, D, lambda n, dev: (cos[:n], sin[:n]))
     e.prefill(0, k, v, torch.tensor(lengths, device=DEV))
-    e.backend = "triton"
+    e.impl = "triton"
     e.select_tuning = tuning
     return e, fast_layer(e, 0, G)
 
@@ -246,10 +246,9 @@ def test_decode_attention_kernel_matches_reference(G, N, splits, merge_block):
 def _engines(cfg, lengths, H=2, G=3, D=32, seed=0):
     st, k, v, cos, sin = make_state(lengths, H=H, D=D, cfg=cfg, seed=seed)
     engines = []
-    for backend in ("reference", "triton"):
-        e = ShadowKVEngine(cfg, 1, H, D, lambda n, dev: (cos[:n], sin[:n]))
+    for impl in ("reference", "triton"):
+        e = ShadowKVEngine(cfg, 1, H, D, lambda n, dev: (cos[:n], sin[:n]), impl=impl)
         e.prefill(0, k, v, torch.tensor(lengths, device=DEV))
-        e.backend = backend
         engines.append(e)
     return engines
 
@@ -317,15 +316,13 @@ def test_transformers_model_through_the_kernel_path():
     kv = ShadowKVConfig(rank=24, chunk_size=4, sparse_budget=16, outlier_chunks=2, local_chunks=2,
                         min_prompt_len=32, max_generated=8)
     outs = []
-    for backend in ("reference", "triton"):
-        cache = ShadowKVCache(model, kv)
-        cache.engine.backend = backend
+    for impl in ("reference", "triton"):
+        cache = ShadowKVCache(model, kv, impl=impl)
         outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                    past_key_values=cache, output_logits=True, return_dict_in_generate=True))
-        assert cache.engine.stats["kernel_steps" if backend == "triton" else "reference_steps"] == 2 * 3
+        assert cache.engine.stats["kernel_steps" if impl == "triton" else "reference_steps"] == 2 * 3
     for a, b in zip(outs[0].logits, outs[1].logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    quest = ShadowKVCache(model, ShadowKVConfig(**{**kv.__dict__, "selector": "quest"}))
-    quest.engine.backend = "triton"
+    quest = ShadowKVCache(model, ShadowKVConfig(**{**kv.__dict__, "selector": "quest"}), impl="triton")
     with pytest.raises(ValueError, match="selector"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, past_key_values=quest)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import thrifty
-from thrifty import AttentionConfig, CCEConfig, LowBitKVConfig, OptimizeConfig, ShadowKVConfig
+from thrifty import AttentionConfig, OptimizeConfig, ShadowKVConfig
 from thrifty.compose import PRESETS
 
 VOCAB = 101

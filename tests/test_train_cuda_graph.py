@@ -125,7 +125,7 @@ def test_captured_step_has_no_host_sync(monkeypatch, recipe):
 
     model = LlamaForCausalLM(preset("tiny", vocab_size=256)).init_weights(seed=0)
     if recipe != "fp":
-        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, fused=False))
+        bitnet.convert(model, bitnet.BitNetConfig(recipe=recipe, impl="reference"))
     trainer = Trainer(model, WindowData(torch.arange(4096) % 256), None, TrainConfig(batch_size=2, seq_len=8))
     monkeypatch.setattr(trainer.optimizer, "step", lambda: None)
     batches = [trainer.train_data.batch(2, 8, generator=trainer.generator)]
@@ -189,8 +189,8 @@ def test_two_stage_schedule_recaptures_at_the_switch(data, stand_in_graphs):
     """b1.58 → a4.8 changes the quantizers the graph baked in: TwoStageSchedule.graph_key is the recipe, so the
     switch step runs eagerly and the a4.8 step is captured anew."""
     model = tiny_model()
-    bitnet.convert(model, bitnet.BitNetConfig(recipe="b1.58", fused=False))
-    schedule = bitnet.TwoStageSchedule(stage1_share=0.5, bitnet=bitnet.BitNetConfig(fused=False))
+    bitnet.convert(model, bitnet.BitNetConfig(recipe="b1.58", impl="reference"))
+    schedule = bitnet.TwoStageSchedule(stage1_share=0.5, bitnet=bitnet.BitNetConfig(impl="reference"))
     trainer = Trainer(model, data, None, TrainConfig(steps=16, batch_size=2, seq_len=8, cuda_graph=True),
                       schedule=schedule)
     paths = []

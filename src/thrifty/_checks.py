@@ -130,3 +130,21 @@ def check_range(name: str, value, lo: float, hi: float, *, lo_open: bool = False
     if finite and math.isinf(value):
         raise ValueError(f"{name}: expected a finite value in {lb}{lo}, {hi}{hb}, got {value}")
     return value
+
+
+# The one implementation-choice rule of every public entry point that picks kernels, named ``impl`` everywhere:
+#   "auto":      the fastest kernels for the tensors' device (Triton on CUDA), the PyTorch reference elsewhere;
+#   "triton":    the Triton kernels, forced: CUDA, or the CPU only under TRITON_INTERPRET=1; else a ValueError;
+#   "reference": plain PyTorch (the spec the kernels are tested against), on any device.
+# An entry point may offer more kernel names after these (attention's "gluon", the loss's naive "torch").
+IMPLS = ("auto", "triton", "reference")
+
+
+def check_impl(value, extra: Sequence[str] = (), name: str = "impl") -> str:
+    """Checks ``value`` against :data:`IMPLS` (plus the entry point's ``extra`` kernel names); returns it.
+    TypeError for a non-string, ValueError for an unknown name, both naming ``impl``."""
+    choices = IMPLS + tuple(extra)
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {list(choices)}, got {type(value).__name__} {value!r}")
+    check_choice(name, value, choices)
+    return value

@@ -18,11 +18,11 @@ decode), ``reference`` (the readable PyTorch spec), ``routing`` and the ``*_kern
 from .decode import decode_attention
 from .hf import disable_hf, enable_hf, thrifty_kv_cache
 from .kv_cache import QuantizedKV, QuantizedKVCache, quantize_kv_cache
-from .plan import apply_plan, calibrate, load_plan, plan_from_scores, save_plan
+from .plan import apply_plan, calibrate, check_plan, load_plan, plan_from_scores, save_plan
 from .reference import accuracy_metrics, exact_attention, sage_attention_reference
 from .sage import sage_attention
 from .seam import sage_seam
 
 __all__ = ["sage_attention", "sage_seam", "calibrate", "plan_from_scores", "save_plan", "load_plan",
-           "apply_plan", "enable_hf", "disable_hf", "sage_attention_reference", "exact_attention", "accuracy_metrics",
+           "apply_plan", "check_plan", "enable_hf", "disable_hf", "sage_attention_reference", "exact_attention", "accuracy_metrics",
            "decode_attention", "QuantizedKV", "QuantizedKVCache", "quantize_kv_cache", "thrifty_kv_cache"]

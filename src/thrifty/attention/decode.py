@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_bool, check_choice, check_range, check_tensor
+from .._checks import check_bool, check_impl, check_range, check_tensor
 from ..triton_utils import kernels_available
 from .kv_cache import QuantizedKV, decode_attention_reference
 from .routing import DECODE_MAX_ROWS
@@ -60,7 +60,7 @@ def decode_attention(q: torch.Tensor, cache: QuantizedKV, *, causal: bool = True
     or query rows, or fewer cached tokens than queries: ValueError (a cache has batch, heads, head_dim ≥ 1). ``impl``: "auto" (the split-K kernel
     on CUDA, head_dim 64 or 128; else the reference), "triton", "reference". No autograd (inference)."""
     _validate_decode(q, cache)
-    check_choice("impl", impl, ("auto", "triton", "reference"))
+    check_impl(impl)
     check_bool("causal", causal)
     if sm_scale is not None:
         check_range("sm_scale", sm_scale, 0.0, float("inf"), lo_open=True)

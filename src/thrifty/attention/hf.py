@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .plan import _check_plan
+from .plan import check_plan
 from .sage import sage_attention
 from .seam import check_sage_options
 from .kv_cache import QuantizedKV
@@ -88,7 +88,7 @@ def enable_hf(model, *, plan: Optional[dict] = None, **options) -> None:
         raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__} "
                         "(thrifty's own model takes model.set_attention(sage_seam(...)))")
     if plan is not None:
-        _check_plan(plan)
+        check_plan(plan)
     check_sage_options(options)
     modules = _attention_modules(model)
     if not modules:

@@ -85,7 +85,7 @@ def plan_from_scores(scores: dict, threshold: float, *, low_bits: int = 4) -> di
 
 def save_plan(plan: dict, path, *, scores: Optional[dict] = None, **meta) -> Path:
     """Writes ``plan`` as JSON: {"format", "layers": {"0": 8, ...}, "scores"?, "meta"?}."""
-    _check_plan(plan)
+    check_plan(plan)
     doc = {"format": PLAN_FORMAT, "layers": {str(i): int(b) for i, b in sorted(plan.items())}}
     if scores:
         doc["scores"] = {str(i): float(s) for i, s in sorted(scores.items())}
@@ -112,13 +112,14 @@ def load_plan(path) -> dict:
         raise ValueError(f"{path}: corrupted plan (expected \"layers\": {{\"0\": 4 or 8, ...}})")
     plan = {int(i): b for i, b in layers.items()}
     try:
-        _check_plan(plan)
+        check_plan(plan)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     return plan
 
 
-def _check_plan(plan):
+def check_plan(plan):
+    """TypeError/ValueError naming ``plan`` unless it is a {layer index: 4 or 8} dict."""
     if not isinstance(plan, dict):
         raise TypeError(f"plan: expected a dict {{layer: bits}}, got {type(plan).__name__}")
     for i, b in plan.items():
@@ -128,7 +129,7 @@ def _check_plan(plan):
 
 def apply_plan(model, plan: dict, **options) -> None:
     """Sets each layer's attention to sage attention with the plan's bits (layers not in the plan: 8)."""
-    _check_plan(plan)
+    check_plan(plan)
     attns = _attention_layers(model)
     bad = [i for i in plan if not 0 <= i < len(attns)]
     if bad:

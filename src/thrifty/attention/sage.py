@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_range, check_tensor
+from .._checks import check_choice, check_impl, check_range, check_tensor
 from ..triton_utils import kernels_available
 from .reference import causal_mask, empty_attention, nonfinite_rows, sage_attention_reference
 from .routing import short_query_goes_to_sdpa
@@ -22,6 +22,7 @@ from .routing import short_query_goes_to_sdpa
 SMOOTH_Q_BLOCK = 64
 
 KERNEL_HEAD_DIMS = (64, 128)
+EXTRA_IMPLS = ("gluon",)  # beyond the library's IMPLS: the Gluon (sm_90) kernel, opt-in
 
 
 def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
@@ -39,7 +40,7 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
         raise ValueError(f"q, k, v: expected one device, got {q.device}, {k.device}, {v.device}")
     check_choice("qk_bits", qk_bits, (8, 4))
     check_choice("pv", pv, ("fp8", "fp16"))
-    check_choice("impl", impl, ("auto", "triton", "gluon", "reference"))
+    check_impl(impl, EXTRA_IMPLS)
     if sm_scale is not None:
         check_range("sm_scale", sm_scale, 0.0, float("inf"), lo_open=True)
     B, H, _, D = q.shape

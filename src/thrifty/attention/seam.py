@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from .._checks import check_choice
-from .sage import sage_attention
+from .._checks import check_impl
+from .sage import EXTRA_IMPLS, sage_attention
 
 
 def sage_seam(**options) -> Callable:
@@ -32,7 +32,7 @@ def check_sage_options(options: dict) -> None:
         raise TypeError(f"options: unknown sage_attention option(s) {unknown}; expected some of {sorted(allowed)}")
     x = torch.zeros(1, 1, 1, 8)  # a dry run on the CPU reference path checks every value by name
     sage_attention(x, x, x, **{**options, "impl": "reference"})
-    check_choice("impl", options.get("impl", "auto"), ("auto", "triton", "gluon", "reference"))
+    check_impl(options.get("impl", "auto"), EXTRA_IMPLS)
 
 
 def _seam_call(q, k, v, *, causal, scale, options):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_choice, check_positive_int, check_range, check_tensor
+from .._checks import check_bool, check_choice, check_impl, check_positive_int, check_range, check_tensor
 from ..triton_utils import kernels_available
 from ..layers import RMSNorm
 from . import reference as ref
@@ -55,17 +55,17 @@ class BitLinear(nn.Module):
     * ``strength`` λ in [0, 1] blends every change into the plain linear: input ``x + λ(Q(x) − x)``, weight
       ``W + λ(Q(W) − W)``, sub-norm ``x + λ(norm(x) − x)``. 1 is BitNet; ramp it from 0 when converting a
       pretrained full-precision model (see :func:`thrifty.bitnet.convert`).
-    * ``fused``: ``True`` runs the Triton kernels on CUDA: the sub-norm and the INT8/INT4/TopK quantizer as one
+    * ``impl``: ``"auto"`` runs the Triton kernels on CUDA: the sub-norm and the INT8/INT4/TopK quantizer as one
       kernel (backward: the STE's identity, through one RMSNorm-backward kernel when there is a norm), and the
       ternary weight as one reduction + one kernel; both are written in the matmul's dtype (bf16 under
       autocast). ``"triton"`` runs them wherever Triton runs (also on the CPU under ``TRITON_INTERPRET=1``),
-      ``False`` never. The reference runs instead for λ < 1, FP4 and over-long rows. ``last_path`` records
+      ``"reference"`` never. The reference runs instead for λ < 1, FP4 and over-long rows. ``last_path`` records
       which one the last forward's input took ("triton", "reference" or "none").
     """
 
     def __init__(self, in_features: int, out_features: int, *, activation: str = "int8", bias: bool = False,
                  sub_norm: bool = False, norm_eps: float = 1e-5, weight_splits: Optional[Sequence[int]] = None,
-                 beta_scale: float = 1.0, topk_ratio: float = 0.5, strength: float = 1.0, fused=True,
+                 beta_scale: float = 1.0, topk_ratio: float = 0.5, strength: float = 1.0, impl: str = "auto",
                  device=None):
         super().__init__()
         check_positive_int("in_features", in_features)
@@ -88,18 +88,18 @@ class BitLinear(nn.Module):
         self.norm = RMSNorm(in_features, norm_eps).to(device) if sub_norm else None
         self.weight_splits = weight_splits
         for name, value in (("activation", activation), ("beta_scale", beta_scale), ("topk_ratio", topk_ratio),
-                            ("strength", strength), ("fused", fused)):
+                            ("strength", strength), ("impl", impl)):
             if value is None:  # configure() reads None as "unchanged"; here there is nothing to keep
                 raise TypeError(f"{name}: expected a value, got None")
         self.configure(activation=activation, beta_scale=beta_scale, topk_ratio=topk_ratio, strength=strength,
-                       fused=fused)
+                       impl=impl)
         self.last_path: Optional[str] = None
         self.shared_input: Optional[SharedInput] = None  # set by convert() on q/k/v and on gate/up
         nn.init.normal_(self.weight, std=0.02)
 
     def configure(self, *, activation: Optional[str] = None, beta_scale: Optional[float] = None,
                   topk_ratio: Optional[float] = None, strength: Optional[float] = None,
-                  fused=None) -> "BitLinear":
+                  impl: Optional[str] = None) -> "BitLinear":
         """Changes the quantization settings in place (parameters untouched: the optimizer state stays valid)."""
         if activation is not None:
             check_choice("activation", activation, ref.ACTIVATIONS)
@@ -113,10 +113,8 @@ class BitLinear(nn.Module):
         if strength is not None:
             check_range("strength", strength, 0.0, 1.0)
             self.strength = float(strength)
-        if fused is not None:
-            if not isinstance(fused, bool) and fused != "triton":
-                raise TypeError(f"fused: expected a bool or 'triton', got {fused!r}")
-            self.fused = fused
+        if impl is not None:
+            self.impl = check_impl(impl)
         return self
 
     @classmethod
@@ -138,11 +136,11 @@ class BitLinear(nn.Module):
     # ------------------------------------------------------------------------------------------------ forward
 
     def _use_kernels(self, x: torch.Tensor) -> bool:
-        if self.fused is True:
+        if self.impl == "auto":
             return x.is_cuda
-        if self.fused == "triton":
+        if self.impl == "triton":
             if not (_TRITON and x.is_cuda) and not (_KERNELS_ON_CPU and x.device.type == "cpu"):
-                raise ValueError(f"fused: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
+                raise ValueError(f"impl: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
             return True
         return False
 
@@ -160,7 +158,7 @@ class BitLinear(nn.Module):
     def _quantized_input(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """The (sub-normed) quantized input with the STE gradient (and the λ blend), in ``out_dtype``. Sibling
         projections reading the same tensor (q/k/v, gate/up) share one quantization through ``shared_input``."""
-        key = (self.activation, self.beta_scale, self.topk_ratio, self.strength, self.fused, out_dtype,
+        key = (self.activation, self.beta_scale, self.topk_ratio, self.strength, self.impl, out_dtype,
                torch.is_grad_enabled())
         hit = self.shared_input.lookup(x, key) if self.shared_input is not None else None
         if hit is not None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .._checks import check_choice
+from .._checks import check_choice, check_impl
 from .._io import CRC_KEY, atomic_path, check_output_path, check_state_matches, crc_metadata, read_safetensors
 from .bitlinear import BitLinear, SharedInput
 from .pack import pack_base3, padded_k, unpack_base3, pack_ternary
@@ -59,7 +59,7 @@ def pack(model: nn.Module, *, impl: str = "auto") -> nn.Module:
     """Replaces every BitLinear of ``model`` by its :class:`PackedBitLinear` in place (inference only); returns it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    check_choice("impl", impl, ("auto", "torch", "triton"))
+    check_impl(impl)
     layers = _packed_layers(model)
     if not layers:
         raise ValueError("model: it has no BitLinear layer to pack")
@@ -252,6 +252,7 @@ def packed_factory(header: dict, *, impl: str = "auto"):
     to :func:`load` into never allocates full-precision weights for its ternary layers."""
     if not isinstance(header, dict) or not isinstance(header.get("layers"), dict):
         raise TypeError("header: expected the dict read_header returns")
+    check_impl(impl)
     layers = header["layers"]
     shared: dict = {}  # (parent, sibling group) -> their SharedInput
     by_suffix: dict = {}  # the seam names a layer inside its model ("layers.0.self_attn.q_proj" for "model.layers...")

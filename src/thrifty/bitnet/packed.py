@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .._checks import check_choice, check_positive_int, check_range, check_tensor
+from .._checks import check_choice, check_impl, check_positive_int, check_range, check_tensor
 from ..layers import RMSNorm
 from ..triton_utils import kernels_available
 from . import reference as ref
@@ -27,7 +27,6 @@ from .bitlinear import BitLinear, SharedInput
 from .pack import GROUP, pack_ternary, padded_k, unpack_ternary
 
 PACKABLE = ("int8", "int4", "topk_int8")  # activations with integer codes; FP4 has no integer path
-IMPLS = ("auto", "torch", "triton")
 PADDING_BYTE = 0x55  # four code-1 fields: four zero weights
 
 
@@ -75,7 +74,7 @@ def integer_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class PackedBitLinear(nn.Module):
     """Inference twin of a trained :class:`BitLinear`: 2-bit packed ternary weights (``packed``, uint8), one fp32 α
     per sub-matrix (``alpha``), the sub-norm and bias if the layer had them; the activation is quantized on the fly
-    by the layer's recipe. ``impl``: "auto" (Triton kernels on CUDA, PyTorch elsewhere), "torch" or "triton"
+    by the layer's recipe. ``impl``: "auto" (Triton kernels on CUDA, PyTorch elsewhere), "reference" or "triton"
     (also on the CPU under TRITON_INTERPRET=1). Build it with :meth:`from_bitlinear`."""
 
     def __init__(self, in_features: int, out_features: int, *, activation: str = "int8", beta_scale: float = 1.0,
@@ -94,8 +93,7 @@ class PackedBitLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.activation, self.beta_scale, self.topk_ratio = activation, float(beta_scale), float(topk_ratio)
         self.splits = splits
-        self.impl = impl
-        check_choice("impl", impl, IMPLS)
+        self.impl = check_impl(impl)
         n_bytes = padded_k(in_features) // 4
         self.register_buffer("packed", torch.full((out_features, n_bytes), PADDING_BYTE, dtype=torch.uint8,
                                                   device=device))
@@ -162,7 +160,7 @@ class PackedBitLinear(nn.Module):
     # ------------------------------------------------------------------------------------------------ forward
 
     def _use_kernels(self, x: torch.Tensor) -> bool:
-        if self.impl == "torch":
+        if self.impl == "reference":
             return False
         if self.impl == "triton":
             if not kernels_available(x.device):
@@ -189,7 +187,7 @@ class PackedBitLinear(nn.Module):
             else:
                 y = packed_kernel.packed_linear(rows, self, codes=self._input_codes(x, kernels))
             return y.view(*x.shape[:-1], self.out_features)
-        self.last_path = "torch"
+        self.last_path = "reference"
         y = self._forward_torch(x, self._input_codes(x, kernels))
         return y.view(*x.shape[:-1], self.out_features)
 

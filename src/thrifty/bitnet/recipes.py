@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_range
+from .._checks import check_choice, check_impl, check_range
 from .bitlinear import BitLinear, SharedInput
 
 # Which quantizer feeds each projection; "other" is any Linear outside the Llama names (e.g. a custom head).
@@ -38,7 +38,8 @@ class BitNetConfig:
     sub_norm: RMSNorm before the attention-output and FFN-down quantizers (BitNet's architecture).
     topk_ratio: share of each token's entries TopK keeps on the attention-output input (paper: 0.5).
     strength: λ of the gradual switch, 1 = the recipe exactly; start at 0 to convert a pretrained model.
-    fused: Triton kernels on CUDA (True), also on the CPU under TRITON_INTERPRET=1 ("triton"), or never (False).
+    impl: the BitLinear kernels: "auto" (Triton on CUDA, the reference elsewhere), "triton" (forced: CUDA, or the
+    CPU under TRITON_INTERPRET=1) or "reference" (plain PyTorch).
     norm_eps: ε of the sub-norms.
     exclude: Linear names (last component) kept in full precision; the LM head always is.
     """
@@ -47,7 +48,7 @@ class BitNetConfig:
     sub_norm: bool = True
     topk_ratio: float = 0.5
     strength: float = 1.0
-    fused: bool = True
+    impl: str = "auto"
     norm_eps: float = 1e-5
     exclude: tuple = field(default_factory=lambda: ("lm_head",))
 
@@ -55,8 +56,7 @@ class BitNetConfig:
         check_choice("recipe", self.recipe, tuple(RECIPES))
         if not isinstance(self.sub_norm, bool):
             raise TypeError(f"sub_norm: expected a bool, got {type(self.sub_norm).__name__}")
-        if not isinstance(self.fused, bool) and self.fused != "triton":
-            raise TypeError(f"fused: expected a bool or 'triton', got {self.fused!r}")
+        check_impl(self.impl)
         check_range("topk_ratio", self.topk_ratio, 0.0, 1.0, lo_open=True)
         check_range("strength", self.strength, 0.0, 1.0)
         check_range("norm_eps", self.norm_eps, 0.0, 1.0, lo_open=True)
@@ -85,7 +85,7 @@ def _quantizer(cfg: BitNetConfig, role: str) -> dict:
     spec = RECIPES[cfg.recipe][role]
     kind, beta_scale = spec if isinstance(spec, tuple) else (spec, 1.0)
     return dict(activation=kind, beta_scale=beta_scale, topk_ratio=cfg.topk_ratio, strength=cfg.strength,
-                fused=cfg.fused)
+                impl=cfg.impl)
 
 
 # ----------------------------------------------------------------------------------------------- ReLU²
@@ -247,7 +247,7 @@ def checkpoint_record(model: nn.Module) -> Optional[dict]:
                       if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in bitnet_names})
     topk = [m.topk_ratio for _, m in layers if m.activation == "topk_int8"]
     return dict(recipe=recipe, sub_norm=bool(normed), topk_ratio=topk[0] if topk else first.topk_ratio,
-                strength=first.strength, fused=first.fused, norm_eps=normed[0].norm.eps if normed else 1e-5,
+                strength=first.strength, impl=first.impl, norm_eps=normed[0].norm.eps if normed else 1e-5,
                 exclude=exclude)
 
 
@@ -255,6 +255,10 @@ def from_checkpoint_record(model: nn.Module, record) -> nn.Module:
     """Converts a freshly built full-precision ``model`` as :func:`checkpoint_record` described it."""
     if not isinstance(record, dict):
         raise ValueError(f"{CHECKPOINT_KEY}: expected an object of BitNetConfig fields, got {record!r}")
+    if "fused" in record and "impl" not in record:  # a file saved before `fused` became `impl`
+        fused = record["fused"]
+        record = {**{k: v for k, v in record.items() if k != "fused"},
+                  "impl": {True: "auto", False: "reference"}.get(fused, fused)}
     unknown = set(record) - {f for f in BitNetConfig.__dataclass_fields__}
     if unknown:
         raise ValueError(f"{CHECKPOINT_KEY}: unknown fields {sorted(unknown)}")

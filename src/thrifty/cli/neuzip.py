@@ -170,5 +170,6 @@ def add_decompress(verbs) -> None:
                          description="Decompress a NeuZip file to safetensors")
     p.add_argument("input", type=Path, help="file written by `thrifty compress`")
     p.add_argument("out", type=Path, help="output .safetensors")
+    # thrifty._checks.IMPLS, spelled out: importing it would import torch, and --help must not
     p.add_argument("--impl", default="auto", choices=("auto", "triton", "reference"))
     p.set_defaults(run=cmd_decompress)

@@ -138,9 +138,9 @@ def _check_against_model(config: OptimizeConfig, model, kind: str, n_layers: int
         raise TypeError("kv_cache: the int8 KV cache is a transformers Cache; thrifty's reference model has no "
                         "int8 cache (use ShadowKV there, or a transformers model)")
     if kv is not None and not isinstance(kv, LowBitKVConfig):
-        from ..kvcache.cache import _model_shape
+        from ..kvcache.cache import model_shape
 
-        _, kv_heads, head_dim = _model_shape(model)
+        _, kv_heads, head_dim = model_shape(model)
         kv.check_model(kv_heads, head_dim)
 
 
@@ -156,7 +156,7 @@ def _apply_bitnet(model, config, kind, layers, impl):
 
     cfg = config.bitnet
     if impl != "auto":
-        cfg = dataclasses.replace(cfg, fused={"reference": False, "triton": "triton"}[impl])
+        cfg = dataclasses.replace(cfg, impl=impl)
     eps = getattr(model.config, "rms_norm_eps", None)
     if eps is not None:
         cfg = dataclasses.replace(cfg, norm_eps=eps)  # the sub-norms match the model's own RMSNorms
@@ -283,11 +283,11 @@ def _apply_kv_cache(model, config, kind, layers, impl):
 
 def _forget_shadowkv_marks(model) -> None:
     """The per-module notes a ShadowKVCache leaves on the attention modules (see kvcache/hf.py)."""
-    from ..kvcache.hf import _PENDING, _PREVIOUS
+    from ..kvcache.hf import PENDING_ATTR, PREVIOUS_ATTR
 
     for m in model.modules():
-        m.__dict__.pop(_PENDING, None)
-        m.__dict__.pop(_PREVIOUS, None)
+        m.__dict__.pop(PENDING_ATTR, None)
+        m.__dict__.pop(PREVIOUS_ATTR, None)
 
 
 def _apply_reference_kv_cache(model, kv_config, impl, layers):
@@ -318,9 +318,7 @@ def _new_cache(kv_config, impl, model):
         return thrifty_kv_cache(model, bits=kv_config.bits)
     from ..kvcache import ShadowKVCache
 
-    cache = ShadowKVCache(model, kv_config)
-    cache.engine.backend = impl
-    return cache
+    return ShadowKVCache(model, kv_config, impl=impl)
 
 
 _APPLY = {"bitnet": _apply_bitnet, "neuzip": _apply_neuzip, "cce": _apply_cce, "attention": _apply_attention,

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
-from .._checks import check_bool, check_choice, check_range
+from .._checks import check_bool, check_choice, check_impl, check_range
 
 if TYPE_CHECKING:  # the technique packages are imported on first use, so `import thrifty` stays cheap
     from ..bitnet import BitNetConfig
     from ..kvcache import ShadowKVConfig
     from ..neuzip import LomoConfig, NeuZipConfig
 
-IMPLS = ("auto", "triton", "reference")
 IMPL_ENV = "THRIFTY_IMPL"  # overrides OptimizeConfig.impl when set (e.g. THRIFTY_IMPL=reference on a CI box)
 
 
@@ -46,8 +45,8 @@ class AttentionConfig:
         check_choice("qk_bits", self.qk_bits, (4, 8))
         check_choice("pv", self.pv, ("fp8", "fp16"))
         if self.plan is not None:
-            from ..attention.plan import _check_plan
-            _check_plan(self.plan)
+            from ..attention import check_plan
+            check_plan(self.plan)
 
     def bits_of(self, layer: int) -> int:
         return (self.plan or {}).get(layer, self.qk_bits)
@@ -140,7 +139,7 @@ class OptimizeConfig:
         set_("kv_cache", _coerce_kv(self.kv_cache))
         check_bool("training", self.training)
         set_("skip_layers", _coerce_layers(self.skip_layers))
-        check_choice("impl", self.impl, IMPLS)
+        check_impl(self.impl)
         if self.lomo is not None and not isinstance(self.lomo, _lomo_config()):
             raise TypeError(f"lomo: expected None or a thrifty.neuzip.LomoConfig, got {type(self.lomo).__name__}")
         _check_combinations(self)
@@ -154,7 +153,7 @@ class OptimizeConfig:
         """``impl``, or the ``THRIFTY_IMPL`` environment variable when set."""
         env = os.environ.get(IMPL_ENV)
         if env:
-            check_choice(IMPL_ENV, env, IMPLS)
+            check_impl(env, name=IMPL_ENV)
             return env
         return self.impl
 

@@ -20,11 +20,11 @@ CALLS_ATTR = "_thrifty_attention_calls"
 
 def thrifty_attention(module, query, key, value, attention_mask, **kwargs):
     from ..attention.hf import OPTIONS_ATTR, hf_sage_attention
-    from ..kvcache.hf import _PENDING, shadowkv_attention
+    from ..kvcache.hf import PENDING_ATTR, shadowkv_attention
 
     calls = module.__dict__.setdefault(CALLS_ATTR, collections.Counter())
     quantized = OPTIONS_ATTR in module.__dict__
-    cache = module.__dict__.get(_PENDING)
+    cache = module.__dict__.get(PENDING_ATTR)
     if cache is not None:
         calls["shadowkv"] += 1
         prefill = None

@@ -14,8 +14,8 @@ import torch
 
 from .config import ShadowKVConfig
 from .engine import ShadowKVEngine
-from .hf import (_PENDING, _PREVIOUS, ATTN_NAME, ROUTES_SHADOWKV_ATTR, ShadowKVLayer, _cache_base, find_rotary,
-                 register_attention, valid_keys)
+from .hf import (ATTN_NAME, PENDING_ATTR, PREVIOUS_ATTR, ROUTES_SHADOWKV_ATTR, ShadowKVLayer, _cache_base,
+                 find_rotary, register_attention, valid_keys)
 
 
 def _is_thrifty_model(model) -> bool:
@@ -32,23 +32,25 @@ class ShadowKVCache(_cache_base()):
     or ``thrifty.models.generate(model, ids, n, cache_factory=lambda: ShadowKVCache(model, cfg))`` on the
     reference model. A prompt shorter than ``config.min_prompt_len`` stays dense (a plain KV cache).
 
-    ``cache.engine`` holds the per-layer state (``engine.backend`` picks kernels or the reference;
-    ``engine.stats`` says which ran); :meth:`host_bytes_per_sequence` reports the pinned value bytes.
+    ``impl`` picks the kernels: ``"auto"`` (Triton on CUDA where they apply, the reference elsewhere), ``"triton"``
+    (forced: CUDA, or the CPU under ``TRITON_INTERPRET=1``) or ``"reference"``; ``cache.engine.impl`` changes it
+    later. ``cache.engine`` holds the per-layer state (``engine.stats`` says which path ran);
+    :meth:`host_bytes_per_sequence` reports the pinned value bytes.
 
     NaN: a NaN in a query head, a prompt value or a generated key/value gives NaN in exactly the output rows that
     attend it; a NaN/inf prompt key is refused at compression (ValueError naming ``keys``), since the low-rank
     SVD mixes every token and head of a sequence.
     """
 
-    def __new__(cls, model=None, config: Optional[ShadowKVConfig] = None):
+    def __new__(cls, model=None, config: Optional[ShadowKVConfig] = None, *, impl: str = "auto"):
         if cls is ShadowKVCache and model is not None and _is_thrifty_model(model):
             cls = ThriftyModelShadowKVCache
         return super().__new__(cls)
 
-    def __init__(self, model, config: Optional[ShadowKVConfig] = None):
+    def __init__(self, model, config: Optional[ShadowKVConfig] = None, *, impl: str = "auto"):
         config = ShadowKVConfig() if config is None else config
-        num_layers, kv_heads, head_dim = _model_shape(model)
-        self.engine = ShadowKVEngine(config, num_layers, kv_heads, head_dim, self._rope_table_fn(model))
+        num_layers, kv_heads, head_dim = model_shape(model)
+        self.engine = ShadowKVEngine(config, num_layers, kv_heads, head_dim, self._rope_table_fn(model), impl=impl)
         self.config = config
         self._dense: Optional[bool] = None  # decided by the first prompt
         self._dense_k: list = [None] * num_layers
@@ -118,10 +120,10 @@ class ShadowKVCache(_cache_base()):
                 if getattr(config, f) != getattr(self.config, f)]
         if diff:
             raise ValueError(f"config: a fork shares the compressed prompt, so these must match: {', '.join(diff)}")
-        new = type(self)(model, config)
+        new = type(self)(model, config, impl=self.engine.impl)
         new._dense, new._prompt_width = False, self._prompt_width
         new.engine.states = [dataclasses.replace(st) for st in self.engine.states]
-        new.engine.cos, new.engine.sin, new.engine.backend = self.engine.cos, self.engine.sin, self.engine.backend
+        new.engine.cos, new.engine.sin = self.engine.cos, self.engine.sin
         return new
 
     def _decide(self, prompt_len: int) -> bool:
@@ -158,7 +160,7 @@ class ShadowKVCache(_cache_base()):
             if hasattr(m, "layer_idx") and hasattr(m, "o_proj"):
                 self._modules[m.layer_idx] = m
                 if previous != ATTN_NAME:  # the calls ShadowKV does not take keep running it
-                    m.__dict__[_PREVIOUS] = previous
+                    m.__dict__[PREVIOUS_ATTR] = previous
         if not getattr(model, ROUTES_SHADOWKV_ATTR, False):
             model.set_attn_implementation(ATTN_NAME)
 
@@ -166,7 +168,7 @@ class ShadowKVCache(_cache_base()):
         idx = layer.layer_idx
         if self._dense_k[idx] is not None or self._decide(k.shape[2]):
             return self._dense_append(idx, k, v)
-        self._modules[idx].__dict__[_PENDING] = self
+        self._modules[idx].__dict__[PENDING_ATTR] = self
         return k, v
 
     def _compress_hf(self, layer: int, k, v, mask, position_ids) -> None:
@@ -238,7 +240,8 @@ class _ThriftyDispatch:
 
 # ----------------------------------------------------------------------------------------------- helpers
 
-def _model_shape(model) -> tuple[int, int, int]:
+def model_shape(model) -> tuple[int, int, int]:
+    """(num_layers, kv_heads, head_dim) of a Llama-family model (transformers or thrifty's reference model)."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "num_hidden_layers"):
         raise TypeError(f"model: expected a Llama-family model with a .config (transformers or "

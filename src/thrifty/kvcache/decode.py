@@ -124,7 +124,7 @@ def kernel_decode_step(engine, layer: int, q: torch.Tensor, k_new: torch.Tensor,
                        scale: float) -> torch.Tensor:
     st = engine.states[layer]
     if st.landmarks is None:
-        raise ValueError("selector: the kernel path implements ShadowKV's landmarks; use backend='reference' "
+        raise ValueError("selector: the kernel path implements ShadowKV's landmarks; use impl='reference' "
                          "for the Quest baseline")
     fl = fast_layer(engine, layer, q.shape[1] // k_new.shape[1])
     score_and_select(q, k_new, v_new, st.landmarks, st.selectable, 1.0 / st.landmarks.shape[-1] ** 0.5, fl)

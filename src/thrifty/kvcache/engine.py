@@ -8,19 +8,20 @@ from typing import Callable, Optional
 
 import torch
 
+from .._checks import check_impl
+from ..triton_utils import kernels_available
 from . import reference as ref
 from .config import ShadowKVConfig
-
-BACKENDS = ("auto", "reference", "triton")
 
 
 class ShadowKVEngine:
     """Per-layer ShadowKV state of one batch, and the two operations a model needs: compress a prompt, decode
-    one token. ``backend``: ``"auto"`` (Triton kernels on CUDA, the reference elsewhere), ``"reference"`` or
-    ``"triton"`` (also on the CPU under ``TRITON_INTERPRET=1``). ``stats`` counts which path ran."""
+    one token. ``impl``: ``"auto"`` (Triton kernels on CUDA where they apply, the reference elsewhere),
+    ``"reference"`` or ``"triton"`` (forced: CUDA, or the CPU under ``TRITON_INTERPRET=1``); checked when set.
+    ``stats`` counts which path ran."""
 
     def __init__(self, config: ShadowKVConfig, num_layers: int, kv_heads: int, head_dim: int,
-                 cos_sin: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]):
+                 cos_sin: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]], *, impl: str = "auto"):
         if not isinstance(config, ShadowKVConfig):
             raise TypeError(f"config: expected a ShadowKVConfig, got {type(config).__name__}")
         config.check_model(kv_heads, head_dim)
@@ -33,7 +34,7 @@ class ShadowKVEngine:
         self.select_tuning = None  # kernel-path block sizes (score_kernel.SelectTuning); None: the GPU's defaults
         self.n_generated = [0] * num_layers
         self.cos = self.sin = None
-        self.backend = "auto"
+        self.impl = impl
         self.stats = {"reference_steps": 0, "kernel_steps": 0}
 
     def compressed(self, layer: int) -> bool:
@@ -81,16 +82,23 @@ class ShadowKVEngine:
             return "selector: the Triton path implements ShadowKV's landmarks, not the Quest baseline"
         return None
 
-    def _use_kernels(self, device: torch.device) -> bool:
-        from .._checks import check_choice
+    @property
+    def impl(self) -> str:
+        return self._impl
 
-        check_choice("backend", self.backend, BACKENDS)
-        if self.backend == "reference":
+    @impl.setter
+    def impl(self, value: str) -> None:
+        self._impl = check_impl(value)
+
+    def _use_kernels(self, device: torch.device) -> bool:
+        if self.impl == "reference":
             return False
         why = self.kernels_support()
-        if self.backend == "triton":
+        if self.impl == "triton":
             if why:
-                raise ValueError(why)
+                raise ValueError(f"impl: 'triton' cannot run this cache: {why}")
+            if not kernels_available(device):
+                raise ValueError(f"impl: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU), got {device}")
             return True
         return device.type == "cuda" and why is None  # unsupported shapes run the (exact, slower) reference
 

@@ -20,8 +20,8 @@ from typing import Callable, Optional
 import torch
 
 ATTN_NAME = "thrifty_shadowkv"
-_PENDING = "_thrifty_shadowkv_pending"
-_PREVIOUS = "_thrifty_shadowkv_previous"  # per attention module: the implementation before the switch
+PENDING_ATTR = "_thrifty_shadowkv_pending"
+PREVIOUS_ATTR = "_thrifty_shadowkv_previous"  # per attention module: the implementation before the switch
 # set True on a model whose attention implementation routes ShadowKV's marked calls itself (see
 # cache.ShadowKVCache._setup_model)
 ROUTES_SHADOWKV_ATTR = "_thrifty_routes_shadowkv"
@@ -36,7 +36,7 @@ def shadowkv_attention(module, query, key, value, attention_mask, dropout: float
     routes ShadowKV's calls itself (``thrifty.optimize``'s dispatcher) passes quantized attention there."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    cache = module.__dict__.pop(_PENDING, None)
+    cache = module.__dict__.pop(PENDING_ATTR, None)
     if cache is None:
         attention = _previous_attention(module) or sdpa_attention_forward
         return attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -59,7 +59,7 @@ def _previous_attention(module):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = module.__dict__.get(_PREVIOUS)
+    name = module.__dict__.get(PREVIOUS_ATTR)
     if name in (None, "sdpa", ATTN_NAME) or name not in ALL_ATTENTION_FUNCTIONS:
         return None
     if ALL_MASK_ATTENTION_FUNCTIONS.get(name) is not sdpa_mask:

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .._checks import check_positive_int, check_range
+from .._checks import check_impl, check_positive_int, check_range
 
 INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -216,7 +216,7 @@ def _sync(device):
 
 def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Callable[[list], str], *,
                    prefill_batch: int = 8, timings: Optional[dict] = None, texts: Optional[dict] = None,
-                   backend: str = "auto") -> dict:
+                   impl: str = "auto") -> dict:
     """Scores of every method on a batch of tasks of one length and kind. ``methods``: name -> a ShadowKVConfig,
     or None for dense attention.
 
@@ -226,14 +226,15 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
     Configs that differ only in ``sparse_budget`` / ``max_generated`` share one compression
     (:meth:`ShadowKVCache.fork`). Returns name -> list of scores (one per task, see :func:`score_answer`);
     ``timings`` (when given) accumulates seconds of prefill / compress / decode and the decode steps; ``texts``
-    (when given) receives name -> the decoded answers. ``backend``: the ShadowKV engines' backend ("auto":
-    kernels on CUDA where they apply, else the reference)."""
+    (when given) receives name -> the decoded answers. ``impl``: the ShadowKV caches' kernels ("auto": Triton
+    on CUDA where they apply, else the reference; "triton"; "reference"); the Quest baseline always runs "auto"."""
     import time
 
     from .cache import ShadowKVCache
 
     if not tasks:
         raise ValueError("tasks: expected at least one task")
+    check_impl(impl)
     lengths = {t.length for t in tasks} | {t.input_ids.shape[1] for t in tasks}
     if len(lengths) != 1:
         raise ValueError(f"tasks: expected one prompt length per batch, got {sorted(lengths)}")
@@ -261,8 +262,8 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
             if key not in compressed:
                 from dataclasses import replace
 
-                base = ShadowKVCache(model, replace(cfg, min_prompt_len=1))
-                base.engine.backend = backend if cfg.selector == "shadowkv" else "auto"  # Quest: reference only
+                base = ShadowKVCache(model, replace(cfg, min_prompt_len=1),
+                                     impl=impl if cfg.selector == "shadowkv" else "auto")  # Quest: reference only
                 base.load_prompt(kv)
                 compressed[key] = base
             cache = compressed[key].fork(model, cfg)

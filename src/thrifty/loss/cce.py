@@ -7,10 +7,11 @@ from typing import Optional
 
 import torch
 
+from .._checks import check_impl
 from ..triton_utils import interpreting, kernels_available
 from . import _spec, reference
 
-IMPLS = ("auto", "triton", "reference", "torch")
+EXTRA_IMPLS = ("torch",)  # beyond the library's IMPLS: the naive PyTorch loss (all logits), a test oracle
 
 
 class _TritonLinearCE(torch.autograd.Function):
@@ -91,7 +92,7 @@ def linear_cross_entropy(
     ``kernel_config`` ({"forward": {...}, "backward": {...}} block sizes, see forward_config/backward_config;
     "dense_above": kept-tile fraction above which a vocabulary chunk's dE/dC GEMMs go to cuBLAS, default 0.3).
     """
-    _spec.check_choice("impl", impl, IMPLS)
+    check_impl(impl, EXTRA_IMPLS)
     e, c, bias = _spec.autocast_inputs(e, c, bias)
     _spec.validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
     with torch.autocast(e.device.type, enabled=False):  # fp32 statistics stay fp32 inside
@@ -140,7 +141,7 @@ class LinearCrossEntropy(torch.nn.Module):
                  shift: bool = False, label_smoothing: float = 0.0, z_loss: float = 0.0, impl: str = "auto", **kernel_opts):
         super().__init__()
         _spec.validate_options(ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
-        _spec.check_choice("impl", impl, IMPLS)
+        check_impl(impl, EXTRA_IMPLS)
         self.kw = dict(ignore_index=ignore_index, reduction=reduction, softcap=softcap, shift=shift,
                        label_smoothing=label_smoothing, z_loss=z_loss, impl=impl, **kernel_opts)
 

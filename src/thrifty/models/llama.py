@@ -366,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
         """Loads a packed BitNet export (``thrifty.bitnet.export`` of a reference model): the model is built from
         the file's own config and recipe, its ternary layers as :class:`thrifty.bitnet.PackedBitLinear` shells (no
         full-precision weight is ever allocated for them), then filled by ``thrifty.bitnet.load`` with every
-        check first. ``impl``: the packed layers' kernels ("auto", "triton", "torch")."""
+        check first. ``impl``: the packed layers' kernels ("auto", "triton", "reference")."""
         from ..bitnet import load, mlp_activation, packed_factory, read_header
 
         header = read_header(path)  # a missing, unreadable or tampered file is refused here (ValueError)

@@ -21,11 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from .._checks import check_impl
 from ..loss import _spec
 from ..loss.reference import accumulate_grads
 from ..triton_utils import kernels_available
-
-IMPLS = ("auto", "triton", "reference")
 
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single; the GPU box runs 2.11
@@ -144,7 +143,7 @@ def vocab_parallel_cross_entropy(
     CCE kernels; CUDA, or CPU under TRITON_INTERPRET=1), "reference" (chunked torch), "auto" (triton on CUDA).
     ``filter_eps``/``kernel_config`` as in linear_cross_entropy (filtering is local to each slice).
     """
-    _spec.check_choice("impl", impl, IMPLS)
+    check_impl(impl)
     if not dist.is_initialized():
         raise RuntimeError("vocab_parallel_cross_entropy: no process group (torch.distributed.init_process_group)")
     c_local, start, size_from_c, group = _slice_of(c, vocab_start, group)
