@@ -638,7 +638,7 @@ def test_lomo_triton_reuses_codes_bit_identical():
     training stays bit-identical to the plain model; reuse_code=False builds every time, with the same weights."""
     cfg = LomoConfig(optimizer="adamw", lr=1e-5)
     plain = tiny(torch.bfloat16, layers=1)
-    reusing = compress_model(copy.deepcopy(plain), config=NeuZipConfig(impl="triton"), train=cfg)
+    reusing = compress_model(copy.deepcopy(plain), config=NeuZipConfig(impl="triton", reuse_code=True), train=cfg)
     building = compress_model(copy.deepcopy(plain), config=NeuZipConfig(impl="triton", reuse_code=False), train=cfg)
     opt = lomo(plain, cfg)
     for step in range(3):
