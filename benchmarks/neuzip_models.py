@@ -438,6 +438,12 @@ def infer_rows(args, device, base, val, measure_speed=True):
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
         rows.append(row)
         print(row, flush=True)
+    if measure_speed:  # bf16 timed again last: the drift of the box over the run, beside the variants' ratios
+        with torch.no_grad():
+            t = bench.time_fn(lambda: base(x, logits_to_keep=1), warmup=2, reps=3 if args.smoke else 20,
+                              device=device)
+        rows.append({"part": "infer", "variant": "bf16 (repeat, speed only)", "forward_ms": t.median_ms,
+                     "tokens_per_s": x.numel() / (t.median_ms / 1e3)})
     return rows
 
 
@@ -552,6 +558,11 @@ def _summary(train, losses, infer, block):
         s["mem_ratio_3bit_block_weights"] = k3["block_weights_ratio_vs_bf16"]
         if bf.get("tokens_per_s") and k3.get("tokens_per_s"):
             s["infer_speed_ratio_3bit"] = k3["tokens_per_s"] / bf["tokens_per_s"]
+            again = ib.get("bf16 (repeat, speed only)")
+            if again:  # against the mean of the two bf16 timings: the run's drift shows as their ratio
+                s["infer_bf16_repeat_ratio"] = again["tokens_per_s"] / bf["tokens_per_s"]
+                s["infer_speed_ratio_3bit_vs_bf16_mean"] = k3["tokens_per_s"] / (
+                    (bf["tokens_per_s"] + again["tokens_per_s"]) / 2)
     for r in infer:
         if "val_ppl" in r:
             s["ppl_" + r["variant"].split(" (")[0].replace(" ", "_").replace("-", "").lower()] = r["val_ppl"]
