@@ -431,7 +431,8 @@ def infer_rows(args, device, base, val, measure_speed=True):
             # at 2 the cde9124 run put 1-bit at 0.49x and 0-bit at 0.73x of bf16 (3-bit 0.79x)
             if measure_speed and not (isinstance(k, str)):
                 with torch.no_grad():
-                    t = bench.time_fn(lambda: model(x, logits_to_keep=1), warmup=2 if args.smoke else 30, reps=3 if args.smoke else 20,
+                    t = bench.time_fn(lambda: model(x, logits_to_keep=1), warmup=2 if args.smoke else 30,
+                                      reps=3 if args.smoke else 20,
                                       device=device)
                 row["tokens_per_s"] = x.numel() / (t.median_ms / 1e3)
                 row["forward_ms"] = t.median_ms
@@ -442,7 +443,8 @@ def infer_rows(args, device, base, val, measure_speed=True):
         print(row, flush=True)
     if measure_speed:  # bf16 timed again last: the drift of the box over the run, beside the variants' ratios
         with torch.no_grad():
-            t = bench.time_fn(lambda: base(x, logits_to_keep=1), warmup=2 if args.smoke else 30, reps=3 if args.smoke else 20,
+            t = bench.time_fn(lambda: base(x, logits_to_keep=1), warmup=2 if args.smoke else 30,
+                              reps=3 if args.smoke else 20,
                               device=device)
         rows.append({"part": "infer", "variant": "bf16 (repeat, speed only)", "forward_ms": t.median_ms,
                      "tokens_per_s": x.numel() / (t.median_ms / 1e3)})
