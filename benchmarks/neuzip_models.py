@@ -4,7 +4,7 @@
     init** (honest for memory and speed, not for loss values), bf16 weights, activation checkpointing on every
     block (as in the paper), B 4 x T 1024. Rows: vanilla AdamW (torch fused, bf16 states as torch keeps them for
     bf16 weights, full logits); the same with thrifty's fused linear cross-entropy (CCE: no B*T*V logits); LOMO-style
-    AdamW (thrifty.neuzip.lomo: each weight updated in its backward, no gradient kept) with bf16 or 8-bit
+    AdamW (thrifty.optim.lomo: each weight updated in its backward, no gradient kept) with bf16 or 8-bit
     block-quantized states, each without and with NeuZip lossless; LOMO SGD + NeuZip (the paper's setting). Every
     LOMO row uses CCE. Headline: LOMO AdamW 8-bit states + NeuZip vs vanilla AdamW (memory, speed), and its losses
     against LOMO AdamW 8-bit states without NeuZip (identical bits: lossless). Peak memory, iterations/s, the
@@ -47,7 +47,8 @@ import torch
 
 from thrifty import bench
 from thrifty.models import LlamaConfig, LlamaForCausalLM, preset
-from thrifty.neuzip import LomoConfig, NeuZipConfig, compress_model, lomo
+from thrifty.neuzip import NeuZipConfig, compress_model
+from thrifty.optim import LomoConfig, lomo
 
 TRAIN_SHAPE = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
@@ -95,7 +96,7 @@ class PhaseProfile:
 
     PHASES = (("decode", "thrifty.neuzip.model", "CompressedWeights", "_decode"),
               ("reencode", "thrifty.neuzip.model", "CompressedWeights", "_reencode"),
-              ("update", "thrifty.neuzip.lomo", "FusedOptimizer", "update"))
+              ("update", "thrifty.optim.lomo", "FusedOptimizer", "update"))
 
     def __init__(self, cuda: bool):
         self.cuda = cuda

@@ -473,10 +473,10 @@ def _bitnet():
                     num_warps=8, num_stages=3)  # literal in ternary_weight
 
 
-def _neuzip_lomo():
+def _optim_lomo():
     """lomo_kernel.adamw_update: float states (fp32, bf16) for bf16/fp16/fp32 weights and bf16/fp32 gradients;
     8-bit states at the smallest, the default and the largest state block (tile8 picks rows and warps)."""
-    from thrifty.neuzip import lomo_kernel as LK
+    from thrifty.optim import lomo_kernel as LK
 
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
     scalars = "decay_mul lerp_w lerp_small b2 one_minus_b2 sqrt_bc2 eps step_size"
@@ -565,7 +565,7 @@ def _bitnet_packed():
                     num_warps=4, num_stages=1)  # literal in matmul_codes
 
 
-SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_neuzip_lomo(),
+SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_optim_lomo(),
                  *_bitnet(), *_bitnet_packed()])
 
 

@@ -18,6 +18,8 @@ from thrifty.bitnet import BitLinear, BitNetConfig, PackedBitLinear
 from thrifty.bitnet.recipes import checkpoint_record, from_checkpoint_record
 from thrifty.kvcache import ShadowKVCache, ShadowKVConfig, ShadowKVEngine
 from thrifty.models import LlamaConfig, LlamaForCausalLM, generate, preset
+from thrifty.neuzip.encode import encode_on_device
+from thrifty.optim import FusedOptimizer, LomoConfig
 from thrifty.triton_utils import kernels_available
 
 needs_kernels = pytest.mark.skipif(not kernels_available("cpu") and not torch.cuda.is_available(),
@@ -64,6 +66,9 @@ ENTRY_POINTS = {
     "PackedBitLinear.from_bitlinear": lambda impl: PackedBitLinear.from_bitlinear(BitLinear(64, 16), impl=impl),
     "bitnet.pack": lambda impl: bitnet.pack(tiny_llama("b1.58"), impl=impl),
     "NeuZipConfig": lambda impl: neuzip.NeuZipConfig(impl=impl),
+    "neuzip.encode_on_device": lambda impl: encode_on_device(torch.randn(64, dtype=torch.bfloat16), impl=impl),
+    "CompressedTensor.decompress": lambda impl: neuzip.compress(torch.randn(64, dtype=torch.bfloat16)).decompress(impl=impl),
+    "LomoConfig": lambda impl: LomoConfig(impl=impl),
     "OptimizeConfig": lambda impl: thrifty.OptimizeConfig(cce=True, impl=impl),
     "ShadowKVCache": lambda impl: ShadowKVCache(_shadowkv_model(), _kv_config(), impl=impl),
     "ShadowKVEngine.impl": lambda impl: setattr(ShadowKVCache(_shadowkv_model(), _kv_config()).engine, "impl", impl),
@@ -90,11 +95,11 @@ def test_every_entry_point_refuses_a_bad_impl_by_name(name):
 def test_signatures_name_the_choice_impl_with_auto_by_default():
     for fn in (thrifty.sage_attention, decode_attention, thrifty.linear_cross_entropy, BitLinear.__init__,
                PackedBitLinear.from_bitlinear, bitnet.pack, bitnet.packed_factory, LlamaForCausalLM.from_packed,
-               ShadowKVCache.__init__, ShadowKVEngine.__init__):
+               ShadowKVCache.__init__, ShadowKVEngine.__init__, encode_on_device, neuzip.CompressedTensor.decompress):
         params = inspect.signature(fn).parameters
         assert params["impl"].default == "auto", fn
         assert not {"fused", "backend"} & set(params), fn
-    for cls in (BitNetConfig, thrifty.OptimizeConfig, neuzip.NeuZipConfig):
+    for cls in (BitNetConfig, thrifty.OptimizeConfig, neuzip.NeuZipConfig, LomoConfig):
         assert cls.__dataclass_fields__["impl"].default == "auto", cls
 
 
@@ -106,6 +111,20 @@ def test_from_packed_refuses_a_bad_impl(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the path that ran
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_lomo_runs_the_path_it_names(impl, monkeypatch):
+    if impl == "triton" and not kernels_available(DEVICE):
+        pytest.skip("no Triton device")
+    from thrifty.optim import lomo_kernel as LK
+
+    calls = []
+    real = LK.adamw_update
+    monkeypatch.setattr(LK, "adamw_update", lambda *a, **k: calls.append(1) or real(*a, **k))
+    opt = FusedOptimizer(LomoConfig(impl=impl))
+    opt.update("w", torch.zeros(4, 8, device=DEVICE), torch.ones(4, 8, device=DEVICE))
+    assert len(calls) == (impl == "triton")
+
 
 def _bitlinear_paths(model):
     return {m.last_path for m in model.modules() if isinstance(m, BitLinear)}

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from thrifty.models import LlamaConfig, LlamaForCausalLM
-from thrifty.neuzip import LomoConfig, compress_model, lomo
+from thrifty.neuzip import compress_model
+from thrifty.optim import LomoConfig, lomo
 from thrifty.neuzip import block_decode
 from thrifty.triton_utils import fast_launch_enabled
 
@@ -67,7 +68,7 @@ def test_lomo_fused_kernel_deferred_reencode_bit_identical_cuda(state_dtype, mon
     from torch.utils.checkpoint import checkpoint
 
     from thrifty.loss import linear_cross_entropy
-    from thrifty.neuzip import lomo_kernel
+    from thrifty.optim import lomo_kernel
 
     launches = []
     real = lomo_kernel.adamw_update

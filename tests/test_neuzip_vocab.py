@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from thrifty.models import LlamaConfig, LlamaForCausalLM
-from thrifty.neuzip import LomoConfig, NeuZipConfig, compress_model, decompress_model, save_compressed
+from thrifty.neuzip import NeuZipConfig, compress_model, decompress_model, save_compressed
+from thrifty.optim import LomoConfig
 from thrifty.neuzip import reference as R
 
 VOCAB = 1001  # odd, and several chunks of a block buffer each: the last chunk is short

@@ -168,10 +168,11 @@ def _apply_bitnet(model, config, kind, layers, impl):
 
 def _apply_neuzip(model, config, kind, layers, impl):
     from .. import neuzip
+    from ..optim import LomoConfig
 
     cfg = config.neuzip if impl == "auto" else dataclasses.replace(config.neuzip, impl=impl)
     # compressed weights have no .grad: training runs through the fused per-layer update (LOMO)
-    train = (config.lomo or neuzip.LomoConfig()) if config.training else None
+    train = (config.lomo or LomoConfig()) if config.training else None
     neuzip.compress_model(model, config=cfg, train=train)
     return functools.partial(neuzip.decompress_model, model)
 

@@ -27,7 +27,8 @@ from .._checks import check_bool, check_choice, check_impl, check_range
 if TYPE_CHECKING:  # the technique packages are imported on first use, so `import thrifty` stays cheap
     from ..bitnet import BitNetConfig
     from ..kvcache import ShadowKVConfig
-    from ..neuzip import LomoConfig, NeuZipConfig
+    from ..neuzip import NeuZipConfig
+    from ..optim import LomoConfig
 
 IMPL_ENV = "THRIFTY_IMPL"  # overrides OptimizeConfig.impl when set (e.g. THRIFTY_IMPL=reference on a CI box)
 
@@ -98,7 +99,7 @@ def _neuzip_config():
 
 
 def _lomo_config():
-    from ..neuzip import LomoConfig
+    from ..optim import LomoConfig
     return LomoConfig
 
 
@@ -141,7 +142,7 @@ class OptimizeConfig:
         set_("skip_layers", _coerce_layers(self.skip_layers))
         check_impl(self.impl)
         if self.lomo is not None and not isinstance(self.lomo, _lomo_config()):
-            raise TypeError(f"lomo: expected None or a thrifty.neuzip.LomoConfig, got {type(self.lomo).__name__}")
+            raise TypeError(f"lomo: expected None or a thrifty.optim.LomoConfig, got {type(self.lomo).__name__}")
         _check_combinations(self)
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .._checks import check_impl
 from . import reference as R
 from .tensor import pair_symbols
 
@@ -138,13 +139,13 @@ def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int =
 
 def encode_on_device(x: torch.Tensor, steps: int = R.STEPS, impl: str = "auto") -> dict:
     """The encoder for ``x``'s device: the Triton kernels (:mod:`encode_kernel`) on CUDA, these torch ops
-    elsewhere ("auto"); "triton" forces the kernels (the interpreter on CPU), "torch" the torch ops."""
+    elsewhere ("auto"); "triton" forces the kernels (the interpreter on CPU), "reference" the torch ops.
+    ``impl`` follows :data:`thrifty._checks.IMPLS` (TypeError / ValueError naming ``impl`` otherwise)."""
+    check_impl(impl)
     if impl == "auto":
-        impl = "triton" if x.is_cuda else "torch"
+        impl = "triton" if x.is_cuda else "reference"
     if impl == "triton":
         from .encode_kernel import encode_lossless_triton
 
         return encode_lossless_triton(x, steps)
-    if impl != "torch":
-        raise ValueError(f"impl: expected 'auto', 'triton' or 'torch', got {impl!r}")
     return encode_lossless(x, steps)

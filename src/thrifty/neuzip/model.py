@@ -13,7 +13,7 @@ How it runs (NOTES.md has the arithmetic):
 * :class:`_CompressedLinearFn` keeps the input, not the weight: backward decodes the block again. It computes
   the input gradient and the weight gradient with the same matrix products as autograd's ``F.linear`` (so a
   plain model and a lossless compressed one give the same bits) and hands the weight gradient to the fused
-  optimizer (:mod:`thrifty.neuzip.lomo`) at once. The updated block is re-encoded on its device
+  optimizer (:mod:`thrifty.optim.lomo`) at once. The updated block is re-encoded on its device
   (:func:`thrifty.neuzip.encode.encode_on_device`: the Triton encoder kernels with ``impl="triton"`` / on CUDA,
   torch ops on the CPU): at once on the CPU; on CUDA only when its buffer is needed again (one block later in
   backward), on a side stream that waits for the block's last update only. Why: the encoder reads its histogram
@@ -36,13 +36,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_choice
+from .._checks import check_bool, check_choice, check_impl
+from ..optim import LomoConfig, lomo
 from . import reference as R
 from .block_decode import BlockPack, pack_tensors
 from .tensor import CompressedTensor
 
 MODES = ("lossless", "lossy")
-IMPLS = ("auto", "triton", "reference")
 N_BUFFERS = 2  # the block running now and the one before it (resident again in backward without recompute)
 
 
@@ -83,7 +83,7 @@ class NeuZipConfig:
         if self.mode == "lossy" and k not in R.LOSSY_MANTISSA_BITS:
             raise ValueError(f"mantissa_bits: lossy mode needs one of {list(R.LOSSY_MANTISSA_BITS)}, got {k!r}")
         R.check_steps(self.steps)
-        check_choice("impl", self.impl, IMPLS)
+        check_impl(self.impl)
         check_bool("vocab", self.vocab)
         check_bool("reuse_code", self.reuse_code)
 
@@ -308,7 +308,7 @@ class CompressedWeights:
             pack.replace(streams, lengths, keep_tables=reused)
             self.stats["code_reuses" if reused else "code_builds"] += 1
         else:
-            pack.replace([encode_on_device(v, pack.steps, "torch") for v in views])
+            pack.replace([encode_on_device(v, pack.steps, "reference") for v in views])
         if self._impl() == "triton":  # the launch tables now, on this stream, not inside the next decode
             pack.kernel_tables(pack.device)
             pack.launch_table(pack.device)
@@ -405,8 +405,8 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
     (changed in place; ``model.neuzip`` is its :class:`CompressedWeights`).
 
     mode / mantissa_bits / steps: see :class:`NeuZipConfig` (or pass ``config``). train: a
-    :class:`~thrifty.neuzip.lomo.LomoConfig` to attach the fused optimizer (lossless only); or call
-    :func:`thrifty.neuzip.lomo` later. Lossy modes need bfloat16 weights. Move the model to its device (and
+    :class:`~thrifty.optim.LomoConfig` to attach the fused optimizer (lossless only); or call
+    :func:`thrifty.optim.lomo` later. Lossy modes need bfloat16 weights. Move the model to its device (and
     dtype) first: the packs and buffers are made on the weights' device and do not follow a later ``.to()``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -417,8 +417,6 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
     elif not isinstance(config, NeuZipConfig):
         raise TypeError(f"config: expected a NeuZipConfig, got {type(config).__name__}")
     if train is not None:
-        from .lomo import LomoConfig
-
         if not isinstance(train, LomoConfig):  # checked here: lomo() runs after the model was changed
             raise TypeError(f"train: expected None or a LomoConfig, got {type(train).__name__}")
     if train is not None and config.vocab:
@@ -449,8 +447,6 @@ def compress_model(model: nn.Module, mode: str = "lossless", mantissa_bits: Opti
     if config.vocab:
         _install_vocab(model, model.neuzip, config)
     if train is not None:
-        from .lomo import lomo
-
         lomo(model, train)
     return model
 

@@ -9,14 +9,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .._checks import check_choice, check_tensor
+from .._checks import check_impl, check_tensor
 from . import reference as R
 
 # The block kernel's pack class, registered by block_decode at import: block_decode builds on CompressedTensor,
 # so this module must not import it (the package's import graph stays one-way).
 _BLOCK_PACK = None
 
-IMPLS = ("auto", "triton", "reference")
 
 
 def _check_mantissa_bits(mantissa_bits, dtype: torch.dtype):
@@ -159,7 +158,7 @@ class CompressedTensor:
         table) / ``asm`` (v3), ``small_table`` (v1/v2: ``self._table(device, "small")``)
         for Triton; the defaults were the fastest on the H200 (NOTES.md).
         """
-        check_choice("impl", impl, IMPLS)
+        check_impl(impl)
         if out is not None:
             check_tensor("out", out, dtypes=(self.dtype,))
             if out.numel() != self.numel or not out.is_contiguous():

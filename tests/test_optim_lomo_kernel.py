@@ -1,5 +1,5 @@
-"""The fused LOMO AdamW update kernel (thrifty.neuzip.lomo_kernel) under the interpreter, against the torch-op
-update of thrifty.neuzip.lomo: float states, 8-bit states, odd sizes, short last state block, weight decay,
+"""The fused LOMO AdamW update kernel (thrifty.optim.lomo_kernel) under the interpreter, against the torch-op
+update of thrifty.optim.lomo: float states, 8-bit states, odd sizes, short last state block, weight decay,
 NaN gradients, bad arguments, and bit-identical lossless NeuZip training when both sides run the kernel."""
 
 import copy
@@ -7,9 +7,8 @@ import copy
 import pytest
 import torch
 
-from thrifty.neuzip import LomoConfig, compress_model, lomo
-from thrifty.neuzip import state8
-from thrifty.neuzip.lomo import FusedOptimizer
+from thrifty.neuzip import compress_model
+from thrifty.optim import FusedOptimizer, LomoConfig, lomo, state8
 
 from test_neuzip_model import _state, _train, int_bits, tiny
 
@@ -67,7 +66,7 @@ def _ulps(a, b):
 @pytest.mark.parametrize("n", [1, 1000, 2 * 1024 + 3])
 def test_float_states_match_torch_update(state_dtype, weight_dtype, n):
     """Three steps: weights and states within the last place of their dtype (FMA contraction differs)."""
-    a, sa = _run("torch", n, weight_dtype, state_dtype, steps=3)
+    a, sa = _run("reference", n, weight_dtype, state_dtype, steps=3)
     b, sb = _run("triton", n, weight_dtype, state_dtype, steps=3)
     _assert_weights_close(a, b, rare=0.01 if weight_dtype == torch.bfloat16 else 1.0)
     for key in ("exp_avg", "exp_avg_sq"):
@@ -83,14 +82,14 @@ def test_int8_states_match_torch_update(block, n):
     """First step: the states decode to zero on both sides, so the weights agree as in the float-state test and
     each code is within one level (log2 near a rounding boundary). Three steps: at most 1% of codes one level apart, and a
     weight differs only where its state did (by < 10% of its step)."""
-    a, sa = _run("torch", n, torch.bfloat16, torch.int8, block=block)
+    a, sa = _run("reference", n, torch.bfloat16, torch.int8, block=block)
     b, sb = _run("triton", n, torch.bfloat16, torch.int8, block=block)
     _assert_weights_close(a, b)
     for key in ("exp_avg", "exp_avg_sq"):
         assert sb[key].dtype == sa[key].dtype and sb[key].shape == (n,)
         assert (sa[key].int() - sb[key].int()).abs().max() <= 1, key
         torch.testing.assert_close(sb[key + "_scale"], sa[key + "_scale"], rtol=2e-7, atol=0)
-    a, sa = _run("torch", n, torch.bfloat16, torch.int8, block=block, steps=3)
+    a, sa = _run("reference", n, torch.bfloat16, torch.int8, block=block, steps=3)
     b, sb = _run("triton", n, torch.bfloat16, torch.int8, block=block, steps=3)
     for key in ("exp_avg", "exp_avg_sq"):
         diff = (sa[key].int() - sb[key].int()).abs()
@@ -104,7 +103,7 @@ def test_weight_decay_only_on_matrices():
     grads = _grads(300, 2, seed=3)
     out = {}
     for shape in ((300,), (20, 15)):
-        a, _ = _run("torch", 300, torch.float32, torch.float32, grads=grads, shape=shape)
+        a, _ = _run("reference", 300, torch.float32, torch.float32, grads=grads, shape=shape)
         out[shape], _ = _run("triton", 300, torch.float32, torch.float32, grads=grads, shape=shape)
         _assert_weights_close(a, out[shape], rare=1.0)
     no_decay, decayed = out[(300,)].view(-1), out[(20, 15)].view(-1)
@@ -115,7 +114,7 @@ def test_nan_gradient_poisons_like_the_torch_update():
     """A NaN gradient: the weight becomes NaN, and with 8-bit states its whole block's scale is NaN."""
     grads = _grads(100, 2, seed=4)
     grads[1][7] = float("nan")
-    a, sa = _run("torch", 100, torch.bfloat16, torch.int8, block=16, grads=grads)
+    a, sa = _run("reference", 100, torch.bfloat16, torch.int8, block=16, grads=grads)
     b, sb = _run("triton", 100, torch.bfloat16, torch.int8, block=16, grads=grads)
     assert torch.isnan(b.view(-1)[7]) and torch.isnan(a.view(-1)[7])
     for key in ("exp_avg_scale", "exp_avg_sq_scale"):
@@ -138,7 +137,7 @@ def test_bad_impl_arguments(monkeypatch):
 def test_lossless_neuzip_training_bit_identical_with_the_kernel(state_dtype, monkeypatch):
     """Plain and compressed models both updated by the kernel: same losses and weights, step by step; every
     AdamW update went through the kernel."""
-    import thrifty.neuzip.lomo_kernel as LK
+    import thrifty.optim.lomo_kernel as LK
 
     launches = []
     real = LK.adamw_update
@@ -164,7 +163,7 @@ def test_kernel_matches_torch_update_cuda(state_dtype, block):
     states; up to 0.6 lr with 8-bit states). So both are measured against a float64 AdamW with exact states:
     the kernel must be as accurate as torch's update, and rarely differ from it."""
     n = (1 << 20) + 17
-    a, sa = _run("torch", n, torch.bfloat16, state_dtype, block=block, steps=3, device="cuda")
+    a, sa = _run("reference", n, torch.bfloat16, state_dtype, block=block, steps=3, device="cuda")
     b, sb = _run("triton", n, torch.bfloat16, state_dtype, block=block, steps=3, device="cuda")
     ideal = _float64_adamw(n, steps=3)
     err_torch, err_kernel = (a.double().view(-1) - ideal).abs(), (b.double().view(-1) - ideal).abs()

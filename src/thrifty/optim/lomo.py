@@ -2,14 +2,16 @@
 
 ``lomo(model, LomoConfig(...))`` works on any model. Plain parameters get a post-accumulate-grad hook (the
 update runs when autograd has finished that parameter's gradient, tied weights after both uses; ``p.grad`` is
-then set to None). Weights kept compressed by :func:`thrifty.neuzip.compress_model` are updated inside their
-linear's backward, in the decoded block buffer, and the whole block is re-encoded once its last weight is
-updated (:mod:`thrifty.neuzip.model`). So at most one parameter's gradient exists at a time and no full
+then set to None). Weights kept outside the parameters (NeuZip's compressed blocks) are updated by their
+owner: ``lomo`` hands the optimizer to any object on the model with an ``attach_optimizer(optimizer)`` method,
+and the owner calls ``optimizer.update(key, weight, grad)`` itself (NeuZip does it inside its linear's backward,
+in the decoded block buffer, and re-encodes the block once its last weight is updated: :mod:`thrifty.neuzip.model`).
+This package imports nothing of NeuZip. So at most one parameter's gradient exists at a time and no full
 gradient set ever coexists with the weights.
 
 Optimizer states (AdamW): ``exp_avg`` and ``exp_avg_sq`` per parameter, on the parameter's device, in
 ``state_dtype`` (float32 default: 8 B per parameter; bfloat16: 4 B; ``"int8"``: block-wise 8-bit codes,
-:mod:`thrifty.neuzip.state8`, 2 B + 8 B per ``state_block`` values = 2.03 B at 256), never NeuZip-compressed.
+:mod:`thrifty.optim.state8`, 2 B + 8 B per ``state_block`` values = 2.03 B at 256), never NeuZip-compressed.
 The update math runs in float32 (8-bit states: dequantized, updated, requantized in the same pass) and is
 rounded once to the weight's dtype. SGD keeps no state. There is no global gradient-norm
 clipping (it needs every gradient before the first update; LOMO's paper runs a second backward for it) and no
@@ -27,12 +29,11 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_choice, check_range
+from .._checks import check_choice, check_impl, check_range
 from . import state8
 
 OPTIMIZERS = ("sgd", "adamw")
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # torch.int8: 8-bit block-quantized states
-IMPLS = ("auto", "triton", "torch")  # the AdamW update: one Triton launch (lomo_kernel) or torch ops
 CHUNK = 1 << 22  # elements per update pass (fp32 temporaries of 16 MB)
 
 
@@ -40,9 +41,9 @@ CHUNK = 1 << 22  # elements per update pass (fp32 temporaries of 16 MB)
 class LomoConfig:
     """The fused optimizer. ``weight_decay`` applies to parameters with >= 2 dimensions (matrices) only.
     ``state_dtype``: torch.float32, torch.bfloat16 or torch.int8 (also spelled "int8"): AdamW states as 8-bit
-    codes with one float32 absmax per ``state_block`` values (:mod:`thrifty.neuzip.state8`).
-    ``impl``: the AdamW update as one Triton launch per parameter (:mod:`thrifty.neuzip.lomo_kernel`; "auto"
-    picks it for CUDA weights) or as torch ops ("torch"; "auto" on the CPU). SGD always runs torch ops."""
+    codes with one float32 absmax per ``state_block`` values (:mod:`thrifty.optim.state8`).
+    ``impl``: the AdamW update as one Triton launch per parameter (:mod:`thrifty.optim.lomo_kernel`; "auto"
+    picks it for CUDA weights) or as torch ops ("reference"; "auto" on the CPU). SGD always runs torch ops."""
 
     optimizer: str = "adamw"
     lr: float = 1e-3
@@ -55,7 +56,7 @@ class LomoConfig:
 
     def __post_init__(self):
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        check_choice("impl", self.impl, IMPLS)
+        check_impl(self.impl)
         check_range("lr", self.lr, 0.0, 10.0, lo_open=True)
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
             raise ValueError(f"betas: expected a pair (beta1, beta2), got {self.betas!r}")
@@ -134,7 +135,7 @@ class FusedOptimizer:
         from ..triton_utils import kernels_available
 
         impl = self.config.impl
-        if impl == "torch" or not weight.is_contiguous():
+        if impl == "reference" or not weight.is_contiguous():
             return False
         available = kernels_available(weight.device)
         if impl == "auto":
@@ -196,13 +197,14 @@ class FusedOptimizer:
 
 def lomo(model: torch.nn.Module, config: Optional[LomoConfig] = None) -> FusedOptimizer:
     """Attaches the fused optimizer to ``model`` (plain or NeuZip-compressed); returns it (``set_lr``,
-    ``remove``). Raises ValueError for a lossy compressed model (its weights cannot be re-encoded exactly)."""
+    ``remove``). Every requires-grad parameter is updated in its post-accumulate-grad hook; an owner of weights
+    that are not parameters (an attribute of ``model`` with ``attach_optimizer``, e.g. ``model.neuzip``) gets the
+    optimizer first and may refuse it (NeuZip raises ValueError for lossy weights)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     opt = FusedOptimizer(LomoConfig() if config is None else config)
-    state = getattr(model, "neuzip", None)
-    if state is not None:
-        state.attach_optimizer(opt)  # raises for lossy weights
+    for owner in _weight_owners(model):
+        owner.attach_optimizer(opt)  # may raise (NeuZip: lossy weights)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -213,3 +215,9 @@ def lomo(model: torch.nn.Module, config: Optional[LomoConfig] = None) -> FusedOp
 
         opt._handles.append(p.register_post_accumulate_grad_hook(hook))
     return opt
+
+
+def _weight_owners(model: torch.nn.Module) -> list:
+    """Plain (non-module, non-parameter) attributes of ``model`` that own weights outside its parameters: those
+    with a callable ``attach_optimizer`` (NeuZip's ``model.neuzip``). Duck-typed, so this package needs no NeuZip."""
+    return [v for k, v in vars(model).items() if not k.startswith("_") and callable(getattr(v, "attach_optimizer", None))]

@@ -1,4 +1,4 @@
-"""The LOMO AdamW update of one parameter in one Triton launch (the GPU path of :mod:`thrifty.neuzip.lomo`).
+"""The LOMO AdamW update of one parameter in one Triton launch (the GPU path of :mod:`thrifty.optim.lomo`).
 
 Why: the torch-op update makes ~10 fp32 passes over each parameter (bf16 states) and ~40 with 8-bit states
 (dequantize: gather + scale; requantize: abs, amax, divide, log2, round, clamp, where, cast; each pass a launch
@@ -9,7 +9,7 @@ states out, ~10 B/param with 8-bit states (~2.5 ms per step at 1.07B on 4 TB/s),
 Two kernels:
 
 * ``_adamw_kernel``: states stored as float32 or bfloat16 (any float dtype), a 1-D tile of ``BLOCK`` values;
-* ``_adamw8_kernel``: 8-bit states (:mod:`thrifty.neuzip.state8`), a 2-D tile of ``ROWS`` state blocks of
+* ``_adamw8_kernel``: 8-bit states (:mod:`thrifty.optim.state8`), a 2-D tile of ``ROWS`` state blocks of
   ``QBLOCK`` values each: codes dequantized by the same float32 table as state8 (exact), updated, and
   requantized with the block's new absmax in the same pass.
 
