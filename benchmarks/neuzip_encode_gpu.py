@@ -107,7 +107,7 @@ def reuse(buf, views, device, reps: int) -> dict:
     """Re-encodes of a drifting block with code reuse (module docstring): times, syncs, reuse rate, lossless."""
     from thrifty.neuzip import reference as R
     from thrifty.neuzip.block_decode import BlockPack
-    from thrifty.neuzip.encode_kernel import EncodeProfile, reencode_block_triton
+    from thrifty.neuzip.encode_kernel import reencode_block_triton
     from thrifty.neuzip.tensor import CompressedTensor
 
     cuda = device.type == "cuda"
@@ -140,26 +140,13 @@ def reuse(buf, views, device, reps: int) -> dict:
         for v, s in zip(views[1:3], streams[1:3]):  # the two small tensors (the NumPy decode is slow)
             got = CompressedTensor(s, v.dtype, v.shape, steps=R.STEPS).decompress(impl="reference").to(v.device)
             exact &= int(torch.equal(got.view(torch.int16), v.view(torch.int16)))
-    per = {}
-    for _ in range(reps):  # the stage split of a reuse and LOMO's pack update after it
-        _drift(buf, g)
-        if cuda:
-            torch.cuda.synchronize()
-        prof = EncodeProfile(device)
-        with prof.stage("total"):
-            streams, lengths, code, reused = reencode_block_triton(views, code, profile=prof)
-        with prof.stage("pack_replace"):
-            pack.replace(streams, lengths, keep_tables=reused)
-        with prof.stage("pack_tables"):
-            pack.kernel_tables(pack.device)
-        with prof.stage("pack_launch"):
-            pack.launch_table(pack.device)
-        for name, h, gms in prof.rows():
-            per.setdefault(name, []).append((h, gms))
-    rows = []
-    for name, v in per.items():
-        gs = [x for _, x in v if x is not None]
-        rows.append((name, statistics.median(h for h, _ in v), statistics.median(gs) if gs else None))
+    state = {"code": code}
+
+    def encode(prof):  # a reuse after a drift; LOMO's pack update after it keeps the tables when reused
+        streams, lengths, state["code"], reused = reencode_block_triton(views, state["code"], profile=prof)
+        return (streams, lengths), {"keep_tables": reused}
+
+    rows = _stage_split(encode, pack, device, reps, prepare=lambda: _drift(buf, g))
     return {"reuse_host_ms": statistics.median(host), "reuse_gpu_ms": statistics.median(gpu or host),
             "reuse_syncs": max(syncs), "reused": reused_n / reps, "reuse_lossless": exact, "reuse_stages": rows}
 
@@ -168,20 +155,31 @@ def stages(views, device, reps: int) -> list:
     """[(stage, median host ms, median GPU ms or None)] of the encode and the pack update after it."""
     from thrifty.neuzip import reference as R
     from thrifty.neuzip.block_decode import BlockPack
-    from thrifty.neuzip.encode_kernel import EncodeProfile, encode_block_triton
+    from thrifty.neuzip.encode_kernel import encode_block_triton
     from thrifty.neuzip.tensor import CompressedTensor
 
     streams, _ = encode_block_triton(views, R.STEPS)
     pack = BlockPack([CompressedTensor(s, v.dtype, v.shape, steps=R.STEPS) for s, v in zip(streams, views)])
+    return _stage_split(lambda prof: (encode_block_triton(views, R.STEPS, profile=prof), {}), pack, device, reps)
+
+
+def _stage_split(encode, pack, device, reps: int, prepare=None) -> list:
+    """[(stage, median host ms, median GPU ms or None)] of ``encode(profile)`` -> ((streams, lengths), replace
+    options) and the pack update after it (``BlockPack.replace``, decode tables, launch table), ``reps`` times;
+    ``prepare()`` runs before each, untimed."""
+    from thrifty.neuzip.encode_kernel import EncodeProfile
+
     per = {}
     for _ in range(reps):
+        if prepare is not None:
+            prepare()
         if device.type == "cuda":
             torch.cuda.synchronize()
         prof = EncodeProfile(device)
         with prof.stage("total"):
-            out = encode_block_triton(views, R.STEPS, profile=prof)
+            out, options = encode(prof)
         with prof.stage("pack_replace"):
-            pack.replace(*out)
+            pack.replace(*out, **options)
         with prof.stage("pack_tables"):
             pack.kernel_tables(pack.device)
         with prof.stage("pack_launch"):

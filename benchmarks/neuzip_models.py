@@ -428,28 +428,27 @@ def infer_rows(args, device, base, val, measure_speed=True):
                 row["weight_mib"] = bf16_bytes / 2**20
                 row["block_weights_ratio_vs_bf16"] = 1.0
             row.update(validation_perplexity(model, val, bsz, seq, batches, device))
-            # 30 warm-up forwards (~1 s): after the host-only compression the GPU has idled and clocked down;
-            # at 2 the cde9124 run put 1-bit at 0.49x and 0-bit at 0.73x of bf16 (3-bit 0.79x)
             if measure_speed and not (isinstance(k, str)):
-                with torch.no_grad():
-                    t = bench.time_fn(lambda: model(x, logits_to_keep=1), warmup=2 if args.smoke else 30,
-                                      reps=3 if args.smoke else 20,
-                                      device=device)
-                row["tokens_per_s"] = x.numel() / (t.median_ms / 1e3)
-                row["forward_ms"] = t.median_ms
+                row.update(_forward_speed(model, x, args.smoke, device))
             del model
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
         rows.append(row)
         print(row, flush=True)
     if measure_speed:  # bf16 timed again last: the drift of the box over the run, beside the variants' ratios
-        with torch.no_grad():
-            t = bench.time_fn(lambda: base(x, logits_to_keep=1), warmup=2 if args.smoke else 30,
-                              reps=3 if args.smoke else 20,
-                              device=device)
-        rows.append({"part": "infer", "variant": "bf16 (repeat, speed only)", "forward_ms": t.median_ms,
-                     "tokens_per_s": x.numel() / (t.median_ms / 1e3)})
+        rows.append({"part": "infer", "variant": "bf16 (repeat, speed only)",
+                     **_forward_speed(base, x, args.smoke, device)})
     return rows
+
+
+def _forward_speed(model, x, smoke: bool, device) -> dict:
+    """Median forward ms (last position's logits) and tokens/s over the batch ``x``. 30 warm-up forwards (~1 s):
+    after the host-only compression the GPU has idled and clocked down; with 2, the cde9124 run put 1-bit at
+    0.49x and 0-bit at 0.73x of bf16 (3-bit 0.79x)."""
+    with torch.no_grad():
+        t = bench.time_fn(lambda: model(x, logits_to_keep=1), warmup=2 if smoke else 30, reps=3 if smoke else 20,
+                          device=device)
+    return {"forward_ms": t.median_ms, "tokens_per_s": x.numel() / (t.median_ms / 1e3)}
 
 
 def fp32_rows(args, device, val):

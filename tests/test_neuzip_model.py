@@ -385,13 +385,7 @@ def test_triton_block_encoder_two_host_reads(monkeypatch):
     g = torch.Generator().manual_seed(12)
     xs = [(torch.randn(n, generator=g) * 0.02).bfloat16() for n in (R.GROUP * R.STEPS * 4 + 3, 500, 4100)]
     xs[1][:60] = torch.exp(torch.randn(60, generator=g) * 8).bfloat16()  # long codes, ~every pair distinct
-    reads, host_reads = [], []
-    original_to_host = EK._to_host
-    monkeypatch.setattr(EK, "_to_host", lambda t: (host_reads.append(t.shape), original_to_host(t))[1])
-    monkeypatch.setattr(torch, "bincount", lambda *a, **k: reads.append("bincount"))
-    for name in ("cpu", "item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
-        original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name, **k: (reads.append(_n), _f(self, *a, **k))[1])
+    host_reads, reads = _count_reads(monkeypatch, EK)
     streams, codes = EK.encode_block_triton(xs, R.STEPS)
     assert len(host_reads) == 2 and not reads, (host_reads, reads)
     monkeypatch.undo()
