@@ -3,26 +3,28 @@ GPUs, per recipe. Reports tokens/s and peak memory per GPU, scaling efficiency (
 tokens/s on 1 GPU, same per-GPU batch) and whether the N-GPU training step equals the 1-GPU step on the same
 global batches (1 GPU with N x the per-GPU batch reads exactly the windows the N ranks read together).
 
-loss_match comes from an equivalence phase per recipe, before the timed run: --equiv-steps (10) steps from the
+loss_match comes from an equivalence phase per recipe, in launches of its own: --equiv-steps (10) steps from the
 same initial weights at the preset's constant equivalence lr (135m 1e-4, 1b 3e-5: PRESET_DEFAULTS says why),
-comparing per step the loss (0.02 nats) and the pre-clip gradient norm (5%), and per parameter the update norm
-(10%) -- thrifty.parallel.equivalence. The timed run's long curves (peak lr 6e-4 / 3e-4, warm-up a quarter of
-the steps) are kept as information only (<key>_loss_max_abs_diff, <key>_loss_tail_mean_abs_diff): at a305afd,
-with lr 1e-3 and 6 warm-up steps, one run of a pair spiked and the curves parted by up to 1.9 nats and met again.
+comparing per step the loss (0.02 nats, or 2x the 1-GPU run's own run-to-run gap where that is larger) and
+the pre-clip gradient norm (5%), and per parameter the update norm (10%) -- thrifty.parallel.equivalence.
 --smoke --inject-bug {grad_x2_rank0,grad_sum,skip_update_rank1} (test-only) must turn loss_match false.
 
 Run on the GPU box (NVLink multicast off: NCCL_NVLS_ENABLE=0, set by this driver for its torchrun children).
-Per preset, three torchrun launches, each running every recipe in turn (one start-up, one model init per
-launch): N GPUs x b (throughput, loss curve, bytes per step, --profile), then at once 1 GPU x b on GPU 0 (the
-throughput baseline) beside 1 GPU x N.b on GPU 1 (the loss reference; --sequential runs them one by one).
-Defaults: 55 timed steps after 5 warm-up, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
---repeats R (3): the N-GPU and 1-GPU launches interleaved R times (N, 1, N, 1, ...), scaling = the median pair,
-spread beside it; the loss reference (once) accumulates N micro-batches of b rows (--grad-accum N: the ranks' GEMM
-shapes and bf16 gradient roundings, which BitNet's codes amplify otherwise; parallel/NOTES.md, issue #33).
+Per preset, torchrun launches that each run every recipe in turn (one start-up, one model init per launch):
+1. equivalence: N GPUs x b (the record, the bytes of one step, --profile's profiled step), then at once on
+   GPU 0 and GPU 1 the 1-GPU loss reference, N micro-batches of b rows (--grad-accum N: the ranks' GEMM shapes
+   and bf16 gradient roundings, which BitNet's codes amplify otherwise; parallel/NOTES.md, issue #33). The
+   second copy is the same code on another GPU: its gap from the first is the comparison's noise floor
+   (flash attention's backward is not bit-reproducible on the GPU);
+2. --repeats R (2) timing pairs: N GPUs x b, then at once one 1-GPU x b run per GPU. The baselines run under
+   the same host and box load as the N-GPU job (every GPU busy), and no timed process runs anything before its
+   timed steps (at 0525885 the first of two pairs, whose N-GPU launch also ran the equivalence phase and whose
+   1-GPU launch shared the host with the reference, was lower in every recipe: spreads up to 0.5).
+Scaling = N-GPU tokens/s over N x the mean 1-GPU tokens/s of the same pair; the median pair, spread beside it.
+Defaults: 50 timed steps after 5 warm-up, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
 
-Budget (10-minute calls): measured on 2xH200 at a305afd, 135m 238 s and 1b 176 s per call (3 launches, 4
-recipes, 60 steps each); the equivalence phase adds 10 steps and one model build per recipe and launch, ~+20%.
-Both presets in one call would leave little margin, so run them as two calls and fold them:
+Budget (10-minute calls): one preset per call (at 0525885 four launches took 379 s at 135m, 397 s at 1b; the
+two equivalence launches are shorter than a timing launch). Fold the parts afterwards:
 
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 135m --part-name 135m --profile --checkpoint-check
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 1b --part-name 1b --profile
@@ -31,7 +33,7 @@ Both presets in one call would leave little margin, so run them as two calls and
 
 Summary: scaling_efficiency_2gpu (the worst preset x recipe), loss_match (and loss_match_failed), per preset x
 recipe the scaling, tokens/s, peak GiB per GPU on 1 and N GPUs and its reduction, the equivalence phase's
-differences (<key>_equiv_*), the long curves' differences, with --profile the exposed NCCL and idle GPU time;
+differences and noise (<key>_equiv_*), with --profile the exposed NCCL and idle GPU time of the N-GPU step;
 checkpoint_2to1_ok with --checkpoint-check. The result is written after every preset,
 so a launch that times out (--launch-timeout) keeps what finished. ``--smoke``: 2 CPU processes on gloo, tiny
 model, synthetic tokens, results into a temporary folder -- proves the script runs, measures nothing.
@@ -90,7 +92,6 @@ RECIPES = {
 }
 
 LOSS_TOL = 0.02  # nats: the checkpoint check's loss tolerance (equivalence tolerances: thrifty.parallel.equivalence)
-TAIL = 10  # steps: the trailing window of the long curve whose mean losses are compared (information)
 
 
 # ------------------------------------------------------------------------------------------------ the worker
@@ -216,9 +217,8 @@ def _blocks_per_unit(text: str):
 
 def _equivalence_phase(args, recipe, base, device, world, rank, data):
     """EQUIV_STEPS at the preset's constant equivalence lr from the base weights: losses, gradient norms,
-    update norms (thrifty.parallel.equivalence), compared by the driver with the 1-GPU run on the same batches."""
-    import gc
-
+    update norms (thrifty.parallel.equivalence), compared by the driver with the 1-GPU runs on the same batches.
+    Returns (record, trainer): the N-GPU launch measures one step's collectives and profile with the trainer."""
     from thrifty.parallel.equivalence import record_steps
     from thrifty.train import TrainConfig
 
@@ -229,18 +229,42 @@ def _equivalence_phase(args, recipe, base, device, world, rank, data):
     cfg = TrainConfig(steps=args.equiv_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.equiv_lr,
                       warmup_steps=0, min_lr_ratio=1.0, seed=0, grad_accum=args.grad_accum)
     trainer = _trainer(args, recipe, base, device, world, rank, data, cfg)
-    record = {**record_steps(trainer, args.equiv_steps), "lr": args.equiv_lr}
-    del trainer
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return record
+    return {**record_steps(trainer, args.equiv_steps), "lr": args.equiv_lr}, trainer
 
 
-def _one_recipe(args, recipe, base, device, rank, world, data, source):
+def _equivalence_launch(args, recipe, base, device, rank, world, data):
+    """--phase equiv: the equivalence record; on N GPUs also what one step communicates and, with --profile,
+    one step under torch.profiler (untimed, after the recorded steps)."""
+    record, trainer = _equivalence_phase(args, recipe, base, device, world, rank, data)
+    part = {"recipe": recipe, "preset": args.preset, "gpus": world, "grad_accum": args.grad_accum,
+            "equivalence": record}
+    if world > 1:
+        from thrifty.parallel.profiling import CollectiveCounter
+
+        try:
+            with CollectiveCounter() as counter:
+                trainer.train_step()
+            part["comm_per_step"] = counter.summary()
+        except Exception as err:  # a measurement, never the run's failure
+            part["comm_per_step"] = {"error": f"{type(err).__name__}: {err}"}
+    if args.profile and world > 1:
+        trace = Path(args.part).with_name(f"trace_{Path(args.part).stem}_{recipe}_rank{rank}.json")
+        try:
+            mine = _profile_step(trainer, device, trace)
+        except Exception as err:
+            mine = {"error": f"{type(err).__name__}: {err}"}
+        Path(str(trace) + ".summary").write_text(json.dumps(mine))
+        torch.distributed.barrier()
+        if rank == 0:
+            part["profile"] = [json.loads(Path(str(trace).replace("rank0", f"rank{r}") + ".summary").read_text())
+                               for r in range(world)]
+    return part
+
+
+def _timed_launch(args, recipe, base, device, rank, world, data, source):
+    """--phase time: the timed run alone (nothing else in the process before it): tokens/s, step time, peak."""
     from thrifty.train import TrainConfig
 
-    equivalence = _equivalence_phase(args, recipe, base, device, world, rank, data) if args.equiv_steps else None
     total = args.warmup + args.steps
     cfg = TrainConfig(steps=total, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup_steps=max(1, total // 4), seed=0, grad_accum=args.grad_accum)
@@ -259,37 +283,19 @@ def _one_recipe(args, recipe, base, device, rank, world, data, source):
     peaks = torch.empty(world, device=device)
     torch.distributed.all_gather_into_tensor(peaks, peak)
     steady = step_s[args.warmup:]
-    part = {"recipe": recipe, "preset": args.preset, "gpus": world, "batch_per_gpu": args.batch_size,
-            "grad_accum": args.grad_accum,
-            "seq_len": args.seq_len,
+    return {"recipe": recipe, "preset": args.preset, "gpus": world, "batch_per_gpu": args.batch_size,
+            "grad_accum": args.grad_accum, "seq_len": args.seq_len,
             "tokens_per_s": world * args.grad_accum * args.batch_size * args.seq_len / statistics.median(steady),
             "step_ms_median": 1e3 * statistics.median(steady), "peak_gib_per_gpu": [float(p) for p in peaks.cpu()],
             "losses": losses, "data": source, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
             "timed_steps": len(steady), "prefetch": args.prefetch, "block_units": args.block_units,
-            "blocks_per_unit": args.blocks_per_unit, "lr": args.lr,
-            "equivalence": equivalence}
-    # untimed extra steps (after the curve): what one step communicates, then one profiled step
-    if world > 1:
-        from thrifty.parallel.profiling import CollectiveCounter
+            "blocks_per_unit": args.blocks_per_unit, "lr": args.lr}
 
-        try:
-            with CollectiveCounter() as counter:
-                trainer.train_step()
-            part["comm_per_step"] = counter.summary()
-        except Exception as err:  # a measurement, never the run's failure
-            part["comm_per_step"] = {"error": f"{type(err).__name__}: {err}"}
-    if args.profile:
-        trace = Path(args.part).with_name(f"trace_{Path(args.part).stem}_{recipe}_rank{rank}.json")
-        try:
-            mine = _profile_step(trainer, device, trace)
-        except Exception as err:
-            mine = {"error": f"{type(err).__name__}: {err}"}
-        Path(str(trace) + ".summary").write_text(json.dumps(mine))
-        torch.distributed.barrier()
-        if rank == 0:
-            part["profile"] = [json.loads(Path(str(trace).replace("rank0", f"rank{r}") + ".summary").read_text())
-                               for r in range(world)]
-    return part
+
+def _one_recipe(args, recipe, base, device, rank, world, data, source):
+    if args.phase == "equiv":
+        return _equivalence_launch(args, recipe, base, device, rank, world, data)
+    return _timed_launch(args, recipe, base, device, rank, world, data, source)
 
 
 def worker(args) -> None:
@@ -377,7 +383,7 @@ def _cmd(args, gpus, batch, part, recipes, extra=()):
            "--warmup", str(args.warmup), "--lr", str(args.lr), "--part", str(part), "--prefetch", str(args.prefetch),
            "--nccl-timeout", str(args.nccl_timeout), "--equiv-steps", str(args.equiv_steps),
            "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units, "--repeats", str(args.repeats),
-           "--blocks-per-unit", args.blocks_per_unit] + \
+           "--blocks-per-unit", args.blocks_per_unit, "--phase", args.phase] + \
         (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + \
         (["--inject-bug", args.inject_bug] if args.inject_bug else []) + list(extra)
     return cmd
@@ -408,11 +414,14 @@ def _launch_all(args, jobs):
 
 
 def _run_preset(args, gpus, tmp):
-    """The launches of one preset -> {recipe: {"one": part, "many": part, "ref": part, "ones": [...],
-    "manys": [...]}} or error strings. ``--repeats`` R: N GPUs and 1 GPU interleaved (N, 1, N, 1, ...), R of each,
-    so a drift of the box (clocks, a neighbour) lands on both sides of the ratio; the equivalence phase and
-    --profile run in the first N-GPU launch only. The loss reference (1 GPU x N.b) runs once: beside the first
-    1-GPU launch on GPU 1 as before (concurrent), or after the series (--sequential, --smoke)."""
+    """The launches of one preset -> {recipe: {"many_eq", "refs_eq": [...], "manys": [...], "ones": [[...], ...]}}
+    or error strings. First the equivalence launches: N GPUs (with --profile, and the bytes of one step), then
+    the 1-GPU loss reference (--grad-accum N) twice at once, on GPU 0 and GPU 1: the second run of the same code
+    measures the run-to-run noise the comparison has to live with. Then --repeats R timing pairs, each an
+    N-GPU launch and N 1-GPU launches at once, one per GPU: the 1-GPU baseline runs under the same load of the
+    host and of the box (every GPU busy) as the N-GPU job, so the ratio keeps only what sharding costs. No
+    timed process runs anything before its timed steps. --sequential / --smoke: the 1-GPU launches one by one
+    (one baseline per pair)."""
     b = args.batch_size
     runnable = [r for r in args.recipes.split(",") if not _recipe_missing(r)]
     out = {r: {"error": _recipe_missing(r)} for r in args.recipes.split(",") if _recipe_missing(r)}
@@ -420,39 +429,53 @@ def _run_preset(args, gpus, tmp):
         return out, False
     rec = ",".join(runnable)
     repeats = max(1, args.repeats)
-    files = {"ref": tmp / f"{args.preset}_ref.json"}
-    for i in range(repeats):
-        files[f"many{i}"], files[f"one{i}"] = tmp / f"{args.preset}_many{i}.json", tmp / f"{args.preset}_one{i}.json"
     concurrent = torch.cuda.is_available() and gpus >= 2 and not args.sequential and not args.smoke
-    later = argparse.Namespace(**{**vars(args), "profile": False, "equiv_steps": 0})  # timing only
+    baselines = gpus if concurrent else 1
+    equiv = argparse.Namespace(**{**vars(args), "phase": "equiv"})
+    timing = argparse.Namespace(**{**vars(args), "phase": "time", "profile": False})
+    files = {"many_eq": tmp / f"{args.preset}_many_eq.json"}
+    files.update({f"ref{g}": tmp / f"{args.preset}_ref{g}.json" for g in range(2)})
+    for i in range(repeats):
+        files[f"many{i}"] = tmp / f"{args.preset}_many{i}.json"
+        files.update({f"one{i}_{g}": tmp / f"{args.preset}_one{i}_{g}.json" for g in range(baselines)})
+    ref_args = argparse.Namespace(**{**vars(equiv), "profile": False})
+    refs = [(_cmd(ref_args, 1, b, files[f"ref{g}"], rec, ["--grad-accum", str(gpus)]),
+             str(g) if concurrent else None) for g in range(2)]
     try:
+        if args.equiv_steps:
+            _launch_all(args, [(_cmd(equiv, gpus, b, files["many_eq"], rec), None)])
+            for group in ([refs] if concurrent else [[r] for r in refs]):
+                _launch_all(args, group)
         for i in range(repeats):
-            _launch_all(args, [(_cmd(args if i == 0 else later, gpus, b, files[f"many{i}"], rec), None)])
-            one = (_cmd(later, 1, b, files[f"one{i}"], rec), "0" if concurrent else None)
-            # the loss reference accumulates N micro-batches of b rows: the step of one batch of N.b rows, with the
-            # ranks' per-micro-batch GEMM shapes and bf16 gradient roundings (see _equivalence_phase)
-            ref_args = argparse.Namespace(**{**vars(args), "profile": False})
-            ref = (_cmd(ref_args, 1, b, files["ref"], rec, ["--grad-accum", str(gpus)]), "1" if concurrent else None)
-            if concurrent and i == 0:  # the 1-GPU baseline on GPU 0 beside the loss reference on GPU 1
-                _launch_all(args, [one, ref])
-            else:
-                _launch_all(args, [one])
-                if i == repeats - 1 and not concurrent:
-                    _launch_all(args, [ref])
+            t0 = time.perf_counter()
+            _launch_all(args, [(_cmd(timing, gpus, b, files[f"many{i}"], rec), None)])
+            _launch_all(args, [(_cmd(timing, 1, b, files[f"one{i}_{g}"], rec), str(g) if concurrent else None)
+                               for g in range(baselines)])
+            if args.deadline and time.time() + (time.perf_counter() - t0) > args.deadline and i + 1 < repeats:
+                print(f"{args.preset}: stopping after {i + 1} timing pair(s): another would pass --time-budget",
+                      flush=True)
+                break
     except Exception as err:  # keep whatever parts were written
         print(f"{args.preset}: {type(err).__name__}: {err}", flush=True)
     got = {k: json.loads(f.read_text()) if f.is_file() else {} for k, f in files.items()}
     for r in runnable:
         runs = {k: got[k].get(r, {"error": "no result (launch failed or timed out)"}) for k in files}
-        first = {"many": runs["many0"], "one": runs["one0"], "ref": runs["ref"]}
-        bad = [f"{k}: {v['error']}" for k, v in first.items() if "error" in v]
-        if bad:
-            out[r] = {"error": "; ".join(bad)}
+        pairs = [([runs[f"one{i}_{g}"] for g in range(baselines)], runs[f"many{i}"]) for i in range(repeats)]
+        pairs = [(o, m) for o, m in pairs if "error" not in m and not any("error" in x for x in o)]
+        if not pairs:
+            bad = {f"{k}: {v['error']}" for k, v in runs.items() if "error" in v}
+            out[r] = {"error": "; ".join(sorted(bad)) or "no timing pair"}
             continue
-        pairs = [(runs[f"one{i}"], runs[f"many{i}"]) for i in range(repeats)]
-        pairs = [(o, m) for o, m in pairs if "error" not in o and "error" not in m]  # a late failed pair drops out
-        out[r] = {**first, "ones": [o for o, _ in pairs], "manys": [m for _, m in pairs]}
+        eq = [runs["many_eq"], runs["ref0"], runs["ref1"]]
+        out[r] = {"ones": [o for o, _ in pairs], "manys": [m for _, m in pairs],
+                  "equivalence": None if any("error" in x for x in eq) else [x["equivalence"] for x in eq],
+                  "comm_per_step": runs["many_eq"].get("comm_per_step"), "profile": runs["many_eq"].get("profile")}
     return out, concurrent
+
+
+def _mean_tokens(ones):
+    """The 1-GPU throughput of one pair: the mean over the baselines that ran at once (one per GPU)."""
+    return statistics.fmean(o["tokens_per_s"] for o in ones)
 
 
 def _fold(preset, results, gpus, rows, summary, curves, extra):
@@ -460,66 +483,63 @@ def _fold(preset, results, gpus, rows, summary, curves, extra):
         if "error" in res:
             rows.append({"preset": preset, "recipe": recipe, "error": res["error"]})
             continue
-        one, many, ref = res["one"], res["many"], res["ref"]
         key = f"{preset}_{recipe}"
-        med = {id(one): res.get("ones") or [one], id(many): res.get("manys") or [many], id(ref): [ref]}
-        for run, label in ((one, "1 GPU"), (many, f"{gpus} GPUs"), (ref, f"1 GPU, {gpus}x batch")):
-            reps = med[id(run)]  # tokens/s and step time: the median over the repeats (other columns: the first)
+        ones, manys = res["ones"], res["manys"]
+        first_one, first_many = ones[0][0], manys[0]
+        one_tps = [_mean_tokens(o) for o in ones]
+        for run, label, tps, steps in (
+                (first_one, "1 GPU", one_tps, [statistics.fmean(x["step_ms_median"] for x in o) for o in ones]),
+                (first_many, f"{gpus} GPUs", [m["tokens_per_s"] for m in manys], [m["step_ms_median"] for m in manys])):
+            peaks = [p for o in (ones if run is first_one else [[m] for m in manys]) for x in o
+                     for p in x["peak_gib_per_gpu"]]
             rows.append({"preset": preset, "recipe": recipe, "run": label, "gpus": run["gpus"],
-                         "batch_per_gpu": run["batch_per_gpu"],
-                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
-                         "step_ms": statistics.median(r["step_ms_median"] for r in reps), "repeats": len(reps), "peak_gib_per_gpu": max(run["peak_gib_per_gpu"]),
+                         "batch_per_gpu": run["batch_per_gpu"], "tokens_per_s": statistics.median(tps),
+                         "step_ms": statistics.median(steps), "repeats": len(tps), "peak_gib_per_gpu": max(peaks),
                          "final_loss": run["losses"][-1], "timed_steps": run["timed_steps"], "data": run["data"],
                          "params_m": run["params_m"]})
-        ones, manys = res.get("ones") or [one], res.get("manys") or [many]
-        scalings = [m["tokens_per_s"] / (gpus * o["tokens_per_s"]) for o, m in zip(ones, manys)]
+        scalings = [m["tokens_per_s"] / (gpus * t) for t, m in zip(one_tps, manys)]
         summary[f"{key}_scaling_efficiency_{gpus}gpu"] = statistics.median(scalings)  # of the interleaved pairs
         summary[f"{key}_scaling_efficiency_{gpus}gpu_spread"] = max(scalings) - min(scalings)
         summary[f"{key}_scaling_efficiency_{gpus}gpu_repeats"] = len(scalings)
-        extra.setdefault("scaling_runs", {})[key] = scalings
-        summary[f"{key}_tokens_per_s_1gpu"] = statistics.median(o["tokens_per_s"] for o in ones)
+        extra.setdefault("scaling_runs", {})[key] = {"scaling": scalings, "tokens_per_s_1gpu_each": [
+            [x["tokens_per_s"] for x in o] for o in ones], "tokens_per_s_n_gpu": [m["tokens_per_s"] for m in manys]}
+        summary[f"{key}_tokens_per_s_1gpu"] = statistics.median(one_tps)
         summary[f"{key}_tokens_per_s_{gpus}gpu"] = statistics.median(m["tokens_per_s"] for m in manys)
-        p1, pn = max(one["peak_gib_per_gpu"]), max(many["peak_gib_per_gpu"])
+        p1 = max(p for o in ones for x in o for p in x["peak_gib_per_gpu"])
+        pn = max(p for m in manys for p in m["peak_gib_per_gpu"])
         summary[f"{key}_peak_gib_per_gpu_1gpu"] = p1
         summary[f"{key}_peak_gib_per_gpu_{gpus}gpu"] = pn
         summary[f"{key}_peak_reduction_gib"] = p1 - pn
-        curves[key] = (many["losses"], ref["losses"])
-        _curve_info(key, many["losses"], ref["losses"], summary)
-        _equivalence_keys(key, many.get("equivalence"), ref.get("equivalence"), summary, extra)
-        extra.setdefault("comm_per_step", {})[key] = many.get("comm_per_step")
-        if "profile" in many:
-            extra.setdefault("profile", {})[key] = {"1gpu": one.get("profile"), f"{gpus}gpu": many["profile"]}
-            ranks = [p for p in many["profile"] if "error" not in p]
+        if res.get("equivalence"):
+            many_eq, ref, repeat = res["equivalence"]
+            curves[key] = {"n_gpu": many_eq["losses"], "one_gpu_same_batches": ref["losses"],
+                           "one_gpu_repeat": repeat["losses"]}
+            _equivalence_keys(key, many_eq, ref, repeat, summary, extra)
+        extra.setdefault("comm_per_step", {})[key] = res.get("comm_per_step")
+        if res.get("profile"):
+            extra.setdefault("profile", {})[key] = {f"{gpus}gpu": res["profile"]}
+            ranks = [p for p in res["profile"] if "error" not in p]
             if ranks:
                 summary[f"{key}_nccl_exposed_ms_{gpus}gpu"] = max(p["nccl_exposed_ms"] for p in ranks)
                 summary[f"{key}_gpu_idle_ms_{gpus}gpu"] = max(p["gpu_idle_ms"] for p in ranks)
 
 
-def _curve_info(key, many, ref, summary):
-    """Information only (not loss_match): the long curves' largest gap, where a spike in one run makes it
-    large without any bug, and the gap of their trailing-window means, which says whether they end together."""
-    summary[f"{key}_loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(many, ref))
-    window = min(TAIL, len(ref))
-    summary[f"{key}_loss_tail_mean_abs_diff"] = abs(statistics.fmean(many[-window:]) - statistics.fmean(ref[-window:]))
-
-
-def _equivalence_keys(key, many, ref, summary, extra):
+def _equivalence_keys(key, many, ref, repeat, summary, extra):
     """The equivalence phase of one preset x recipe (thrifty.parallel.equivalence.compare) into the summary."""
     from thrifty.parallel.equivalence import compare
 
-    if not many or not ref:
-        return
-    verdict = compare(many, ref)
-    for name in ("loss_max_abs_diff", "grad_norm_max_rel_diff", "grad_norm_max_rel_diff_all_steps",
-                 "update_norm_max_rel_diff"):
+    verdict = compare(many, ref, repeat=repeat)
+    for name in ("loss_max_abs_diff", "loss_noise", "loss_tol", "grad_norm_max_rel_diff",
+                 "grad_norm_max_rel_diff_all_steps", "update_norm_max_rel_diff"):
         summary[f"{key}_equiv_{name}"] = verdict[name]
     summary[f"{key}_equiv_ok"] = verdict["ok"]
-    extra.setdefault("equivalence", {})[key] = {**verdict, "n_gpu": many, "one_gpu_same_batches": ref}
+    extra.setdefault("equivalence", {})[key] = {**verdict, "n_gpu": many, "one_gpu_same_batches": ref,
+                                                "one_gpu_repeat": repeat}
 
 
 def _finalize(summary, gpus):
     """The headline keys from the per-(preset, recipe) ones. loss_match: every preset x recipe passed its
-    equivalence phase; None when a run has none (parts made before it existed)."""
+    equivalence phase; None when a run has none (--equiv-steps 0, or a failed equivalence launch)."""
     tail = f"_scaling_efficiency_{gpus}gpu"
     effs = {k[:-len(tail)]: v for k, v in summary.items() if k.endswith(tail) and k != tail[1:]}
     if effs:
@@ -528,7 +548,7 @@ def _finalize(summary, gpus):
         verdicts = [summary.get(f"{k}_equiv_ok") for k in effs]
         summary["loss_match"] = None if None in verdicts else all(verdicts)
         if summary["loss_match"] is None:
-            summary["loss_match_note"] = "no equivalence phase (parts made before it): " + \
+            summary["loss_match_note"] = "no equivalence phase: " + \
                 ",".join(sorted(k for k in effs if summary.get(f"{k}_equiv_ok") is None))
         summary["loss_match_failed"] = ",".join(sorted(k for k in effs if summary.get(f"{k}_equiv_ok") is False))
         summary["runs"] = ",".join(sorted(effs))
@@ -559,7 +579,7 @@ def _write(args, gpus, rows, summary, curves, extra, name):
     out_dir = Path(tempfile.mkdtemp(prefix="multi_gpu_smoke_")) if args.smoke else None
     path = write_result(name, rows, summary, results_dir=out_dir, device=extra.get("device"),
                         extra={**extra, "gpus": gpus, "loss_tol_nats": LOSS_TOL, "nccl_nvls_enable": 0,
-                               "curves": {k: {"n_gpu": a, "one_gpu_same_batches": b} for k, (a, b) in curves.items()}})
+                               "curves": curves})
     _plot(rows, curves, gpus, path.with_suffix(".png"))
     return path
 
@@ -615,17 +635,15 @@ def merge(args) -> None:
     for d in docs:
         rows += d["rows"]
         summary.update({k: v for k, v in d["summary"].items()})
-        curves.update({k: (v["n_gpu"], v["one_gpu_same_batches"]) for k, v in d["extra"].get("curves", {}).items()})
-        for key in ("presets", "comm_per_step", "profile", "equivalence"):
+        curves.update(d["extra"].get("curves", {}))
+        for key in ("presets", "comm_per_step", "profile", "equivalence", "scaling_runs"):
             extra.setdefault(key, {}).update(d["extra"].get(key) or {})
         if "checkpoint_check" in d["extra"]:
             extra["checkpoint_check"] = d["extra"]["checkpoint_check"]
         extra.setdefault("parts_meta", []).append(d.get("meta"))
     gpus = gpus.pop()
-    for key, (many, ref) in curves.items():  # the same information keys for parts of every version
-        _curve_info(key, many, ref, summary)
     for key, rec in dict(extra.get("equivalence") or {}).items():  # verdicts by today's comparator
-        _equivalence_keys(key, rec["n_gpu"], rec["one_gpu_same_batches"], summary, extra)
+        _equivalence_keys(key, rec["n_gpu"], rec["one_gpu_same_batches"], rec["one_gpu_repeat"], summary, extra)
     _finalize(summary, gpus)
     args.smoke = False
     path = _write(args, gpus, rows, summary, curves, extra, "multi_gpu")
@@ -640,7 +658,7 @@ def _plot(rows, curves, gpus, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "tokens_per_s" in r and "x batch" not in r["run"]]
+    ok = [r for r in rows if "tokens_per_s" in r]
     presets = list(dict.fromkeys(r["preset"] for r in ok)) or ["-"]
     fig, axes = plt.subplots(len(presets), 2, figsize=(12, 4 * len(presets)), squeeze=False)
     for (ax1, ax2), preset in zip(axes, presets):
@@ -656,14 +674,15 @@ def _plot(rows, curves, gpus, path):
         ax1.set_ylabel("tokens/s (all GPUs)")
         ax1.set_title(f"{preset}: throughput, same batch per GPU (labels: peak GiB per GPU)")
         ax1.legend()
-        for key, (many, ref) in curves.items():
+        for key, curve in curves.items():
             if not key.startswith(preset + "_"):
                 continue
-            line = ax2.plot(many, label=f"{key[len(preset) + 1:]}: {gpus} GPUs")[0]
-            ax2.plot(ref, "--", color=line.get_color(), label="1 GPU, same batches")
-        ax2.set_xlabel("step")
+            line = ax2.plot(curve["n_gpu"], label=f"{key[len(preset) + 1:]}: {gpus} GPUs")[0]
+            ax2.plot(curve["one_gpu_same_batches"], "--", color=line.get_color(), label="1 GPU, same batches")
+            ax2.plot(curve["one_gpu_repeat"], ":", color=line.get_color(), label="1 GPU again (another GPU)")
+        ax2.set_xlabel("step of the equivalence phase (constant lr)")
         ax2.set_ylabel("train loss (nats/token)")
-        ax2.set_title(f"{preset}: loss curves")
+        ax2.set_title(f"{preset}: equivalence phase, N GPUs vs 1 GPU twice")
         ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -677,10 +696,10 @@ def main():
     ap.add_argument("--presets", default="135m,1b", help="model presets, run one after the other")
     ap.add_argument("--batch-size", type=int, default=0, help="per GPU (0: the preset's, PRESET_DEFAULTS)")
     ap.add_argument("--seq-len", type=int, default=0, help="0: the preset's")
-    ap.add_argument("--steps", type=int, default=55, help="timed steps (after --warmup)")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.0, help="the timed run's peak lr (0: the preset's)")
-    ap.add_argument("--repeats", type=int, default=3,
+    ap.add_argument("--repeats", type=int, default=2,
                     help="interleaved N-GPU / 1-GPU launch pairs per preset; the scaling is their median "
                          "(a single pair moved +-0.1 between runs of the same code)")
     ap.add_argument("--equiv-steps", type=int, default=EQUIV_STEPS,
@@ -698,8 +717,10 @@ def main():
     ap.add_argument("--part-name", default="", help="write multi_gpu_part_<name>_<device>.json (fold with --merge)")
     ap.add_argument("--merge", nargs="+", default=None, help="part files to fold into multi_gpu_<device>.json")
     ap.add_argument("--sequential", action="store_true",
-                    help="run the 1-GPU baseline and the 1-GPU loss reference one after the other")
+                    help="run the 1-GPU launches one after the other (one 1-GPU baseline per timing pair)")
     ap.add_argument("--launch-timeout", type=float, default=540, help="seconds per torchrun launch")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="seconds for the whole driver (0: none): no timing pair starts that would likely end past it")
     ap.add_argument("--nccl-timeout", type=float, default=180, help="seconds before a stuck collective fails")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, tiny sizes")
     ap.add_argument("--inject-bug", choices=("grad_x2_rank0", "grad_sum", "skip_update_rank1"), default=None,
@@ -711,6 +732,7 @@ def main():
     ap.add_argument("--ckpt-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ckpt-world", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--grad-accum", type=int, default=1, help=argparse.SUPPRESS)  # the loss reference's micro-batches
+    ap.add_argument("--phase", choices=("equiv", "time"), default="time", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inject_bug and not args.smoke:
         ap.error("--inject-bug: test-only, allowed with --smoke alone (it would make a real run's result wrong)")
@@ -725,6 +747,7 @@ def main():
         args.equiv_steps = min(args.equiv_steps, 4)
         args.repeats = min(args.repeats, 2)  # the interleaving exercised, at CPU cost
         args.gpus = args.gpus or 2
+    args.deadline = time.time() + args.time_budget if args.time_budget and not args.worker else 0
     if args.merge:
         merge(args)
     elif args.worker:

@@ -19,6 +19,16 @@ run stays in its smooth regime (chosen per model size, a priori). Three things a
 - each parameter's update ``||w_K - w_0||``, to ``UPDATE_NORM_RTOL`` relative: a parameter (or one rank's
   shard of it) that the optimizer never updates has a smaller (or zero) update. AdamW's update magnitude is
   ~lr per element whatever the gradient's rounding noise, so its norm over a tensor is stable bit-noise-wise.
+
+The loss tolerance assumes the 1-process run reproduces itself far better than ``LOSS_TOL_NATS``. On a GPU it
+need not: flash attention's backward adds dQ with atomics (not bit-reproducible), and BitNet's ternary codes
+turn such last-bit differences into code flips that grow step by step (1b a4.8 on 2 H200s, 0525885: the
+2-rank losses left the 1-process ones by 0.073 nats at step 10, after 0.016 at step 9, while the gradient
+norms of steps 1-2 and every update norm agreed). ``compare(..., repeat=...)`` therefore takes a second
+1-process run of the same phase (same code, same batches, another GPU): its own largest loss gap from the
+first, the *run-to-run noise*, widens the loss tolerance to ``NOISE_FACTOR`` x that gap where it exceeds
+``LOSS_TOL_NATS``. The gradient-norm and update-norm checks, which catch the sharding bugs that matter, are
+judged as before.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ LOSS_TOL_NATS = 0.02  # bf16 reduction-order noise over a few smooth steps is ~1
 GRAD_NORM_RTOL = 0.05  # noise ~1e-3 relative; one rank's gradients x2 gives ~1.5x, a missed 1/N gives N x
 GRAD_NORM_STEPS = 2  # the steps whose gradient norm is judged (see the module docstring)
 UPDATE_NORM_RTOL = 0.10  # a shard not updated on one of 2 ranks shrinks the update norm to ~0.71x
+NOISE_FACTOR = 2.0  # the 2-rank run and a repeat are two draws of the same run-to-run spread around the reference
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -80,25 +91,42 @@ def _worst(diffs) -> float:
     return math.nan if any(d != d for d in diffs) else max(diffs, default=0.0)
 
 
-def compare(many: dict, ref: dict, *, loss_tol: float = LOSS_TOL_NATS, grad_rtol: float = GRAD_NORM_RTOL,
-            update_rtol: float = UPDATE_NORM_RTOL) -> dict:
+def _check_same_phase(name: str, rec: dict, ref: dict) -> None:
+    _check_record(name, rec)
+    if len(rec["losses"]) != len(ref["losses"]):
+        raise ValueError(f"{name}: {len(rec['losses'])} steps, ref: {len(ref['losses'])}; expected the same phase")
+    if set(rec["update_norms"]) != set(ref["update_norms"]):
+        odd = sorted(set(rec["update_norms"]) ^ set(ref["update_norms"]))[:5]
+        raise ValueError(f"{name}: trainable parameters differ from ref's (e.g. {odd})")
+
+
+def _loss_gap(rec: dict, ref: dict) -> float:
+    return _worst(abs(a - b) for a, b in zip(rec["losses"], ref["losses"]))
+
+
+def compare(many: dict, ref: dict, *, repeat: dict | None = None, loss_tol: float = LOSS_TOL_NATS,
+            grad_rtol: float = GRAD_NORM_RTOL, update_rtol: float = UPDATE_NORM_RTOL) -> dict:
     """The N-rank record against the 1-process record of the same phase: the largest differences (the gradient
     norm's over the first ``GRAD_NORM_STEPS`` steps, and over all steps for information), the worst parameter,
-    and ``ok`` (every judged one within its tolerance; a NaN anywhere judged is not ok)."""
-    _check_record("many", many)
+    and ``ok`` (every judged one within its tolerance; a NaN anywhere judged is not ok). ``repeat``: a second
+    1-process record of the same phase; the loss tolerance is then ``max(loss_tol, NOISE_FACTOR x`` its loss gap
+    from ``ref``) (the module docstring says why), and ``loss_noise`` / ``loss_tol`` report both."""
     _check_record("ref", ref)
-    if len(many["losses"]) != len(ref["losses"]):
-        raise ValueError(f"many: {len(many['losses'])} steps, ref: {len(ref['losses'])}; expected the same phase")
-    if set(many["update_norms"]) != set(ref["update_norms"]):
-        odd = sorted(set(many["update_norms"]) ^ set(ref["update_norms"]))[:5]
-        raise ValueError(f"many: trainable parameters differ from ref's (e.g. {odd})")
-    loss = _worst(abs(a - b) for a, b in zip(many["losses"], ref["losses"]))
+    _check_same_phase("many", many, ref)
+    noise = 0.0
+    if repeat is not None:
+        _check_same_phase("repeat", repeat, ref)
+        noise = _loss_gap(repeat, ref)
+        if noise != noise:
+            raise ValueError("repeat: a NaN loss; a repeat that does not run cleanly cannot measure the noise")
+        loss_tol = max(loss_tol, NOISE_FACTOR * noise)
+    loss = _loss_gap(many, ref)
     grad_all = [_rel(a, b) for a, b in zip(many["grad_norms"], ref["grad_norms"])]
     grad = _worst(grad_all[:GRAD_NORM_STEPS])
     upd = {n: _rel(many["update_norms"][n], ref["update_norms"][n]) for n in ref["update_norms"]}
     upd_max = _worst(upd.values())
     worst = next((n for n, d in upd.items() if d == upd_max or d != d), None) if upd else None
     ok = loss <= loss_tol and grad <= grad_rtol and upd_max <= update_rtol  # False for NaN
-    return {"loss_max_abs_diff": loss, "grad_norm_max_rel_diff": grad,
+    return {"loss_max_abs_diff": loss, "loss_noise": noise, "loss_tol": loss_tol, "grad_norm_max_rel_diff": grad,
             "grad_norm_max_rel_diff_all_steps": _worst(grad_all), "update_norm_max_rel_diff": upd_max,
             "worst_parameter": worst, "steps": len(ref["losses"]), "ok": bool(ok)}
