@@ -16,15 +16,19 @@ Per preset, torchrun launches that each run every recipe in turn (one start-up, 
    and bf16 gradient roundings, which BitNet's codes amplify otherwise; parallel/NOTES.md, issue #33). The
    second copy is the same code on another GPU: its gap from the first is the comparison's noise floor
    (flash attention's backward is not bit-reproducible on the GPU);
-2. --repeats R (2) timing pairs: N GPUs x b, then at once one 1-GPU x b run per GPU. The baselines run under
-   the same host and box load as the N-GPU job (every GPU busy), and no timed process runs anything before its
-   timed steps (at 0525885 the first of two pairs, whose N-GPU launch also ran the equivalence phase and whose
-   1-GPU launch shared the host with the reference, was lower in every recipe: spreads up to 0.5).
-Scaling = N-GPU tokens/s over N x the mean 1-GPU tokens/s of the same pair; the median pair, spread beside it.
-Defaults: 50 timed steps after 5 warm-up, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
+2. one timing launch: in the same N processes, the N-rank job (b rows per rank) and, per rank, a 1-GPU job of
+   its own (a copy of the model on a mesh of that rank alone, b rows), timed in alternating blocks of
+   --block-steps (10) steps, ABBA order. Every GPU runs a 1-GPU job at once, so both sides see the same host,
+   the same box and the same drift (at 0525885 and 3ad1858, with separate launches per side, throughput of
+   every recipe moved 20-35% between launches a minute apart, and pairs of launches gave scalings 0.69-0.98
+   for the same code).
+Scaling of block pair i = N-rank tokens/s over N x the mean of the ranks' 1-GPU tokens/s in that pair; the
+median pair, spread beside it. Peak GiB per GPU: one extra step of the equivalence launches (N ranks; the
+1-GPU reference, whose N micro-batches of b rows hold what one of b rows does).
+Defaults: 50 timed steps after 5 warm-up per side, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
 
-Budget (10-minute calls): one preset per call (at 0525885 four launches took 379 s at 135m, 397 s at 1b; the
-two equivalence launches are shorter than a timing launch). Fold the parts afterwards:
+Budget (10-minute calls): one preset per call (3 launches; at 3ad1858 six launches of the 135m preset took ~330
+s). Fold the parts afterwards:
 
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 135m --part-name 135m --profile --checkpoint-check
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 1b --part-name 1b --profile
@@ -188,8 +192,9 @@ def _inject_bug(bug, model, trainer, rank, world):
         trainer.optimizer.register_step_pre_hook(drop)
 
 
-def _trainer(args, recipe, base, device, world, rank, data, cfg):
-    """A fresh copy of the base model with the recipe's loss and conversion, sharded, in a Trainer."""
+def _trainer(args, recipe, base, device, world, rank, data, cfg, mesh=None):
+    """A fresh copy of the base model with the recipe's loss and conversion, sharded over ``mesh`` (default: all
+    ranks), in a Trainer."""
     import copy
 
     from thrifty import parallel
@@ -203,10 +208,10 @@ def _trainer(args, recipe, base, device, world, rank, data, cfg):
         model.set_loss(functools.partial(lm_loss, impl=loss_impl))
     if convert is not None:
         model = convert(model) or model
-    parallel.shard_model(model, prefetch=args.prefetch, block_units=args.block_units,
+    parallel.shard_model(model, mesh, prefetch=args.prefetch, block_units=args.block_units,
                          blocks_per_unit=_blocks_per_unit(args.blocks_per_unit))
     trainer = Trainer(model, data, None, cfg)
-    if args.inject_bug and world > 1:
+    if args.inject_bug and world > 1 and mesh is None:
         _inject_bug(args.inject_bug, model, trainer, rank, world)
     return trainer
 
@@ -237,7 +242,7 @@ def _equivalence_launch(args, recipe, base, device, rank, world, data):
     one step under torch.profiler (untimed, after the recorded steps)."""
     record, trainer = _equivalence_phase(args, recipe, base, device, world, rank, data)
     part = {"recipe": recipe, "preset": args.preset, "gpus": world, "grad_accum": args.grad_accum,
-            "equivalence": record}
+            "equivalence": record, "peak_gib_per_gpu": _steady_peak_gib(trainer, device, world)}
     if world > 1:
         from thrifty.parallel.profiling import CollectiveCounter
 
@@ -261,41 +266,86 @@ def _equivalence_launch(args, recipe, base, device, rank, world, data):
     return part
 
 
-def _timed_launch(args, recipe, base, device, rank, world, data, source):
-    """--phase time: the timed run alone (nothing else in the process before it): tokens/s, step time, peak."""
+def _steady_peak_gib(trainer, device, world):
+    """Peak GiB per rank of one more (untimed) step, every allocation of the run already made: the peak of
+    training at this size. The 1-GPU reference's step of N micro-batches of b rows holds what one of b rows does
+    (one micro-batch's activations at a time, the same gradient buffers)."""
+    if device.type != "cuda":
+        return [float("nan")] * world
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train_step()
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=device)
+    peaks = torch.empty(world, device=device)
+    torch.distributed.all_gather_into_tensor(peaks, peak)
+    return [float(p) for p in peaks.cpu()]
+
+
+def _timed_steps(trainer, n):
+    """n steps, each timed on the host; a step ends with the loss's all-reduce (a host sync)."""
+    times, losses = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        row = trainer.train_step()
+        times.append(time.perf_counter() - t0)
+        losses.append(row["loss"])
+    return times, losses
+
+
+def _timed_launch(args, recipe, base, device, rank, world, data, source, solo):
+    """--phase time: the N-rank job and, in the same processes, a 1-GPU job per rank (its own copy of the model
+    on a mesh of this rank alone: every GPU runs one, at once), timed in alternating blocks of --block-steps
+    steps after --warmup steps each. Both sides see the same host, the same box and the same drift; the scaling
+    of block pair i is the N-rank tokens/s over N x the mean of the ranks' 1-GPU tokens/s in that pair."""
     from thrifty.train import TrainConfig
 
     total = args.warmup + args.steps
     cfg = TrainConfig(steps=total, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      warmup_steps=max(1, total // 4), seed=0, grad_accum=args.grad_accum)
-    trainer = _trainer(args, recipe, base, device, world, rank, data, cfg)
-    model = trainer.model
-    cuda = device.type == "cuda"
-    losses, step_s = [], []
-    for i in range(cfg.steps):
-        if cuda and i == args.warmup:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        row = trainer.train_step()  # ends with the all-reduce of the loss: a host sync on every rank
-        step_s.append(time.perf_counter() - t0)
-        losses.append(row["loss"])
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")], device=device)
-    peaks = torch.empty(world, device=device)
-    torch.distributed.all_gather_into_tensor(peaks, peak)
-    steady = step_s[args.warmup:]
+                      warmup_steps=max(1, total // 4), seed=0)
+    jobs = {"many": _trainer(args, recipe, base, device, world, rank, data, cfg)}
+    jobs["one"] = _trainer(args, recipe, base, device, world, rank, data, cfg, mesh=solo)
+    for trainer in jobs.values():
+        _timed_steps(trainer, args.warmup)
+    blocks = {k: [] for k in jobs}  # per block: the median step seconds
+    losses = {k: [] for k in jobs}
+    done = 0
+    while done < args.steps:
+        n = min(args.block_steps, args.steps - done)
+        order = list(jobs) if len(blocks["many"]) % 2 == 0 else list(jobs)[::-1]  # ABBA: a drift cancels
+        for name in order:
+            torch.distributed.barrier()
+            times, loss = _timed_steps(jobs[name], n)
+            blocks[name].append(statistics.median(times))
+            losses[name] += loss
+        done += n
+    mine = torch.tensor(blocks["one"], device=device, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    torch.distributed.all_gather(every, mine)  # each rank's 1-GPU block medians
+    tokens = args.batch_size * args.seq_len
+    one_tps = [[tokens / float(t[i]) for t in every] for i in range(len(blocks["one"]))]
+    many_tps = [world * tokens / t for t in blocks["many"]]
+    model = jobs["many"].model
     return {"recipe": recipe, "preset": args.preset, "gpus": world, "batch_per_gpu": args.batch_size,
-            "grad_accum": args.grad_accum, "seq_len": args.seq_len,
-            "tokens_per_s": world * args.grad_accum * args.batch_size * args.seq_len / statistics.median(steady),
-            "step_ms_median": 1e3 * statistics.median(steady), "peak_gib_per_gpu": [float(p) for p in peaks.cpu()],
-            "losses": losses, "data": source, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-            "timed_steps": len(steady), "prefetch": args.prefetch, "block_units": args.block_units,
-            "blocks_per_unit": args.blocks_per_unit, "lr": args.lr}
+            "seq_len": args.seq_len, "block_steps": args.block_steps, "timed_steps": done,
+            "tokens_per_s_n_gpu_blocks": many_tps, "tokens_per_s_1gpu_blocks": one_tps,
+            "scaling_blocks": [m / (world * statistics.fmean(o)) for m, o in zip(many_tps, one_tps)],
+            "losses_n_gpu": losses["many"], "losses_1gpu_rank0": losses["one"], "data": source,
+            "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "prefetch": args.prefetch,
+            "block_units": args.block_units, "blocks_per_unit": args.blocks_per_unit, "lr": args.lr}
 
 
-def _one_recipe(args, recipe, base, device, rank, world, data, source):
+def _one_recipe(args, recipe, base, device, rank, world, data, source, solo):
     if args.phase == "equiv":
         return _equivalence_launch(args, recipe, base, device, rank, world, data)
-    return _timed_launch(args, recipe, base, device, rank, world, data, source)
+    return _timed_launch(args, recipe, base, device, rank, world, data, source, solo)
+
+
+def _solo_mesh(device, rank, world):
+    """A mesh of this rank alone (the 1-GPU job beside the N-rank one); every rank takes part in creating
+    every group, as torch.distributed requires."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    groups = [torch.distributed.new_group([r]) for r in range(world)]
+    return DeviceMesh.from_group(groups[rank], device.type)
 
 
 def worker(args) -> None:
@@ -312,10 +362,11 @@ def worker(args) -> None:
     cfg_model = preset(args.preset)
     base = LlamaForCausalLM(cfg_model).init_weights(seed=0)  # once per launch, on the CPU; copied per recipe
     data, source = _data(args, cfg_model.vocab_size)
+    solo = _solo_mesh(device, rank, world) if args.phase == "time" else None
     parts = {}
     for recipe in args.recipes.split(","):
         try:
-            parts[recipe] = _one_recipe(args, recipe, base, device, rank, world, data, source)
+            parts[recipe] = _one_recipe(args, recipe, base, device, rank, world, data, source, solo)
         except Exception as err:  # an OOM, a recipe whose API is missing ...: the next recipe still runs
             parts[recipe] = {"recipe": recipe, "error": f"{type(err).__name__}: {err}"}
             print(f"[rank {rank}] {recipe}: {parts[recipe]['error']}", flush=True)
@@ -382,7 +433,7 @@ def _cmd(args, gpus, batch, part, recipes, extra=()):
            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--lr", str(args.lr), "--part", str(part), "--prefetch", str(args.prefetch),
            "--nccl-timeout", str(args.nccl_timeout), "--equiv-steps", str(args.equiv_steps),
-           "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units, "--repeats", str(args.repeats),
+           "--equiv-lr", str(args.equiv_lr), "--block-units", args.block_units, "--block-steps", str(args.block_steps),
            "--blocks-per-unit", args.blocks_per_unit, "--phase", args.phase] + \
         (["--smoke"] if args.smoke else []) + (["--profile"] if args.profile else []) + \
         (["--inject-bug", args.inject_bug] if args.inject_bug else []) + list(extra)
@@ -414,31 +465,23 @@ def _launch_all(args, jobs):
 
 
 def _run_preset(args, gpus, tmp):
-    """The launches of one preset -> {recipe: {"many_eq", "refs_eq": [...], "manys": [...], "ones": [[...], ...]}}
-    or error strings. First the equivalence launches: N GPUs (with --profile, and the bytes of one step), then
-    the 1-GPU loss reference (--grad-accum N) twice at once, on GPU 0 and GPU 1: the second run of the same code
-    measures the run-to-run noise the comparison has to live with. Then --repeats R timing pairs, each an
-    N-GPU launch and N 1-GPU launches at once, one per GPU: the 1-GPU baseline runs under the same load of the
-    host and of the box (every GPU busy) as the N-GPU job, so the ratio keeps only what sharding costs. No
-    timed process runs anything before its timed steps. --sequential / --smoke: the 1-GPU launches one by one
-    (one baseline per pair)."""
+    """The launches of one preset -> {recipe: {"timing", "equivalence": [N-GPU, 1-GPU, 1-GPU again], "peaks",
+    "comm_per_step", "profile"}} or error strings. First the equivalence launches: N GPUs (with --profile, and
+    the bytes of one step), then the 1-GPU loss reference (--grad-accum N) twice at once, on GPU 0 and GPU 1
+    (one by one off CUDA): the second run of the same code measures the run-to-run noise the comparison has to
+    live with. Then one timing launch: the N-rank job and a 1-GPU job per rank in alternating blocks
+    (_timed_launch)."""
     b = args.batch_size
     runnable = [r for r in args.recipes.split(",") if not _recipe_missing(r)]
     out = {r: {"error": _recipe_missing(r)} for r in args.recipes.split(",") if _recipe_missing(r)}
     if not runnable:
-        return out, False
+        return out
     rec = ",".join(runnable)
-    repeats = max(1, args.repeats)
-    concurrent = torch.cuda.is_available() and gpus >= 2 and not args.sequential and not args.smoke
-    baselines = gpus if concurrent else 1
+    concurrent = torch.cuda.is_available() and gpus >= 2 and not args.smoke
     equiv = argparse.Namespace(**{**vars(args), "phase": "equiv"})
-    timing = argparse.Namespace(**{**vars(args), "phase": "time", "profile": False})
-    files = {"many_eq": tmp / f"{args.preset}_many_eq.json"}
-    files.update({f"ref{g}": tmp / f"{args.preset}_ref{g}.json" for g in range(2)})
-    for i in range(repeats):
-        files[f"many{i}"] = tmp / f"{args.preset}_many{i}.json"
-        files.update({f"one{i}_{g}": tmp / f"{args.preset}_one{i}_{g}.json" for g in range(baselines)})
     ref_args = argparse.Namespace(**{**vars(equiv), "profile": False})
+    timing = argparse.Namespace(**{**vars(args), "phase": "time", "profile": False})
+    files = {k: tmp / f"{args.preset}_{k}.json" for k in ("many_eq", "ref0", "ref1", "timing")}
     refs = [(_cmd(ref_args, 1, b, files[f"ref{g}"], rec, ["--grad-accum", str(gpus)]),
              str(g) if concurrent else None) for g in range(2)]
     try:
@@ -446,36 +489,21 @@ def _run_preset(args, gpus, tmp):
             _launch_all(args, [(_cmd(equiv, gpus, b, files["many_eq"], rec), None)])
             for group in ([refs] if concurrent else [[r] for r in refs]):
                 _launch_all(args, group)
-        for i in range(repeats):
-            t0 = time.perf_counter()
-            _launch_all(args, [(_cmd(timing, gpus, b, files[f"many{i}"], rec), None)])
-            _launch_all(args, [(_cmd(timing, 1, b, files[f"one{i}_{g}"], rec), str(g) if concurrent else None)
-                               for g in range(baselines)])
-            if args.deadline and time.time() + (time.perf_counter() - t0) > args.deadline and i + 1 < repeats:
-                print(f"{args.preset}: stopping after {i + 1} timing pair(s): another would pass --time-budget",
-                      flush=True)
-                break
+        _launch_all(args, [(_cmd(timing, gpus, b, files["timing"], rec), None)])
     except Exception as err:  # keep whatever parts were written
         print(f"{args.preset}: {type(err).__name__}: {err}", flush=True)
     got = {k: json.loads(f.read_text()) if f.is_file() else {} for k, f in files.items()}
     for r in runnable:
         runs = {k: got[k].get(r, {"error": "no result (launch failed or timed out)"}) for k in files}
-        pairs = [([runs[f"one{i}_{g}"] for g in range(baselines)], runs[f"many{i}"]) for i in range(repeats)]
-        pairs = [(o, m) for o, m in pairs if "error" not in m and not any("error" in x for x in o)]
-        if not pairs:
-            bad = {f"{k}: {v['error']}" for k, v in runs.items() if "error" in v}
-            out[r] = {"error": "; ".join(sorted(bad)) or "no timing pair"}
+        if "error" in runs["timing"]:
+            out[r] = {"error": f"timing: {runs['timing']['error']}"}
             continue
         eq = [runs["many_eq"], runs["ref0"], runs["ref1"]]
-        out[r] = {"ones": [o for o, _ in pairs], "manys": [m for _, m in pairs],
-                  "equivalence": None if any("error" in x for x in eq) else [x["equivalence"] for x in eq],
+        ok = not any("error" in x for x in eq)
+        out[r] = {"timing": runs["timing"], "equivalence": [x["equivalence"] for x in eq] if ok else None,
+                  "peaks": (runs["ref0"]["peak_gib_per_gpu"], runs["many_eq"]["peak_gib_per_gpu"]) if ok else None,
                   "comm_per_step": runs["many_eq"].get("comm_per_step"), "profile": runs["many_eq"].get("profile")}
-    return out, concurrent
-
-
-def _mean_tokens(ones):
-    """The 1-GPU throughput of one pair: the mean over the baselines that ran at once (one per GPU)."""
-    return statistics.fmean(o["tokens_per_s"] for o in ones)
+    return out
 
 
 def _fold(preset, results, gpus, rows, summary, curves, extra):
@@ -483,30 +511,26 @@ def _fold(preset, results, gpus, rows, summary, curves, extra):
         if "error" in res:
             rows.append({"preset": preset, "recipe": recipe, "error": res["error"]})
             continue
-        key = f"{preset}_{recipe}"
-        ones, manys = res["ones"], res["manys"]
-        first_one, first_many = ones[0][0], manys[0]
-        one_tps = [_mean_tokens(o) for o in ones]
-        for run, label, tps, steps in (
-                (first_one, "1 GPU", one_tps, [statistics.fmean(x["step_ms_median"] for x in o) for o in ones]),
-                (first_many, f"{gpus} GPUs", [m["tokens_per_s"] for m in manys], [m["step_ms_median"] for m in manys])):
-            peaks = [p for o in (ones if run is first_one else [[m] for m in manys]) for x in o
-                     for p in x["peak_gib_per_gpu"]]
-            rows.append({"preset": preset, "recipe": recipe, "run": label, "gpus": run["gpus"],
-                         "batch_per_gpu": run["batch_per_gpu"], "tokens_per_s": statistics.median(tps),
-                         "step_ms": statistics.median(steps), "repeats": len(tps), "peak_gib_per_gpu": max(peaks),
-                         "final_loss": run["losses"][-1], "timed_steps": run["timed_steps"], "data": run["data"],
-                         "params_m": run["params_m"]})
-        scalings = [m["tokens_per_s"] / (gpus * t) for t, m in zip(one_tps, manys)]
-        summary[f"{key}_scaling_efficiency_{gpus}gpu"] = statistics.median(scalings)  # of the interleaved pairs
+        key, t = f"{preset}_{recipe}", res["timing"]
+        one_tps = [statistics.fmean(o) for o in t["tokens_per_s_1gpu_blocks"]]
+        many_tps = t["tokens_per_s_n_gpu_blocks"]
+        peaks = res["peaks"] or ([float("nan")], [float("nan")])
+        for label, n, tps, peak in (("1 GPU", 1, one_tps, peaks[0]), (f"{gpus} GPUs", gpus, many_tps, peaks[1])):
+            rows.append({"preset": preset, "recipe": recipe, "run": label, "gpus": n,
+                         "batch_per_gpu": t["batch_per_gpu"], "tokens_per_s": statistics.median(tps),
+                         "step_ms": 1e3 * n * t["batch_per_gpu"] * t["seq_len"] / statistics.median(tps),
+                         "blocks": len(tps), "peak_gib_per_gpu": max(peak), "timed_steps": t["timed_steps"],
+                         "data": t["data"], "params_m": t["params_m"]})
+        scalings = t["scaling_blocks"]
+        summary[f"{key}_scaling_efficiency_{gpus}gpu"] = statistics.median(scalings)  # of the block pairs
         summary[f"{key}_scaling_efficiency_{gpus}gpu_spread"] = max(scalings) - min(scalings)
-        summary[f"{key}_scaling_efficiency_{gpus}gpu_repeats"] = len(scalings)
-        extra.setdefault("scaling_runs", {})[key] = {"scaling": scalings, "tokens_per_s_1gpu_each": [
-            [x["tokens_per_s"] for x in o] for o in ones], "tokens_per_s_n_gpu": [m["tokens_per_s"] for m in manys]}
+        summary[f"{key}_scaling_efficiency_{gpus}gpu_blocks"] = len(scalings)
+        extra.setdefault("scaling_runs", {})[key] = {
+            "scaling": scalings, "tokens_per_s_1gpu_each": t["tokens_per_s_1gpu_blocks"],
+            "tokens_per_s_n_gpu": many_tps, "block_steps": t["block_steps"]}
         summary[f"{key}_tokens_per_s_1gpu"] = statistics.median(one_tps)
-        summary[f"{key}_tokens_per_s_{gpus}gpu"] = statistics.median(m["tokens_per_s"] for m in manys)
-        p1 = max(p for o in ones for x in o for p in x["peak_gib_per_gpu"])
-        pn = max(p for m in manys for p in m["peak_gib_per_gpu"])
+        summary[f"{key}_tokens_per_s_{gpus}gpu"] = statistics.median(many_tps)
+        p1, pn = max(peaks[0]), max(peaks[1])
         summary[f"{key}_peak_gib_per_gpu_1gpu"] = p1
         summary[f"{key}_peak_gib_per_gpu_{gpus}gpu"] = pn
         summary[f"{key}_peak_reduction_gib"] = p1 - pn
@@ -602,10 +626,10 @@ def driver(args) -> None:
                                    "seq_len": args.seq_len or t, "lr": args.lr or lr,
                                    "equiv_lr": args.equiv_lr or equiv_lr})
         t0 = time.perf_counter()
-        results, concurrent = _run_preset(pa, gpus, tmp)
+        results = _run_preset(pa, gpus, tmp)
         extra["presets"][preset] = {"batch_per_gpu": pa.batch_size, "seq_len": pa.seq_len, "lr": pa.lr,
                                     "equiv_lr": pa.equiv_lr, "equiv_steps": pa.equiv_steps,
-                                    "wall_s": time.perf_counter() - t0, "baseline_concurrent_with_reference": concurrent}
+                                    "wall_s": time.perf_counter() - t0}
         _fold(preset, results, gpus, rows, summary, curves, extra)
         _finalize(summary, gpus)
         path = _write(args, gpus, rows, summary, curves, extra, name)  # after every preset: a timeout keeps these
@@ -699,9 +723,8 @@ def main():
     ap.add_argument("--steps", type=int, default=50, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.0, help="the timed run's peak lr (0: the preset's)")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="interleaved N-GPU / 1-GPU launch pairs per preset; the scaling is their median "
-                         "(a single pair moved +-0.1 between runs of the same code)")
+    ap.add_argument("--block-steps", type=int, default=10,
+                    help="timed steps per block; N-GPU and 1-GPU blocks alternate, the scaling is the median pair")
     ap.add_argument("--equiv-steps", type=int, default=EQUIV_STEPS,
                     help="steps of the equivalence phase that decides loss_match (0: none)")
     ap.add_argument("--equiv-lr", type=float, default=0.0, help="its constant lr (0: the preset's)")
@@ -716,11 +739,7 @@ def main():
                     help="save a sharded checkpoint on N ranks, load it in 1 process: checkpoint_2to1_ok")
     ap.add_argument("--part-name", default="", help="write multi_gpu_part_<name>_<device>.json (fold with --merge)")
     ap.add_argument("--merge", nargs="+", default=None, help="part files to fold into multi_gpu_<device>.json")
-    ap.add_argument("--sequential", action="store_true",
-                    help="run the 1-GPU launches one after the other (one 1-GPU baseline per timing pair)")
     ap.add_argument("--launch-timeout", type=float, default=540, help="seconds per torchrun launch")
-    ap.add_argument("--time-budget", type=float, default=0,
-                    help="seconds for the whole driver (0: none): no timing pair starts that would likely end past it")
     ap.add_argument("--nccl-timeout", type=float, default=180, help="seconds before a stuck collective fails")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 processes, tiny sizes")
     ap.add_argument("--inject-bug", choices=("grad_x2_rank0", "grad_sum", "skip_update_rank1"), default=None,
@@ -738,16 +757,15 @@ def main():
         ap.error("--inject-bug: test-only, allowed with --smoke alone (it would make a real run's result wrong)")
     if args.blocks_per_unit != "auto" and not (args.blocks_per_unit.isdigit() and int(args.blocks_per_unit) >= 1):
         ap.error(f"--blocks-per-unit: expected auto or an int >= 1, got {args.blocks_per_unit!r}")
-    if args.repeats < 1:
-        ap.error(f"--repeats: expected 1 or more, got {args.repeats}")
+    if args.block_steps < 1:
+        ap.error(f"--block-steps: expected 1 or more, got {args.block_steps}")
     if args.equiv_steps < 0:
         ap.error(f"--equiv-steps: expected 0 or more, got {args.equiv_steps}")
     if args.smoke and not args.worker:
         args.presets, args.steps, args.warmup = "tiny", 4, 1
         args.equiv_steps = min(args.equiv_steps, 4)
-        args.repeats = min(args.repeats, 2)  # the interleaving exercised, at CPU cost
+        args.block_steps = min(args.block_steps, 2)  # two block pairs: the alternation exercised
         args.gpus = args.gpus or 2
-    args.deadline = time.time() + args.time_budget if args.time_budget and not args.worker else 0
     if args.merge:
         merge(args)
     elif args.worker:
