@@ -193,9 +193,9 @@ def _attention_gluon():
 def _attention_decode():
     """decode_kernel.decode_forward_triton (split + combine) and append_triton, for 1–16 query rows and every
     cache width (packed 8/4/3-bit codes; the 3-bit mode reads its first-token plane)."""
-    from thrifty.attention import decode_kernel as K
-    from thrifty.attention.decode import DECODE_HEAD_DIMS
-    from thrifty.attention.kv_cache import CACHE_BITS
+    from thrifty.kv import decode_kernel as K
+    from thrifty.kv.decode import DECODE_HEAD_DIMS
+    from thrifty.kv.quantized import CACHE_BITS
 
     cfg = K.DECODE_CONFIG
     assert K.decode_config() is cfg

@@ -1,4 +1,4 @@
-"""Split-K decode attention over a :class:`~thrifty.attention.kv_cache.QuantizedKV` (packed unsigned 8/4/3-bit
+"""Split-K decode attention over a :class:`~thrifty.kv.QuantizedKV` (packed unsigned 8/4/3-bit
 codes, per-token scales): for queries of 1–16 rows, where the prefill kernel (64-row tiles, a K/V pre-pass every
 call) is the wrong tool.
 
@@ -32,16 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import FastLauncher, mma
-from .quant_kernel import INTERPRET, LOG2E, _finite_or_zero, cdiv, launch_with
+from ..triton_utils import LOG2E, FastLauncher, cdiv, finite_or_zero, interpreting, launch_with, mma
 
-if TYPE_CHECKING:  # annotations only: kv_cache imports this module to append with the kernel
-    from .kv_cache import QuantizedKV
+if TYPE_CHECKING:  # annotations only: quantized imports this module to append with the kernel
+    from .quantized import QuantizedKV
+
+INTERPRET = interpreting()  # fixed at import, like the kernels' jitting
 
 
 @triton.jit
 def _field(rows, d, mask, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One bit field of packed rows (kv_cache layout): channel d sits in byte OFFSET + d % n of its row
+    """One bit field of packed rows (quantized.py layout): channel d sits in byte OFFSET + d % n of its row
     (n = HEAD_DIM·WIDTH/8 bytes per field) at bit shift WIDTH·(d // n). ``rows``: pointers to the rows,
     broadcast against the channel indices ``d``."""
     n = HEAD_DIM * WIDTH // 8
@@ -51,7 +52,7 @@ def _field(rows, d, mask, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: t
 
 @triton.jit
 def _load_codes(rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """int32 codes of channels d from packed rows: the fields of kv_cache.FIELDS (8: one; 4: one; 3: 2 + 1)."""
+    """int32 codes of channels d from packed rows: the fields of quantized.FIELDS (8: one; 4: one; 3: 2 + 1)."""
     if BITS == 3:
         codes = _field(rows, d, mask, 0, 2, HEAD_DIM) | (_field(rows, d, mask, HEAD_DIM // 4, 1, HEAD_DIM) << 2)
     else:
@@ -62,7 +63,7 @@ def _load_codes(rows, d, mask, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
 @triton.jit
 def _centred(codes, cols, sink_row, d, start, AXIS: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """fp16 (code − zero point) of a tile of codes whose tokens ``cols`` run along AXIS. In the 3-bit mode the
-    first token's 4th bit comes from its plane ``sink_row`` and its zero point is 7.5 (kv_cache: first token at
+    first token's 4th bit comes from its plane ``sink_row`` and its zero point is 7.5 (quantized.py: first token at
     4 bits); only the tile starting at token 0 loads it."""
     half = ((1 << BITS) - 1) * 0.5
     zero = tl.full(cols.shape, half, tl.float32)
@@ -93,10 +94,10 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Ksink, Vsink, Part, ML,
     q_ptr = Q + b.to(tl.int64) * s_qb + (hkv * G + g)[:, None] * s_qh + i[:, None] * s_qs + d[None, :] * s_qd
     q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
     # NaN in -> NaN out (the rule of reference.nonfinite_rows): a row whose query holds NaN/inf, or that sees
-    # a token the cache marks non-finite (NaN scale, see kv_cache.quantize_per_token), is NaN; everything
+    # a token the cache marks non-finite (NaN scale, see quantized.quantize_per_token), is NaN; everything
     # else is computed with those values as zeros, so the other rows are unaffected
     row_bad = tl.max(tl.where(tl.abs(q) < float("inf"), 0, 1), axis=1)
-    q = (_finite_or_zero(q) * qk_scale).to(tl.float16)
+    q = (finite_or_zero(q) * qk_scale).to(tl.float16)
     last_key = L - Sq + i  # causal: query i sees keys ≤ L − Sq + i
     k_base = K + b.to(tl.int64) * c_b + hkv * c_h
     v_base = V + b.to(tl.int64) * c_b + hkv * c_h
@@ -118,7 +119,7 @@ def _decode_split_kernel(Q, K, Ks, V, Vs, Ksink, Vsink, Part, ML,
         ks = tl.load(ks_base + cols, mask=col_ok, other=0.0)
         vs = tl.load(vs_base + cols, mask=col_ok, other=0.0)
         col_finite = (tl.abs(ks) < float("inf")) & (tl.abs(vs) < float("inf"))
-        ks, vs = _finite_or_zero(ks), _finite_or_zero(vs)
+        ks, vs = finite_or_zero(ks), finite_or_zero(vs)
         s = mma(q, k, tl.zeros((ROWS, BLOCK_N), tl.float32)) * ks[None, :]
         keep = col_ok[None, :]
         if CAUSAL:
@@ -210,7 +211,7 @@ def decode_forward_triton(q: torch.Tensor, cache: QuantizedKV, *, causal: bool, 
     out = torch.empty_like(q)
     spec = FastLauncher._spec
     sig = (q.shape, q.stride(), q.dtype, q.data_ptr() % 16, cache.k.shape, cache.k.stride(), cache.k_scale.stride(),
-           causal, spec(L), spec(chunk), spec(n_split), spec(Sq), cfg["block_n"], cache.bits)  # see sage_forward_triton
+           causal, spec(L), spec(chunk), spec(n_split), spec(Sq), cfg["block_n"], cache.bits)  # see FastLauncher.keyed
     launch_with(_SPLIT_LAUNCH, sig, (B * H_kv, n_split),
         q, cache.k, cache.k_scale, cache.v, cache.v_scale, k_sink, v_sink, part, ml,
         *q.stride(), *cache.k.stride()[:3], *cache.k_scale.stride()[:2], *k_sink.stride()[:2],
@@ -241,17 +242,17 @@ def _store_field(row, codes, OFFSET: tl.constexpr, WIDTH: tl.constexpr, SHIFT: t
 def _append_kernel(X, Codes, Scale, Sink, s_xb, s_xh, s_xs, s_xd, c_b, c_h, c_s, cs_b, cs_h, sk_b, sk_h, H_KV,
                    start, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Program (b·Hkv + h, i): token i of the new ones → packed codes and its scale at slot start + i, on the
-    unsigned absmax grid of kv_cache.quantize_per_token (same operations, same bits)."""
+    unsigned absmax grid of quantized.quantize_per_token (same operations, same bits)."""
     pid_bh, i = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H_KV, pid_bh % H_KV
     d = tl.arange(0, HEAD_DIM)
     x = tl.load(X + b.to(tl.int64) * s_xb + h * s_xh + i * s_xs + d * s_xd).to(tl.float32)
     bad = tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=0)
-    x = _finite_or_zero(x)  # as quantize_per_token: codes of the finite values, a NaN scale marks the token
+    x = finite_or_zero(x)  # as quantize_per_token: codes of the finite values, a NaN scale marks the token
     slot = start + i
     top = (1 << BITS) - 1
     if BITS == 3:
-        top = tl.where(slot == 0, 15, top)  # the first token at 4 bits (kv_cache.SINK_BITS)
+        top = tl.where(slot == 0, 15, top)  # the first token at 4 bits (quantized.SINK_BITS)
     half = top * 0.5
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / half, 1e-12)
     y = x / scale + (half + 0.5)  # ≥ 0 up to rounding: truncation is floor once clamped at 0
