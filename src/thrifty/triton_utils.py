@@ -12,6 +12,7 @@ The interpreter is chosen when ``triton.jit`` runs, i.e. when a kernel module is
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,6 +32,14 @@ LOG2E = 1.4426950408889634  # kernels run their softmax in base 2: exp(x) = 2^(x
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int | None) -> int:
+    """Streaming multiprocessors of the device (132 on the H100 SXM; the CPU/interpreter assumes that)."""
+    if device_index is None or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def kernels_available(device: torch.device | str) -> bool:
