@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from ..kv.decode import DECODE_MAX_ROWS, decode_attention
 from ..kv.hf import PACKED_KV_READERS
 from .plan import check_plan

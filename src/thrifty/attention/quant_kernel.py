@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import LOG2E, FastLauncher, cdiv, finite_or_zero, interpreting, launch_with
+from ..triton_utils import FastLauncher, cdiv, finite_or_zero, interpreting, launch_with
 
 # The kernels here and in attn_kernel are jitted for the interpreter or the GPU when imported; the launch
 # options that must match (PRE_ROUND, FTZ, tile sizes) follow the same import-time choice.

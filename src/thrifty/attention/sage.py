@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_impl, check_range, check_tensor
-from ..triton_utils import kernels_available
 from ..kv.reference import causal_mask, nonfinite_rows
+from ..triton_utils import kernels_available
 from .reference import empty_attention, sage_attention_reference
 from .routing import short_query_goes_to_sdpa
 
