@@ -138,7 +138,7 @@ def _decode_ms(model, prompt, cache, steps, warmup, device):
 def decode(args, device, rows, summary):
     from transformers import DynamicCache
 
-    from thrifty.attention import thrifty_kv_cache
+    from thrifty.kv import thrifty_kv_cache
     ratios, kernel_ratios = [], []
     for name in ("1b", "8b"):
         model = build_model(args.shapes[name], device)
@@ -256,7 +256,7 @@ def host(args, device, rows, summary, extra):
             rows.append(dict(section="host", call=name, us_per_call=us))
         summary["host_us_per_call"] = next(r["us_per_call"] for r in rows if r.get("call") == "sage_attention")
         return
-    from thrifty.attention import decode_attention, quantize_kv_cache
+    from thrifty.kv import decode_attention, quantize_kv_cache
     cache = quantize_kv_cache(k.float(), v.float(), capacity=4096)
     q1, k1 = q[:, :, :1], k[:, :, :1]
     calls["decode_attention"] = lambda: decode_attention(q1, cache, impl="triton")
@@ -272,7 +272,7 @@ def host(args, device, rows, summary, extra):
 
 
 def _append_one(cache, k1):
-    from thrifty.attention.decode_kernel import append_triton
+    from thrifty.kv.decode_kernel import append_triton
     append_triton(cache, k1, k1)  # the slot index stays put: host cost only
 
 
@@ -287,7 +287,8 @@ def _host_python_us_cpu(calls):
     from unittest import mock
 
     from thrifty import triton_utils
-    from thrifty.attention import attn_kernel, decode, decode_kernel, quant_kernel, sage
+    from thrifty.attention import attn_kernel, quant_kernel, sage
+    from thrifty.kv import decode_kernel
 
     class Kernel:
         function = packed_metadata = None

@@ -1,11 +1,11 @@
-"""The 3- and 4-bit KV cache of BitNet a4.8 (``thrifty.attention.kv_cache``): memory, validation perplexity
+"""The 3- and 4-bit KV cache of BitNet a4.8 (``thrifty.kv.quantized``): memory, validation perplexity
 and greedy output, on real weights and real text.
 
 * ppl     teacher-forced validation perplexity of SmolLM2-135M (fp32, the reference model loaded from the
           converted Q4_1 GGUF) on the corpus validation split, every attention reading the quantized cache
           (``QuantizedKVCache``: a prompt attends to its own quantized K/V, exactly what token-by-token
           decoding over the cache computes); fp K/V vs 8, 4 and 3 bits, and 3 bits with the first token at 3
-          bits too (the ablation of the paper's 4-bit BOS, by setting ``kv_cache.SINK_BITS`` to 3).
+          bits too (the ablation of the paper's 4-bit BOS, by setting ``quantized.SINK_BITS`` to 3).
           transformers' own forward on the same windows checks that the reference model is SmolLM2.
 * greedy  greedy continuations of validation prompts, quantized cache vs fp cache: the reference model's
           ``generate`` with ``QuantizedKVCache`` (every attention on the cache) and transformers'
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from thrifty import bench
-from thrifty.attention import QuantizedKVCache, kv_cache, thrifty_kv_cache
-from thrifty.attention.kv_cache import bytes_per_token
+from thrifty.kv import QuantizedKVCache, quantized, thrifty_kv_cache
+from thrifty.kv.quantized import bytes_per_token
 from thrifty.models import LlamaForCausalLM
 from thrifty.models.generate import generate
 from thrifty.models.llama import KVCache
@@ -47,12 +47,12 @@ MODES = {"fp": None, "kv8": 8, "kv4": 4, "kv3": 3, "kv3_nosink": 3}
 @contextlib.contextmanager
 def first_token_at(bits: int):
     """The ablation: the 3-bit mode without its 4-bit first token (``has_sink`` reads SINK_BITS)."""
-    saved = kv_cache.SINK_BITS
-    kv_cache.SINK_BITS = bits
+    saved = quantized.SINK_BITS
+    quantized.SINK_BITS = bits
     try:
         yield
     finally:
-        kv_cache.SINK_BITS = saved
+        quantized.SINK_BITS = saved
 
 
 def cache_for(mode: str):

@@ -40,10 +40,14 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from thrifty import bench  # noqa: E402
+
+try:
+    from thrifty.kv.decode_kernel import masked_decode_attention  # noqa: E402
+except ImportError:  # a --baseline-src tree from before the KV family's one decode kernel
+    from thrifty.kvcache.attention_kernel import decode_attention as masked_decode_attention  # noqa: E402
 from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine  # noqa: E402
 from thrifty.kvcache import host as hostmem  # noqa: E402
 from thrifty.kvcache import reference as ref  # noqa: E402
-from thrifty.kvcache.attention_kernel import decode_attention  # noqa: E402
 from thrifty.kvcache.decode import fast_layer, kernel_decode_step  # noqa: E402
 from thrifty.kvcache.fill_kernel import fill_slots  # noqa: E402
 from thrifty.kvcache.score_kernel import score_and_select  # noqa: E402
@@ -122,7 +126,7 @@ class DenseAttention:
         self.v[i].index_copy_(2, self.row, v)
         if i == 0:
             self.valid.index_fill_(2, self.row, True)
-        out = decode_attention(q, self.k[i], self.v[i], self.valid, q.shape[-1] ** -0.5, splits=self.splits)
+        out = masked_decode_attention(q, self.k[i], self.v[i], self.valid, q.shape[-1] ** -0.5, splits=self.splits)
         if i == self.layers - 1:
             self.row += 1
         return out
@@ -219,7 +223,7 @@ class ShadowKVAttention:
         fl.work.masked_fill_(self.hit_mask, -1)
         fill_slots(fl.work, st.u, st.sv, e.cos, e.sin, st.values.data, st.values.scale, fl.k, fl.v, fl.sel_base,
                    fl.chunk_size)
-        return decode_attention(q, fl.k, fl.v, fl.valid, q.shape[-1] ** -0.5)
+        return masked_decode_attention(q, fl.k, fl.v, fl.valid, q.shape[-1] ** -0.5)
 
     def hit_rate(self) -> float:
         return 1.0 - sum(f.last_miss.float().mean().item() for f in self.engine.fast) / len(self.engine.fast)
@@ -287,7 +291,7 @@ def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
         "select": lambda: score_and_select(q, k_new, v_new, st.landmarks, st.selectable, scale, fl),
         "fill": lambda: fill_slots(work, st.u, st.sv, e.cos, e.sin, st.values.data, st.values.scale, fl.k, fl.v,
                                    fl.sel_base, fl.chunk_size),
-        "attention": lambda: decode_attention(q, fl.k, fl.v, fl.valid, scale),
+        "attention": lambda: masked_decode_attention(q, fl.k, fl.v, fl.valid, scale),
     }
     if "stop_after" in inspect.signature(score_and_select).parameters:  # a tree that can stop early (v4 on)
         for part in ("logits", "scores"):  # the first kernels alone: select_logits <= select_scores <= select

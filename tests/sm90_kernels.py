@@ -191,11 +191,12 @@ def _attention_gluon():
 
 
 def _attention_decode():
-    """decode_kernel.decode_forward_triton (split + combine) and append_triton, for 1–16 query rows and every
-    cache width (packed 8/4/3-bit codes; the 3-bit mode reads its first-token plane)."""
-    from thrifty.attention import decode_kernel as K
-    from thrifty.attention.decode import DECODE_HEAD_DIMS
-    from thrifty.attention.kv_cache import CACHE_BITS
+    """kv.decode_kernel.decode_forward_triton (split + merge) and append_triton, for 1–16 query rows and every
+    cache width (packed 8/4/3-bit codes; the 3-bit mode reads its first-token plane). ShadowKV's launches of the
+    same kernels (masked_decode_attention) are with the rest of ShadowKV in _kvcache."""
+    from thrifty.kv import decode_kernel as K
+    from thrifty.kv.decode import DECODE_HEAD_DIMS
+    from thrifty.kv.quantized import CACHE_BITS
 
     cfg = K.DECODE_CONFIG
     assert K.decode_config() is cfg
@@ -209,11 +210,11 @@ def _attention_decode():
             for bits in CACHE_BITS:
                 yield entry(K._decode_split_kernel, f"{label} {bits}-bit",
                             dict(G=G, ROWS=rows, HEAD_DIM=D, BLOCK_N=cfg["block_n"], CAUSAL=causal, BITS=bits),
-                            {"Q": PTR[dtype], "K V Ksink Vsink": "*u8", "Ks Vs Part ML": "*fp32"}, fp32="qk_scale",
-                            ones="s_qd", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-            yield entry(K._decode_combine_kernel, label, dict(G=G, ROWS=rows, HEAD_DIM=D),
+                            {"Q": PTR[dtype], "K V Ksink Vsink": "*u8", "Ks Vs Valid Part ML": "*fp32"},
+                            fp32="qk_scale", ones="s_qd", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            yield entry(K._decode_merge_kernel, label, dict(G=G, ROWS=rows, HEAD_DIM=D, S_BLOCK=1),
                         {"Part ML": "*fp32", "Out": PTR[dtype]}, ones="s_od",
-                        num_warps=4, num_stages=1)  # literal in decode_forward_triton
+                        num_warps=4, num_stages=1)  # literals in decode_forward_triton
         for bits in CACHE_BITS:
             for dtype in ((bf16, fp16, fp32) if bits == 8 else (bf16,)):
                 yield entry(K._append_kernel, f"D{D} {NAME[dtype]} {bits}-bit", dict(BITS=bits, HEAD_DIM=D),
@@ -224,13 +225,14 @@ def _attention_decode():
 # --------------------------------------------------------------------------------------------- ShadowKV
 def _kvcache():
     """kvcache.decode.kernel_decode_step: landmark logits + select (score_and_select), slot fill (fill_slots),
-    split-K attention + merge (decode_attention)."""
-    from thrifty.kvcache import attention_kernel as AK, fill_kernel as FK, score_kernel as SK
+    split-K attention + merge (kv.decode_kernel.masked_decode_attention)."""
+    from thrifty.kv import decode_kernel as AK
+    from thrifty.kvcache import fill_kernel as FK, score_kernel as SK
     from thrifty.kvcache.config import ShadowKVConfig
 
     chunk = ShadowKVConfig().chunk_size
     chunks, block_t = FK.block_shape(chunk)
-    block_n = inspect.signature(AK.decode_attention).parameters["block_n"].default
+    block_n = inspect.signature(AK.masked_decode_attention).parameters["block_n"].default
     tu = SK.TUNING
     hist = dict(NB=tu.hist_bins, SHIFT=tu.hist_shift)
     for G in (1, 3, 4, 8):  # the score kernel reads fp32 logits only: one entry per group size and split count
@@ -265,20 +267,23 @@ def _kvcache():
                             lists | {"knew_ptr vnew_ptr kbuf_ptr vbuf_ptr": PTR[dtype], "ngen_ptr": "*i64"},
                             num_warps=SK.MARK_WARPS)
             for G in ((3, 8) if dtype == torch.bfloat16 else (4,)):  # SmolLM2's 9/3 heads; Llama's 32/4, 64/8
-                g_pad = SK.g_pads(G)[0]  # as score_and_select / decode_attention
+                g_pad = SK.g_pads(G)[0]  # as score_and_select / masked_decode_attention (dot_rows)
+                assert g_pad == AK.dot_rows(G, 1)
                 label = f"D{D} {NAME[dtype]} G{G}"
                 yield entry(SK._landmark_logits_kernel, label,
                             dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins),
                             {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8",
                              "logit_ptr part_m_ptr part_l_ptr": "*fp32", "hist_ptr done_ptr": "*i32"},
                             fp32="scale")
-                yield entry(AK._decode_attention_kernel, label, dict(G=G, G_PAD=g_pad, D=D, BLOCK_N=block_n),
-                            {"q_ptr k_ptr v_ptr": PTR[dtype], "valid_ptr": "*i8", "m_ptr l_ptr acc_ptr": "*fp32"},
-                            fp32="scale")
+                # BITS 0: float rows + validity; Sq = 1 and the innermost strides are 1 (Triton specializes them)
+                yield entry(AK._decode_split_kernel, f"{label} rows",
+                            dict(G=G, ROWS=g_pad, HEAD_DIM=D, BLOCK_N=block_n, CAUSAL=False, BITS=0),
+                            {"Q K V": PTR[dtype], "Ks Vs Ksink Vsink Valid": "*i8", "Part ML": "*fp32"},
+                            fp32="qk_scale", ones="s_qd Sq", num_warps=4, num_stages=3)
                 for s_block in (1, 8, AK.MERGE_BLOCK):  # min(MERGE_BLOCK, next_power_of_2(splits))
-                    yield entry(AK._merge_splits_kernel, f"{label} S{s_block}",
-                                dict(G=G, G_PAD=g_pad, D=D, S_BLOCK=s_block),
-                                {"m_ptr l_ptr acc_ptr": "*fp32", "out_ptr": PTR[dtype]})
+                    yield entry(AK._decode_merge_kernel, f"{label} S{s_block}",
+                                dict(G=G, ROWS=g_pad, HEAD_DIM=D, S_BLOCK=s_block),
+                                {"Part ML": "*fp32", "Out": PTR[dtype]}, ones="s_od Sq", num_warps=4, num_stages=3)
             label = f"D{D} {NAME[dtype]} c{chunk}"
             for host in ("native", "fp8"):  # ShadowKVConfig.host_values
                 yield entry(FK._fill_slots_kernel, f"{label} host={host}",

@@ -102,7 +102,7 @@ def test_cuda_gluon_nan_rule(variant):
     """NaN in → NaN out exactly for the rows that use the bad element (as the Triton kernel, reference.nonfinite_rows)."""
     from thrifty.attention.attn_kernel import sage_forward_triton
     from thrifty.attention.gluon_kernel import sage_forward_gluon
-    from thrifty.attention.reference import nonfinite_rows
+    from thrifty.kv.reference import nonfinite_rows
     for causal in (False, True):
         q, k, v = _inputs(1, 4, 2, 300, 300, 128)
         q[0, 1, 7, 3] = float("nan")

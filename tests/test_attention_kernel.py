@@ -237,7 +237,7 @@ def test_kernel_nan_rows_are_exactly_the_rule_without_a_host_guard(monkeypatch, 
     kernel): NaN exactly where reference.nonfinite_rows says, and the other rows equal to a run on inputs with
     those elements zeroed. The host guard must not run on this path (it cost up to 3x at short lengths)."""
     from thrifty.attention import sage
-    from thrifty.attention.reference import nonfinite_rows
+    from thrifty.kv.reference import nonfinite_rows
 
     monkeypatch.setattr(sage, "nonfinite_rows", lambda *a: pytest.fail("host NaN guard ran on the kernel path"))
     g = torch.Generator().manual_seed(Sq * 31 + Sk)

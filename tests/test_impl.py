@@ -13,9 +13,10 @@ import torch
 import thrifty
 from thrifty import bitnet, neuzip
 from thrifty._checks import IMPLS
-from thrifty.attention import decode_attention, quantize_kv_cache, sage_seam
+from thrifty.attention import sage_seam
 from thrifty.bitnet import BitLinear, BitNetConfig, PackedBitLinear
 from thrifty.bitnet.recipes import checkpoint_record, from_checkpoint_record
+from thrifty.kv import decode_attention, quantize_kv_cache
 from thrifty.kvcache import ShadowKVCache, ShadowKVConfig, ShadowKVEngine
 from thrifty.models import LlamaConfig, LlamaForCausalLM, generate, preset
 from thrifty.neuzip.encode import encode_on_device

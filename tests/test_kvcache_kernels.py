@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+from thrifty.kv.decode_kernel import masked_decode_attention
 from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine
 from thrifty.kvcache import reference as ref
-from thrifty.kvcache.attention_kernel import decode_attention
 from thrifty.kvcache.decode import fast_layer
 from thrifty.kvcache.fill_kernel import fill_slots
 from thrifty.kvcache.score_kernel import SelectTuning, score_and_select
@@ -234,7 +234,7 @@ def test_decode_attention_kernel_matches_reference(G, N, splits, merge_block):
     valid[..., -1] = True
     k[~valid] = float("nan")  # stale or padding rows: whatever they hold must not leak
     v[~valid] = float("nan")
-    got = decode_attention(q, k, v, valid, 0.3, splits=splits, block_n=32, merge_block=merge_block)
+    got = masked_decode_attention(q, k, v, valid, 0.3, splits=splits, block_n=32, merge_block=merge_block)
     want = ref.attend(q, torch.where(valid[..., None], k, 0), torch.where(valid[..., None], v, 0), valid, 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     kd, vd = (torch.where(valid[..., None], x, 0).double() for x in (k, v))

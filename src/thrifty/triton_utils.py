@@ -12,6 +12,7 @@ The interpreter is chosen when ``triton.jit`` runs, i.e. when a kernel module is
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,9 +26,20 @@ except ImportError:  # pragma: no cover - triton is a hard dependency, but keep 
     HAVE_TRITON = False
 
 
+LOG2E = 1.4426950408889634  # kernels run their softmax in base 2: exp(x) = 2^(x·log2 e)
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int | None) -> int:
+    """Streaming multiprocessors of the device (132 on the H100 SXM; the CPU/interpreter assumes that)."""
+    if device_index is None or not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def kernels_available(device: torch.device | str) -> bool:
@@ -56,6 +68,26 @@ if HAVE_TRITON:
         def mma(a, b, acc):
             """``acc + a @ b`` with fp32 accumulation on the tensor cores."""
             return tl.dot(a, b, acc)
+
+    @triton.jit
+    def finite_or_zero(x):
+        """NaN and ±inf → 0: kernels that promise "NaN in -> NaN out" per row compute every row as if the bad
+        elements were zeros (so they reach no statistic, scale or other row) and mark the rows that see one."""
+        return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ in plain Python: ``triton.cdiv`` is a JITFunction, and calling one from the host goes through
+    Triton's binder (~15 µs each; five per attention call were a quarter of the host path)."""
+    return -(-a // b)
+
+
+def launch_with(launcher, sig, grid, *args, **kw):
+    """``launcher(grid, ...)``, or its :meth:`FastLauncher.keyed` launch when the caller has a signature of
+    the call (see ``attention.sage.sage_forward_triton``)."""
+    if sig is None:
+        return launcher(grid, *args, **kw)
+    return launcher.keyed(sig, grid, *args, **kw)
 
 
 class FastLauncher:

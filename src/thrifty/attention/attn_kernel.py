@@ -24,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import FastLauncher, mma
-from .quant_kernel import (FP8_MAX, INTERPRET, LOG2E, MAX_SPLIT, cdiv, launch_with, quantize_kv, quantize_rows,
-                           to_e4m3, unsmoothed_lse)
+from ..triton_utils import LOG2E, FastLauncher, cdiv, launch_with, mma
+from .quant_kernel import FP8_MAX, INTERPRET, MAX_SPLIT, quantize_kv, quantize_rows, to_e4m3, unsmoothed_lse
 
 LN2 = math.log(2.0)
 

@@ -36,7 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .quant_kernel import FP8_MAX, LOG2E, MAX_SPLIT, cdiv, quantize_kv, unsmoothed_lse
+from ..triton_utils import LOG2E, cdiv
+from .quant_kernel import FP8_MAX, MAX_SPLIT, quantize_kv, unsmoothed_lse
 
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 MAGIC = 12582912.0  # 1.5·2^23: s + 0x4B400000 read as a float is MAGIC + s exactly for |s| < 2^22

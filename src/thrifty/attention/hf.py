@@ -12,27 +12,21 @@ on the module itself, so two models in one process keep their own settings (the 
 transformers is one for the whole process and reads them from the module it is called with).
 
 Routing per call (see ``routing.py``): 1–16 query rows go to transformers' own SDPA (the prefill kernel is
-slower there), unless the keys come from a :func:`thrifty_kv_cache`, whose packed 8/4/3-bit cache the split-K
-decode kernel reads directly; longer queries go to the quantized prefill kernel.
+slower there), unless the keys come from a :func:`thrifty.kv.thrifty_kv_cache`, whose packed 8/4/3-bit cache
+the family's split-K decode kernel reads directly; longer queries go to the quantized prefill kernel.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
-import torch
-
+from ..kv.decode import DECODE_MAX_ROWS, decode_attention
+from ..kv.hf import PACKED_KV_READERS
 from .plan import check_plan
 from .sage import sage_attention
 from .seam import check_sage_options
-from .kv_cache import QuantizedKV
-from .routing import DECODE_MAX_ROWS
 
 NAME = "thrifty_sage"
-# attention implementations that read a thrifty_kv_cache's packed codes through hf_sage_attention (a dispatcher
-# that forwards to it registers its name here); under any other the cache hands out dequantized K/V
-INT8_KV_READERS = {NAME}
 OPTIONS_ATTR = "_thrifty_sage_options"  # per attention module: sage_attention keywords for that layer
 _sdpa_forward = None  # transformers' SDPA attention, imported on first use
 
@@ -51,7 +45,6 @@ def hf_sage_attention(module, query, key, value, attention_mask, dropout: float 
     cache = getattr(key, "_thrifty_kv", None)  # keys handed out by thrifty_kv_cache for a decode step
     if cache is not None:
         if attention_mask is None and not (dropout > 0.0 and module.training):
-            from .decode import decode_attention
             out = decode_attention(query, cache, causal=True, sm_scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         key, value = (x.to(query.dtype) for x in cache.dequantize())  # a real mask: exact SDPA on the cache
@@ -66,12 +59,14 @@ def hf_sage_attention(module, query, key, value, attention_mask, dropout: float 
 
 
 def register() -> None:
-    """Registers :data:`NAME` in transformers' AttentionInterface and AttentionMaskInterface."""
+    """Registers :data:`NAME` in transformers' AttentionInterface and AttentionMaskInterface, and as a reader of
+    ``thrifty_kv_cache``'s packed codes (:func:`hf_sage_attention` decodes over them)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, hf_sage_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    PACKED_KV_READERS.add(NAME)
 
 
 def _attention_modules(model):
@@ -120,76 +115,3 @@ def _set_implementation(model, name: str) -> None:
         model.set_attn_implementation(name)
     else:  # older transformers: the layers read the config at call time
         model.config._attn_implementation = name
-
-
-# ---------------------------------------------------------------------------------------- quantized cache
-@functools.lru_cache(maxsize=None)
-def _layer_class():
-    from transformers.cache_utils import CacheLayerMixin
-
-    class QuantizedKVLayer(CacheLayerMixin):
-        """One layer of :func:`thrifty_kv_cache`: a :class:`QuantizedKV` (packed codes, per-token scales).
-
-        ``update`` returns the prompt's own K/V on the first call (the prefill kernel quantizes them its own
-        way); for a decode step of ≤ 16 tokens while the model runs thrifty attention, the new tokens' K/V
-        tagged with the cache (read by :func:`hf_sage_attention` only: the decode kernel walks the packed
-        cache); otherwise the whole dequantized cache, which any attention function can use."""
-
-        is_sliding = False
-        is_compileable = False
-        is_croppable = False
-
-        def __init__(self, config=None, bits: int = 8, **kwargs):
-            super().__init__()
-            self.config, self.bits = config, bits
-            self.kv: Optional[QuantizedKV] = None
-
-        def lazy_initialization(self, key_states, value_states):
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self.is_initialized = True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            if self.kv is None:
-                from .kv_cache import quantize_kv_cache
-                self.kv = quantize_kv_cache(key_states, value_states, bits=self.bits,
-                                            capacity=key_states.shape[2] + 256)
-                return key_states, value_states
-            self.kv.append(key_states, value_states)
-            if key_states.shape[2] <= DECODE_MAX_ROWS and self.config._attn_implementation in INT8_KV_READERS:
-                key_states._thrifty_kv = self.kv
-                return key_states, value_states
-            return tuple(x.to(self.dtype) for x in self.kv.dequantize())
-
-        def get_seq_length(self) -> int:
-            return 0 if self.kv is None else self.kv.length
-
-        def get_mask_sizes(self, query_length: int):
-            return self.get_seq_length() + query_length, 0
-
-        def get_max_length(self) -> int:
-            return -1
-
-        def reset(self) -> None:
-            self.kv = None
-
-        def reorder_cache(self, beam_idx):
-            raise NotImplementedError("thrifty_kv_cache: beam search is not supported")
-
-    return QuantizedKVLayer
-
-
-def thrifty_kv_cache(model, bits: int = 8):
-    """A transformers ``Cache`` for ``model`` keeping post-RoPE K/V as packed unsigned ``bits``-bit codes with
-    per-token-per-head absmax scales (``kv_cache.py``; bytes vs bf16 at head_dim 128: 0.52× at 8 bits, 0.27× at
-    4, 0.20× at 3): ``model.generate(ids, past_key_values=thrifty_kv_cache(model, bits=3))``. While the model
-    runs thrifty attention (:func:`enable_hf`), decode steps read the packed cache with the split-K decode
-    kernel; otherwise the cache hands out dequantized K/V."""
-    from transformers.cache_utils import Cache
-
-    from .kv_cache import check_bits
-    check_bits(bits)
-    if not hasattr(model, "config"):
-        raise TypeError(f"model: expected a transformers model, got {type(model).__name__}")
-    return Cache(layer_class_to_replicate=functools.partial(_layer_class(), config=model.config, bits=bits))

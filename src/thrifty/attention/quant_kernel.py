@@ -19,20 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import FastLauncher, interpreting
+from ..triton_utils import FastLauncher, cdiv, finite_or_zero, interpreting, launch_with
 
 # The kernels here and in attn_kernel are jitted for the interpreter or the GPU when imported; the launch
 # options that must match (PRE_ROUND, FTZ, tile sizes) follow the same import-time choice.
 INTERPRET = interpreting()
 
-LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
-
-
-def cdiv(a: int, b: int) -> int:
-    """⌈a / b⌉ in plain Python: ``triton.cdiv`` is a JITFunction, and calling one from the host goes through
-    Triton's binder (~15 µs each; five per attention call were a quarter of the host path)."""
-    return -(-a // b)
 
 
 @triton.jit
@@ -61,15 +54,6 @@ def quantize_rows(x, QMAX: tl.constexpr):
     scale = tl.maximum(tl.reduce(tl.abs(x), 1, _max_keep_nan) / QMAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
     xq = x / scale[:, None]
     return tl.where(xq >= 0, xq + 0.5, xq - 0.5).to(tl.int8), scale
-
-
-@triton.jit
-def _finite_or_zero(x):
-    """NaN and ±inf → 0: a non-finite key or value must not reach the per-head statistics (one bad key would
-    make the K mean, and so every key of the head, NaN) nor a block's scale. The rows that attend to it are
-    set to NaN by the attention kernel (from the statistics pass's ``first_bad``), so nothing turns it into
-    a plausible number."""
-    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
 @triton.jit
@@ -105,9 +89,9 @@ def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, bad_ptr, H, S, chunk, n_spl
         finite = (tl.abs(k) < float("inf")) & (tl.abs(v) < float("inf"))
         first_bad = tl.minimum(first_bad, tl.where(finite, S, rows[:, None]))
         if SMOOTH_K:
-            k_sum += _finite_or_zero(k)
+            k_sum += finite_or_zero(k)
         if V_STATS:
-            v = _finite_or_zero(v)
+            v = finite_or_zero(v)
             v_sum += v
             v_min = tl.minimum(v_min, tl.where(ok, v, float("inf")))
             v_max = tl.maximum(v_max, tl.where(ok, v, float("-inf")))
@@ -161,7 +145,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
         tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
 
     k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
-    k = _finite_or_zero(k.to(tl.float32))
+    k = finite_or_zero(k.to(tl.float32))
     if SMOOTH_K:
         k = tl.where(ok, k - k_mean[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
@@ -171,7 +155,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
 
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
-    v = _finite_or_zero(v.to(tl.float32))
+    v = finite_or_zero(v.to(tl.float32))
     if SMOOTH_V:
         v = tl.where(ok, v - center[None, :], 0.0)
     if V_FP8:
@@ -199,14 +183,6 @@ def stats_split(S: int, BH: int, block_s: int, programs: int) -> tuple[int, int]
 
 def _pad(n: int, block: int) -> int:
     return cdiv(max(n, 1), block) * block
-
-
-def launch_with(launcher, sig, grid, *args, **kw):
-    """``launcher(grid, ...)``, or its :meth:`~thrifty.triton_utils.FastLauncher.keyed` launch when the caller
-    has a signature of the call (see ``sage_forward_triton``)."""
-    if sig is None:
-        return launcher(grid, *args, **kw)
-    return launcher.keyed(sig, grid, *args, **kw)
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, smooth_k: bool, fp8_v: bool,

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from ..kv.reference import causal_mask, expand_kv, nonfinite_rows
+
 # Largest magnitude of each quantized format; a scale maps a group's absmax onto it.
 QMAX = {"int8": 127.0, "int4": 7.0, "e4m3": 448.0, "e5m2": 57344.0}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -104,34 +106,6 @@ def quantize_channels(x: torch.Tensor, fmt: str):
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def exact_attention(q, k, v, *, causal=False, sm_scale=None, dtype=torch.float64, return_lse=False):
-    """Plain softmax attention in ``dtype`` (fp64 by default): the ground truth of the tests.
-
-    ``causal`` with fewer queries than keys means the queries are the *last* positions (bottom-right mask).
-    Rows that see no key output zeros and have LSE −inf.
-    """
-    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * sm_scale
-    if causal:
-        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    out = (p @ v.to(dtype)).to(q.dtype)
-    return (out, lse.float()) if return_lse else out
-
-
-def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
-    """True where query i may see key j: j ≤ i + (kv_len − q_len), queries aligned to the end."""
-    i = torch.arange(q_len, device=device)[:, None]
-    j = torch.arange(kv_len, device=device)[None, :]
-    return j <= i + (kv_len - q_len)
-
-
-def _expand_kv(x, n_heads):
-    return x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], dim=1)
-
-
 def sage_attention_reference(
     q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
     qk_format: str = "int8", q_granularity: str = "token", k_granularity: str = "block",
@@ -159,7 +133,7 @@ def sage_attention_reference(
     # Non-finite inputs: computed as zeros (so that one bad key cannot spread through K's mean or a block's
     # scale), and every output row that attends to one is set to NaN at the end (see nonfinite_rows).
     bad_rows = nonfinite_rows(q, k, v, causal)
-    qf, kf, vf = (_finite_or_zero(x.float()) for x in (q, _expand_kv(k, H), _expand_kv(v, H)))
+    qf, kf, vf = (_finite_or_zero(x.float()) for x in (q, expand_kv(k, H), expand_kv(v, H)))
 
     # 1. K smoothing: exact for O; the per-row shift q·mean(K)·sm_scale is added back to the LSE only.
     k_mean = kf.mean(dim=2, keepdim=True) if smooth_k else torch.zeros_like(kf[:, :, :1])
@@ -227,25 +201,6 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def nonfinite_rows(q, k, v, causal: bool) -> torch.Tensor:
-    """(B, H, Sq) bool: the output rows that depend on a NaN or ±inf of the inputs — the query row itself, or
-    a key or value row the query attends to (with ``causal``, key j is seen by the queries i with
-    j ≤ i + Sk − Sq). The contract of every path: these rows are NaN (LSE too), the others are computed as if
-    the bad elements were zeros, so they are unaffected (exact attention would also spread a NaN value row to
-    the rows that do not see it, through 0·NaN)."""
-    H, Sq, Sk = q.shape[1], q.shape[2], k.shape[2]
-    bad_q = ~torch.isfinite(q).all(dim=-1)
-    bad_kv = ~(torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1))  # (B, Hkv, Sk)
-    if causal:
-        keys = torch.arange(Sk, device=k.device)
-        first_bad = torch.where(bad_kv, keys, Sk).amin(dim=-1, keepdim=True) if Sk else \
-            torch.full(bad_kv.shape[:2] + (1,), Sk, device=k.device)
-        sees_bad = first_bad <= torch.arange(Sq, device=q.device) + (Sk - Sq)  # (B, Hkv, Sq)
-    else:
-        sees_bad = bad_kv.any(dim=-1, keepdim=True).expand(-1, -1, Sq)
-    return bad_q | _expand_kv(sees_bad, H)
-
-
 def empty_attention(q, k, causal: bool, return_lse: bool):
     """The result of a degenerate size: no batch, heads, queries or head_dim give an empty output; no keys give
     zeros (each row sees no key) with LSE −inf; a row whose query holds NaN/inf is NaN either way."""
@@ -294,5 +249,5 @@ def lse_shift_for_smoothing(q, k_mean, sm_scale):
 
 
 __all__ = ["QMAX", "GRANULARITIES", "PV_FORMATS", "round_to_format", "token_groups", "quantize_tokens",
-           "quantize_channels", "exact_attention", "causal_mask", "sage_attention_reference",
-           "accuracy_metrics", "lse_shift_for_smoothing", "nonfinite_rows", "empty_attention"]
+           "quantize_channels", "sage_attention_reference",
+           "accuracy_metrics", "lse_shift_for_smoothing", "empty_attention"]

@@ -1,11 +1,11 @@
 """Which path an attention call takes. The prefill kernel works on 64-row query tiles after a K/V
 quantization pre-pass: for a query of a few rows (decoding, speculative drafts) both are waste, and SDPA's
-decode kernels are the floor to beat. Only a quantized KV cache kept across steps (``kv_cache.py``) can beat
+decode kernels are the floor to beat. Only a quantized KV cache kept across steps (``thrifty.kv``) can beat
 it, by reading half the bytes; without one, short queries go to SDPA."""
 
 from __future__ import annotations
 
-DECODE_MAX_ROWS = 16  # query rows up to which a call counts as decoding
+from ..kv.decode import DECODE_MAX_ROWS
 
 
 def short_query_goes_to_sdpa(impl: str, q_len: int, kv_len: int, causal: bool) -> bool:

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_choice, check_impl, check_range, check_tensor
+from ..kv.reference import causal_mask, nonfinite_rows
 from ..triton_utils import kernels_available
-from .reference import causal_mask, empty_attention, nonfinite_rows, sage_attention_reference
+from .reference import empty_attention, sage_attention_reference
 from .routing import short_query_goes_to_sdpa
 
 # qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per block of SMOOTH_Q_BLOCK queries (one CTA

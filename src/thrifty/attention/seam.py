@@ -1,6 +1,6 @@
 """The reference model's attention seam: :func:`sage_seam` gives ``model.set_attention`` a function of the seam
 signature ``fn(q, k, v, *, causal, scale)`` that runs :func:`~thrifty.attention.sage.sage_attention` (or, on a
-decode step over a ``QuantizedKVCache``, the split-K decode over the cache's codes)."""
+decode step over a ``thrifty.kv.QuantizedKVCache``, the family's split-K decode over the cache's codes)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from .._checks import check_impl
+from ..kv.decode import decode_attention
 from .sage import EXTRA_IMPLS, sage_attention
 
 
@@ -38,7 +39,6 @@ def check_sage_options(options: dict) -> None:
 def _seam_call(q, k, v, *, causal, scale, options):
     cache = getattr(k, "_thrifty_kv", None)  # a decode step's keys from a QuantizedKVCache: read its codes
     if cache is not None:
-        from .decode import decode_attention
         return decode_attention(q, cache, causal=causal, sm_scale=scale)
     return sage_attention(q, k, v, causal=causal, sm_scale=scale, **options)
 

@@ -314,7 +314,7 @@ def _apply_reference_kv_cache(model, kv_config, impl, layers):
 
 def _new_cache(kv_config, impl, model):
     if isinstance(kv_config, LowBitKVConfig):
-        from ..attention import thrifty_kv_cache
+        from ..kv import thrifty_kv_cache
 
         return thrifty_kv_cache(model, bits=kv_config.bits)
     from ..kvcache import ShadowKVCache

@@ -79,7 +79,7 @@ class LowBitKVConfig:
     bits: int = 8
 
     def __post_init__(self):
-        from ..attention.kv_cache import check_bits
+        from ..kv.quantized import check_bits
         check_bits(self.bits)
 
 

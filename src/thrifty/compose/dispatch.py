@@ -51,11 +51,11 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from ..attention.hf import INT8_KV_READERS
+    from ..kv.hf import PACKED_KV_READERS
 
     AttentionInterface.register(NAME, thrifty_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-    INT8_KV_READERS.add(NAME)  # quantized layers read the int8 cache through hf_sage_attention
+    PACKED_KV_READERS.add(NAME)  # quantized layers read the packed cache through hf_sage_attention
 
 
 def attention_calls(model) -> dict:

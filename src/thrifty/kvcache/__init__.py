@@ -6,8 +6,10 @@ with ``model.generate(input_ids, past_key_values=cache)``; thrifty's reference m
 its pre-RoPE seam. ``reference`` holds the algorithm in plain PyTorch (the spec of the kernels).
 
 Modules: ``cache`` (the cache object, both model kinds), ``engine`` (per-layer state: compress, decode),
-``hf`` (the transformers attention function and cache layer), ``config``, ``reference``, ``decode`` and the
-``*_kernel`` Triton modules, ``host`` (pinned host memory), ``needle`` (the retrieval benchmark).
+``hf`` (the transformers attention function and cache layer), ``config``, ``reference``, ``decode`` (the
+kernel path: selection and fill kernels here, the attention over the buffer is the KV family's decode kernel,
+``thrifty.kv``) and the ``*_kernel`` Triton modules, ``host`` (pinned host memory), ``needle`` (the retrieval
+benchmark).
 """
 
 from .cache import ShadowKVCache

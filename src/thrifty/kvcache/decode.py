@@ -14,7 +14,8 @@ with a validity byte per row. A step is six launches:
      receive). Program 0 of each head appends the new token (row ``gen_base + n_generated``, a device counter);
   4. ``fill_kernel``: rebuild the keys and fetch the values (from host memory) of those chunks, both in one
      launch so that they overlap;
-  5-6. ``attention_kernel``: split-K attention over the whole buffer, then the merge of the splits.
+  5-6. the KV family's split-K decode kernel (``thrifty.kv.decode_kernel.masked_decode_attention``) over the
+     whole buffer, invalid rows masked, then the merge of the splits.
 Every tensor has a fixed shape and nothing reads a value back to the host, so the step is CUDA-graph capturable
 (the reuse state is updated in place). The per-step scratch (logits, scores, marks) is shared by the layers.
 """
@@ -24,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from .attention_kernel import decode_attention
+
+from ..kv.decode_kernel import masked_decode_attention
 from .fill_kernel import fill_slots
 from .score_kernel import TUNING, SelectTuning, g_pads, logit_splits, score_and_select
 
@@ -131,4 +133,4 @@ def kernel_decode_step(engine, layer: int, q: torch.Tensor, k_new: torch.Tensor,
     fl.n_generated += 1
     fill_slots(fl.work, st.u, st.sv, engine.cos, engine.sin, st.values.data, st.values.scale, fl.k, fl.v,
                fl.sel_base, fl.chunk_size)
-    return decode_attention(q, fl.k, fl.v, fl.valid, scale)
+    return masked_decode_attention(q, fl.k, fl.v, fl.valid, scale)

@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..kv.hf import cache_layer_base
+
 ATTN_NAME = "thrifty_shadowkv"
 PENDING_ATTR = "_thrifty_shadowkv_pending"
 PREVIOUS_ATTR = "_thrifty_shadowkv_previous"  # per attention module: the implementation before the switch
@@ -84,41 +86,22 @@ def _cache_base():
         return object
 
 
-def _layer_base():
-    try:
-        from transformers.cache_utils import CacheLayerMixin
-        return CacheLayerMixin
-    except ImportError:  # pragma: no cover
-        return object
-
-
-class ShadowKVLayer(_layer_base()):
+class ShadowKVLayer(cache_layer_base()):
     """One layer's view for transformers' ``Cache`` machinery; the work is done by the owning cache."""
 
-    is_compileable = False
-    is_sliding = False
+    cache_name = "ShadowKVCache"
 
     def __init__(self, owner: "ShadowKVCache", layer_idx: int):
         super().__init__()
         self.owner, self.layer_idx = owner, layer_idx
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self.owner._update_hf(self, key_states, value_states)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
     def get_seq_length(self) -> int:
         return self.owner.logical_length(self.layer_idx)
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 def find_rotary(model):

@@ -50,14 +50,13 @@ order-preserving image of the fp32 score (negative floats flip their magnitude b
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import mma
+from ..triton_utils import mma, sm_count
 
 # finite "minus infinity" for running maxima: exp(-inf - NEG) = 0, never nan. A tl.constexpr: the compiler
 # refuses a plain module global inside @triton.jit code (the interpreter accepts one)
@@ -96,14 +95,6 @@ class SelectTuning:
 
 
 TUNING = SelectTuning()
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int | None) -> int:
-    """Streaming multiprocessors of the device (132 on the H100 SXM; the CPU/interpreter assumes that)."""
-    if device_index is None or not torch.cuda.is_available():
-        return 132
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def target_programs(device: torch.device) -> int:

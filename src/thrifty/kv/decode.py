@@ -1,5 +1,5 @@
-"""Public decode API: :func:`decode_attention` over a :class:`~thrifty.attention.kv_cache.QuantizedKV`, and
-which implementation runs it (the split-K kernel in ``decode_kernel.py``, or the reference)."""
+"""Public decode API: :func:`decode_attention` over a :class:`~thrifty.kv.QuantizedKV`, which implementation runs
+it (the split-K kernel in ``decode_kernel.py``, or :func:`decode_attention_reference`, its specification)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,32 @@ import torch
 
 from .._checks import check_bool, check_impl, check_range, check_tensor
 from ..triton_utils import kernels_available
-from .kv_cache import QuantizedKV, decode_attention_reference
-from .routing import DECODE_MAX_ROWS
+from .quantized import QuantizedKV
+from .reference import exact_attention, nonfinite_rows
 
+DECODE_MAX_ROWS = 16  # query rows up to which a call counts as decoding (speculative drafts included)
 DECODE_HEAD_DIMS = (64, 128)
+
+
+def decode_attention_reference(q: torch.Tensor, cache: QuantizedKV, *, causal: bool = True,
+                               sm_scale: Optional[float] = None, dtype=torch.float32) -> torch.Tensor:
+    """The specification of the decode kernel: exact softmax attention of ``q`` ``(B, H, Sq, D)`` over the
+    dequantized cache, in ``dtype``; ``causal`` puts the queries at the last ``Sq`` positions. Output in
+    q's dtype. NaN in -> NaN out: the rows that see a non-finite query or cached token are NaN, the others are
+    computed with those values as zeros (``reference.nonfinite_rows``)."""
+    k, v = cache.dequantize(torch.float32)
+    bad_rows = nonfinite_rows(q, k, v, causal)
+    zero = lambda x: torch.where(torch.isfinite(x), x, 0.0)  # noqa: E731  (0·NaN would leak to other rows)
+    out = exact_attention(zero(q), zero(k), zero(v), causal=causal, sm_scale=sm_scale, dtype=dtype)
+    return out.masked_fill(bad_rows[..., None], float("nan"))
+
+
 
 
 def _validate_decode(q, cache):
     check_tensor("q", q, ndim=4, floating=True)
     if not isinstance(cache, QuantizedKV):
-        raise TypeError(f"cache: expected a thrifty.attention.QuantizedKV, got {type(cache).__name__}")
+        raise TypeError(f"cache: expected a thrifty.kv.QuantizedKV, got {type(cache).__name__}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q: expected float16, bfloat16 or float32, got {q.dtype}")
     B, H, Sq, D = q.shape
@@ -71,4 +87,4 @@ def decode_attention(q: torch.Tensor, cache: QuantizedKV, *, causal: bool = True
     return decode_attention_reference(q, cache, causal=causal, sm_scale=sm_scale).to(q.dtype)
 
 
-__all__ = ["decode_attention", "decode_path", "DECODE_MAX_ROWS", "DECODE_HEAD_DIMS"]
+__all__ = ["decode_attention", "decode_attention_reference", "decode_path", "DECODE_MAX_ROWS", "DECODE_HEAD_DIMS"]

@@ -5,10 +5,10 @@ quantized cache in ``generate``), CUDA-graph capture (GPU)."""
 import pytest
 import torch
 
-from thrifty.attention import (QuantizedKV, accuracy_metrics, decode_attention, enable_hf, exact_attention,
-                               quantize_kv_cache, sage_attention, thrifty_kv_cache)
-from thrifty.attention.kv_cache import (QuantizedKVCache, bytes_per_token, decode_attention_reference, pack_codes,
-                                        quantize_per_token, unpack_codes)
+from thrifty.attention import accuracy_metrics, enable_hf, exact_attention, sage_attention
+from thrifty.kv import QuantizedKV, QuantizedKVCache, decode_attention, quantize_kv_cache, thrifty_kv_cache
+from thrifty.kv.decode import decode_attention_reference
+from thrifty.kv.quantized import bytes_per_token, pack_codes, quantize_per_token, unpack_codes
 from thrifty.triton_utils import interpreting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,7 +132,7 @@ CASES = [  # B, H, Hkv, Sq, L, D, causal
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("B,H,Hkv,Sq,L,D,causal", CASES)
 def test_decode_kernel_matches_reference_and_float64(monkeypatch, splits, B, H, Hkv, Sq, L, D, causal):
-    from thrifty.attention import decode_kernel
+    from thrifty.kv import decode_kernel
     monkeypatch.setitem(decode_kernel._INTERPRET_CONFIG, "target_programs", splits * B * Hkv)
     q, k, v = _qkv(B, H, Hkv, Sq, L, D, seed=L)
     cache = quantize_kv_cache(k, v)
@@ -153,7 +153,7 @@ def test_decode_kernel_matches_reference_and_float64(monkeypatch, splits, B, H, 
 def test_decode_kernel_reads_packed_low_bit_codes(monkeypatch, bits, splits, B, H, Hkv, Sq, L, D, causal):
     """The kernel unpacks 4- and 3-bit rows (and the 3-bit mode's 4-bit first token, which only split 0 sees)
     to the reference's values."""
-    from thrifty.attention import decode_kernel
+    from thrifty.kv import decode_kernel
     monkeypatch.setitem(decode_kernel._INTERPRET_CONFIG, "target_programs", splits * B * Hkv)
     q, k, v = _qkv(B, H, Hkv, Sq, L, D, seed=L + bits)
     cache = quantize_kv_cache(k, v, bits=bits)
@@ -179,7 +179,7 @@ def test_decode_kernel_bf16_strided_query_and_4bit_cache():
 
 @needs_kernels
 def test_decode_path_runs_the_kernel_only_where_asked(monkeypatch):
-    from thrifty.attention import decode, decode_kernel
+    from thrifty.kv import decode, decode_kernel
     calls = []
     real = decode_kernel.decode_forward_triton
     monkeypatch.setattr(decode_kernel, "decode_forward_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -266,7 +266,8 @@ def test_two_models_keep_their_own_options(monkeypatch):
 
 
 def test_hf_decode_steps_take_sdpa_or_the_quantized_cache(monkeypatch):
-    from thrifty.attention import decode, decode_kernel, hf
+    from thrifty.attention import hf
+    from thrifty.kv import decode, decode_kernel
     model = _tiny_llama()
     ids = torch.randint(0, 128, (1, 30))
     gen = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -300,7 +301,7 @@ def test_quantized_cache_hands_out_full_kv_when_thrifty_attention_is_off():
 def test_hf_3bit_cache_kernel_reads_what_the_cache_dequantizes(monkeypatch):
     """Decode steps through the kernel on the packed 3-bit cache give the logits of SDPA on its dequantized
     K/V (the same cache handed out dequantized when thrifty attention is off)."""
-    from thrifty.attention import decode, decode_kernel
+    from thrifty.kv import decode, decode_kernel
     model = _tiny_llama()
     ids = torch.randint(0, 128, (1, 12))  # ≤ 16 rows: the prompt goes to SDPA both ways, on unquantized K/V
     gen = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -344,7 +345,8 @@ def test_reference_model_cache_stores_post_rope_keys(bits):
 
 
 def test_reference_model_decodes_through_the_kernel_on_the_packed_cache(monkeypatch):
-    from thrifty.attention import decode, decode_kernel, sage_seam
+    from thrifty.attention import sage_seam
+    from thrifty.kv import decode, decode_kernel
     from thrifty.models.generate import generate
     model = _tiny_reference()
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
@@ -396,7 +398,7 @@ def test_cuda_decode_kernel_real_sizes():
 @pytest.mark.parametrize("bits", [8, 4, 3])
 def test_append_kernel_matches_the_torch_quantizer(bits):
     """The fused append (one launch per tensor, what CUDA caches use) writes the reference's codes and scales."""
-    from thrifty.attention.decode_kernel import append_triton
+    from thrifty.kv.decode_kernel import append_triton
     _, k, v = _qkv(2, 2, 3, 1, 13, 64, dtype=torch.bfloat16)
     ref = quantize_kv_cache(k[:, :, :5], v[:, :, :5], bits=bits, capacity=20)
     ref._append_torch(k[:, :, 5:], v[:, :, 5:], 13)
@@ -441,7 +443,7 @@ def test_quantizer_marks_a_nonfinite_token_and_leaves_the_others_alone():
 def test_decode_nan_reaches_exactly_the_rows_that_see_it(monkeypatch, impl, causal):
     """A NaN key/value late in the cache, an inf value early in another head, a NaN query row: those rows are NaN,
     every other row equals attention with the bad values as zeros (once, this gave NaN or garbage elsewhere)."""
-    from thrifty.attention import decode_kernel
+    from thrifty.kv import decode_kernel
     monkeypatch.setitem(decode_kernel._INTERPRET_CONFIG, "target_programs", 4)  # several splits
     q, k, v = _qkv(2, 4, 2, 3, 45, 64)
     k[0, 0, 43, 7] = float("nan")     # seen only by the last 2 query rows when causal
@@ -462,7 +464,7 @@ def test_decode_nan_reaches_exactly_the_rows_that_see_it(monkeypatch, impl, caus
 
 @needs_kernels
 def test_append_kernel_marks_nonfinite_tokens_like_the_torch_quantizer():
-    from thrifty.attention.decode_kernel import append_triton
+    from thrifty.kv.decode_kernel import append_triton
     _, k, v = _qkv(1, 2, 2, 1, 7, 64)
     k[0, 1, 3, 2], v[0, 0, 6, 63] = float("nan"), float("inf")
     ref = QuantizedKV.empty(1, 2, 8, 64)

@@ -1,5 +1,5 @@
-"""A quantized KV cache for decoding: the layout the split-K decode kernel (``decode_kernel.py``) reads, the
-quantizer that writes it, and the plain-PyTorch reference of decode attention over it.
+"""The quantized static KV cache: the layout the split-K decode kernel (``decode_kernel.py``) reads and the
+quantizer that writes it (``decode.py`` holds the reference of decode attention over it).
 
 Quantization (BitNet a4.8 §3.1, for every width): post-RoPE keys and values, one absmax per token and head,
 **unsigned** codes. With ``top = 2^bits - 1`` and ``α`` the token's absmax over its D channels:
@@ -40,9 +40,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_bool, check_choice, check_positive_int, check_tensor
-from .reference import exact_attention, nonfinite_rows
-from .routing import DECODE_MAX_ROWS
+from .._checks import check_choice, check_positive_int, check_tensor
 
 CACHE_BITS = (8, 4, 3)
 SINK_BITS = 4  # the first token's width in the 3-bit mode
@@ -291,55 +289,5 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor, *, bits: int = 8,
     return cache.append(k, v)
 
 
-def decode_attention_reference(q: torch.Tensor, cache: QuantizedKV, *, causal: bool = True,
-                               sm_scale: Optional[float] = None, dtype=torch.float32) -> torch.Tensor:
-    """The specification of the decode kernel: exact softmax attention of ``q`` ``(B, H, Sq, D)`` over the
-    dequantized cache, in ``dtype``; ``causal`` puts the queries at the last ``Sq`` positions. Output in
-    q's dtype. NaN in -> NaN out: the rows that see a non-finite query or cached token are NaN, the others are
-    computed with those values as zeros (``reference.nonfinite_rows``)."""
-    k, v = cache.dequantize(torch.float32)
-    bad_rows = nonfinite_rows(q, k, v, causal)
-    zero = lambda x: torch.where(torch.isfinite(x), x, 0.0)  # noqa: E731  (0·NaN would leak to other rows)
-    out = exact_attention(zero(q), zero(k), zero(v), causal=causal, sm_scale=sm_scale, dtype=dtype)
-    return out.masked_fill(bad_rows[..., None], float("nan"))
-
-
-class QuantizedKVCache:
-    """A :class:`QuantizedKV` per layer behind the reference model's cache seam (``thrifty.models.llama``:
-    ``update(layer_idx, k, v, positions, rope)`` with pre-RoPE keys): keys are rotated first, then quantized
-    (post-RoPE, as the paper). ``update`` returns the dequantized K/V of every cached position, so any
-    attention reads what the cache holds (a prompt attends to its own quantized K/V, as in decoding); with
-    ``reads_codes`` (the model's attention is a :func:`~thrifty.attention.sage_seam`) a call of ≤ 16 rows
-    gets the new tokens' K/V tagged with the cache instead, and the seam's decode kernel reads the packed codes:
-    ``generate(model, ids, n, cache_factory=lambda: QuantizedKVCache(3, reads_codes=True))``."""
-
-    def __init__(self, bits: int = 8, *, reads_codes: bool = False, headroom: int = 256):
-        self.bits = check_bits(bits)
-        self.reads_codes = check_bool("reads_codes", reads_codes)
-        self.headroom = check_positive_int("headroom", headroom)
-        self.layers: dict[int, QuantizedKV] = {}
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions, rope):
-        k = rope(k, positions)
-        kv = self.layers.get(layer_idx)
-        if kv is None:
-            kv = self.layers[layer_idx] = quantize_kv_cache(k, v, bits=self.bits, capacity=k.shape[2] + self.headroom)
-        elif kv.k.shape[0] != k.shape[0]:
-            raise ValueError(f"input_ids: batch {k.shape[0]} does not match the cache's batch {kv.k.shape[0]}; "
-                             "use a new cache for a new batch")
-        else:
-            kv.append(k, v)
-        if self.reads_codes and k.shape[2] <= DECODE_MAX_ROWS:
-            k._thrifty_kv = kv  # read by the sage seam (seam._seam_call) with decode_attention
-            return k, v
-        return tuple(x.to(k.dtype) for x in kv.dequantize())
-
-    def __len__(self) -> int:
-        return self.layers[0].length if self.layers else 0
-
-    def nbytes(self) -> int:
-        return sum(kv.nbytes() for kv in self.layers.values())
-
-
-__all__ = ["QuantizedKV", "QuantizedKVCache", "quantize_kv_cache", "quantize_per_token", "pack_codes", "unpack_codes",
-           "bytes_per_token", "decode_attention_reference", "CACHE_BITS", "SINK_BITS"]
+__all__ = ["QuantizedKV", "quantize_kv_cache", "quantize_per_token", "pack_codes", "unpack_codes", "bytes_per_token",
+           "CACHE_BITS", "SINK_BITS"]

@@ -1,4 +1,4 @@
-"""Fuzz specs of decoding over the quantized KV cache (thrifty.attention.decode_attention, QuantizedKV):
+"""Fuzz specs of decoding over the quantized KV cache (thrifty.kv.decode_attention, QuantizedKV):
 bad arguments, and random shapes / dtypes / cache bits / special values against float64 attention over the
 dequantized cache, with the NaN rule of reference.nonfinite_rows. See tests/fuzz_registry.py."""
 
@@ -10,7 +10,8 @@ import torch
 from hypothesis import strategies as st
 
 from fuzz_registry import FLOAT_DTYPES, ArgSpec, NumericSpec, assert_matches, special_values, tensors
-from thrifty.attention import QuantizedKV, decode_attention, exact_attention, quantize_kv_cache
+from thrifty.attention import exact_attention
+from thrifty.kv import QuantizedKV, decode_attention, quantize_kv_cache
 
 NAN, INF = math.nan, math.inf
 
@@ -20,7 +21,7 @@ def _cache(B=1, Hkv=2, L=6, D=8):
 
 
 DECODE_ARGS = ArgSpec(
-    "attention.decode_attention", decode_attention, valid=lambda: dict(q=torch.randn(1, 4, 2, 8), cache=_cache()),
+    "kv.decode_attention", decode_attention, valid=lambda: dict(q=torch.randn(1, 4, 2, 8), cache=_cache()),
     bad={"q": [torch.zeros(1, 4, 1, 8, dtype=torch.int64), torch.randn(1, 4, 1, 8).double(), torch.randn(4, 1, 8),
                torch.randn(1, 0, 1, 8), torch.randn(1, 4, 0, 8), torch.randn(1, 4, 17, 8), torch.randn(1, 3, 1, 8),
                torch.randn(2, 4, 1, 8), torch.randn(1, 4, 1, 16), torch.randn(1, 4, 7, 8), [[1.0]]],
@@ -28,7 +29,7 @@ DECODE_ARGS = ArgSpec(
          "sm_scale": [NAN, INF, -INF, -1.0, 0.0, "0.1"], "impl": ["cuda"], "causal": ["yes", None]})
 
 CACHE_ARGS = ArgSpec(
-    "attention.quantize_kv_cache", quantize_kv_cache,
+    "kv.quantize_kv_cache", quantize_kv_cache,
     valid=lambda: dict(k=torch.randn(1, 2, 3, 8), v=torch.randn(1, 2, 3, 8)),
     bad={"k": [torch.randn(0, 2, 3, 8), torch.randn(1, 0, 3, 8), torch.randn(1, 2, 3, 0), torch.randn(2, 3, 8),
                torch.zeros(1, 2, 3, 8, dtype=torch.int8)],
@@ -36,7 +37,7 @@ CACHE_ARGS = ArgSpec(
     mention={"v": "v", "capacity": "capacity"})
 
 CACHE_EMPTY_ARGS = ArgSpec(
-    "attention.QuantizedKV.empty", QuantizedKV.empty, valid=lambda: dict(batch=1, kv_heads=2, capacity=4, head_dim=8),
+    "kv.QuantizedKV.empty", QuantizedKV.empty, valid=lambda: dict(batch=1, kv_heads=2, capacity=4, head_dim=8),
     bad={"batch": [0, -1, 1.5], "kv_heads": [0], "capacity": [0, True], "head_dim": [0, "8"], "bits": [2, 16]})
 
 
@@ -84,9 +85,9 @@ def _check_decode(a, out):
         assert_matches(out, exact, rtol=0.0, atol=0.05 * float(_zero(v).abs().max()) + 1e-6, where=~bad)
 
 
-DECODE_REFERENCE = NumericSpec("attention.decode.reference", decode_inputs(), lambda a: _run(a, "reference"),
+DECODE_REFERENCE = NumericSpec("kv.decode.reference", decode_inputs(), lambda a: _run(a, "reference"),
                                _check_decode)
-DECODE_KERNEL = NumericSpec("attention.decode.triton", decode_inputs(head_dims=(64,), max_len=40),
+DECODE_KERNEL = NumericSpec("kv.decode.triton", decode_inputs(head_dims=(64,), max_len=40),
                             lambda a: _run(a, "triton"), _check_decode, max_examples=8)
 
 SPECS = [DECODE_ARGS, CACHE_ARGS, CACHE_EMPTY_ARGS, DECODE_REFERENCE, DECODE_KERNEL]
@@ -98,7 +99,7 @@ def _fields(B=1, H=2, C=4, D=8):
 
 
 QUANTIZED_KV_FIELDS = ArgSpec(  # the cache dataclass: every field validated at construction
-    "attention.QuantizedKV", QuantizedKV, valid=_fields,
+    "kv.QuantizedKV", QuantizedKV, valid=_fields,
     bad={"k": [torch.zeros(1, 2, 4, 8), torch.zeros(2, 4, 8, dtype=torch.uint8), torch.zeros(1, 0, 4, 8, dtype=torch.uint8),
                torch.zeros(1, 2, 8, 4, dtype=torch.uint8).transpose(-1, -2)],
          "v": [torch.zeros(1, 2, 5, 8, dtype=torch.uint8)], "k_scale": [torch.ones(1, 2, 4).double(), torch.ones(1, 2, 5)],
@@ -114,11 +115,11 @@ def _hf_model():
 
 
 def _kv_cache(**kw):
-    from thrifty.attention import thrifty_kv_cache
+    from thrifty.kv import thrifty_kv_cache
     return thrifty_kv_cache(**kw)
 
 
-HF_CACHE_ARGS = ArgSpec("attention.thrifty_kv_cache", _kv_cache, valid=lambda: dict(model=_hf_model()),
+HF_CACHE_ARGS = ArgSpec("kv.thrifty_kv_cache", _kv_cache, valid=lambda: dict(model=_hf_model()),
                         bad={"bits": [5, 8.0, None, "8"], "model": [3, None]})
 
 SPECS += [QUANTIZED_KV_FIELDS, HF_CACHE_ARGS]
