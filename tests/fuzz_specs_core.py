@@ -9,7 +9,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st

@@ -10,7 +10,7 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from fuzz_registry import ArgSpec, FileSpec, NumericSpec
+from fuzz_registry import ArgSpec, FileSpec
 from thrifty.models import LlamaConfig, LlamaForCausalLM
 from thrifty.neuzip import NeuZipConfig, compress_model, load_compressed, save_compressed
 from thrifty.optim import LomoConfig

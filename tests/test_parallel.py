@@ -9,7 +9,6 @@ results (JSON + safetensors); the tests compare them with the same computations 
 import functools
 import json
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 from safetensors.torch import load_file, save_file
 
 from thrifty.loss import linear_cross_entropy, lm_loss
@@ -241,11 +241,6 @@ def _worker(rank, port, out):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
@@ -257,7 +252,7 @@ def two_ranks(tmp_path_factory):
 
     save_sharded(out / "ck_one_sharded", one.model, one.optimizer,
                  extra_files={"trainer_state.json": (out / "ck_one" / "trainer_state.json").read_text()})
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=WORLD, start_method="spawn", join=True)
     res = json.loads((out / "results.json").read_text())
     tensors = [load_file(str(out / f"tensors{r}.safetensors")) for r in range(WORLD)]
     return res, tensors, out

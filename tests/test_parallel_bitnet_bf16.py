@@ -9,12 +9,12 @@ their parameters to bf16 too, so every run ternarizes the same bf16 weights (ass
 
 import json
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 from thrifty.models import LlamaConfig, LlamaForCausalLM
 from thrifty.train import TrainConfig, Trainer
@@ -67,14 +67,9 @@ def _worker(rank, port, out):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_bitnet_bf16_two_ranks_equal_one_process_accumulating_their_micro_batches(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), tmp_path), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(free_port(), tmp_path), nprocs=2, start_method="spawn", join=True)
     res = json.loads((tmp_path / "res.json").read_text())
     assert res["seen"] == {k: ["torch.bfloat16"] for k in ("two", "accum", "one_batch")}  # same ternarized dtype
     accum = max(abs(a - b) for a, b in zip(res["two"], res["accum"]))
