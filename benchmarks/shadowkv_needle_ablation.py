@@ -1,0 +1,465 @@
+"""Where ShadowKV loses needle retrieval against Quest and dense (issue 27, item 3): a per-layer proxy on the
+real SmolLM2-135M and the needle prompts of ``shadowkv_needle.py`` (same generator and seed).
+
+Each prompt is run densely once, teacher-forced with its correct answer; the post-RoPE queries, keys and values
+of every layer are captured at the answer steps (the last prompt token and the answer tokens but the last),
+i.e. the queries a sparse cache would see on the right path. Each variant then compresses ``prompt[:-1]`` with
+the reference (``reference.compress_prompt``) and decodes those queries with the reference's pieces; per
+(layer, query head, step):
+
+* ``mass``: the dense attention mass of the tokens the variant attends (outliers + local + selected + generated);
+* ``needle``: the same restricted to the needle's answer tokens (the digits of the asked key), weighted by the
+  dense mass on them: the fraction of the needle attention that reaches the variant;
+* ``err``: relative L2 error of the attention output against dense attention (selection + low-rank keys).
+
+This is a proxy, not accuracy: each layer sees dense inputs (no error compounding). It is used because the
+needle accuracy has a standard error of ~2.6 points at 336 prompts (the GPU run), far above what 2 CPU cores
+can run per variant, while the proxy resolves differences of a fraction of a point on a few dozen prompts.
+
+    PYTHONPATH=src THRIFTY_DATA=... python benchmarks/shadowkv_needle_ablation.py --lengths 2048 4096 --trials 4
+
+``--per-layer``: ShadowKV against Quest per layer on ``single`` prompts (depth 0.5) at one budget: the dense mass each
+attends, the output error with exact keys (pure selection), and the prompt tokens Quest attends and ShadowKV does
+not, by the dense mass lost.
+
+``--answer-logprob``: end to end, each method's own cache (dense, ShadowKV and Quest at ``--budgets``, both with 48
+outlier chunks at the last budget) decodes the last prompt token and the answer teacher-forced; the summed
+log-probability of the answer tokens per prompt (continuous, so less noisy than greedy accuracy).
+
+The runs in NOTES.md ("Needle retrieval: where ShadowKV loses against Quest"), one process per length:
+
+    python benchmarks/shadowkv_needle_ablation.py --lengths 2048 --trials 2 --variants quest shadowkv \
+        shadowkv_r192 shadowkv_boundsel shadowkv_oraclesel shadowkv_maxlogit shadowkv_sink shadowkv_scale128 \
+        shadowkv_O0 quest_O0 shadowkv_O48 quest_O48 --out benchmarks/results/shadowkv_needle_cpu-ablation-2k.json
+    python benchmarks/shadowkv_needle_ablation.py --per-layer --lengths 2048 4096 --trials 1 --budgets 512 \
+        --out benchmarks/results/shadowkv_needle_cpu-ablation-layers.json
+    python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 2048 --trials 2 --budgets 256 512 \
+        --out benchmarks/results/shadowkv_needle_cpu-ablation-logprob-2k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from thrifty.data import TokenDataset
+from thrifty.kvcache import ShadowKVConfig
+from thrifty.kvcache import reference as R
+from thrifty.kvcache.needle import make_needle_task
+from thrifty.paths import data_dir
+
+# variant name -> (selector of the compression, overrides, scorer, keys)
+#   scorer: "landmark" (ShadowKV's), "bound" (Quest's min/max bound), "oracle" (max exact q.k in the chunk)
+#   group: "max_softmax" (the paper's code: softmax per query head, max over the group), "max_logit",
+#          "sum_softmax"
+#   keys: "lowrank" (U @ SV at the config's rank) or "exact"
+
+
+def variants(args):
+    O = args.outliers
+    v = {
+        "quest": dict(selector="quest", outlier_chunks=O),
+        "shadowkv": dict(selector="shadowkv", outlier_chunks=O),
+        "shadowkv_r192": dict(selector="shadowkv", outlier_chunks=O, rank=192),
+        "shadowkv_exactK": dict(selector="shadowkv", outlier_chunks=O, keys="exact"),
+        "shadowkv_boundsel": dict(selector="shadowkv", outlier_chunks=O, scorer="bound"),
+        "shadowkv_oraclesel": dict(selector="shadowkv", outlier_chunks=O, scorer="oracle"),
+        "shadowkv_maxlogit": dict(selector="shadowkv", outlier_chunks=O, group="max_logit"),
+        "shadowkv_sumsoftmax": dict(selector="shadowkv", outlier_chunks=O, group="sum_softmax"),
+        "shadowkv_O0": dict(selector="shadowkv", outlier_chunks=0),
+        "quest_O0": dict(selector="quest", outlier_chunks=0),
+        "shadowkv_O16": dict(selector="shadowkv", outlier_chunks=16),
+        "quest_O16": dict(selector="quest", outlier_chunks=16),
+        "shadowkv_O48": dict(selector="shadowkv", outlier_chunks=48),
+        "quest_O48": dict(selector="quest", outlier_chunks=48),
+        "quest_landmarksel": dict(selector="quest", outlier_chunks=O, scorer="landmark"),
+        # chunk 0 (the attention sink) forced into the selection (inside the budget): diagnosis only
+        "shadowkv_sink": dict(selector="shadowkv", outlier_chunks=O, force_sink=True),
+        # the public code divides the landmark logits by sqrt(128) whatever the head dim (here 64)
+        "shadowkv_scale128": dict(selector="shadowkv", outlier_chunks=O, logit_dim=128),
+    }
+    if args.variants:
+        v = {k: v[k] for k in args.variants}
+    return v
+
+
+class Capture:
+    """An attention function that records post-RoPE q/k/v of every layer and runs SDPA."""
+
+    def __init__(self):
+        self.q, self.k, self.v = {}, {}, {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kw):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        i = module.layer_idx
+        self.q[i], self.k[i], self.v[i] = query.detach(), key.detach(), value.detach()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+
+def chunk_scores(q, state, k_post_c, scorer, group, logit_dim=None):
+    """(B, H, C) scores like reference.landmark_scores, with a choice of chunk logit and group aggregation."""
+    B, Hq, _, D = q.shape
+    H = state.selectable.shape[1]
+    qg = q[:, :, 0].float().view(B, H, Hq // H, D)
+    if scorer == "landmark":
+        lm = k_post_c.mean(3)
+        logits = torch.einsum("bhgd,bhcd->bhgc", qg, lm) / math.sqrt(logit_dim or D)
+    elif scorer == "bound":
+        lo = qg[:, :, :, None] * k_post_c.amin(3)[:, :, None]
+        hi = qg[:, :, :, None] * k_post_c.amax(3)[:, :, None]
+        logits = torch.maximum(lo, hi).sum(-1) / math.sqrt(D)
+    else:  # oracle: the best exact logit in the chunk
+        logits = torch.einsum("bhgd,bhcnd->bhgcn", qg, k_post_c).amax(-1) / math.sqrt(D)
+    sel = state.selectable[:, :, None]
+    if group == "max_logit":
+        return logits.masked_fill(~sel, float("-inf")).amax(2).masked_fill(~state.selectable, -1e30)
+    probs = logits.masked_fill(~sel, float("-inf")).softmax(-1)
+    probs = torch.where(sel, probs, -1.0)
+    return probs.amax(2) if group == "max_softmax" else probs.sum(2)
+
+
+_SVD = {}
+_low_rank = R.low_rank_keys
+
+
+def _cached_low_rank(k_pre, lengths, rank):
+    """The SVD of a layer's keys is shared by the variants of one rank (the captured k is the cache key)."""
+    key = (_SVD.get("layer"), rank)
+    if key not in _SVD:
+        _SVD[key] = _low_rank(k_pre, lengths, rank)
+    return _SVD[key]
+
+
+def compress(var, k, v, cos, sin, T0, args):
+    cfg = ShadowKVConfig(rank=var.get("rank", args.rank), chunk_size=args.chunk, sparse_budget=args.chunk,
+                         outlier_chunks=var["outlier_chunks"], local_chunks=args.local, min_prompt_len=1,
+                         selector=var["selector"])
+    return R.compress_prompt(k[:, :, :T0], v[:, :, :T0], torch.tensor([T0]), cos[:T0], sin[:T0], cfg)
+
+
+def run_layer(var, state, q_steps, k, v, cos, sin, T0, args, budget, needle_pos):
+    """One layer, one sequence. q_steps (1, Hq, A, D) post-RoPE at positions T0..T0+A-1; k/v (1, H, T0+A, D)."""
+    cfg = ShadowKVConfig(rank=var.get("rank", args.rank), chunk_size=args.chunk, sparse_budget=budget,
+                         outlier_chunks=var["outlier_chunks"], local_chunks=args.local, min_prompt_len=1,
+                         selector=var["selector"])
+    state.gen_k, state.gen_v = state.gen_k[:, :, :0], state.gen_v[:, :, :0]
+    c, C = cfg.chunk_size, state.selectable.shape[-1]
+    k_post_c = k[:, :, :C * c].float().view(1, k.shape[1], C, c, -1)
+    scorer = var.get("scorer", "landmark" if cfg.selector == "shadowkv" else "bound")
+    group = var.get("group", "max_softmax")
+    H, Hq, A, D = k.shape[1], q_steps.shape[1], q_steps.shape[2], q_steps.shape[3]
+    G = Hq // H
+    out = {"mass": [], "needle_num": 0.0, "needle_den": 0.0, "err": [], "sink": []}
+    # the dense-side token positions of outliers + local
+    dense_pos = torch.cat(((state.outlier_ids[..., None] * c + torch.arange(c)).flatten(2),
+                           torch.arange(int(state.n_chunks[0]) * c, T0).expand(1, H, -1)), 2)  # (1, H, N)
+    for j in range(A):
+        t = T0 + j  # position of this query; keys 0..t
+        R.append_generated(state, k[:, :, t:t + 1], v[:, :, t:t + 1])
+        q = q_steps[:, :, j:j + 1]
+        scores = chunk_scores(q, state, k_post_c, scorer, group, var.get("logit_dim"))
+        if var.get("force_sink"):
+            scores[..., 0] = torch.where(state.selectable[..., 0], 1e30, scores[..., 0])
+        K = min(cfg.select_chunks, C)
+        top = scores.topk(K, dim=-1)
+        ids, picked = top.indices, top.values > (-1 if group != "max_logit" else -1e29)
+        pos = R.chunk_positions(ids, c)
+        pos_valid = picked[..., None].expand(-1, -1, -1, c).flatten(2)
+        if var.get("keys") == "exact" or state.keys_exact is not None:
+            k_sel = R._gather_tokens(k[:, :, :T0], pos)
+        else:
+            k_sel = R.rebuild_keys(state, pos, cos, sin)
+        v_sel = state.values.gather(pos)
+        o = R.attend_parts(q, state, k_sel, v_sel, pos_valid, 1 / math.sqrt(D))
+        # dense reference
+        s = torch.einsum("hgd,hnd->hgn", q[0, :, 0].float().view(H, G, D), k[0, :, :t + 1].float()) / math.sqrt(D)
+        p = s.softmax(-1)  # (H, G, t+1)
+        od = torch.einsum("hgn,hnd->hgd", p, v[0, :, :t + 1].float()).reshape(Hq, D)
+        err = (o[0, :, 0].float() - od).norm(dim=-1) / od.norm(dim=-1).clamp_min(1e-12)
+        att = torch.zeros(H, t + 1, dtype=torch.bool)
+        att[:, T0:] = True
+        att.scatter_(1, dense_pos[0].clamp_max(t), torch.ones_like(dense_pos[0], dtype=torch.bool))
+        sp = torch.where(pos_valid[0], pos[0], 0)
+        att.scatter_(1, sp, pos_valid[0] | att.gather(1, sp))
+        mass = (p * att[:, None]).sum(-1)  # (H, G)
+        npos = torch.tensor(needle_pos)
+        pn = p[:, :, npos]
+        out["needle_num"] += float((pn * att[:, None, npos]).sum())
+        out["needle_den"] += float(pn.sum())
+        out["mass"].append(mass.flatten())
+        out["err"].append(err)
+        out["sink"].append(att[:, 0].float())
+    return out
+
+
+def needle_positions(ids, answers, encode):
+    """Token positions of the asked answer's digits inside the prompt (every occurrence)."""
+    ids = ids[0].tolist()
+    pos = []
+    for a in answers:
+        pat = encode(a)
+        for i in range(len(ids) - len(pat) + 1):
+            if ids[i:i + len(pat)] == pat:
+                pos += range(i, i + len(pat))
+    return sorted(set(pos))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    ap.add_argument("--tasks", nargs="+", default=["single", "multikey"])
+    ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--rank", type=int, default=160)
+    ap.add_argument("--chunk", type=int, default=8)
+    ap.add_argument("--outliers", type=int, default=8)
+    ap.add_argument("--local", type=int, default=4)
+    ap.add_argument("--variants", nargs="+", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/shadowkv_needle_cpu-ablation.json")
+    ap.add_argument("--per-layer", action="store_true", help="the per-layer comparison of ShadowKV and Quest")
+    ap.add_argument("--answer-logprob", action="store_true",
+                    help="end to end: teacher-forced log-probability of the answer through each method's cache")
+    ap.add_argument("--prefill-batch", type=int, default=6)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads)
+    from tokenizers import Tokenizer
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from thrifty.pretrained import ensure_converted
+
+    d = ensure_converted()
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    encode = lambda s: tok.encode(s).ids  # noqa: E731
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    if args.answer_logprob:
+        return answer_logprob(model, encode, args)
+    R.low_rank_keys = _cached_low_rank  # this process only: the variants of one rank share a layer's SVD
+    cap = Capture()
+    AttentionInterface.register("capture", cap)
+    AttentionMaskInterface.register("capture", sdpa_mask)
+    model.config._attn_implementation = "capture"
+    for m in model.modules():
+        if hasattr(m, "config"):
+            m.config._attn_implementation = "capture"
+    rot = model.model.rotary_emb
+    nl = encode("\n\n")
+    filler = TokenDataset(data_dir() / "corpus", "validation").tokens
+    rng = random.Random(args.seed)
+    if args.per_layer:
+        return per_layer(model, cap, rot, tok, encode, filler, nl, rng, args)
+    vars_ = variants(args)
+    acc = {}  # (variant, budget, length) -> sums
+    t_start = time.time()
+    n_prompts = 0
+    for n in args.lengths:
+        for task in args.tasks:
+            for dep in (args.depths if task == "single" else [None]):
+                for _ in range(args.trials):
+                    nt = make_needle_task(task, encode, filler, n, rng.random() if dep is None else dep, rng,
+                                          filler_sub=nl[0])
+                    ans = encode(" " + nt.answers[0])
+                    full = torch.cat((nt.input_ids, torch.tensor([ans[:-1]])), 1)
+                    T0 = nt.input_ids.shape[1] - 1  # compressed prompt: prompt[:-1]
+                    model(input_ids=full, use_cache=False, logits_to_keep=1)
+                    L = full.shape[1]
+                    cos, sin = rot(full.new_zeros(1, 1, 1, dtype=torch.float32), torch.arange(L)[None])
+                    cos, sin = cos[0], sin[0]
+                    npos = [p for p in needle_positions(nt.input_ids[:, :T0], nt.answers[:1], encode)]
+                    npos = [p for p in npos if p < T0]
+                    n_prompts += 1
+                    _SVD.clear()
+                    for li in sorted(cap.q):
+                        _SVD["layer"] = li
+                        q = cap.q[li][:, :, T0:]  # queries at T0 .. L-1
+                        k, v = cap.k[li], cap.v[li]
+                        for name, var in vars_.items():
+                            st = compress(var, k, v, cos, sin, T0, args)
+                            for b in args.budgets:
+                                r = run_layer(var, st, q, k, v, cos, sin, T0, args, b, npos)
+                                a = acc.setdefault((name, b, n), {"mass": 0.0, "err": 0.0, "cnt": 0, "nn": 0.0,
+                                                                  "nd": 0.0, "sink": 0.0, "scnt": 0,
+                                                                  "layer_needle": {}})
+                                m = torch.stack(r["mass"])
+                                e = torch.stack(r["err"])
+                                a["mass"] += float(m.sum())
+                                a["err"] += float(e.sum())
+                                a["cnt"] += m.numel()
+                                a["nn"] += r["needle_num"]
+                                a["nd"] += r["needle_den"]
+                                s = torch.stack(r["sink"])
+                                a["sink"] += float(s.sum())
+                                a["scnt"] += s.numel()
+                                ln = a["layer_needle"].setdefault(li, [0.0, 0.0])
+                                ln[0] += r["needle_num"]
+                                ln[1] += r["needle_den"]
+                    print(f"{time.time() - t_start:7.1f}s  L={n} {task} depth={dep} prompts={n_prompts}", flush=True)
+                    write(acc, args, n_prompts, t_start)
+    write(acc, args, n_prompts, t_start, final=True)
+
+
+def per_layer(model, cap, rot, tok, encode, filler, nl, rng, args):
+    """Per layer: dense mass attended by ShadowKV and by Quest at the first answer step, the output error of
+    attention restricted to each one's token set with exact keys, and the tokens ShadowKV loses."""
+    import collections
+
+    b = args.budgets[0]
+    out = {"settings": vars(args), "budget": b, "prompts": []}
+    for n in args.lengths:
+        for _ in range(args.trials):
+            nt = make_needle_task("single", encode, filler, n, 0.5, rng, filler_sub=nl[0])
+            T0 = nt.input_ids.shape[1] - 1
+            model(input_ids=nt.input_ids, use_cache=False, logits_to_keep=1)
+            cos, sin = rot(torch.zeros(1), torch.arange(T0 + 1)[None])
+            cos, sin = cos[0], sin[0]
+            ids = nt.input_ids[0].tolist()
+            lost, layers = collections.Counter(), []
+            for li in sorted(cap.q):
+                q, k, v = cap.q[li][:, :, T0:T0 + 1], cap.k[li], cap.v[li]
+                H, D = k.shape[1], k.shape[-1]
+                G = q.shape[1] // H
+                sets = {}
+                for name in ("shadowkv", "quest"):
+                    var = dict(selector=name, outlier_chunks=args.outliers)
+                    _SVD["layer"] = (len(out["prompts"]), li)
+                    st = compress(var, k, v, cos, sin, T0, args)
+                    cfg = ShadowKVConfig(chunk_size=args.chunk, sparse_budget=b, outlier_chunks=args.outliers,
+                                         local_chunks=args.local, selector=name)
+                    C, c = st.selectable.shape[-1], args.chunk
+                    kc = k[:, :, :C * c].float().view(1, H, C, c, D)
+                    sc = chunk_scores(q, st, kc, "landmark" if name == "shadowkv" else "bound", "max_softmax")
+                    top = sc.topk(min(cfg.select_chunks, C), -1).indices
+                    att = torch.zeros(H, T0 + 1, dtype=torch.bool)
+                    att[:, int(st.n_chunks[0]) * c:] = True
+                    for h in range(H):
+                        for cid in st.outlier_ids[0, h].tolist() + top[0, h].tolist():
+                            att[h, cid * c:(cid + 1) * c] = True
+                    sets[name] = att
+                p = (torch.einsum("hgd,hnd->hgn", q[0, :, 0].float().view(H, G, D), k[0].float())
+                     / math.sqrt(D)).softmax(-1)
+                od = torch.einsum("hgn,hnd->hgd", p, v[0].float())
+
+                def err(att):
+                    pa = p * att[:, None]
+                    o = torch.einsum("hgn,hnd->hgd", pa / pa.sum(-1, keepdim=True), v[0].float())
+                    return float(((o - od).norm(dim=-1) / od.norm(dim=-1)).mean())
+
+                layers.append({"layer": li, "mass_shadowkv": float((p * sets["shadowkv"][:, None]).sum(-1).mean()),
+                               "mass_quest": float((p * sets["quest"][:, None]).sum(-1).mean()),
+                               "mass_token0": float(p[:, :, 0].mean()),
+                               "err_shadowkv_exact_keys": err(sets["shadowkv"]), "err_quest": err(sets["quest"])})
+                pm = (p * (sets["quest"] & ~sets["shadowkv"])[:, None]).mean(1).sum(0)
+                for t in pm.topk(5).indices.tolist():
+                    lost[tok.decode([ids[t]])] += float(pm[t])
+            out["prompts"].append({"length": n, "layers": layers, "lost_mass_by_token": dict(lost.most_common(10))})
+            print(f"L={n}: layer, mass shadowkv/quest, err shadowkv/quest (exact keys)")
+            for r in layers:
+                print(f"  {r['layer']:2d}  {r['mass_shadowkv']:.3f} {r['mass_quest']:.3f}  "
+                      f"{r['err_shadowkv_exact_keys']:.3f} {r['err_quest']:.3f}")
+            print("  lost mass by token:", {k: round(v, 3) for k, v in lost.most_common(8)}, flush=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def answer_logprob(model, encode, args):
+    """Each method decodes the last prompt token and the answer teacher-forced through its own cache (as
+    ``needle.evaluate_batch`` does, greedy replaced by the right answer); per prompt the summed log-probability of
+    the answer tokens and whether every answer token is the argmax (exact match under teacher forcing)."""
+    from thrifty.kvcache import ShadowKVCache
+    from thrifty.kvcache.needle import dense_prefill
+
+    nl = encode("\n\n")
+    filler = TokenDataset(data_dir() / "corpus", "validation").tokens
+    rng = random.Random(args.seed)
+    common = dict(rank=args.rank, chunk_size=args.chunk, local_chunks=args.local, min_prompt_len=1, max_generated=32)
+    methods = {"dense": None}
+    for b in args.budgets:
+        for sel in ("shadowkv", "quest"):
+            methods[f"{sel}@{b}"] = ShadowKVConfig(sparse_budget=b, selector=sel, outlier_chunks=args.outliers,
+                                                   **common)
+    for sel in ("shadowkv", "quest"):
+        methods[f"{sel}_O48@{args.budgets[-1]}"] = ShadowKVConfig(sparse_budget=args.budgets[-1], selector=sel,
+                                                                  outlier_chunks=48, **common)
+    res = {m: {"logprob": [], "exact": [], "length": []} for m in methods}
+    t_start = time.time()
+    for n in args.lengths:
+        tasks = [make_needle_task(task, encode, filler, n, rng.random() if d is None else d, rng, filler_sub=nl[0])
+                 for task in args.tasks for d in (args.depths if task == "single" else [None])
+                 for _ in range(args.trials)]
+        for i in range(0, len(tasks), args.prefill_batch):
+            batch = tasks[i:i + args.prefill_batch]
+            ids = torch.cat([t.input_ids for t in batch])
+            ans = torch.tensor([encode(" " + t.answers[0]) for t in batch])  # (B, A): same digit count
+            kv = dense_prefill(model, ids[:, :-1], args.prefill_batch)
+            inputs = torch.cat((ids[:, -1:], ans[:, :-1]), 1)
+            bases = {}
+            for name, cfg in methods.items():
+                if cfg is None:
+                    cache = ShadowKVCache(model, ShadowKVConfig(rank=1, min_prompt_len=ids.shape[1] + 1))
+                    cache.load_prompt(kv)
+                else:
+                    key = (cfg.selector, cfg.outlier_chunks)
+                    if key not in bases:
+                        bases[key] = ShadowKVCache(model, replace(cfg, min_prompt_len=1), impl="reference")
+                        bases[key].load_prompt(kv)
+                    cache = bases[key].fork(model, cfg)
+                lp = torch.zeros(len(batch))
+                ok = torch.ones(len(batch), dtype=torch.bool)
+                for j in range(ans.shape[1]):
+                    logits = model(input_ids=inputs[:, j:j + 1], past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1).logits[:, -1].float()
+                    lp += logits.log_softmax(-1).gather(1, ans[:, j:j + 1])[:, 0]
+                    ok &= logits.argmax(-1) == ans[:, j]
+                res[name]["logprob"] += lp.tolist()
+                res[name]["exact"] += ok.float().tolist()
+                res[name]["length"] += [n] * len(batch)
+                del cache
+            print(f"{time.time() - t_start:7.1f}s L={n} prompts {i + len(batch)}/{len(tasks)}", flush=True)
+            summary = {}
+            for m, r in res.items():
+                for L in args.lengths:
+                    sel = [i for i, x in enumerate(r["length"]) if x == L]
+                    if sel:
+                        summary[f"{m}_{L}"] = {"logprob": mean([r["logprob"][i] for i in sel]),
+                                               "exact": mean([r["exact"][i] for i in sel]), "n": len(sel)}
+            Path(args.out).write_text(json.dumps({"settings": vars(args), "summary": summary, "per_prompt": res,
+                                                  "wall_s": time.time() - t_start}, indent=1))
+    for k, v in summary.items():
+        print(f"{k:>24} logprob {v['logprob']:8.3f} exact {v['exact']:.3f} n {v['n']}")
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def write(acc, args, n_prompts, t_start, final=False):
+    rows = []
+    for (name, b, n), a in sorted(acc.items(), key=lambda x: (x[0][2], x[0][1], x[0][0])):
+        rows.append({"variant": name, "budget": b, "length": n, "mass": a["mass"] / a["cnt"],
+                     "needle": a["nn"] / max(a["nd"], 1e-30), "err": a["err"] / a["cnt"],
+                     "sink_kept": a["sink"] / max(a["scnt"], 1),
+                     "needle_by_layer": {li: x[0] / max(x[1], 1e-30) for li, x in a["layer_needle"].items()}})
+    from thrifty import bench
+
+    meta = {"commit": bench.git_commit(), "threads": torch.get_num_threads()}
+    Path(args.out).write_text(json.dumps({"settings": vars(args), "prompts": n_prompts, "wall_s": time.time() - t_start,
+                                          "meta": meta, "rows": rows}, indent=1))
+    if final:
+        for r in rows:
+            print(f"{r['variant']:>22} b{r['budget']:<5} L{r['length']:<5} mass {r['mass']:.4f} needle "
+                  f"{r['needle']:.4f} err {r['err']:.4f} sink {r['sink_kept']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
