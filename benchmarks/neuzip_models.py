@@ -94,8 +94,8 @@ class PhaseProfile:
     (torch.cuda sync debug mode, CUDA only) of NeuZip's block decodes and re-encodes and of the fused updates,
     wrapped around those methods for the one profiled step; the forward and backward spans around them."""
 
-    PHASES = (("decode", "thrifty.neuzip.model", "CompressedWeights", "_decode"),
-              ("reencode", "thrifty.neuzip.model", "CompressedWeights", "_reencode"),
+    PHASES = (("decode", "thrifty.neuzip.state", "CompressedWeights", "_decode"),
+              ("reencode", "thrifty.neuzip.state", "CompressedWeights", "_reencode"),
               ("update", "thrifty.optim.lomo", "FusedOptimizer", "update"))
 
     def __init__(self, cuda: bool):

@@ -13,7 +13,7 @@ import torch
 
 from thrifty.data import TokenDataset, clean_file, keep_paragraph, load_corpus_text, prepare_corpus
 from thrifty.data.clean import clean_html, clean_markdown, clean_pod, clean_rst
-from thrifty.data.corpus import split_of
+from thrifty.data.prepare import split_of
 
 SOURCES = ("python3.11-doc", "perl-doc", "postgresql-doc-15")
 

@@ -35,7 +35,7 @@ def load_any_model(path: Path, device, dtype=None):
     """A NeuZip checkpoint (``save_compressed``), a HF/thrifty checkpoint folder (config.json + safetensors), or
     ``smollm2`` (the real pretrained model; Q4_1-dequantized, so its weight statistics are not a bf16 model's)."""
     from .models import LlamaForCausalLM
-    from .neuzip.model import is_compressed_checkpoint, load_compressed
+    from .neuzip.checkpoint import is_compressed_checkpoint, load_compressed
 
     if str(path) == "smollm2":
         from . import pretrained

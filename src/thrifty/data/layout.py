@@ -1,5 +1,5 @@
-"""The layout of a prepared corpus folder, shared by the builder (``corpus.py``) and the reader
-(``dataset.py``)::
+"""The layout of a prepared corpus folder, shared by the builder (``prepare.py``) and the readers
+(``dataset.py``, ``text.py``)::
 
     manifest.json            what was built from what: sources, versions, licences, bytes, tokens, sha256
     train.bin validation.bin flat uint16 token ids, every document followed by the EOS id

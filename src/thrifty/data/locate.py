@@ -20,7 +20,7 @@ def corpus_path(corpus_dir=None, max_mb=None, reuse: bool = False) -> Path:
     """The Debian corpus by default; with ``corpus_dir`` only that folder, built into its own data folder.
     ``reuse``: take a corpus already built by ``thrifty setup`` (whatever its size cap) as it is."""
     from ..paths import data_dir
-    from .corpus import prepare_corpus
+    from .prepare import prepare_corpus
 
     if corpus_dir is None:
         built = data_dir() / "corpus"

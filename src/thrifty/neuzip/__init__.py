@@ -6,10 +6,19 @@ Models: ``compress_model(model, mode="lossless" | "lossy", mantissa_bits=k)`` ke
 compressed (one decode launch per block), ``decompress_model(model)`` undoes it; ``save_compressed`` /
 ``load_compressed`` for whole models. Training: ``compress_model(model, train=LomoConfig(...))`` or
 ``thrifty.optim.lomo(model, LomoConfig(...))`` (the fused per-layer optimizer lives in :mod:`thrifty.optim`).
+
+Modules: ``reference`` (the codec's spec, NumPy), ``tensor`` (one compressed tensor), ``encode`` and
+``encode_kernel`` (encoding: torch ops / Triton), ``decode_kernel`` and ``block_decode`` (Triton decoding: one
+tensor / one block's pack), ``format`` (the on-disk format); in models: ``config`` (``NeuZipConfig``),
+``convert`` (``compress_model`` / ``decompress_model``), ``linear`` (the compressed linear and its backward),
+``state`` (``model.neuzip``: packs, decode buffers, re-encode), ``vocab`` (the coded embedding and lm_head),
+``checkpoint`` (``save_compressed`` / ``load_compressed``).
 """
 
+from .checkpoint import load_compressed, save_compressed
+from .config import NeuZipConfig
+from .convert import compress_model, decompress_model
 from .format import FORMAT_VERSION, load, save
-from .model import NeuZipConfig, compress_model, decompress_model, load_compressed, save_compressed
 from .tensor import CompressedTensor, compress
 
 __all__ = ["CompressedTensor", "compress", "save", "load", "FORMAT_VERSION", "compress_model", "decompress_model", "NeuZipConfig",

@@ -5,7 +5,7 @@ update runs when autograd has finished that parameter's gradient, tied weights a
 then set to None). Weights kept outside the parameters (NeuZip's compressed blocks) are updated by their
 owner: ``lomo`` hands the optimizer to any object on the model with an ``attach_optimizer(optimizer)`` method,
 and the owner calls ``optimizer.update(key, weight, grad)`` itself (NeuZip does it inside its linear's backward,
-in the decoded block buffer, and re-encodes the block once its last weight is updated: :mod:`thrifty.neuzip.model`).
+in the decoded block buffer, and re-encodes the block once its last weight is updated: :mod:`thrifty.neuzip.state`).
 This package imports nothing of NeuZip. So at most one parameter's gradient exists at a time and no full
 gradient set ever coexists with the weights.
 

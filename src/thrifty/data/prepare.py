@@ -1,7 +1,8 @@
-"""Real English text for training and perplexity: fetched from Debian documentation packages (``debian.py``),
-cleaned to prose (``clean.py``), split deterministically and tokenized into flat ``uint16`` token files in the
-layout of ``layout.py``. :func:`prepare_corpus` builds a corpus, :func:`load_corpus_text` reads its cleaned text
-back; ``dataset.TokenDataset`` reads its tokens.
+"""Building a corpus: :func:`prepare_corpus` fetches Debian documentation packages (``debian.py``) or reads a
+folder, cleans them to prose (``clean.py``), splits the documents deterministically (:func:`split_of`) and
+tokenizes them into flat ``uint16`` token files in the layout of ``layout.py``, with a manifest that makes the
+build idempotent. ``text.load_corpus_text`` reads its cleaned text back; ``dataset.TokenDataset`` reads its
+tokens.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .._checks import check_positive_int, check_range
+from .._checks import check_range
 from .clean import CLEANER_VERSION, clean_file
 from .debian import DEBIAN_PACKAGES, DEBIAN_SOURCES, DebianSource, fetch_debian_package, read_license, unpack_deb
 from .layout import FORMAT_VERSION, SPLITS, file_sha256
+from .tokenizer import as_tokenizer, eos_token_of
 
 VALIDATION_FRACTION = 0.03  # ~3%: ~300K tokens of validation from ~50 MB of text
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".html", ".htm")
@@ -116,36 +118,6 @@ def _dir_fingerprint(corpus_dir: Path) -> str:
     return h.hexdigest()
 
 
-def _as_tokenizer(tokenizer):
-    """A ``tokenizers.Tokenizer`` from one, or from a transformers fast tokenizer; the SmolLM2 one by default."""
-    if tokenizer is None:
-        from ..pretrained import load_tokenizer
-
-        return load_tokenizer()
-    from tokenizers import Tokenizer
-
-    if isinstance(tokenizer, Tokenizer):
-        return tokenizer
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if isinstance(backend, Tokenizer):
-        return backend
-    raise TypeError(
-        f"tokenizer: expected a tokenizers.Tokenizer or a transformers fast tokenizer, got {type(tokenizer).__name__}"
-    )
-
-
-_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
-
-
-def eos_token_of(tokenizer) -> tuple[str, int]:
-    """The end-of-document token (name, id) that separates documents in the token files."""
-    for tok in _EOS_CANDIDATES:
-        tid = tokenizer.token_to_id(tok)
-        if tid is not None:
-            return tok, tid
-    raise ValueError(f"tokenizer: has none of the end-of-text tokens {list(_EOS_CANDIDATES)}")
-
-
 def _resolve_sources(sources) -> list[str]:
     if isinstance(sources, str):
         sources = (sources,)
@@ -209,7 +181,7 @@ def prepare_corpus(
         raise ValueError("sources: empty and no corpus_dir given; nothing to build a corpus from")
     if max_mb is not None:
         check_range("max_mb", max_mb, 0, float("inf"), lo_open=True)
-    tok = _as_tokenizer(tokenizer)
+    tok = as_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if vocab > 2**16:
         raise ValueError(f"tokenizer: vocab size {vocab} does not fit the uint16 token files (max 65536)")
@@ -307,35 +279,3 @@ def _encode_into(tok, batch, eos_id, handles, counts, source_counts, bar) -> Non
         counts[doc["split"]] += len(ids)
         source_counts[doc["split"]] += len(ids)
         bar.update(len(doc["text"].encode()))
-
-
-def load_corpus_text(path=None, split: Optional[str] = None, source: Optional[str] = None,
-                     max_documents: Optional[int] = None) -> list[str]:
-    """The cleaned documents of a prepared corpus (all sources unless ``source``; both splits unless ``split``),
-    for a look at what the model is trained on."""
-    from ..paths import data_dir
-
-    out = Path(path) if path is not None else data_dir() / "corpus"
-    if out.name == "manifest.json":
-        out = out.parent
-    manifest_path = out / "manifest.json"
-    if not manifest_path.is_file():
-        raise ValueError(f"path: no manifest.json in {out}; run thrifty.data.prepare_corpus() first")
-    if split is not None and split not in SPLITS:
-        raise ValueError(f"split: expected one of {list(SPLITS)}, got {split!r}")
-    if max_documents is not None:
-        check_positive_int("max_documents", max_documents)
-    manifest = json.loads(manifest_path.read_text())
-    names = [r["name"] for r in manifest["sources"]]
-    if source is not None and source not in names:
-        raise ValueError(f"source: expected one of {names}, got {source!r}")
-    docs: list[str] = []
-    for name in names if source is None else [source]:
-        with open(out / "text" / f"{name}.jsonl", encoding="utf-8") as f:
-            for line in f:
-                doc = json.loads(line)
-                if split is None or doc["split"] == split:
-                    docs.append(doc["text"])
-                    if max_documents is not None and len(docs) >= max_documents:
-                        return docs
-    return docs
