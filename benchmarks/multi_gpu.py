@@ -28,8 +28,8 @@ median pair, spread beside it. Peak GiB per GPU: one extra step of the equivalen
 1-GPU reference, whose N micro-batches of b rows hold what one of b rows does).
 Defaults: 50 timed steps after 5 warm-up per side, per-GPU batch 8 (135m) / 4 (1b), sequence 1024.
 
-Budget (10-minute calls): one preset per call (3 launches; at 3ad1858 six launches of the 135m preset took ~330
-s). Fold the parts afterwards:
+Budget (10-minute calls): one preset per call (3 launches; at 66d08d3 on 2 H200s, 135m with --profile
+--checkpoint-check 229 s, 1b with --profile 264 s, set-up included). Fold the parts afterwards:
 
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 135m --part-name 135m --profile --checkpoint-check
     bash benchmarks/run_on_gpu.sh benchmarks/multi_gpu.py --presets 1b --part-name 1b --profile
