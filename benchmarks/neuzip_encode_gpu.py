@@ -16,7 +16,7 @@ host ms = the wait for everything queued before them) and the host code building
 ``encode_stage_<name>_host_ms`` / ``_gpu_ms``.
 
 Re-encode with code reuse (this tree only: ``encode_kernel.reencode_block_triton``, LOMO's default): a code is
-built once (with spares), then per repetition the block drifts by an AdamW-like step (every weight +-1e-4, in
+built once (a covering code), then per repetition the block drifts by an AdamW-like step (every weight +-1e-4, in
 place) and is re-encoded with the last code; host ms, GPU ms, syncs, how many repetitions reused the code, and
 each drifted block decoded back (NumPy reference, two tensors) against its weights (``reencode_lossless``). Its
 stage split (then the pack update with kept tables) in ``reuse_stages``; keys ``reencode_reuse_ms`` (GPU ms,

@@ -59,6 +59,7 @@ SMOKE_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hi
 INT_BLOCK = 64
 CONTROL = "LOMO AdamW (repeat)"  # the same row again: run-to-run noise of the GPU backward
 DETERMINISTIC = " [deterministic]"
+FRESH_CODES = " [fresh code every step]"  # NeuZipConfig(reuse_code=False): the re-encode before code reuse
 IDENTITY_PAIRS = ("LOMO AdamW", "LOMO AdamW + NeuZip lossless", "LOMO AdamW 8-bit states",
                   "LOMO AdamW 8-bit states + NeuZip lossless")
 
@@ -262,6 +263,7 @@ def train_rows(args, device):
                 ("LOMO AdamW + NeuZip lossless", "adamw", True, True, bf16, True),
                 ("LOMO AdamW 8-bit states", "adamw", True, False, int8, True),
                 ("LOMO AdamW 8-bit states + NeuZip lossless", "adamw", True, True, int8, True),
+                ("LOMO AdamW 8-bit states + NeuZip lossless" + FRESH_CODES, "adamw", True, True, int8, True),
                 ("LOMO SGD + NeuZip lossless", "sgd", True, True, bf16, True)]
     if args.smoke:  # the smoke test runs every code path once, not every row
         variants = [v for v in variants if v[0] in ("vanilla AdamW", "LOMO AdamW 8-bit states",
@@ -283,7 +285,7 @@ def train_rows(args, device):
 
                 model.set_loss(lambda h, w, y: linear_cross_entropy(h, w, y))
             if neuzip:
-                compress_model(model)
+                compress_model(model, config=NeuZipConfig(reuse_code=not name.endswith(FRESH_CODES)))
                 row["weights_ratio_vs_bf16"] = model.neuzip.memory()["ratio_vs_bf16"]
             _checkpoint_blocks(model)
             adam = None if use_lomo else torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
@@ -324,6 +326,9 @@ def train_rows(args, device):
             losses[name] = step_losses
             if use_lomo:
                 row["optimizer_state_gib"] = opt.state_bytes / 2**30
+            if neuzip:  # how many re-encodes kept their block's code (NeuZipConfig.reuse_code)
+                st = model.neuzip.stats
+                row["code_reuse_fraction"] = st["code_reuses"] / max(1, st["code_reuses"] + st["code_builds"])
         except Exception as err:  # a failing variant (OOM) keeps its row
             row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
         # free this variant completely before the next one's peak is measured
@@ -550,6 +555,12 @@ def _summary(train, losses, infer, block):
                       ("LOMO SGD + NeuZip lossless", "sgd_neuzip")):
         if van and van.get("peak_gib") and name in by:
             s[f"train_mem_ratio_{key}_vs_vanilla"] = by[name]["peak_gib"] / van["peak_gib"]
+    fresh = by.get(head + FRESH_CODES)
+    if van and fresh:  # the same row before code reuse, timed in the same run
+        s["train_speed_ratio_vs_vanilla_fresh_codes"] = fresh["it_per_s"] / van["it_per_s"]
+        if head in by:
+            s["train_code_reuse_speedup"] = by[head]["it_per_s"] / fresh["it_per_s"]
+            s["train_code_reuse_fraction"] = by[head].get("code_reuse_fraction")
     s.update(_identity_summary(losses, head, head_plain))
     if "LOMO AdamW" in losses and head_plain in losses:  # 8-bit vs bf16 states (not identical, by design)
         s["train_loss_max_gap_int8_vs_bf16_states"] = max(abs(a - b) for a, b in zip(losses["LOMO AdamW"],

@@ -504,16 +504,19 @@ def _decodes_to(streams, views, pack=None):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reencode_reusing_the_code_is_lossless(dtype):
-    """A drifted block re-encoded with its previous code (LOMO's default): reused, the same stored code, a
-    different word stream than a fresh code's (pair and single tensors, odd, tiny and empty sizes), and both
-    decoders give back the drifted weights bit for bit, the block decode through the pack's kept tables."""
+    """A drifted block re-encoded with its previous code (LOMO's default): reused, the same stored code, new
+    word streams (odd, tiny and empty sizes), and both decoders give back the
+    drifted weights bit for bit, the block decode through the pack's kept tables. The codes built for reuse are
+    single-symbol (covering) codes, also where the fresh reference code of a tensor is a pair code."""
     from thrifty.neuzip.block_decode import BlockPack
-    from thrifty.neuzip.encode_kernel import reencode_block_triton
+    from thrifty.neuzip.encode_kernel import encode_block_triton, reencode_block_triton
 
     sizes = (R.GROUP * R.STEPS * 2 + 7, 1, 0, 129, 3001, 24_001)
     buf, views = _block_views(dtype, sizes, seed=21)
+    reference_pairs = [len(c) == R.PAIR_SYMBOLS for c in encode_block_triton(views)[1]]
+    assert any(reference_pairs) and not all(reference_pairs)  # the fresh codes mix pair and single tensors
     streams, lengths, code, reused = reencode_block_triton(views, None)
-    assert not reused
+    assert not reused and all(len(c) == 256 for c in lengths)
     pack = BlockPack([CompressedTensor(s, v.dtype, v.shape, steps=R.STEPS) for s, v in zip(streams, views)])
     pack.replace(streams, lengths)
     tables = pack.kernel_tables(pack.device)
@@ -522,25 +525,39 @@ def test_reencode_reusing_the_code_is_lossless(dtype):
     assert reused and new_code is code and new_lengths is lengths
     assert all(torch.equal(new[i][k], streams[i][k]) for i in range(len(sizes)) for k in ("lengths", "pair_syms")
                if k in streams[i])  # the old code is stored with the new streams
-    fresh, _, _, _ = reencode_block_triton(views, None)
-    assert any(not torch.equal(a["words"], b["words"]) for a, b in zip(new, fresh))  # the weights did change
+    assert any(not torch.equal(a["words"], b["words"]) for a, b in zip(new, streams))  # the weights did change
     pack.replace(new, new_lengths, keep_tables=True)
     assert pack.kernel_tables(pack.device) is tables  # not rebuilt
     _decodes_to(new, views, pack)
-    assert any(pack.pairs) and not all(pack.pairs)
+    assert not any(pack.pairs)
+
+
+def test_reencode_reuses_the_code_when_weights_reach_new_small_exponents():
+    """Weights that a step takes towards zero (new small exponents, zero, a subnormal: what AdamW does to weights
+    near zero, whatever their size) stay covered by the reused code: no fresh build, lossless."""
+    from thrifty.neuzip.encode_kernel import reencode_block_triton
+
+    buf, views = _block_views(torch.bfloat16, (R.GROUP * R.STEPS * 4 + 5, 129), seed=33)
+    _, _, code, _ = reencode_block_triton(views, None)
+    for value in (1e-30, 0.0, -1e-39, 3e-12):  # 1e-39 is subnormal in bf16
+        views[0][41] = value
+        views[1][7] = -value
+        streams, _, code, reused = reencode_block_triton(views, code)
+        assert reused, value
+        _decodes_to(streams, views)
 
 
 def test_reencode_falls_back_to_a_fresh_code_on_a_new_exponent():
-    """A weight whose exponent the old code has no code for (in a pair tensor, in a single-symbol one): a fresh
-    code (with spares: lossless, not the reference's bytes) that covers it; the code after it is reused again."""
+    """A weight whose exponent lies above the code's headroom (in either tensor): a fresh code (lossless, not the
+    reference's bytes) that covers it; the code after it is reused again."""
     from thrifty.neuzip.encode_kernel import reencode_block_triton
 
-    sizes = (R.GROUP * R.STEPS * 4 + 5, 129)  # a single-symbol tensor (the long codes), a pair one
+    sizes = (R.GROUP * R.STEPS * 4 + 5, 129)  # the second tensor's fresh reference code is a pair code
     for slot in range(len(sizes)):
         buf, views = _block_views(torch.bfloat16, sizes, seed=31)
         _, _, code, _ = reencode_block_triton(views, None)
-        assert [c.size for c in code.lengths] == [256, R.PAIR_SYMBOLS]
-        views[slot][40] = 3.0e38  # exponent 254: in no N(0, 0.02) block
+        assert [c.size for c in code.lengths] == [256, 256]
+        views[slot][40] = 3.0e38  # exponent 254: in no N(0, 0.02) block, far above the headroom
         streams, _, new_code, reused = reencode_block_triton(views, code)
         assert not reused and new_code is not code
         _decodes_to(streams, views)
@@ -612,9 +629,8 @@ def test_reencode_reusing_the_code_reads_the_host_once(monkeypatch):
 
 
 def test_lomo_triton_reuses_codes_bit_identical():
-    """Three LOMO steps with the Triton encoder (interpreter): the first re-encode builds a code, a later one
-    reuses it (stats; at these ~1K-weight tensors a step often adds a rare pair: the other falls back), and the
-    training stays bit-identical to the plain model; reuse_code=False builds every time, with the same weights."""
+    """Three LOMO steps with the Triton encoder (interpreter): the first re-encode builds a code, both later
+    ones reuse it (stats: the covering code keeps AdamW's new small exponents), and the training stays bit-identical to the plain model; reuse_code=False builds every time, with the same weights."""
     cfg = LomoConfig(optimizer="adamw", lr=1e-5)
     plain = tiny(torch.bfloat16, layers=1)
     reusing = compress_model(copy.deepcopy(plain), config=NeuZipConfig(impl="triton", reuse_code=True), train=cfg)
@@ -626,7 +642,7 @@ def test_lomo_triton_reuses_codes_bit_identical():
         for loss in losses:
             loss.backward()
         assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
-    assert reusing.neuzip.stats["code_builds"] == 2 and reusing.neuzip.stats["code_reuses"] == 1
+    assert reusing.neuzip.stats["code_builds"] == 1 and reusing.neuzip.stats["code_reuses"] == 2
     assert building.neuzip.stats["code_builds"] == 3 and building.neuzip.stats["code_reuses"] == 0
     for model in (reusing, building):
         for n, w in model.neuzip.decoded_weights().items():

@@ -107,5 +107,6 @@ def test_lomo_fused_kernel_deferred_reencode_bit_identical_cuda(state_dtype, mon
     # between): at most one re-encode per block per step (H200: 7 of 9), and none pending after the flush.
     assert packed.neuzip.stats["reencodes"] <= 3 * 3
     assert not any(packed.neuzip.dirty)
+    assert packed.neuzip.stats["code_reuses"] > 0  # the covering codes were reused (NeuZipConfig.reuse_code)
     plain_params = {k.replace(".block.", "."): v for k, v in plain.named_parameters()}
     assert all(torch.equal(w.cpu(), plain_params[n.replace(".block.", ".")].detach().cpu()) for n, w in weights.items())

@@ -23,21 +23,21 @@ class NeuZipConfig:
     shrinks, not only its blocks.
 
     reuse_code: LOMO training with the Triton encoder (``impl`` "triton", or "auto" on CUDA) re-encodes each
-    block with the code of its previous encode while that code still has a code for every exponent (or pair)
-    that occurs; else, or once the coded bits grew 1% past the code's fresh build, it builds a new one. Why: a
-    step barely moves the exponent histogram, and the host Huffman build plus the decode tables were ~13 of a
-    re-encode's ~14 ms per 1B-class block. Still lossless (the weights decode bit for bit); the streams are
-    slightly longer and not byte-identical to a fresh encode. False (the default): a fresh code every step. Off
-    by default because in Table 1 (H200, 6ba285a) nearly every block fell back (62 reads per step for 22 blocks:
-    new rare exponents appear each step beyond the spares), which made the step slower (0.194x vanilla against
-    0.255x before); the re-encode alone, when the code covers the block, is 1.4 ms against 9.7 ms."""
+    block with the code of its previous encode while that code still has a code for every exponent that occurs;
+    else, or once the coded bits grew 1% past the code's fresh build, it builds a new one. The codes it builds
+    are single-symbol codes covering every exponent from 0 to two octaves above the block's largest (AdamW
+    takes weights near zero to new small exponents every step). Why: a step barely moves the exponent
+    histogram, and the host Huffman build plus the decode tables were ~13 of a re-encode's ~14 ms per
+    1B-class block (the re-encode alone, reusing: 1.4 ms against 9.7 ms, H200). Still lossless (the weights
+    decode bit for bit); the streams are ~0.4% longer and not byte-identical to a fresh encode. False: a fresh
+    reference code every step."""
 
     mode: str = "lossless"
     mantissa_bits: Optional[int] = None
     steps: int = R.STEPS
     impl: str = "auto"
     vocab: bool = False
-    reuse_code: bool = False
+    reuse_code: bool = True
 
     def __post_init__(self):
         check_choice("mode", self.mode, MODES)

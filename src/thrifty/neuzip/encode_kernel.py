@@ -24,7 +24,9 @@ min and max on the host, two syncs per call, and its 65536-bin pair histogram ra
 
 Code reuse (:func:`reencode_block_triton`, LOMO's default): with the block's previous :class:`BlockCode`, only
 5 and 6 run (the lane kernel also counts symbols the old code has no code for) with **one** read (the sizes and
-those counts); an uncovered symbol falls back to the fresh encode. NOTES.md "Re-encode" has the design.
+those counts); an uncovered symbol falls back to a fresh encode. The codes built for reuse are single-symbol codes
+covering every exponent up to ``HEADROOM`` octaves above the block's largest, so AdamW's new small exponents do
+not force a rebuild. NOTES.md "Re-encode" has the design.
 
 Traffic ≈ 4 reads of the 2 B bf16 weight (2 histograms, lane sums, pack) + 1 B raw + 0.33 B words ≈ 9.3 B per
 weight: ~0.41 GB for a 44M-weight block, ~0.15 ms at HBM speed.
@@ -374,12 +376,13 @@ class BlockCode:
 # fraction (the code drifted away from the weights; ~1% of the coded part is ~0.3% of the stream). Not tuned: the
 # read of the stream sizes gives the check for free, and a LOMO step moves the bits by far less.
 REBUILD_GROWTH = 0.01
-# A code built for reuse also codes the absent pairs of occurring symbols whose expected count (pairs x p(a) x
-# p(b)) is at least this, and the neighbours (+-1) of occurring single symbols: after a step the rare tail of the
-# pair histogram changes (simulated on CPU, bf16 N(0, 0.02) 5632x2048 after AdamW-like steps of 1e-4: 11-35 new
-# pairs per step against the last code, none outside these spares at 1e-3; 193 spares, ~4.7% of the code space
-# at 12 bits: ~0.035 coded bits per element, ~0.3% of the stream). Without them nearly every re-encode fell back.
-SPARE_EXPECTED = 1e-3
+# A code built for reuse is a single-symbol code over every symbol from 0 (zero and the smallest exponents) up to
+# HEADROOM above the largest that occurs. Why: AdamW moves a weight by ~lr whatever its size, so weights near
+# zero land on exponents no earlier step had (Table 1, H200, 6ba285a: with +-1 spares and pair codes nearly every
+# block fell back, 62 reads per step for 22 blocks), while the top of the range grows by at most an octave per
+# doubling. Cost against the fresh (often pair) code, bf16 N(0, 0.02) / N(0, 0.006), 2M weights: +0.036 /
+# +0.050 bits per weight (~0.4% of a ~10.6-bit stream); covering all 256 symbols would cost +0.076 / +0.10.
+HEADROOM = 2
 
 
 def _layout(xs, steps: int) -> tuple:
@@ -417,7 +420,7 @@ def reencode_block_triton(xs, previous: "BlockCode | None", steps: int = R.STEPS
         reused = _encode_reusing(xs, steps, previous, profile)
         if reused is not None:
             return (*reused, True)
-    return (*_encode_fresh(xs, steps, profile, spares=True), False)
+    return (*_encode_fresh(xs, steps, profile, covering=True), False)
 
 
 def _prepare(xs, steps: int, profile):
@@ -435,16 +438,17 @@ def _prepare(xs, steps: int, profile):
     return flat, meta, host, lane_args
 
 
-def _encode_fresh(xs, steps: int, profile, spares: bool = False) -> tuple[list, list, BlockCode]:
+def _encode_fresh(xs, steps: int, profile, covering: bool = False) -> tuple[list, list, BlockCode]:
     """A fresh code for every tensor: histograms, read 1, host code build, upload, lanes, read 2, pack.
-    spares: the code also covers likely new symbols (``SPARE_EXPECTED``; a code to reuse: not the reference's
-    bytes, but as lossless); False: byte for byte the reference's streams."""
+    covering: a code to reuse, a single-symbol code that also covers the symbols a later step may add
+    (``HEADROOM``; not the reference's bytes, but as lossless; no pair histogram needed); False: byte for byte
+    the reference's streams."""
     flat, meta, host, lane_args = _prepare(xs, steps, profile)
     dtype, dev, T = xs[0].dtype, xs[0].device, len(xs)
-    hist = _histograms(flat, meta, host, T, lane_args, profile)
+    hist = _histograms(flat, meta, host, T, lane_args, profile, pairs=not covering)
     with _stage(profile, "read1"):
         counts = _to_host(hist)  # read 1 (int32; each code function widens the rows it reads)
-    codes_np, stored, idx, entries = _build_codes(counts, profile, spares)
+    codes_np, stored, idx, entries = _build_codes(counts, profile, covering)
     with _stage(profile, "upload_tables"):
         _, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored,
                                   np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32), dev)
@@ -479,13 +483,16 @@ def _encode_reusing(xs, steps: int, code: BlockCode, profile):
     return out, code.lengths, dataclasses.replace(code, stale=stale) if stale else code
 
 
-def _histograms(flat, meta, host, T: int, lane_args: dict, profile) -> torch.Tensor:
-    """int32[T, HIST_W]: each tensor's symbol and pair histogram (1-3 of the module docstring; no host read)."""
+def _histograms(flat, meta, host, T: int, lane_args: dict, profile, pairs: bool = True) -> torch.Tensor:
+    """int32[T, HIST_W]: each tensor's symbol and pair histogram (1-3 of the module docstring; no host read).
+    pairs: False skips the pair histogram (its bins stay 0: a covering code has no pairs)."""
     dev = flat.device
     common = dict(TP=lane_args["TP"], META_W=META_W, BITS=lane_args["BITS"], SHIFT=lane_args["SHIFT"])
     with _stage(profile, "sym_hist"):
         hist = torch.zeros(T, HIST_W, dtype=torch.int32, device=dev)
         _sym_hist_kernel[(host["programs"][0],)](flat, meta, hist, T, HIST_W=HIST_W, BLOCK=HIST_BLOCK, **common)
+    if not pairs:
+        return hist
     with _stage(profile, "ranks"):
         order = torch.argsort(hist[:, :256], dim=1, descending=True, stable=True)[:, :WINDOW]
         rank = torch.full((T, 256), WINDOW, dtype=torch.int32, device=dev)
@@ -497,22 +504,20 @@ def _histograms(flat, meta, host, T: int, lane_args: dict, profile) -> torch.Ten
     return hist
 
 
-def _build_codes(counts: np.ndarray, profile, spares: bool = False) -> tuple[list, list, list, list]:
+def _build_codes(counts: np.ndarray, profile, covering: bool = False) -> tuple[list, list, list, list]:
     """Host code build from the read histograms: (code lengths, stored code streams, table positions, table
-    entries) per tensor. spares: see :func:`_encode_fresh`."""
+    entries) per tensor. covering: see :func:`_encode_fresh`."""
     codes_np, stored, idx, entries = [], [], [], []
     clock = time.perf_counter
     for i in range(counts.shape[0]):
         t0 = clock()
         single = counts[i, :256].astype(np.int64)
-        lengths = R.code_lengths(single)
+        lengths = _covering_lengths(single) if covering else R.code_lengths(single)
         t1 = clock()
-        pair_lengths = _choose_pair_code(counts[i, 256:], lengths, single)
+        pair_lengths = None if covering else _choose_pair_code(counts[i, 256:], lengths, single)
         t2 = clock()
         if pair_lengths is not None:
             lengths = pair_lengths
-        if spares:
-            lengths = _with_spares(lengths, counts[i], single)
         codes_np.append(lengths)
         present = np.flatnonzero(lengths)
         code = R.canonical_codes(lengths)[present].astype(np.int64)
@@ -528,31 +533,14 @@ def _build_codes(counts: np.ndarray, profile, spares: bool = False) -> tuple[lis
     return codes_np, stored, idx, entries
 
 
-def _with_spares(lengths: np.ndarray, row: np.ndarray, single: np.ndarray) -> np.ndarray:
-    """``lengths`` (a tensor's fresh code) recomputed with count 1 for the symbols a step is likely to add
-    (``SPARE_EXPECTED``): single symbols next to occurring ones (+-1: an exponent one octave off); for a pair
-    code, the absent pairs of those symbols with expected count >= SPARE_EXPECTED (a new symbol counted once).
-    Unchanged when there are none or the pair code would exceed MAX_PAIRS."""
-    occurring = single > 0
-    if not occurring.any():
-        return lengths
-    near = occurring.copy()
-    near[1:] |= occurring[:-1]
-    near[:-1] |= occurring[1:]
-    with_new = np.where(near & ~occurring, 1, single)
-    if len(lengths) != R.PAIR_SYMBOLS:
-        return lengths if (near == occurring).all() else R.code_lengths(with_new)
-    pair_counts = row[256:].astype(np.int64)
-    p = with_new / with_new.sum()
-    expected = (pair_counts.sum() * np.outer(p, p)).reshape(-1)  # index (a << 8) | b
-    spare = (expected >= SPARE_EXPECTED) & (pair_counts == 0)
-    counts = np.where(spare, 1, pair_counts)
-    present = np.flatnonzero(counts)
-    if not spare.any() or len(present) > R.MAX_PAIRS:
-        return lengths
-    out = np.zeros(R.PAIR_SYMBOLS, np.uint8)
-    out[present] = R.limited_lengths(counts[present])
-    return out
+def _covering_lengths(single: np.ndarray) -> np.ndarray:
+    """Optimal length-limited single-symbol code lengths (uint8[256]) over the occurring symbols and every symbol
+    from 0 to ``HEADROOM`` above the largest occurring one (those at count 1): see ``HEADROOM``."""
+    present = np.flatnonzero(single)
+    top = min(256, (int(present[-1]) if len(present) else 0) + HEADROOM + 1)
+    counts = single.copy()
+    counts[:top] = np.maximum(counts[:top], 1)
+    return R.limited_lengths(counts)
 
 
 def _lookup_table(T: int, idx: torch.Tensor, entries: torch.Tensor, dev) -> torch.Tensor:
