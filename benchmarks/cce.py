@@ -4,9 +4,6 @@
     python benchmarks/cce.py --stage            # CPU, once: real SmolLM2 E and C into .stage/cce (carried)
     python benchmarks/cce.py --stage-trained data/trained-30m   # CPU: a model trained here -> .stage/cce_trained
     python benchmarks/cce.py --shapes 576x49152,2304x256000 --regimes random,realistic --out DIR
-    python benchmarks/cce.py --shapes 2304x256000,4096x128256 --regimes realistic \
-        --impls torch.compile,apple_cce,liger,thrifty,thrifty_hopper --forward-sweep 4096,8192,16384 --out DIR
-                                                # issue #32: default vs path="hopper" (+ forward kernels alone)
 
 Regimes: "random" = near-uniform logits (apple's best case); "realistic" = real SmolLM2-135M final hidden
 states and lm_head on real text (D=576, V=49152), the 30m model trained in this project (`thrifty pretrain`,
@@ -221,8 +218,6 @@ def impls():
         "thrifty_bf16acc": dict(e_grad_fp32=False),  # in place, dE accumulated in bf16 from the start
         # the previous default (v5): separate 64 MiB gradient-tile buffer + separate fp32 dE scratch
         "thrifty_sep64": dict(scratch_in_dc=False, chunk_bytes=64 << 20),
-        # issue #32: the persistent TMA forward kernel (forward_tma.py); backward = the default's
-        "thrifty_hopper": dict(path="hopper"),
     }
     for name, kw in variants.items():
         out[name] = (lambda kw: lambda e, c, t: thrifty_lce(e, c, t, impl="triton", **kw))(kw)
@@ -304,46 +299,6 @@ def measure(name, fn, e, c, t, ref, rate_tflops, shape_info, budget_s=3.0):
     row["lower_bound_mib"] = lower
     row["roofline_ms"] = 4 * 2 * N * D * V / (rate_tflops * 1e12) * 1e3
     return row
-
-
-def forward_sweep(shapes, tokens, rate, budget_s=1.0, device="cuda"):
-    """The forward kernels alone (issue #32): default ``lse_forward`` vs the Hopper ``lse_forward_tma`` on random
-    bf16 inputs, every (shape, N); the same statistics are checked before timing. One matmul 2NDV at the measured
-    bf16 rate is each kernel's ceiling."""
-    from thrifty.bench import time_fn
-    from thrifty.loss import forward_tma
-    from thrifty.loss.forward import lse_forward
-
-    out = []
-    for shape in shapes:
-        D, V = map(int, shape.split("x"))
-        for n in tokens:
-            g = torch.Generator(device=device).manual_seed(n)
-            e = torch.randn(n, D, generator=g, device=device).bfloat16()
-            c = (torch.randn(V, D, generator=g, device=device) / math.sqrt(D)).bfloat16()
-            t = torch.randint(0, V, (n,), generator=g, device=device)
-            rows = torch.arange(n, device=device)
-            ceiling_ms = 2 * n * D * V / (rate * 1e12) * 1e3
-            row = dict(shape=f"D={D} V={V}", n_tokens=n, ceiling_ms=ceiling_ms)
-            for name, fn in (("default", lse_forward), ("hopper", forward_tma.lse_forward_tma)):
-                call = (lambda fn: lambda: fn(e, c, None, rows, t, None))(fn)
-                try:
-                    row[f"{name}_stats"] = call()
-                    row[f"{name}_ms"] = time_fn(call, warmup=2, reps=10, budget_s=budget_s).median_ms
-                    row[f"{name}_ceiling_fraction"] = ceiling_ms / row[f"{name}_ms"]
-                except Exception as err:  # noqa: BLE001
-                    row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
-            if "default_stats" in row and "hopper_stats" in row:
-                row["lse_max_abs_diff"] = (row["default_stats"][0] - row["hopper_stats"][0]).abs().max().item()
-                row["target_logit_max_abs_diff"] = (row["default_stats"][1] - row["hopper_stats"][1]).abs().max().item()
-                row["hopper_speedup_vs_default"] = row["default_ms"] / row["hopper_ms"]
-            row.pop("default_stats", None)
-            row.pop("hopper_stats", None)
-            print("  forward", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-            out.append(row)
-            del e, c, t
-            torch.cuda.empty_cache()
-    return out
 
 
 def profile(D, V, regime, entropy, top1):
@@ -464,8 +419,6 @@ def main():
     ap.add_argument("--budget", type=float, default=3.0, help="seconds of timing per implementation and mode")
     ap.add_argument("--train", default="", help="preset:steps, e.g. 30m:300 (the end effect in the model)")
     ap.add_argument("--profile", default="", help="e.g. 2304x256000:realistic,2304x256000:random")
-    ap.add_argument("--forward-sweep", default="", help="token counts, e.g. 4096,8192,16384: the forward kernels "
-                    "alone, default vs path='hopper', at the large --shapes (issue #32)")
     args = ap.parse_args()
     if args.stage:
         return stage()
@@ -497,10 +450,6 @@ def main():
         e_tr, c_tr, t_tr = load_staged(STAGE_TRAINED)  # benchmarks/cce.py --stage-trained data/trained-30m
         trained = logit_stats((e_tr[:512].float() @ c_tr.float().T))
         print("trained-30m logits:", trained, flush=True)
-    sweep = []
-    if args.forward_sweep:
-        big_shapes = [s for s in args.shapes.split(",") if int(s.split("x")[1]) >= 100_000]
-        sweep = forward_sweep(big_shapes, [int(n) for n in args.forward_sweep.split(",")], rate)
     fns = impls()
     if args.impls:
         fns = {k: v for k, v in fns.items() if k in args.impls.split(",")}
@@ -534,10 +483,8 @@ def main():
             print(f"== D={D} V={V} {regime} {info} (inputs+ref {time.time() - t0:.0f}s)", flush=True)
             for name, fn in fns.items():
                 t1 = time.time()
-                launches = _tma_launches()
                 row = measure(name, fn, e, c, t, ref, rate, info, budget_s=args.budget)
                 row["matmul_tflops"] = rate
-                row["tma_forward_launches"] = _tma_launches() - launches  # > 0: path="hopper" really ran
                 rows.append(row)
                 keys = ("loss_ms", "loss_grad_ms", "peak_mem_mib", "loss_rel_err", "de_cos", "dc_cos", "error")
                 print(f"  {name:18s}", {k: (round(row[k], 6) if isinstance(row.get(k), float) else row.get(k))
@@ -545,49 +492,10 @@ def main():
                 Path(args.out, "cce_rows.json").write_text(json.dumps(rows, indent=1))
             del e, c, t, ref
             torch.cuda.empty_cache()
-    finalize(rows, rate, args, sweep)
+    finalize(rows, rate, args)
 
 
-def _tma_launches() -> int:
-    from thrifty.loss import forward_tma
-
-    return forward_tma.STATS["tma"]
-
-
-def hopper_summary(rows, sweep, get) -> dict:
-    """Issue #32 keys: path="hopper" vs the default per large shape (loss+grad and loss-only time), each thrifty
-    variant's fraction of the 4-matmul ceiling at the measured bf16 rate (goal: >= 0.85), the forward sweep."""
-    out = {}
-    shapes = sorted({r["shape"] for r in rows if r["impl"] == "thrifty_hopper" and r["regime"] == "realistic"})
-    fractions = []
-    for shape in shapes:
-        key = shape.replace("=", "").replace(" ", "_")
-        ms = {impl: get(shape, "realistic", impl, "loss_grad_ms") for impl in ("thrifty", "thrifty_hopper")}
-        fwd = {impl: get(shape, "realistic", impl, "loss_ms") for impl in ("thrifty", "thrifty_hopper")}
-        roof = get(shape, "realistic", "thrifty", "roofline_ms") or get(shape, "realistic", "thrifty_hopper",
-                                                                         "roofline_ms")
-        if ms["thrifty"] and ms["thrifty_hopper"]:
-            out[f"hopper_speedup_vs_default_{key}"] = ms["thrifty"] / ms["thrifty_hopper"]
-        if fwd["thrifty"] and fwd["thrifty_hopper"]:
-            out[f"hopper_loss_only_speedup_vs_default_{key}"] = fwd["thrifty"] / fwd["thrifty_hopper"]
-        for impl, t in ms.items():
-            if t and roof:
-                out[f"matmul_ceiling_fraction_{impl}_{key}"] = roof / t
-                if impl == "thrifty_hopper":
-                    fractions.append(roof / t)
-        out[f"hopper_ran_{key}"] = bool(get(shape, "realistic", "thrifty_hopper", "tma_forward_launches"))
-    if fractions:
-        out["matmul_ceiling_fraction_min"] = min(fractions)  # over the large shapes, path="hopper"
-    for r in sweep:
-        key = f"{r['shape'].replace('=', '').replace(' ', '_')}_N{r['n_tokens']}"
-        for k in ("hopper_speedup_vs_default", "default_ceiling_fraction", "hopper_ceiling_fraction",
-                  "lse_max_abs_diff"):
-            if k in r:
-                out[f"forward_{k}_{key}"] = r[k]
-    return out
-
-
-def finalize(rows, rate, args, sweep=()):
+def finalize(rows, rate, args):
     """Result file (thrifty.bench schema) + a bar chart of the realistic regime, both under --out."""
     from thrifty.bench import detect_device, plot_rows, write_result
 
@@ -629,11 +537,10 @@ def finalize(rows, rate, args, sweep=()):
         random_256k_filtered_loss_grad_ratio_vs_apple_cce=ratio(get(big, "random", "thrifty_filter", "loss_grad_ms"),
                                                                 get(big, "random", "apple_cce", "loss_grad_ms")),
         bf16_matmul_tflops=rate,
-        **hopper_summary(rows, sweep, get),
     )
     dev = detect_device()
     path = write_result("cce", rows, summary, device=dev, results_dir=args.out,
-                        extra=dict(n_tokens=N_TOKENS, dtype="bfloat16", forward_sweep=list(sweep),
+                        extra=dict(n_tokens=N_TOKENS, dtype="bfloat16",
                                    regimes="random: N(0,1) logits, uniform targets; realistic: real SmolLM2-135M "
                                            "hidden states/lm_head on Python docs text (D=576), the 30m model "
                                            "trained here on corpus validation text (D=384), else synthetic "

@@ -297,19 +297,9 @@ def _kvcache():
 # --------------------------------------------------------------------------------------------- CCE
 def _loss():
     """loss.forward.lse_forward (autotuned for 16-bit inputs: every config) and loss.backward.linear_ce_backward."""
-    from thrifty.loss import backward as B, forward as F, forward_tma as FT
+    from thrifty.loss import backward as B, forward as F
 
     base = F.forward_config(False)
-    # path="hopper" (issue #32): the persistent TMA forward, 16-bit inputs only (fp32 keeps the default kernel)
-    hop = FT.tma_config(False)
-    for dtype in (torch.bfloat16, torch.float16):
-        bn, bv, bd = hop["BLOCK_N"], hop["BLOCK_V"], hop["BLOCK_D"]
-        for bias, softcap in ((False, False), (True, True)):
-            yield entry(FT._lse_forward_tma_kernel, f"{NAME[dtype]} hopper bias={bias} softcap={softcap}",
-                        dict(HAS_BIAS=bias, HAS_SOFTCAP=softcap, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd),
-                        {"e_desc": f"tensordesc<{NAME[dtype]}[{bn}, {bd}]>",
-                         "c_desc": f"tensordesc<{NAME[dtype]}[{bv}, {bd}]>", "BIAS": PTR[dtype], "TGT": "*i64",
-                         "OUT": "*fp32"}, fp32="softcap", num_warps=hop["num_warps"], num_stages=hop["num_stages"])
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         t = PTR[dtype]
         ptrs = {"E C BIAS": t, "ROWS TGT": "*i64", "OUT": "*fp32"}

@@ -110,22 +110,3 @@ def test_scanner_flags_a_kernel_without_an_entry(tmp_path):
     assert out["unlisted"] == ["tiny_kernels:forgotten_kernel"]
     assert out["ok"]
     assert "Cannot access global variable NEG" in out["bad"]
-
-
-def test_cce_hopper_forward_uses_tma_and_async_wgmma():
-    """path="hopper" (issue #32) exists to feed wgmma from TMA: its sm_90 PTX must hold bulk tensor copies and
-    async wgmma (a pointer-load regression would compile fine and only show as lost speed on the GPU)."""
-    check = textwrap.dedent("""
-        import json, re, sys
-        import triton
-        sys.path.insert(0, "tests")
-        import sm90_kernels as S
-        spec = next(s for s in S.SPECS if "forward_tma" in s.name and s.label.startswith("bf16"))
-        k = triton.compile(S.ASTSource(spec.kernel, spec.signature, spec.constexprs), target=S.SM90,
-                           options=spec.options)
-        ptx = k.asm["ptx"]
-        print(json.dumps({p: len(re.findall(re.escape(p), ptx))
-                          for p in ("cp.async.bulk.tensor", "wgmma.mma_async", "cp.async.cg")}))
-    """)
-    out = _run(["-c", check])
-    assert out["cp.async.bulk.tensor"] > 0 and out["wgmma.mma_async"] > 0 and out["cp.async.cg"] == 0, out

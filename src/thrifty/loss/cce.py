@@ -7,34 +7,11 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_choice, check_impl
+from .._checks import check_impl
 from ..triton_utils import interpreting, kernels_available
 from . import _spec, reference
 
 EXTRA_IMPLS = ("torch",)  # beyond the library's IMPLS: the naive PyTorch loss (all logits), a test oracle
-# kernel presets of impl="triton": "hopper" runs the persistent TMA forward (forward_tma.py, issue #32) where it
-# applies (16-bit inputs, sm_90+ or the interpreter) and the default kernels elsewhere; the backward is shared
-PATHS = ("default", "hopper")
-
-
-def check_path(path) -> str:
-    if not isinstance(path, str):
-        raise TypeError(f"path: expected one of {list(PATHS)}, got {type(path).__name__} {path!r}")
-    check_choice("path", path, PATHS)
-    return path
-
-
-def _forward_stats(e2d, c, bias, rows, targets, softcap, path, config, hopper_config):
-    """(lse, target logit, logit sum) from the kernel ``path`` selects; the Hopper kernel falls back to the
-    default one where it does not apply (counted in forward_tma.STATS["fallback"])."""
-    from . import forward_tma
-    from .forward import lse_forward
-
-    if path == "hopper" and rows.numel() and forward_tma.supports(e2d, c):
-        return forward_tma.lse_forward_tma(e2d, c, bias, rows, targets, softcap, config=hopper_config)
-    if path == "hopper":
-        forward_tma.STATS["fallback"] += 1
-    return lse_forward(e2d, c, bias, rows, targets, softcap, config=config)
 
 
 class _TritonLinearCE(torch.autograd.Function):
@@ -42,9 +19,10 @@ class _TritonLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, e2d, c, bias, rows, targets, softcap, label_smoothing, z_loss, opts):
+        from .forward import lse_forward
+
         opts = dict(opts)
-        lse, z_t, z_sum = _forward_stats(e2d, c, bias, rows, targets, softcap, opts.pop("path"),
-                                         opts.pop("forward_config"), opts.pop("hopper_config"))
+        lse, z_t, z_sum = lse_forward(e2d, c, bias, rows, targets, softcap, config=opts.pop("forward_config"))
         ctx.save_for_backward(e2d, c, bias, rows, targets, lse)
         ctx.opts = (softcap, label_smoothing, z_loss, opts)
         return _spec.token_loss(lse, z_t, z_sum, c.shape[0], label_smoothing, z_loss)
@@ -88,7 +66,6 @@ def linear_cross_entropy(
     e_grad_fp32: bool = True,
     scratch_in_dc: bool = True,
     kernel_config: Optional[dict] = None,
-    path: str = "default",
 ) -> torch.Tensor:
     """Cross-entropy of the logits ``e @ c.T (+ bias)`` against ``targets``, never holding all the logits.
 
@@ -113,22 +90,18 @@ def linear_cross_entropy(
     dC's free rows while they hold it, then in place; a separate Nv x D fp32 scratch without ``scratch_in_dc``;
     False accumulates in e's dtype throughout),
     ``kernel_config`` ({"forward": {...}, "backward": {...}} block sizes, see forward_config/backward_config;
-    "hopper": forward_tma.tma_config overrides; "dense_above": kept-tile fraction above which a vocabulary
-    chunk's dE/dC GEMMs go to cuBLAS, default 0.3),
-    ``path`` ("default"; "hopper": the persistent TMA forward kernel of issue #32 for 16-bit inputs on sm_90+,
-    same statistics and gradients; other calls run the default kernels; ignored by impl="reference"/"torch").
+    "dense_above": kept-tile fraction above which a vocabulary chunk's dE/dC GEMMs go to cuBLAS, default 0.3).
     """
     check_impl(impl, EXTRA_IMPLS)
-    check_path(path)
     e, c, bias = _spec.autocast_inputs(e, c, bias)
     _spec.validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
     with torch.autocast(e.device.type, enabled=False):  # fp32 statistics stay fp32 inside
         return _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss,
-                         impl, filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config, path)
+                         impl, filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config)
 
 
 def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss, impl,
-              filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config, path="default"):
+              filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config):
     if impl == "auto":
         impl = "triton" if e.device.type == "cuda" and kernels_available(e.device) else "reference"
     if impl == "reference":
@@ -154,27 +127,11 @@ def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, labe
     opts = dict(filter_eps=filter_eps, sort_vocab=sort_vocab, chunk_bytes=chunk_bytes, e_grad_fp32=e_grad_fp32,
                 scratch_in_dc=bool(scratch_in_dc),
                 config=kernel_config.get("backward"), forward_config=kernel_config.get("forward"),
-                path=path, hopper_config=_hopper_config(kernel_config.get("hopper")),
                 dense_above=kernel_config.get("dense_above", 0.3))
     losses = _TritonLinearCE.apply(
         e2d, c.contiguous(), None if bias is None else bias.contiguous(), prep.rows, prep.targets, softcap,
         float(label_smoothing), float(z_loss), opts)
     return _spec.reduce(losses, prep, reduction, torch.float32)
-
-
-def _hopper_config(cfg):
-    """kernel_config["hopper"]: overrides of forward_tma.tma_config, checked here (not inside a launch)."""
-    if cfg is None:
-        return None
-    from .forward_tma import tma_config
-
-    if not isinstance(cfg, dict):
-        raise TypeError(f"kernel_config['hopper']: expected a dict, got {type(cfg).__name__}")
-    unknown = sorted(set(cfg) - set(tma_config(False)))
-    if unknown:
-        raise ValueError(f"kernel_config['hopper']: unknown keys {unknown}; expected some of "
-                         f"{sorted(tma_config(False))}")
-    return cfg
 
 
 class LinearCrossEntropy(torch.nn.Module):

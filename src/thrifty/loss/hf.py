@@ -20,7 +20,7 @@ from . import _spec
 from .cce import linear_cross_entropy
 
 _LOSS_OPTIONS = {"ignore_index", "softcap", "label_smoothing", "z_loss", "impl", "filter_eps", "sort_vocab",
-                 "chunk_bytes", "e_grad_fp32", "scratch_in_dc", "kernel_config", "path"}  # (shift, reduction: set here)
+                 "chunk_bytes", "e_grad_fp32", "scratch_in_dc", "kernel_config"}  # (shift, reduction: set here)
 
 
 def _classifier_loss(head, hidden, targets, **kw):
