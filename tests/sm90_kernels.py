@@ -408,12 +408,16 @@ def _neuzip():
                     {"x_ptr": x_t, "meta_ptr": "*i64", "rank_ptr symof_ptr hist_ptr": "*i32"})
         lanes = dict(TP=tp, META_W=EK.META_W, STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=EK.GROUPS_PER_PROG,
                      BITS=bits, SHIFT=shift)
-        for check in (False, True):  # True: a reused code (counts the symbols it has no code for)
-            yield entry(EK._lane_bits_kernel, f"{NAME[dtype]} check={check}", dict(lanes, CHECK=check),
-                        {"x_ptr": x_t, "meta_ptr": "*i64", "pairs_ptr tab_ptr out_ptr miss_ptr": "*i32"})
-        yield entry(EK._pack_kernel, NAME[dtype], dict(lanes, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8),
-                    {"x_ptr": x_t, "meta_ptr start_ptr wbase_ptr": "*i64", "pairs_ptr tab_ptr words_ptr": "*i32",
-                     "raw_ptr": "*u8"})
+        unit = R.lane_unit(R.STEPS)
+        for check, width in ((False, R.PAIR_SYMBOLS), (True, 256)):  # a fresh code / a reused covering code
+            yield entry(EK._lane_bits_kernel, f"{NAME[dtype]} check={check}",
+                        dict(lanes, CHECK=check, UNIT=unit, TAB_W=width),
+                        {"x_ptr": x_t, "meta_ptr sizes_ptr": "*i64", "pairs_ptr tab_ptr padded_ptr": "*i32",
+                         "units_ptr": "*u8"})
+            yield entry(EK._pack_kernel, f"{NAME[dtype]} width={width}",
+                        dict(lanes, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8, TAB_W=width),
+                        {"x_ptr": x_t, "meta_ptr ends_ptr wbase_ptr goff_ptr": "*i64",
+                         "pairs_ptr tab_ptr padded_ptr words_ptr": "*i32", "raw_ptr": "*u8"})
 
 
 # --------------------------------------------------------------------------------------------- BitNet

@@ -174,18 +174,15 @@ class BlockPack:
         parts = {k: [s.get(k, empty).reshape(-1) for s in streams] for k in PACK_STREAMS}
         self.sizes = {k: [p.numel() for p in v] for k, v in parts.items()}
         self.bases, self.streams = {}, {}
-        for k, v in parts.items():  # one concatenation per stream, the padding between the parts (was a padded
-            align = ALIGN_BYTES // v[0].element_size()  # copy of each part, then a copy of all: 2 passes)
-            pieces, bases, at = [], [], 0
+        for k, v in parts.items():
+            align = ALIGN_BYTES // v[0].element_size()
+            bases, at = [], 0
             for p in v:
-                pad = -p.numel() % align
                 bases.append(at)
-                pieces.append(p)
-                if pad:
-                    pieces.append(p.new_zeros(pad))
-                at += p.numel() + pad
+                at += p.numel() + (-p.numel() % align)
             self.bases[k] = bases
-            self.streams[k] = torch.cat(pieces)
+            zero_padded = all(getattr(st.get(k), "_zero_padded", False) for st in streams)
+            self.streams[k] = _laid_out(v, bases, at, zero_padded)
         if not keep_tables:
             self._tables: dict = {}
         self._meta: dict = {}  # the launch rows hold the stream bases: rebuilt either way
@@ -336,6 +333,26 @@ class BlockPack:
         rows[:, 0] = local
         rows[:, 10] = (local < n_full[which]) & unmasked[which]
         return torch.from_numpy(rows.reshape(-1, META))
+
+
+def _laid_out(parts: list, bases: list, total: int, zero_padded: bool) -> torch.Tensor:
+    """One stream of ``total`` elements with part i at ``bases[i]`` and zeros between the parts. The buffer the
+    parts already sit in when they are laid out so and its padding is known to be zeros (``zero_padded``: the
+    Triton encoder writes a block that way, so a re-encode costs no copy of its streams), else one
+    concatenation."""
+    first = parts[0]
+    storage = first.untyped_storage()
+    start = first.storage_offset()
+    if (all(p.is_contiguous() and p.untyped_storage().data_ptr() == storage.data_ptr()
+            and p.storage_offset() == start + b for p, b in zip(parts, bases))
+            and (start + total) * first.element_size() <= storage.nbytes() and zero_padded):
+        return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, start, (total,))
+    pieces = []
+    for p, b, end in zip(parts, bases, bases[1:] + [total]):
+        pieces.append(p)
+        if end - b > p.numel():
+            pieces.append(p.new_zeros(end - b - p.numel()))
+    return torch.cat(pieces)
 
 
 _tensor_module._BLOCK_PACK = BlockPack  # a pair-coded CompressedTensor decodes through a one-tensor pack

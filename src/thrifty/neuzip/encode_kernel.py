@@ -44,12 +44,13 @@ import triton
 import triton.language as tl
 
 from . import reference as R
+from .block_decode import ALIGN_BYTES
 from .tensor import code_streams
 
 GROUPS_PER_PROG = 2  # groups of 64 lanes per program of the lane kernels (128 lanes, 4 warps: a lane per thread)
 HIST_BLOCK = 4096  # elements (symbol histogram) or pairs (pair histogram) per histogram program
 WINDOW = 32  # symbols per tensor counted in the registers' pair histogram (32² bins)
-META_W = 8  # int64 fields per tensor row of the block table (``_block_meta``)
+META_W = 9  # int64 fields per tensor row of the block table (``_block_meta``)
 HIST_W = 256 + R.PAIR_SYMBOLS  # one tensor's histogram row: 256 symbol bins, then 65536 pair bins
 _INT_VIEW = {16: torch.int16, 32: torch.int32}
 _META_CACHE: dict = {}  # (device, dtype, offsets, numels, steps) -> the device block table
@@ -110,18 +111,21 @@ def _pair_hist_kernel(x_ptr, meta_ptr, rank_ptr, symof_ptr, hist_ptr, T, TP: tl.
 
 
 @triton.jit
-def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, out_ptr, miss_ptr, T, TP: tl.constexpr,
+def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, padded_ptr, units_ptr, sizes_ptr, T, TP: tl.constexpr,
                       META_W: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                      BITS: tl.constexpr, SHIFT: tl.constexpr, CHECK: tl.constexpr):
-    """Each lane's code bits (unpadded), at the lane's block-wide index. CHECK (a reused code): also adds to
-    ``miss_ptr[t]`` the number of the tensor's symbols (or pairs) that have no code in the table (length 0), so
-    the coverage of an old code is decided on the device and read with the stream sizes."""
+                      BITS: tl.constexpr, SHIFT: tl.constexpr, CHECK: tl.constexpr, UNIT: tl.constexpr,
+                      TAB_W: tl.constexpr):
+    """Each lane's code bits padded to the lane unit (int32, for the prefix sum) and in units (uint8: the
+    stream's ``lane_units``), at the lane's block-wide index; each tensor's stream bits added to
+    ``sizes_ptr[t]`` (one atomic per program: the stream sizes without a pass over the prefix sum). CHECK (a
+    reused code): also adds to ``sizes_ptr[T + t]`` the number of the tensor's symbols (or pairs) that have no
+    code in the table (length 0), so the coverage of an old code is read with the stream sizes."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     t, local = _tensor_of(meta_ptr, tl.program_id(0), 4, T, TP, META_W)
     x = x_ptr + tl.load(meta_ptr + t * META_W)
     n = tl.load(meta_ptr + t * META_W + 1)
     n_lanes = tl.load(meta_ptr + t * META_W + 6) * GROUP
-    tab = tab_ptr + t.to(tl.int64) * 65536
+    tab = tab_ptr + t.to(tl.int64) * TAB_W
     lane = local * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
     total = tl.zeros([LANES], dtype=tl.int32)
@@ -148,10 +152,14 @@ def _lane_bits_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, out_ptr, miss_ptr, T,
             if CHECK:
                 missing += (ok & (length == 0)).to(tl.int32)
             e += GROUP
-    tl.store(out_ptr + tl.load(meta_ptr + t * META_W + 5) + lane, total, mask=lane_ok)
+    padded = tl.where(lane_ok, (total + (UNIT - 1)) // UNIT * UNIT, 0)
+    at = tl.load(meta_ptr + t * META_W + 5) + lane
+    tl.store(padded_ptr + at, padded, mask=lane_ok)
+    tl.store(units_ptr + at, (padded // UNIT).to(tl.uint8), mask=lane_ok)
+    tl.atomic_add(sizes_ptr + t, tl.sum(padded.to(tl.int64), axis=0), sem="relaxed")
     if CHECK:
-        n_missing = tl.sum(missing, axis=0)
-        tl.atomic_add(miss_ptr + t, n_missing, mask=n_missing > 0, sem="relaxed")  # one atomic per program at most
+        n_missing = tl.sum(missing, axis=0).to(tl.int64)
+        tl.atomic_add(sizes_ptr + T + t, n_missing, mask=n_missing > 0, sem="relaxed")
 
 
 @triton.jit
@@ -185,10 +193,12 @@ def _append(words, buf, nb, word, entry, ok):
 
 
 @triton.jit
-def _pack_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, start_ptr, wbase_ptr, words_ptr, raw_ptr, T,
-                 TP: tl.constexpr, META_W: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr,
+def _pack_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, ends_ptr, padded_ptr, wbase_ptr, words_ptr, raw_ptr, goff_ptr,
+                 T, TP: tl.constexpr, META_W: tl.constexpr, STEPS: tl.constexpr, GROUP: tl.constexpr,
                  GROUPS_PER_PROG: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, KEPT: tl.constexpr,
-                 RAW_BYTES: tl.constexpr):
+                 RAW_BYTES: tl.constexpr, TAB_W: tl.constexpr):
+    """Words and raw fields of every lane (module docstring, 6), and each group's first bit relative to its
+    tensor's stream (``group_offsets``, int64 at the group's block-wide index)."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     t, local = _tensor_of(meta_ptr, tl.program_id(0), 4, T, TP, META_W)
     x = x_ptr + tl.load(meta_ptr + t * META_W)
@@ -197,12 +207,17 @@ def _pack_kernel(x_ptr, meta_ptr, pairs_ptr, tab_ptr, start_ptr, wbase_ptr, word
     lane0 = tl.load(meta_ptr + t * META_W + 5)  # the tensor's first lane, block-wide
     raw = raw_ptr + tl.load(meta_ptr + t * META_W + 7)
     words = words_ptr + tl.load(wbase_ptr + t)
-    tab = tab_ptr + t.to(tl.int64) * 65536
+    tab = tab_ptr + t.to(tl.int64) * TAB_W
     lane = local * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    # the lane's first bit within its tensor (the block-wide exclusive prefix sum minus the tensor's first)
-    start = tl.load(start_ptr + lane0 + lane, mask=lane_ok, other=0) - tl.load(start_ptr + lane0, mask=n_lanes > 0,
-                                                                                other=0)
+    # the lane's first bit within its tensor: the block-wide inclusive prefix sum minus the lane's own bits, minus
+    # the tensor's first lane's start
+    first = tl.load(ends_ptr + lane0, mask=n_lanes > 0, other=0) - tl.load(padded_ptr + lane0, mask=n_lanes > 0,
+                                                                            other=0)
+    start = (tl.load(ends_ptr + lane0 + lane, mask=lane_ok, other=0)
+             - tl.load(padded_ptr + lane0 + lane, mask=lane_ok, other=0).to(tl.int64) - first)
+    goff = goff_ptr + tl.load(meta_ptr + t * META_W + 8)  # the tensor's first group offset (16-byte aligned)
+    tl.store(goff + lane // GROUP, start, mask=lane_ok & (lane % GROUP == 0))
     word = start >> 5
     nb = (start & 31).to(tl.int32)  # bits already in the buffer (the word's part before the lane: zeros)
     buf = tl.zeros([LANES], dtype=tl.uint64)  # valid bits left-aligned
@@ -323,7 +338,9 @@ def _flat_source(xs) -> tuple[torch.Tensor, list]:
 def _block_meta(device, dtype, offsets, numels, steps):
     """Per tensor int64[META_W] (cached per block layout: uploaded once): element offset, n, first program of
     the symbol histogram, of the pair histogram and of the lane kernels, first lane (block-wide), groups, raw
-    byte offset. Also the host's (programs per kernel, lane bases, lanes, raw offsets)."""
+    byte offset, first group offset. Also the host's (programs per kernel, lane bases, lanes, raw offsets and
+    sizes, group offset bases). The raw fields and group offsets of each tensor start 16-byte aligned, as
+    :class:`BlockPack` lays its streams out, so the pack adopts the encoder's buffers without a copy."""
     key = (str(device), dtype, tuple(offsets), tuple(numels), steps)
     if key not in _META_CACHE:
         if len(_META_CACHE) > 256:  # a model has ~2 layouts per block (two buffers); tests make many
@@ -334,15 +351,24 @@ def _block_meta(device, dtype, offsets, numels, steps):
                  np.maximum(-(-groups // GROUPS_PER_PROG), 1)]
         first = [np.cumsum(p) - p for p in progs]
         lanes = groups * R.GROUP
-        field_bytes = R.field_layout(dtype, None)[1] // 8
-        raw_off = np.cumsum(n * field_bytes) - n * field_bytes
-        meta = np.stack([np.array(offsets, np.int64), n, *first, np.cumsum(lanes) - lanes, groups, raw_off], 1)
+        raw_bytes = n * (R.field_layout(dtype, None)[1] // 8)
+        raw_off, raw_total = _aligned_bases(raw_bytes, ALIGN_BYTES)
+        goff_base, goff_total = _aligned_bases(groups, ALIGN_BYTES // 8)
+        meta = np.stack([np.array(offsets, np.int64), n, *first, np.cumsum(lanes) - lanes, groups, raw_off,
+                         goff_base], 1)
         lane0 = np.cumsum(lanes) - lanes
-        host = dict(programs=[int(p.sum()) for p in progs], lane0=lane0.tolist(),
-                    bounds=torch.from_numpy(np.append(lane0, lanes.sum()).astype(np.int64)).to(device),
-                    lanes=lanes.tolist(), raw_off=raw_off.tolist(), raw_bytes=(n * field_bytes).tolist())
+        host = dict(programs=[int(p.sum()) for p in progs], lane0=lane0.tolist(), lanes_total=int(lanes.sum()),
+                    lanes=lanes.tolist(), raw_off=raw_off.tolist(), raw_bytes=raw_bytes.tolist(),
+                    raw_total=raw_total, goff_base=goff_base.tolist(), groups=groups.tolist(), goff_total=goff_total)
         _META_CACHE[key] = (torch.from_numpy(np.ascontiguousarray(meta, np.int64)).to(device), host)
     return _META_CACHE[key]
+
+
+def _aligned_bases(sizes: np.ndarray, align: int) -> tuple[np.ndarray, int]:
+    """(each part's start, the total) when parts of these sizes follow each other, each padded to ``align``
+    elements (:meth:`BlockPack._set_streams`' layout)."""
+    padded = -(-np.asarray(sizes, np.int64) // align) * align
+    return np.cumsum(padded) - padded, int(padded.sum())
 
 
 def encode_lossless_triton(x: torch.Tensor, steps: int = R.STEPS) -> dict:
@@ -355,16 +381,15 @@ class BlockCode:
     """A block's code as the encoder built it, kept so the next re-encode can reuse it (LOMO: a step barely moves
     the exponent histogram, and rebuilding the Huffman codes on the host was ~90% of a re-encode).
 
-    layout: (device, dtype, numels, steps) of the block it codes. idx / entries: the lookup table's present
-    positions (``t * 65536 + symbol``) and entries (``(code << 4) | length``) on the device (a few hundred per
-    tensor: the 65536-entry tables are rebuilt from them, not kept). pairs: int32[T] per-tensor pair flags on the
-    device. stored: each tensor's stored code streams (device). lengths: each tensor's code lengths (host; what
+    layout: (device, dtype, numels, steps) of the block it codes. table: the int32 lookup table on the device,
+    ``width`` entries ((code << 4) | length, 0 = no code) per tensor (256 for the single-symbol codes built for
+    reuse: 1 KB per tensor, kept). pairs: int32[T] per-tensor pair flags on the device. stored: each tensor's stored code streams (device). lengths: each tensor's code lengths (host; what
     :meth:`BlockPack.replace` takes). fresh_bits: the block's coded bits when this code was built. stale: rebuild
     at the next encode (the coded bits grew past ``REBUILD_GROWTH`` under this code)."""
 
     layout: tuple
-    idx: torch.Tensor
-    entries: torch.Tensor
+    table: torch.Tensor
+    width: int
     pairs: torch.Tensor
     stored: list
     lengths: list
@@ -449,17 +474,17 @@ def _encode_fresh(xs, steps: int, profile, covering: bool = False) -> tuple[list
     with _stage(profile, "read1"):
         counts = _to_host(hist)  # read 1 (int32; each code function widens the rows it reads)
     codes_np, stored, idx, entries = _build_codes(counts, profile, covering)
+    pair_flags = np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32)
+    width = R.PAIR_SYMBOLS if pair_flags.any() else 256
     with _stage(profile, "upload_tables"):
-        _, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored,
-                                  np.array([len(c) == R.PAIR_SYMBOLS for c in codes_np], np.int32), dev)
-        tab = _lookup_table(T, parts["idx"], parts["entries"], dev)
-    padded, start, sizes = _lane_sizes(flat, meta, host, parts["pairs"], tab, lane_args, profile, miss=None)
+        _, parts = _upload_bundle(np.concatenate(idx), np.concatenate(entries), stored, pair_flags, dev)
+        tab = _lookup_table(T, width, parts["idx"], parts["entries"], dev)
+    lanes = _lane_sizes(flat, meta, host, parts["pairs"], tab, width, lane_args, profile, check=False)
     with _stage(profile, "read2"):
-        totals = _to_host(sizes).tolist()  # read 2
-    out = _pack_and_outputs(flat, meta, host, parts["pairs"], tab, start, padded, totals, parts["stored"], dtype,
+        totals = _to_host(lanes["sizes"][:T]).tolist()  # read 2
+    out = _pack_and_outputs(flat, meta, host, parts["pairs"], tab, width, lanes, totals, parts["stored"], dtype,
                             lane_args, profile)
-    code = BlockCode(_layout(xs, steps), parts["idx"], parts["entries"], parts["pairs"], parts["stored"], codes_np,
-                     int(sum(totals)))
+    code = BlockCode(_layout(xs, steps), tab, width, parts["pairs"], parts["stored"], codes_np, int(sum(totals)))
     return out, codes_np, code
 
 
@@ -467,18 +492,15 @@ def _encode_reusing(xs, steps: int, code: BlockCode, profile):
     """The block under ``code``: (streams, lengths, code) with one host read, or None when a symbol (or pair)
     that occurs has no code in it (nothing is written then; the caller encodes afresh)."""
     flat, meta, host, lane_args = _prepare(xs, steps, profile)
-    dtype, dev, T = xs[0].dtype, xs[0].device, len(xs)
-    with _stage(profile, "reuse_table"):  # the 65536-entry tables from the kept entries (two small launches)
-        tab = _lookup_table(T, code.idx, code.entries, dev)
-        miss = torch.zeros(T, dtype=torch.int32, device=dev)
-    padded, start, sizes = _lane_sizes(flat, meta, host, code.pairs, tab, lane_args, profile, miss=miss)
+    dtype, T = xs[0].dtype, len(xs)
+    lanes = _lane_sizes(flat, meta, host, code.pairs, code.table, code.width, lane_args, profile, check=True)
     with _stage(profile, "read2"):  # the only read: the stream sizes and the uncovered counts together
-        read = _to_host(torch.cat([sizes, miss.to(torch.int64)]))
+        read = _to_host(lanes["sizes"])
     totals, missing = read[:T].tolist(), read[T:]
     if missing.any():
         return None
-    out = _pack_and_outputs(flat, meta, host, code.pairs, tab, start, padded, totals, code.stored, dtype, lane_args,
-                            profile)
+    out = _pack_and_outputs(flat, meta, host, code.pairs, code.table, code.width, lanes, totals, code.stored, dtype,
+                            lane_args, profile)
     stale = sum(totals) > (1 + REBUILD_GROWTH) * code.fresh_bits
     return out, code.lengths, dataclasses.replace(code, stale=stale) if stale else code
 
@@ -543,53 +565,57 @@ def _covering_lengths(single: np.ndarray) -> np.ndarray:
     return R.limited_lengths(counts)
 
 
-def _lookup_table(T: int, idx: torch.Tensor, entries: torch.Tensor, dev) -> torch.Tensor:
-    """int32[T * 65536] lookup entries (0 = no code) from the present positions and their entries."""
-    return torch.zeros(T * 65536, dtype=torch.int32, device=dev).scatter_(0, idx, entries.to(torch.int32))
+def _lookup_table(T: int, width: int, idx: torch.Tensor, entries: torch.Tensor, dev) -> torch.Tensor:
+    """int32[T * width] lookup entries (0 = no code) from the present positions (``t * 65536 + symbol``) and
+    their entries."""
+    if width != R.PAIR_SYMBOLS:
+        idx = idx // R.PAIR_SYMBOLS * width + idx % R.PAIR_SYMBOLS
+    return torch.zeros(T * width, dtype=torch.int32, device=dev).scatter_(0, idx, entries.to(torch.int32))
 
 
-def _lane_sizes(flat, meta, host, pairs, tab, lane_args: dict, profile, miss):
-    """(padded lane bits, each lane's first bit block-wide, each tensor's stream bits) on the device (5 of the
-    module docstring). miss: int32[T] to count uncovered symbols into (a reused code), or None (a fresh one)."""
+def _lane_sizes(flat, meta, host, pairs, tab, width: int, lane_args: dict, profile, check: bool) -> dict:
+    """Each lane's padded bits (int32) and units (uint8), their block-wide inclusive prefix sum (int64), and
+    ``sizes``: int64[2T], each tensor's stream bits then (check: a reused code) its uncovered symbols, all on the
+    device (5 of the module docstring)."""
     dev, T = flat.device, pairs.numel()
     with _stage(profile, "lane_bits"):
-        lane_bits = torch.empty(sum(host["lanes"]), dtype=torch.int32, device=dev)
-        # a fresh code covers every symbol: CHECK off, miss_ptr unused (any int32 pointer)
-        _lane_bits_kernel[(host["programs"][2],)](flat, meta, pairs, tab, lane_bits, pairs if miss is None else miss,
-                                                  T, CHECK=miss is not None, **lane_args)
+        n = host["lanes_total"]
+        padded = torch.empty(n, dtype=torch.int32, device=dev)
+        units = torch.empty(n, dtype=torch.uint8, device=dev)
+        sizes = torch.zeros(2 * T, dtype=torch.int64, device=dev)
+        _lane_bits_kernel[(host["programs"][2],)](flat, meta, pairs, tab, padded, units, sizes, T, CHECK=check,
+                                                  UNIT=R.lane_unit(lane_args["STEPS"]), TAB_W=width, **lane_args)
     with _stage(profile, "cumsum"):
-        unit = R.lane_unit(lane_args["STEPS"])
-        padded = (lane_bits + (unit - 1)) // unit * unit
         ends = torch.cumsum(padded, 0, dtype=torch.int64)
-        start = ends - padded
-        marks = torch.cat([ends.new_zeros(1), ends])[host["bounds"]]  # the prefix sum at each tensor's first lane
-        sizes = marks[1:] - marks[:-1]
-    return padded, start, sizes
+    return {"padded": padded, "units": units, "ends": ends, "sizes": sizes}
 
 
-def _pack_and_outputs(flat, meta, host, pairs, tab, start, padded, totals, stored, dtype, lane_args, profile):
-    """6 of the module docstring: words and raw fields of every tensor, then each tensor's stream views."""
+def _pack_and_outputs(flat, meta, host, pairs, tab, width: int, lanes: dict, totals, stored, dtype, lane_args,
+                      profile):
+    """6 of the module docstring: words, raw fields and group offsets of every tensor, then each tensor's stream
+    views (no copies)."""
     dev, T = flat.device, len(totals)
     kept = R.DTYPES[dtype][2]
-    unit = R.lane_unit(lane_args["STEPS"])
     with _stage(profile, "pack"):
-        n_words = [-(-t // 32) + R.WORD_PAD for t in totals]
-        wbase = np.cumsum(n_words) - n_words
-        words = torch.zeros(int(sum(n_words)), dtype=torch.int32, device=dev)
-        raw = torch.empty(int(sum(host["raw_bytes"])), dtype=torch.uint8, device=dev)
-        _pack_kernel[(host["programs"][2],)](flat, meta, pairs, tab, start, _to_device(wbase.astype(np.int64), dev),
-                                             words, raw, T, KEPT=kept, RAW_BYTES=R.field_layout(dtype, None)[1] // 8,
-                                             **lane_args)
+        n_words = np.array([-(-t // 32) + R.WORD_PAD for t in totals], np.int64)
+        wbase, w_total = _aligned_bases(n_words, ALIGN_BYTES // 4)
+        words = torch.zeros(w_total, dtype=torch.int32, device=dev)
+        raw = torch.zeros(host["raw_total"], dtype=torch.uint8, device=dev)  # zero padding, as the pack's
+        goff = torch.zeros(host["goff_total"], dtype=torch.int64, device=dev)
+        _pack_kernel[(host["programs"][2],)](flat, meta, pairs, tab, lanes["ends"], lanes["padded"],
+                                             _to_device(wbase, dev), words, raw, goff, T, KEPT=kept,
+                                             RAW_BYTES=R.field_layout(dtype, None)[1] // 8, TAB_W=width, **lane_args)
     with _stage(profile, "outputs"):
-        units = (padded // unit).to(torch.uint8)
         out = []
         for i in range(T):
-            a, nl = host["lane0"][i], host["lanes"][i]
-            s = start[a: a + nl]
-            out.append({"words": words[int(wbase[i]): int(wbase[i]) + n_words[i]], "lane_units": units[a: a + nl],
-                        "group_offsets": (s[:: R.GROUP] - s[:1]).contiguous() if nl else s[:0],
-                        "raw": raw[host["raw_off"][i]: host["raw_off"][i] + host["raw_bytes"][i]],
-                        **stored[i]})
+            a, nl, g = host["lane0"][i], host["lanes"][i], host["goff_base"][i]
+            laid_out = {"words": words[int(wbase[i]): int(wbase[i] + n_words[i])],
+                        "lane_units": lanes["units"][a: a + nl],
+                        "group_offsets": goff[g: g + host["groups"][i]],
+                        "raw": raw[host["raw_off"][i]: host["raw_off"][i] + host["raw_bytes"][i]]}
+            for v in laid_out.values():  # BlockPack may take these buffers as its streams (zeros between parts)
+                v._zero_padded = True
+            out.append({**laid_out, **stored[i]})
     return out
 
 
