@@ -57,6 +57,7 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
     # τ = 3: FA4's threshold, stale max, P̃ scaled by 448/8)
     "thrifty8_gluon_ws2_poly": dict(ws=True, consumers=2, exp2_poly=0.25),
     "thrifty8_gluon_ws2_poly12": dict(ws=True, consumers=2, exp2_poly=0.125),
+    "thrifty8_gluon_ws2_poly37": dict(ws=True, consumers=2, exp2_poly=0.375),
     "thrifty8_gluon_ws2_rescale": dict(ws=True, consumers=2, rescale_threshold=0.0),
     "thrifty8_gluon_ws2_poly_rescale": dict(ws=True, consumers=2, exp2_poly=0.25, rescale_threshold=3.0),
 }

@@ -19,9 +19,13 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
 * Inside the consumer, the P̃·V ``wgmma`` is issued asynchronously and the accumulator rescale (acc·α) and the
   row sum run while it executes.
 
-Not here yet (NOTES.md "The Gluon kernel"): two consumer warpgroups ping-ponging (FA3), the FMA-pipe exp2
-polynomial (FA4), conditional rescaling, a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with
-smooth_q), 16-bit P·V. Those calls stay on the Triton kernel.
+* FlashAttention-4's two softmax tricks, opt-in ``gluon_config`` keys (NOTES.md "FA4 options"): ``exp2_poly``,
+  the fraction of each tile's columns whose 2^x is a polynomial on the FMA pipe (``exp2_poly.py``) instead of
+  MUFU.EX2; ``rescale_threshold``, conditional rescaling with one decision per consumer warpgroup.
+
+Not here yet (NOTES.md "The Gluon kernel"): explicit ping-pong ordering of the two consumer warpgroups (FA3's
+named barriers), a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with smooth_q), 16-bit P·V. Those
+calls stay on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -282,7 +286,8 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
             mbarrier.wait(v_ready.index(slot), phase)
             mbarrier.arrive(v_empty.index(slot), count=1)
 
-    # Epilogue: 1/l (l holds P_SCALE·Σp, P_SCALE = 448 unless conditional rescaling lowered it) and V's per-channel scale once per row; rows that saw no key give zeros.
+    # Epilogue: 1/l (l holds P_SCALE·Σp: 448, or lower under conditional rescaling) and V's per-channel scale once
+    # per row; rows that saw no key give zeros.
     offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_row)
     offs_d = gl.arange(0, HEAD_DIM, layout=o_col)
     l_o = gl.convert_layout(l_i, o_row)
@@ -359,8 +364,8 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS, RESCALE,
-                           RESCALE_THRESHOLD)),
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS,
+                           RESCALE, RESCALE_THRESHOLD)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [1], [PRODUCER_REGS])
@@ -370,14 +375,14 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS, RESCALE,
-                           RESCALE_THRESHOLD)),
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS,
+                           RESCALE, RESCALE_THRESHOLD)),
                 (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
                            v_ready, k_empty, v_empty, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS, RESCALE,
-                           RESCALE_THRESHOLD)),
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS,
+                           RESCALE, RESCALE_THRESHOLD)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
