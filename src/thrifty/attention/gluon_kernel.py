@@ -187,6 +187,8 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
             # p̃ = 448·2^(s·c − m) in ONE FFMA on f: bias 1.5·2^23·c + m − log2 448 per row
             x = gl.fma(f, c[:, None], -(c * 12582912.0 + (m_new - LOG2_P_SCALE))[:, None])
         p = _exp2_tile(x, offs_n, POLY_COLS)
+        if not RESCALE:
+            alpha = _ex2(m_i - m_new)
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         mbarrier.wait(v_ready.index(slot), phase)
         pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
@@ -198,7 +200,6 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
             acc, l_i = _accumulate(acc, l_i, pv, row_sum, m_i, m_new, rescale, o_row)
         else:
             # under the P̃·V wgmma: the row sum and the rescale of the running output (acc·α + pv: one FFMA)
-            alpha = _ex2(m_i - m_new)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             acc = acc * gl.convert_layout(alpha, o_row)[:, None]
             pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
