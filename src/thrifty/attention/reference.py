@@ -24,11 +24,13 @@ tensor cores do (8-bit products are exact in fp32, sums of one tile are nearly s
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from ..kv.reference import causal_mask, expand_kv, nonfinite_rows
+from .exp2_poly import exp2_poly
 
 # Largest magnitude of each quantized format; a scale maps a group's absmax onto it.
 QMAX = {"int8": 127.0, "int4": 7.0, "e4m3": 448.0, "e5m2": 57344.0}
@@ -221,10 +223,6 @@ def _stale_max(m, m_new, threshold, rows):
 
 def _exp2_poly_scaled(x, p_scale):
     """2^x through the kernel's polynomial, which computes P̃ = 2^(x + log2 p_scale) directly."""
-    import math
-
-    from .exp2_poly import exp2_poly
-
     return exp2_poly(x + math.log2(p_scale)) / p_scale
 
 
