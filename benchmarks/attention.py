@@ -52,14 +52,6 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
     "thrifty8_gluon_1wg": dict(ws=False, consumers=1),  # one consumer warpgroup that issues its own TMA loads
     "thrifty8_gluon_ws1": dict(ws=True, consumers=1),  # + a producer warp
     "thrifty8_gluon_ws2": dict(ws=True, consumers=2),  # two consumer warpgroups + a producer warp (FA3 layout)
-    # FlashAttention-4's two tricks on ws2 (attention/NOTES.md "FA4 options"): 2^x of a fraction of each tile's
-    # columns as an FMA-pipe polynomial; conditional rescaling (τ = 0: exact, skips only when no row's max grew;
-    # τ = 3: FA4's threshold, stale max, P̃ scaled by 448/8)
-    "thrifty8_gluon_ws2_poly": dict(ws=True, consumers=2, exp2_poly=0.25),
-    "thrifty8_gluon_ws2_poly12": dict(ws=True, consumers=2, exp2_poly=0.125),
-    "thrifty8_gluon_ws2_poly37": dict(ws=True, consumers=2, exp2_poly=0.375),
-    "thrifty8_gluon_ws2_rescale": dict(ws=True, consumers=2, rescale_threshold=0.0),
-    "thrifty8_gluon_ws2_poly_rescale": dict(ws=True, consumers=2, exp2_poly=0.25, rescale_threshold=3.0),
 }
 
 
@@ -172,16 +164,15 @@ def speed(dev, D, seqs, cfg_by_d, budget_s, B=2, H=32, gluon=False, backends=Non
             except Exception as e:
                 print(f"  kernel-only D={D} S={S}: {e!r}"[:300])
             if gluon:  # the Gluon kernel alone on its own pre-pass output, and its agreement with the Triton kernel
-                rows += gluon_kernel_only(sets[0], D, S, causal, flops, cfg_by_d, budget_s, dev, H, backends)
+                rows += gluon_kernel_only(sets[0], D, S, causal, flops, cfg_by_d, budget_s, dev, H)
         del sets
         torch.cuda.empty_cache()
     return rows
 
 
-def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H, backends=None):
-    """Per Gluon variant (those named in ``backends``, if given): the attention launch alone (pre-pass
-    excluded) and cos against the Triton kernel's output on the same inputs (both full rows: any S, causal or
-    not)."""
+def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H):
+    """Per Gluon variant: the attention launch alone (pre-pass excluded) and cos against the Triton kernel's
+    output on the same inputs (both full rows: any S, causal or not)."""
     from thrifty.attention import gluon_kernel as G
     from thrifty.attention.quant_kernel import quantize_kv
 
@@ -189,12 +180,10 @@ def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H, back
     ref = sage_forward_triton(q, k, v, causal=causal, sm_scale=D ** -0.5, config=cfg_by_d[D]).float()
     rows = []
     for name, over in GLUON_VARIANTS.items():
-        if backends and name not in backends:
-            continue
         base = dict(group="speed", backend=f"{name}_kernel_only", D=D, S=S, causal=causal,
                     config=f"D{D} {S // 1024}k {'causal' if causal else 'full'}")
         try:
-            cfg = G.resolve_config(D, over)
+            cfg = dict(G.gluon_config(D), **over)
             kv = quantize_kv(k, v, qmax=127.0, block_n=cfg["block_n"], smooth_k=True, fp8_v=True, smooth_v=False)
             prep = dict(q=q, qmax=127.0, sm_scale=D ** -0.5, smooth_v=False, **kv)
             o = torch.empty_like(q)

@@ -41,9 +41,8 @@ def _qkv(shape=(1, 2, 4, 8), hkv=2):
 ATTENTION_ARGS = ArgSpec(
     "attention.sage_attention", sage_attention, valid=_qkv,
     bad={"sm_scale": [NAN, INF, -INF, -1.0, 0.0, "0.1"], "qk_bits": [5, None], "pv": ["fp4"],
-         "impl": ["cuda"], "layout": ["bhds"], "gluon_config": [dict(exp2_poly=0.25), "ws2"],
-         "q": [torch.zeros(1, 2, 4, 8, dtype=torch.int64), [[1.0]], torch.randn(1, 0, 4, 8),
-               torch.randn(1, 2, 4, 0)],
+         "impl": ["cuda"], "layout": ["bhds"], "q": [torch.zeros(1, 2, 4, 8, dtype=torch.int64), [[1.0]],
+                                                    torch.randn(1, 0, 4, 8), torch.randn(1, 2, 4, 0)],
          "k": [torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 4)], "v": [torch.randn(1, 2, 5, 8)]},
     mention={"q": "q"})
 

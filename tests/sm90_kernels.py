@@ -165,34 +165,25 @@ def _attention():
 def _attention_gluon():
     """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
     each structure (one consumer warpgroup loading for itself; + a producer warp; two consumer warpgroups + a
-    producer warp), the FA4 options on the two-consumer structure (FMA-pipe exp2 on a quarter of the columns;
-    conditional rescaling, exact τ=0 and FA4's τ=3, with and without the polynomial), the default config with
-    LSE and V smoothing, fp16 and fp32 Q/out."""
+    producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out."""
     from thrifty.attention import gluon_kernel as G, quant_kernel as Q
 
     bf16 = torch.bfloat16
-    ws2 = dict(ws=True, consumers=2)
-    variants = [dict(ws=False, consumers=1), dict(ws=True, consumers=1), ws2,
-                dict(ws2, exp2_poly=0.25), dict(ws2, rescale_threshold=0.0),
-                dict(ws2, exp2_poly=0.25, rescale_threshold=3.0)]
+    variants = [dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
     calls = [(D, causal, bf16, False, False, v) for D in G.GLUON_HEAD_DIMS for causal in (False, True)
              for v in variants]
     calls += [(D, True, dtype, True, True, {}) for D in G.GLUON_HEAD_DIMS for dtype in (torch.float16, torch.float32)]
-    calls += [(D, True, bf16, True, False, dict(ws2, exp2_poly=0.125, rescale_threshold=3.0))
-              for D in G.GLUON_HEAD_DIMS]  # with LSE (P̃'s lowered scale in the epilogue)
     for D, causal, dtype, lse, smooth_v, variant in calls:
-        cfg = G.resolve_config(D, variant)
+        cfg = dict(G.gluon_config(D), **variant)
         k_layout, v_layout = G.shared_layouts(D, cfg["block_n"])
         t = PTR[dtype]
         label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"
-                 + f" exp2_poly={cfg['exp2_poly']}" * bool(cfg["exp2_poly"])
-                 + f" rescale_threshold={cfg['rescale_threshold']}" * (cfg["rescale_threshold"] is not None)
                  + " lse" * lse + " smooth_v" * smooth_v)
         yield entry(G._sage_fwd_gluon_kernel, label,
                     dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], QMAX=127.0,
                          CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse, REVERSE=causal and cfg["reverse"],
                          WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
-                         CONSUMER_REGS=cfg["consumer_regs"], MAX_SPLIT=Q.MAX_SPLIT, **G.fa4_constexprs(cfg)),
+                         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT),
                     {"Q Out": t, "Ks Stats": "*fp32", "FirstBad": "*i32", "Lse": "*fp32" if lse else t,
                      "k_desc": f"tensordesc<i8[{cfg['block_n']}, {D}],{k_layout!r}>",
                      "v_desc": f"tensordesc<fp8e4nv[{D}, {cfg['block_n']}],{v_layout!r}>"},

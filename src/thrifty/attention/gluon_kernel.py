@@ -19,13 +19,9 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
 * Inside the consumer, the P̃·V ``wgmma`` is issued asynchronously and the accumulator rescale (acc·α) and the
   row sum run while it executes.
 
-* FlashAttention-4's two softmax tricks, opt-in ``gluon_config`` keys (NOTES.md "FA4 options"): ``exp2_poly``,
-  the fraction of each tile's columns whose 2^x is a polynomial on the FMA pipe (``exp2_poly.py``) instead of
-  MUFU.EX2; ``rescale_threshold``, conditional rescaling with one decision per consumer warpgroup.
-
-Not here yet (NOTES.md "The Gluon kernel"): explicit ping-pong ordering of the two consumer warpgroups (FA3's
-named barriers), a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with smooth_q), 16-bit P·V. Those
-calls stay on the Triton kernel.
+Not here yet (NOTES.md "The Gluon kernel"): two consumer warpgroups ping-ponging (FA3), the FMA-pipe exp2
+polynomial (FA4), conditional rescaling, a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with
+smooth_q), 16-bit P·V. Those calls stay on the Triton kernel.
 """
 
 from __future__ import annotations
@@ -41,16 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..triton_utils import LOG2E, cdiv
-from .exp2_poly import EXP2_CLAMP, EXP2_POLY, ROUND_MAGIC
 from .quant_kernel import FP8_MAX, MAX_SPLIT, quantize_kv, unsmoothed_lse
 
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 MAGIC = 12582912.0  # 1.5·2^23: s + 0x4B400000 read as a float is MAGIC + s exactly for |s| < 2^22
-# the FMA-pipe 2^x (exp2_poly.py holds the one definition and its PyTorch mirror)
-EXP2_C0, EXP2_C1, EXP2_C2, EXP2_C3 = (gl.constexpr(c) for c in EXP2_POLY)
-EXP2_C = (EXP2_C0, EXP2_C1, EXP2_C2, EXP2_C3)
-EXP2_CLAMP_C = gl.constexpr(EXP2_CLAMP)
-ROUND_MAGIC_C = gl.constexpr(ROUND_MAGIC)
 
 
 @gluon.jit
@@ -58,35 +48,6 @@ def _ex2(x):
     """2^x with one MUFU.EX2, subnormal results flushed (p̃ loses them in e4m3 anyway)."""
     return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                      pack=1)
-
-
-@gluon.jit
-def _floor_plus_magic(x):
-    """⌊x⌋ + 1.5·2^23 in one round-down FADD (FMA pipe; cvt.rmi would run on the MUFU-rate conversion pipe)."""
-    return gl.inline_asm_elementwise("add.rm.f32 $0, $1, 0f4B400000;", "=f,f", [x], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
-def _exp2_fma(x):
-    """2^x for x ≤ 127 without MUFU: exp2_poly.exp2_poly step for step (x ≤ −127, −inf and NaN give +0.0)."""
-    xc = gl.maximum(x, EXP2_CLAMP_C)
-    xr = _floor_plus_magic(xc)
-    f = xc - (xr - ROUND_MAGIC_C)  # exact: f ∈ [0, 1)
-    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0  # FMAs (fp fusion): 2^f ∈ [1, 2)
-    # ⌊x⌋ into the exponent field: the low bits of xr are ⌊x⌋ + 0x400000, and 0x4B400000 << 23 wraps to 0
-    return (p.to(gl.int32, bitcast=True) + (xr.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _exp2_tile(x, offs_n, POLY_COLS: gl.constexpr):
-    """2^x of a score tile: columns < POLY_COLS on the FMA pipe, the rest by MUFU. POLY_COLS is a multiple of 8,
-    so the mask is the same constant for every lane of a register (a thread's columns of the wgmma layout are
-    8·g + 2·(lane % 4) + {0, 1}): the select folds away and each element runs one path only."""
-    if POLY_COLS == 0:
-        return _ex2(x)
-    else:
-        return gl.where((offs_n < POLY_COLS)[None, :], _exp2_fma(x), _ex2(x))
 
 
 @gluon.jit
@@ -125,30 +86,12 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
-def _accumulate(acc, l_i, pv, row_sum, m_i, m_new, rescale, o_row: gl.constexpr):
-    """Conditional rescaling's update. Both branches cost one FP32 op per accumulator element (acc·α + pv fuses
-    into one FFMA, as in the unconditional path), so the skip saves α's MUFU.EX2 and l·α, not the O multiply."""
-    if rescale:
-        alpha = _ex2(m_i - m_new)
-        l_i = l_i * alpha + row_sum
-        acc = acc * gl.convert_layout(alpha, o_row)[:, None] + pv
-    else:
-        l_i = l_i + row_sum
-        acc = acc + pv
-    return acc, l_i
-
-
-@gluon.jit
 def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
            ks_base, offs_m, j_lo, j_hi, n_tiles, k_row0, v_row0, Sk, causal_offset,
            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-           MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-           POLY_COLS: gl.constexpr, RESCALE: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
-    """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles.
-    ``RESCALE`` (conditional rescaling): a tile keeps the previous max for all BLOCK_M rows, and skips acc·α and
-    l·α, unless some row's max grew by more than RESCALE_THRESHOLD (log2 units; the host lowered P̃'s scale by
-    2^RESCALE_THRESHOLD, so P̃ ≤ 448 under a stale max)."""
+           MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr, LOG2_P_SCALE: gl.constexpr):
+    """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles."""
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
@@ -175,37 +118,23 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
             t = gl.where(keep, f - 12582912.0, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(t, axis=1) * c)
             m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-            if RESCALE:
-                rescale = gl.max(m_new - m_i, axis=0) > RESCALE_THRESHOLD  # one decision for the warpgroup
-                m_new = gl.where(rescale, m_new, m_i)
             x = gl.fma(t, c[:, None], -(m_new - LOG2_P_SCALE)[:, None])
         else:
             m_new = gl.maximum(m_i, gl.max(s_i, axis=1).to(gl.float32) * c)  # c > 0: max commutes with ·c
-            if RESCALE:
-                rescale = gl.max(m_new - m_i, axis=0) > RESCALE_THRESHOLD
-                m_new = gl.where(rescale, m_new, m_i)
             # p̃ = 448·2^(s·c − m) in ONE FFMA on f: bias 1.5·2^23·c + m − log2 448 per row
             x = gl.fma(f, c[:, None], -(c * 12582912.0 + (m_new - LOG2_P_SCALE))[:, None])
-        p = _exp2_tile(x, offs_n, POLY_COLS)
-        if not RESCALE:
-            alpha = _ex2(m_i - m_new)
+        p = _ex2(x)
+        alpha = _ex2(m_i - m_new)
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         mbarrier.wait(v_ready.index(slot), phase)
         pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        if RESCALE:
-            row_sum = gl.sum(p, axis=1)  # under the P̃·V wgmma
-            pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
-            if WS:
-                mbarrier.arrive(v_empty.index(slot), count=1)
-            acc, l_i = _accumulate(acc, l_i, pv, row_sum, m_i, m_new, rescale, o_row)
-        else:
-            # under the P̃·V wgmma: the row sum and the rescale of the running output (acc·α + pv: one FFMA)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            acc = acc * gl.convert_layout(alpha, o_row)[:, None]
-            pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
-            if WS:
-                mbarrier.arrive(v_empty.index(slot), count=1)
-            acc = acc + pv
+        # under the P̃·V wgmma: the row sum and the rescale of the running output
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+        pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
+        if WS:
+            mbarrier.arrive(v_empty.index(slot), count=1)
+        acc = acc + pv
         m_i = m_new
     return acc, l_i, m_i
 
@@ -231,9 +160,7 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
               H, BH_KV, Sq, Sk, Sk_pad, causal_offset,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr,
-              WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr, MAX_SPLIT: gl.constexpr,
-              P_SCALE: gl.constexpr, POLY_COLS: gl.constexpr, RESCALE: gl.constexpr,
-              RESCALE_THRESHOLD: gl.constexpr):
+              WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr, MAX_SPLIT: gl.constexpr):
     """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts 64-row blocks): Q's
     quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
     that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
@@ -273,11 +200,11 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                            k_empty, v_empty, ks_base, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0, Sk,
                            causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False,
-                           CAUSAL, WS, LOG2_P_SCALE, POLY_COLS, RESCALE, RESCALE_THRESHOLD)
+                           CAUSAL, WS, LOG2_P_SCALE)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                            k_empty, v_empty, ks_base, offs_m, full_end_tile, hi_tile, n_tiles, k_row0, v_row0, Sk,
                            causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True,
-                           CAUSAL, WS, LOG2_P_SCALE, POLY_COLS, RESCALE, RESCALE_THRESHOLD)
+                           CAUSAL, WS, LOG2_P_SCALE)
     if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
         for j in range(hi_tile, n_tiles):
             slot = j % STAGES
@@ -287,8 +214,7 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
             mbarrier.wait(v_ready.index(slot), phase)
             mbarrier.arrive(v_empty.index(slot), count=1)
 
-    # Epilogue: 1/l (l holds P_SCALE·Σp: 448, or lower under conditional rescaling) and V's per-channel scale once
-    # per row; rows that saw no key give zeros.
+    # Epilogue: 1/l (l holds 448·Σp) and V's per-channel scale once per row; rows that saw no key give zeros.
     offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_row)
     offs_d = gl.arange(0, HEAD_DIM, layout=o_col)
     l_o = gl.convert_layout(l_i, o_row)
@@ -303,7 +229,7 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
     lse_ptr = Lse + (b * H + h).to(gl.int64) * Sq + offs_om
     if RETURN_LSE:
         m_o = gl.convert_layout(m_i, o_row)
-        lse = gl.where(l_o > 0, (m_o + gl.log2(l_safe / P_SCALE)) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(l_o > 0, (m_o + gl.log2(l_safe / 448.0)) * 0.6931471805599453, float("-inf"))
         gl.store(lse_ptr, lse, mask=row_ok)
     # NaN rule: a non-finite query scale, or a bad key this row attends to (≤ MAX_SPLIT int32 from L2)
     chunk = gl.arange(0, MAX_SPLIT, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -330,8 +256,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
                            WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                           MAX_SPLIT: gl.constexpr, P_SCALE: gl.constexpr, POLY_COLS: gl.constexpr,
-                           RESCALE: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+                           MAX_SPLIT: gl.constexpr):
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -365,8 +290,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS,
-                           RESCALE, RESCALE_THRESHOLD)),
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [1], [PRODUCER_REGS])
@@ -376,14 +300,12 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS,
-                           RESCALE, RESCALE_THRESHOLD)),
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
                 (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
                            v_ready, k_empty, v_empty, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS,
-                           RESCALE, RESCALE_THRESHOLD)),
+                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -396,7 +318,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                   k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                   stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
                   Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_VMEAN,
-                  RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, P_SCALE, POLY_COLS, RESCALE, RESCALE_THRESHOLD)
+                  RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -409,61 +331,8 @@ def gluon_config(head_dim: int) -> dict:
     # e18fe69) it was the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x
     # cuDNN at 32K). The one-warpgroup structure (ws=False) wrote NaN rows at D=64 (B=2, H=32, S >= 2K) and once
     # at D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
-    # exp2_poly: fraction of each KV tile's columns whose 2^x runs on the FMA pipe (exp2_poly.py), in steps of
-    # 1/8; rescale_threshold: None (rescale every tile) or τ ∈ [0, 8]: conditional rescaling (NOTES.md).
     return dict(block_m=64, block_n=block_n, stages=3, num_warps=4, ws=True, consumers=2, producer_regs=24,
-                consumer_regs=240, reverse=True, exp2_poly=0.0, rescale_threshold=None)
-
-
-MAX_RESCALE_THRESHOLD = 8.0  # log2 units: P̃'s scale 448·2^−τ; past 2^8 the e4m3 subnormal tail eats small P̃
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_exp2_poly(x) -> None:
-    if not _is_real(x):
-        raise TypeError(f"gluon_config['exp2_poly']: expected a number (fraction of columns), got {type(x).__name__}")
-    if not (0.0 <= x <= 1.0 and float(x * 8).is_integer()):
-        raise ValueError(f"gluon_config['exp2_poly']: expected a multiple of 1/8 in [0, 1] (whole 8-column groups "
-                         f"of a tile), got {x!r}")
-
-
-def _check_rescale_threshold(x) -> None:
-    if x is None:
-        return
-    if not _is_real(x):
-        raise TypeError(f"gluon_config['rescale_threshold']: expected None or a number, got {type(x).__name__}")
-    if not (0.0 <= x <= MAX_RESCALE_THRESHOLD):
-        raise ValueError(f"gluon_config['rescale_threshold']: expected None or a value in [0, "
-                         f"{MAX_RESCALE_THRESHOLD}] (log2 units), got {x!r}")
-
-
-def resolve_config(head_dim: int, config: dict | None = None) -> dict:
-    """``gluon_config(head_dim)`` with the caller's overrides, checked: unknown keys and bad values of the
-    FA4 keys raise (TypeError / ValueError naming the key)."""
-    cfg = gluon_config(head_dim)
-    if config is None:
-        return cfg
-    if not isinstance(config, dict):
-        raise TypeError(f"gluon_config: expected a dict or None, got {type(config).__name__}")
-    unknown = sorted(set(config) - set(cfg))
-    if unknown:
-        raise ValueError(f"gluon_config: unknown key(s) {unknown}; known: {sorted(cfg)}")
-    cfg.update(config)
-    _check_exp2_poly(cfg["exp2_poly"])
-    _check_rescale_threshold(cfg["rescale_threshold"])
-    return cfg
-
-
-def fa4_constexprs(cfg: dict) -> dict:
-    """The kernel's constexprs for the two FA4 keys: P̃'s scale (and its log2), the polynomial's columns."""
-    tau = cfg["rescale_threshold"]
-    tau_f = 0.0 if tau is None else float(tau)
-    return dict(LOG2_P_SCALE=LOG2_FP8_MAX - tau_f, P_SCALE=FP8_MAX * 2.0 ** -tau_f,
-                POLY_COLS=int(round(cfg["exp2_poly"] * cfg["block_n"])), RESCALE=tau is not None,
-                RESCALE_THRESHOLD=tau_f)
+                consumer_regs=240, reverse=True)
 
 
 GLUON_HEAD_DIMS = (64, 128)
@@ -487,7 +356,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     p = prepared
     q = p["q"]
     B, D = out.shape[0], out.shape[-1]
-    cfg = resolve_config(D, config)
+    cfg = dict(gluon_config(D), **(config or {}))
     k8, vt = p["k8"], p["vt"]
     BH_kv, S_pad = k8.shape[0], k8.shape[1]
     k_layout, v_layout = shared_layouts(D, cfg["block_n"])
@@ -503,7 +372,8 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], QMAX=p["qmax"],
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
-        CONSUMER_REGS=cfg["consumer_regs"], MAX_SPLIT=MAX_SPLIT, **fa4_constexprs(cfg), num_warps=cfg["num_warps"])
+        CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
+        num_warps=cfg["num_warps"])
 
 
 def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
@@ -516,7 +386,7 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
                          f"smooth_q={smooth_q} not implemented (head_dim 64/128, pv='fp8', no smooth_q)")
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
-    cfg = resolve_config(D, config)
+    cfg = dict(gluon_config(D), **(config or {}))
     qmax = 127.0 if qk_bits == 8 else 7.0
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=True, smooth_v=smooth_v)
     prepared = dict(q=q, qmax=qmax, sm_scale=sm_scale, smooth_v=smooth_v, **kv)

@@ -24,13 +24,11 @@ tensor cores do (8-bit products are exact in fp32, sums of one tile are nearly s
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from ..kv.reference import causal_mask, expand_kv, nonfinite_rows
-from .exp2_poly import exp2_poly
 
 # Largest magnitude of each quantized format; a scale maps a group's absmax onto it.
 QMAX = {"int8": 127.0, "int4": 7.0, "e4m3": 448.0, "e5m2": 57344.0}
@@ -114,7 +112,6 @@ def sage_attention_reference(
     pv: str = "fp8", smooth_k: bool = True, smooth_q: bool = False, smooth_v: bool = False,
     block_m: int = 128, block_n: int = 64, warp_rows: int = 16, p_scale: Optional[float] = None,
     two_level_accum: bool = True, accum_mantissa_bits: int = 13, return_lse: bool = False,
-    rescale_threshold: Optional[float] = None, rescale_rows: int = 64, exp2_poly_cols: int = 0,
 ):
     """Quantized attention as specified in the module docstring; returns ``out`` (q's dtype) or ``(out, lse)``.
 
@@ -127,11 +124,6 @@ def sage_attention_reference(
     ``two_level_accum=False`` simulates one-level FP8 accumulation: the running output is kept with only
     ``accum_mantissa_bits`` bits of mantissa (a pessimistic model of the FP8 MMA's imprecise adder).
     LSE (natural log, fp32) is of the true scores ``sm_scale·q·k``, smoothing shifts added back.
-    ``rescale_threshold`` (the Gluon kernel's conditional rescaling): per group of ``rescale_rows`` query rows
-    (one consumer warpgroup), a KV tile keeps the running max of the previous tile (no rescale) unless some
-    row's max grew by more than the threshold (log2 units); P̃'s scale becomes ``p_scale``·2^−threshold so
-    that P̃ ≤ ``p_scale`` under a stale max. ``exp2_poly_cols``: the first that many columns of each KV tile
-    take 2^x from :func:`exp2_poly.exp2_poly` (the kernel's FMA-pipe exponential) instead of ``torch.exp2``.
     """
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
@@ -168,8 +160,6 @@ def sage_attention_reference(
     v_vals, v_scale = quantize_channels(vf - v_mean, pv_fmt)
     if p_scale is None:
         p_scale = QMAX.get(pv_fmt, 1.0)
-    if rescale_threshold is not None:
-        p_scale = p_scale * 2.0 ** -rescale_threshold
 
     # 4-5. Online softmax over KV tiles (base 2, as the kernel computes it).
     scale2 = sm_scale * LOG2E
@@ -187,12 +177,8 @@ def sage_attention_reference(
             s = s.masked_fill(~allowed[:, sl], float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows that have seen no key yet
-        if rescale_threshold is not None:
-            m_safe = _stale_max(m, m_safe, rescale_threshold, rescale_rows)
         alpha = torch.exp2(m - m_safe)
-        p = torch.exp2(s - m_safe)  # in [0, 1] (≤ 2^threshold under a stale max)
-        if exp2_poly_cols:
-            p[..., :exp2_poly_cols] = _exp2_poly_scaled(s[..., :exp2_poly_cols] - m_safe, p_scale)
+        p = torch.exp2(s - m_safe)  # in [0, 1]
         l = l * alpha + p.sum(dim=-1, keepdim=True)  # the normalizer uses fp32 P, as the kernel does
         p_tilde = round_to_format(p * p_scale, pv_fmt)
         partial = p_tilde @ v_vals[:, :, sl]  # fresh fp32 partial of one tile
@@ -200,7 +186,7 @@ def sage_attention_reference(
             acc = acc * alpha + partial
         else:
             acc = _keep_mantissa(acc * alpha + partial, accum_mantissa_bits)
-        m = m_new if rescale_threshold is None else m_safe  # the max P̃ was computed with (maybe stale)
+        m = m_new
     out = acc * v_scale / (l * p_scale)
     out = torch.where(l > 0, out + v_mean, torch.zeros_like(out))  # rows that see no key output zeros
     out = out.masked_fill(bad_rows[..., None], float("nan")).to(q.dtype)
@@ -209,21 +195,6 @@ def sage_attention_reference(
     lse = (m + torch.log2(l)) / LOG2E  # natural log of Σ exp(sm_scale·s_smoothed)
     lse = lse.squeeze(-1) + (qf @ k_mean.transpose(-1, -2)).squeeze(-1) * sm_scale
     return out, lse.masked_fill(bad_rows, float("nan"))
-
-
-def _stale_max(m, m_new, threshold, rows):
-    """The max a tile uses under conditional rescaling: ``m_new`` for every row of a ``rows``-row group where
-    some row's max grew by more than ``threshold``, the previous ``m`` for the whole group otherwise."""
-    B, H, S, _ = m.shape
-    pad = -S % rows
-    grow = torch.nn.functional.pad((m_new - m).squeeze(-1), (0, pad), value=float("-inf"))
-    update = (grow.view(B, H, -1, rows).amax(dim=-1) > threshold).repeat_interleave(rows, dim=-1)[..., :S]
-    return torch.where(update[..., None], m_new, m)
-
-
-def _exp2_poly_scaled(x, p_scale):
-    """2^x through the kernel's polynomial, which computes P̃ = 2^(x + log2 p_scale) directly."""
-    return exp2_poly(x + math.log2(p_scale)) / p_scale
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ KERNEL_HEAD_DIMS = (64, 128)
 EXTRA_IMPLS = ("gluon",)  # beyond the library's IMPLS: the Gluon (sm_90) kernel, opt-in
 
 
-def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale, gluon_config=None):
+def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
     """Checks arguments; returns q, k, v as (B, H, S, D) views."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=4, floating=True)
@@ -55,19 +55,7 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale, gluon_config=None):
         raise ValueError(f"k: expected batch {B} and head_dim {D} like q {tuple(q.shape)}, got {tuple(k.shape)}")
     if H % k.shape[1]:
         raise ValueError(f"k: query heads ({H}) must be a multiple of key/value heads ({k.shape[1]})")
-    if gluon_config is not None:
-        _check_gluon_config(gluon_config, impl, D)
     return q, k, v
-
-
-def _check_gluon_config(gluon_config, impl, head_dim):
-    """``gluon_config`` only means something to the Gluon kernel; its keys are checked there (on any device, so a
-    typo fails before the GPU is needed)."""
-    if impl != "gluon":
-        raise ValueError(f"gluon_config: only used with impl='gluon', got impl={impl!r}")
-    from .gluon_kernel import GLUON_HEAD_DIMS, resolve_config
-
-    resolve_config(head_dim if head_dim in GLUON_HEAD_DIMS else GLUON_HEAD_DIMS[-1], gluon_config)
 
 
 def _choose_impl(impl, q):
@@ -85,16 +73,14 @@ def _choose_impl(impl, q):
     return "triton" if q.is_cuda and kernels_available(q.device) else "reference"
 
 
-def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse,
-             gluon_config=None):
+def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse):
     """(B, H, S, D) tensors, validated; no autograd."""
     if impl == "gluon":
         from . import gluon_kernel
 
         if gluon_kernel.supports(head_dim=q.shape[-1], qk_bits=qk_bits, pv=pv, smooth_q=smooth_q):
             return gluon_kernel.sage_forward_gluon(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
-                                                   smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
-                                                   config=gluon_config)
+                                                   smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
         impl = "triton"  # what the Gluon kernel does not implement (pv="fp16", smooth_q, other head dims)
     if impl == "triton":
         if q.shape[-1] not in KERNEL_HEAD_DIMS:
@@ -163,8 +149,7 @@ class _QuantizedForwardExactBackward(torch.autograd.Function):
 
 def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None, qk_bits: int = 8,
                    pv: str = "fp8", smooth_k: bool = True, smooth_q: Optional[bool] = None, smooth_v: bool = False,
-                   impl: str = "auto", return_lse: bool = False, layout: str = "bhsd",
-                   gluon_config: Optional[dict] = None):
+                   impl: str = "auto", return_lse: bool = False, layout: str = "bhsd"):
     """SageAttention2: softmax(q·kᵀ·sm_scale)·v with INT8 (or INT4-range) Q·K and FP8 P̃·V.
 
     q: (B, H, Sq, D); k, v: (B, Hkv, Sk, D), H a multiple of Hkv (GQA without copying K/V); with
@@ -180,12 +165,6 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "gluon" (the
     Hopper Gluon kernel of issue #28, opt-in and unmeasured; what it does not implement runs on "triton"), "reference"
     (readable PyTorch, any device and head_dim), "auto" (triton on CUDA, else reference).
-    ``gluon_config`` (``impl="gluon"`` only): overrides of ``gluon_kernel.gluon_config`` — the structure
-    (``ws``, ``consumers``, ...) and FlashAttention-4's two options, ``exp2_poly`` (fraction of each KV tile's
-    columns, a multiple of 1/8, whose exponentials run as a polynomial on the FMA units) and
-    ``rescale_threshold`` (None, or τ in [0, 8]: skip the running-output rescale while no row's max grew by more
-    than τ in log2 units; τ > 0 lowers P̃'s scale to 448·2^−τ and is slightly less accurate, τ = 0 is exact).
-    Unknown keys and bad values raise ValueError / TypeError naming the key.
     ``return_lse``: also return the fp32 log-sum-exp of the scaled scores per query, (B, H, Sq).
     NaN/±inf in q, k or v: every output row that depends on one (its own query row, or a key/value row it
     attends to) is NaN, LSE too; the other rows are computed as if those elements were zero (so one bad key
@@ -195,12 +174,12 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     Gradients, when inputs require them, are those of exact attention (see
     :class:`_QuantizedForwardExactBackward`).
     """
-    q, k, v = _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale, gluon_config)
+    q, k, v = _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     smooth_q = (qk_bits == 4) if smooth_q is None else bool(smooth_q)
     opts = dict(causal=bool(causal), sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
                 smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q),
-                return_lse=return_lse, gluon_config=gluon_config)
+                return_lse=return_lse)
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:  # no batch, queries or keys: the documented empty result
         result = empty_attention(q, k, bool(causal), return_lse)
         if layout == "bshd":
