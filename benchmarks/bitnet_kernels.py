@@ -218,7 +218,7 @@ def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
     for rpp in sorted({planned["rows_per_program"], *(-(-n // (p * sms)) for p in (1, 2, 3, 4, 6, 8))}):
         if rpp * planned["BLOCK_M"] > 32:  # v2 at 32 rows × 1 token: 254 registers, 1 program per SM
             continue
-        for kw in (64, 128, 256):
+        for kw in sorted({planned["KW"], 64, 128, 256}):  # the planned tile always among them
             configs.append(dict(planned, BLOCK_N=PK._pow2(rpp), rows_per_program=rpp, KW=kw,
                                 num_warps=max(1, min(8, kw // 32))))
     rows = []
