@@ -2,7 +2,9 @@
 
 Decode (1–4 tokens of an INT8 / INT4-range layer) is **one launch**, ``_decode_gemv_kernel``: every program
 quantizes the (short) activation rows itself in its prologue and owns whole output rows (no K split, no second
-pass); see NOTES.md "One-launch decode GEMV". Otherwise a forward is two launches (one more when K is split):
+pass); see NOTES.md "Decode GEMV v2" (the v1 kernel, ``_decode_gemv_v1_kernel``, stays selectable by
+``decode_plan(..., version=1)`` until the GPU has timed both). Otherwise a forward is two launches (one more when
+K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
    INT4-range absmean, TopK+INT8) with the arithmetic of ``quant_kernel._quantize_rows_kernel`` (its helpers),
@@ -397,9 +399,10 @@ def _decode_gemv_v1_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, 
                         BLOCK_M: tl.constexpr, KW: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
                         USE_ASM: tl.constexpr, EPS_: tl.constexpr):
     """The first one-launch decode GEMV (v1, ``decode_plan(..., version=1)``; kept to be timed beside the new one
-    until the GPU has measured both). Decode (1–4 tokens) in one launch, no split-K: a program owns ``rows_per_program`` whole output rows (a
-    ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks all of K in chunks of ``KW`` int32 words per
-    row (16·KW weights), the next chunk's loads issued before the current one is used.
+    until the GPU has measured both). Decode (1–4 tokens) in one launch, no split-K: a program owns
+    ``rows_per_program`` whole output rows (a ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks all
+    of K in chunks of ``KW`` int32 words per row (16·KW weights), the next chunk's loads issued before the current
+    one is used.
 
     ``FUSED``: the program quantizes the activation rows itself (``x_ptr``, with the sub-norm ``nw_ptr`` if
     ``HAS_NORM``; ``KIND`` 0 INT8 absmax, 1 INT4-range absmean): a first pass over the row gives the statistics
@@ -697,13 +700,13 @@ def _decode(cfg: dict, out: torch.Tensor, *, packed, alpha_rows, bias, n: int, k
     if not v1 and n * w_words.stride(0) >= 2 ** 31:
         raise ValueError(f"packed: {n} rows of {w_words.stride(0)} int32 words exceed the decode GEMV's int32 "
                          "offsets (2^31 words)")
-    (_DECODE_V1_LAUNCH if v1 else _DECODE_LAUNCH)(grid, x_arg, norm_weight if norm_weight is not None else alpha_rows, codes_words, sums_arg,
-                   scale_arg, w_words, alpha_rows, bias if bias is not None else alpha_rows, out, n, m, k,
-                   w_words.shape[1], rpp, stride_x, x_row16, w_words.stride(0) // 16, out.stride(0),
-                   float(beta_scale), float(norm_eps), FUSED=fused, KIND=FUSED_KINDS.get(kind, 0),
-                   HAS_NORM=norm_weight is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], KW=cfg["KW"],
-                   SB=cfg["SB"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM, EPS_=EPS, num_warps=cfg["num_warps"],
-                   num_stages=cfg["num_stages"])
+    launch = _DECODE_V1_LAUNCH if v1 else _DECODE_LAUNCH
+    launch(grid, x_arg, norm_weight if norm_weight is not None else alpha_rows, codes_words, sums_arg, scale_arg,
+           w_words, alpha_rows, bias if bias is not None else alpha_rows, out, n, m, k, w_words.shape[1], rpp,
+           stride_x, x_row16, w_words.stride(0) // 16, out.stride(0), float(beta_scale), float(norm_eps),
+           FUSED=fused, KIND=FUSED_KINDS.get(kind, 0), HAS_NORM=norm_weight is not None, BLOCK_N=cfg["BLOCK_N"],
+           BLOCK_M=cfg["BLOCK_M"], KW=cfg["KW"], SB=cfg["SB"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM, EPS_=EPS,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
