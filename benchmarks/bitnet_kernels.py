@@ -207,24 +207,25 @@ def sweep_rows(args, device) -> list[dict]:
 
 
 def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
-    """The one-launch decode GEMV (quantizing its own input) at other rows per program and K chunks than
-    decode_plan's, and the split-K GEMV it replaced (on ready codes, + its epilogue launch) for reference."""
+    """The one-launch decode GEMV (quantizing its own input): v1's planned tile (``decode_plan(version=1)``, the
+    kernel v2 replaced, timed in the same run), v2 at other rows per program and K chunks than decode_plan's, and
+    the split-K GEMV before both (on ready codes, + its epilogue launch) for reference."""
     n, k = layer.out_features, layer.in_features
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     want = PK.fused_linear(x, layer)
     sms = PK._sm_count(device)
-    configs = []
+    configs = [PK.decode_plan(m, n, k, sms, version=1)]
     for rpp in sorted({planned["rows_per_program"], *(-(-n // (p * sms)) for p in (1, 2, 3, 4, 6, 8))}):
-        if rpp * planned["BLOCK_M"] > 64:
+        if rpp * planned["BLOCK_M"] > 32:  # v2 at 32 rows × 1 token: 254 registers, 1 program per SM
             continue
-        for kw in (64, 128, 256):
+        for kw in sorted({planned["KW"], 64, 128, 256}):  # the planned tile always among them
             configs.append(dict(planned, BLOCK_N=PK._pow2(rpp), rows_per_program=rpp, KW=kw,
                                 num_warps=max(1, min(8, kw // 32))))
     rows = []
     for cfg in configs:
-        row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel="decode (fused)", BLOCK_N=cfg["BLOCK_N"],
-                   rows_per_program=cfg["rows_per_program"], KW=cfg["KW"], split=1,
-                   planned=(cfg["rows_per_program"], cfg["KW"]) == (planned["rows_per_program"], planned["KW"]))
+        row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=f"decode v{cfg['version']} (fused)",
+                   BLOCK_N=cfg["BLOCK_N"], rows_per_program=cfg["rows_per_program"], KW=cfg["KW"], split=1,
+                   planned=cfg == planned)
         try:
             row["match"] = bool(torch.equal(PK.fused_linear(x, layer, cfg), want))
             row["gpu_ms"] = _timed(lambda: PK.fused_linear(x, layer, cfg), args, device)
@@ -376,6 +377,12 @@ def summarize(rows: list[dict]) -> dict:
             if new:
                 out[f"thrifty_speedup_vs_baseline_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new["gpu_ms"]
                 out[f"baseline_speedup_vs_bf16_{r['shape']}_t{r['tokens']}"] = r.get("speedup_vs_bf16")
+    for r in rows:  # the sweep's v1 decode tile over decode_plan's (v2), same process: v2's speed-up over v1
+        if r.get("what") == "sweep" and r.get("kernel", "").startswith("decode v1") and "gpu_ms" in r:
+            new = next((t for t in rows if t.get("what") == "sweep" and t.get("planned") and t.get("shape") ==
+                        r["shape"] and t.get("tokens") == r["tokens"] and "gpu_ms" in t), None)
+            if new:
+                out[f"decode_v2_speedup_vs_v1_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new["gpu_ms"]
     for key, m in (("gemv_speedup_vs_bf16_b1_min", 1), ("gemv_speedup_vs_bf16_b16_min", 16),
                    ("gemm_speedup_vs_bf16_t2048_min", 2048)):
         s = speedups(m)

@@ -529,26 +529,30 @@ def _bitnet_packed():
                     fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
     plans, decode = set(), set()
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912)):
-        for m in (1, 2, 4, 16, 2048):
+        for m in (1, 2, 3, 4, 16, 2048):
             cfg = PK.plan(m, n, k)
             if cfg["kernel"] == "decode":
-                decode.add((cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["KW"], cfg["SB"], cfg["num_warps"]))
+                for version in (1, 2):  # v2 (decode_plan's default) and v1, timed beside it by the benchmark
+                    cfg = PK.decode_plan(m, n, k, version=version)
+                    decode.add((version, cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["KW"], cfg["SB"], cfg["num_warps"],
+                                cfg["num_stages"]))
                 continue
             plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
                        cfg["num_stages"]))
     # the one-launch decode GEMV: quantizing its input (INT8 / INT4 range, sub-norm or not, bf16 / fp32 rows) at
     # every decode plan, and on ready codes (TopK rows, shared inputs)
-    for bn, bm, kw, sb, warps in sorted(decode):
+    for version, bn, bm, kw, sb, warps, stages in sorted(decode):
+        fn = PK._decode_gemv_kernel if version == 2 else PK._decode_gemv_v1_kernel
         for fused, kind, norm, dtype, bias in ((True, 0, False, bf16, False), (True, 0, True, bf16, True),
                                                (True, 1, False, bf16, False), (True, 1, True, fp32, False),
                                                (False, 0, False, bf16, False), (False, 0, False, fp32, True)):
-            yield entry(PK._decode_gemv_kernel, f"decode {bn}x{bm} KW={kw} fused={fused} kind={kind} norm={norm} "
+            yield entry(fn, f"decode v{version} {bn}x{bm} KW={kw} fused={fused} kind={kind} norm={norm} "
                         f"{NAME[dtype]} bias={bias}",
                         dict(FUSED=fused, KIND=kind, HAS_NORM=norm, BLOCK_N=bn, BLOCK_M=bm, KW=kw, SB=sb,
                              HAS_BIAS=bias, USE_ASM=PK.USE_ASM, EPS_=EPS),
                         {"x_ptr": PTR[dtype] if fused else "*i32", "nw_ptr": "*fp32", "codes_ptr sum_ptr": "*i32",
                          "scale_ptr alpha_ptr bias_ptr": "*fp32", "w_ptr": "*i32", "out_ptr": PTR[dtype]},
-                        fp32="beta_scale norm_eps", num_warps=warps, num_stages=1)
+                        fp32="beta_scale norm_eps", num_warps=warps, num_stages=stages)
     for kernel, bn, bm, split, warps, stages in sorted(plans):
         # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel, 2 fused epilogue (sweep)
         for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split)), (bf16, False, 2)):

@@ -394,10 +394,11 @@ def test_split_k_on_cuda_is_exact(kernel, m, fused_epilogue):
 # ------------------------------------------------------------------------------------- one-launch decode GEMV
 
 @needs_kernels
+@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("m,k,n,sub_norm,bias", [(1, 300, 37, False, False), (2, 513, 70, True, True),
                                                  (3, 1100, 45, False, True), (4, 257, 33, True, False)])
-def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias):
+def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias, version):
     """1–4 tokens of an INT8 / INT4-range layer are one launch (the kernel quantizes the rows itself): the output
     of the two-launch path (codes kernel + matmul on them) bit for bit, the PyTorch path's for INT8 without a
     sub-norm (γ = max is order-free; a sum — sub-norm, INT4's mean — is added in another order: a code may move
@@ -409,8 +410,8 @@ def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias):
     x = tokens(m, k, seed=k + m)
     if m >= 2:
         x[1, 3] = float("nan")
-    cfg = PK.decode_plan(m, n, k)
-    got = PK.fused_linear(x, p)
+    cfg = PK.decode_plan(m, n, k, version=version)
+    got = PK.fused_linear(x, p, cfg)
     two = PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(), p.bias, x.dtype, n, k,
                           dict(cfg, kernel="gemv", BLOCK_N=32, split=1, groups_per_split=10 ** 6, num_stages=1,
                                fused_epilogue=False))
@@ -427,8 +428,9 @@ def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("fused", [True, False])
-def test_decode_gemv_tiles_chunks_and_masked_rows(fused):
+def test_decode_gemv_tiles_chunks_and_masked_rows(fused, version):
     """Other tiles than plan's: rows_per_program not a power of two (the tile's rest masked), several K chunks with
     a partial last one, two tokens per program, on its own codes or on ready ones (TopK, shared inputs)."""
     from thrifty.bitnet import packed_kernel as PK
@@ -437,11 +439,35 @@ def test_decode_gemv_tiles_chunks_and_masked_rows(fused):
     p = PackedBitLinear.from_bitlinear(bl, impl="reference")
     x = tokens(2, 1100, seed=3).to(torch.bfloat16)
     want = p(x)
-    cfg = dict(kernel="decode", BLOCK_N=8, BLOCK_M=2, rows_per_program=6, KW=32, SB=256, split=1, num_warps=1,
-               num_stages=1)
+    cfg = dict(kernel="decode", version=version, BLOCK_N=8, BLOCK_M=2, rows_per_program=6, KW=32, SB=256, split=1,
+               num_warps=1, num_stages=1)
     got = PK.packed_linear(x, p, cfg) if fused else PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(),
                                                                      p.bias, x.dtype, 45, 1100, cfg)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_decode_plan_7b_shapes_take_the_v2_tile():
+    """decode_plan's default is the v2 GEMV at the 7B shapes: ≤ 16 rows per program at 1 token (8 at 2–4), rows
+    spread evenly over p·SMs programs, 1 KB K chunks, 8 warps; version=1 still gives the v1 tile (timed beside)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    want = {(4096, 4096): 16, (11008, 4096): 14, (4096, 11008): 16}
+    for (n, k), rows in want.items():
+        cfg = PK.plan(1, n, k, 132)
+        assert cfg == PK.decode_plan(1, n, k, 132)
+        assert (cfg["kernel"], cfg["version"], cfg["rows_per_program"], cfg["BLOCK_N"], cfg["KW"],
+                cfg["num_warps"]) == ("decode", 2, rows, 16, 256, 8), (n, k, cfg)
+        p = -(-n // (rows * 132))  # programs per SM
+        assert rows == -(-n // (p * 132))  # the rows spread evenly over p·SMs programs
+        assert p == 1 or -(-n // ((p - 1) * 132)) > 16  # p: the fewest programs per SM with ≤ 16 rows each
+        for m in (2, 3, 4):
+            cfg = PK.plan(m, n, k, 132)
+            assert cfg["version"] == 2 and cfg["rows_per_program"] <= 8 and cfg["BLOCK_M"] == PK._pow2(m)
+        assert PK.decode_plan(1, n, k, 132, version=1)["version"] == 1
+    with pytest.raises(ValueError, match="version"):
+        PK.decode_plan(1, 64, 64, version=3)
+    with pytest.raises(ValueError, match="1–4 tokens"):
+        PK.decode_plan(5, 64, 64)
 
 
 @needs_kernels

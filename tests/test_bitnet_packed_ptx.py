@@ -6,6 +6,9 @@ unit, never contracts a product into an FMA).
   zeroes sums another warp has not read: on the H200 tokens ≥ 2 came out as −Σx·s·α).
 * with a bias, ``(y·α) + b`` must not become one ``fma`` (PyTorch rounds the product first); nor ``mean·β + ε``
   in the INT4 activation codes.
+* the v2 decode GEMV at its planned 1-token tile (NOTES.md "Decode GEMV v2"): no spills, ≤ 128 registers (two
+  256-thread programs per SM), and one dp4a per weight word, field and token per thread (v1's 3-D activation
+  tile made the compiler replicate every weight word on 4 threads: 4× the dp4a, 255 registers, a spill stack).
 """
 
 from __future__ import annotations
@@ -28,11 +31,23 @@ SCRIPT = textwrap.dedent("""
     from thrifty.bitnet import packed_kernel as PK
     from thrifty.bitnet.reference import EPS
 
-    def ptx(fn, ptrs, consts, opts):
+    def compiled(fn, ptrs, consts, opts):
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-        return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=opts).asm["ptx"]
+        return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+    def ptx(fn, ptrs, consts, opts):
+        return compiled(fn, ptrs, consts, opts).asm["ptx"]
+
+    def resources(kernel):  # registers and stack of the cubin, by the cuobjdump Triton bundles
+        import os, subprocess, tempfile
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        found = re.search(r"REG:(\\d+) STACK:(\\d+)", text)
+        return dict(reg=int(found[1]), stack=int(found[2])) if found else dict(error=text[-500:])
 
     out = {}
     epi = ptx(PK._splitk_epilogue_kernel, {"ws_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
@@ -61,6 +76,16 @@ SCRIPT = textwrap.dedent("""
                   dict(FUSED=True, KIND=kind, HAS_NORM=True, BLOCK_N=32, BLOCK_M=1, KW=256, SB=4096, HAS_BIAS=True,
                        USE_ASM=True, EPS_=EPS), dict(num_warps=8, num_stages=1))
         out[f"decode_{kind}_fma"] = sum("fma" in l for l in dec.splitlines())
+    cfg = PK.decode_plan(1, 4096, 4096)  # the v2 tile of a 7B layer at 1 token
+    ptrs = {"x_ptr": "*bf16", "nw_ptr": "*fp32", "codes_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
+            "w_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16", "beta_scale": "fp32",
+            "norm_eps": "fp32"}
+    v2 = compiled(PK._decode_gemv_kernel, ptrs,
+                  dict(FUSED=True, KIND=0, HAS_NORM=False, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=1, KW=cfg["KW"],
+                       SB=cfg["SB"], HAS_BIAS=False, USE_ASM=True, EPS_=EPS),
+                  dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    out["v2"] = dict(resources(v2), dp4a=v2.asm["ptx"].count("dp4a"), threads=32 * cfg["num_warps"],
+                     words=cfg["BLOCK_N"] * cfg["KW"])
     print(json.dumps(out))
 """)
 
@@ -86,3 +111,11 @@ def test_no_fma_where_pytorch_rounds_twice(report):
     for kind in ("int8", "int4", "topk_int8"):
         assert report[f"act_{kind}_fma"] == 0, (kind, report)
     assert report["decode_0_fma"] == 0 and report["decode_1_fma"] == 0, report
+
+
+def test_decode_v2_tile_fits_two_programs_per_sm_without_replication(report):
+    v2 = report["v2"]
+    assert "error" not in v2, v2
+    assert v2["stack"] == 0 and v2["reg"] * v2["threads"] * 2 <= 65536, v2  # no spill; 2 programs per SM
+    per_thread = v2["words"] // v2["threads"]  # weight words a thread holds per chunk
+    assert v2["dp4a"] == 4 * per_thread + 4, v2  # 4 fields per word + Σ codes: no word on two threads

@@ -2,7 +2,9 @@
 
 Decode (1–4 tokens of an INT8 / INT4-range layer) is **one launch**, ``_decode_gemv_kernel``: every program
 quantizes the (short) activation rows itself in its prologue and owns whole output rows (no K split, no second
-pass); see NOTES.md "One-launch decode GEMV". Otherwise a forward is two launches (one more when K is split):
+pass); see NOTES.md "Decode GEMV v2" (the v1 kernel, ``_decode_gemv_v1_kernel``, stays selectable by
+``decode_plan(..., version=1)`` until the GPU has timed both). Otherwise a forward is two launches (one more when
+K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
    INT4-range absmean, TopK+INT8) with the arithmetic of ``quant_kernel._quantize_rows_kernel`` (its helpers),
@@ -248,14 +250,159 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, 
 
 
 @triton.jit
+def _token_scales(x_ptr, nw_ptr, toks64, tok_ok, D, stride_x, beta_scale, norm_eps, KIND: tl.constexpr,
+                  HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, SB: tl.constexpr, EPS_: tl.constexpr):
+    """(rstd, multiplier, scale) per token of the rows ``x`` (the codes kernel's values): Σx² for the sub-norm, then
+    max|x| (INT8) or Σ|x| (INT4 range) of the normed row, in passes of ``SB`` values (L2, then L1 hits)."""
+    xs = tl.arange(0, SB)
+    x_rows = x_ptr + toks64[:, None] * stride_x
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if HAS_NORM:
+        sum_sq = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
+        for k0 in range(0, D, SB):
+            x = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & (k0 + xs < D)[None, :],
+                        other=0.0).to(tl.float32)
+            sum_sq += mul_rn(x, x, COMPILED_)
+        rstd = subnorm_rstd(tl.sum(sum_sq, axis=1), D, norm_eps)
+    top = tl.zeros([BLOCK_M, SB], dtype=tl.int32)
+    abs_sum = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
+    for k0 in range(0, D, SB):
+        inside = (k0 + xs < D)[None, :]
+        x_in = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & inside, other=0.0)
+        x = x_in.to(tl.float32)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + k0 + xs, mask=k0 + xs < D, other=0.0).to(tl.float32)
+            x = subnorm(x, x_in.dtype, rstd[:, None], nw[None, :], COMPILED_)
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # padding loads 0.0: bits 0
+        top = tl.maximum(top, bits)
+        if KIND == 1:
+            abs_sum += bits.to(tl.float32, bitcast=True)
+    top_row = tl.max(top, axis=1)
+    multiplier, step = quant_scales(top_row, tl.sum(abs_sum, axis=1), D, beta_scale, KIND, EPS_, COMPILED_)
+    return rstd, multiplier, tl.where(top_row >= NAN_BITS, float("nan"), step)
+
+
+ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: v + it rounds |v| < 2^22 to an integer, ties to even
+
+
+@triton.jit
+def _code_low_byte(x, multiplier, KIND: tl.constexpr):
+    """Low byte (0..255) of :func:`kernel_math.quant_code`'s code: the same clamp, then the rounding by one fp32 add
+    of 1.5·2^23 (round to nearest even, as ``cvt.rni``: the integer is the sum's low mantissa bits, two's
+    complement), so the FP32 pipe rounds instead of the quarter-rate F2I unit (~0.9 µs of F2I for the 3.2 M codes
+    of an 11008×4096 decode). The clamp keeps |v| ≤ 128, far below 2^22; NaN (a token with a NaN scale, whose
+    output is NaN anyway) gives some byte."""
+    lo = -8.0 if KIND == 1 else -128.0
+    hi = 7.0 if KIND == 1 else 127.0
+    v = tl.minimum(tl.maximum(x * multiplier, lo), hi)
+    return (v + ROUND_MAGIC).to(tl.int32, bitcast=True) & 0xFF
+
+
+@triton.jit
+def _code_byte(x_tok, nw_ptr, k, tok_ok, D, rstd, multiplier, KIND: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Low byte of the code of the activations ``k`` of every token: load (an L1 hit after the prologue's pass),
+    sub-norm, quantizer."""
+    inside = k < D
+    x_in = tl.load(x_tok + k, mask=tok_ok & inside, other=0.0)
+    x = x_in.to(tl.float32)
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + k, mask=inside, other=0.0).to(tl.float32)
+        x = subnorm(x, x_in.dtype, rstd, nw, COMPILED_)
+    return _code_low_byte(x, multiplier, KIND)
+
+
+@triton.jit
+def _code_word(x_tok, nw_ptr, idx, tok_ok, D, rstd, multiplier, KIND: tl.constexpr, HAS_NORM: tl.constexpr):
+    """int32 words of the 4 activation codes ``4·idx + 0..3`` per token ([BLOCK_M, W] from ``x_tok`` [BLOCK_M, 1]
+    and ``idx`` [1, W]): 4 strided loads, the bytes shifted into place. Deliberately no [.., 4] byte axis: in v1 a
+    3-D tile put the 4 bytes on 4 threads, and the compiler moved the whole weight tile into that layout (every
+    word replicated on 4 threads: 4× the dp4a; 255 registers and a 480-byte spill stack on sm_90)."""
+    xw = _code_byte(x_tok, nw_ptr, 4 * idx, tok_ok, D, rstd, multiplier, KIND, HAS_NORM)
+    for byte in tl.static_range(1, 4):
+        xw |= _code_byte(x_tok, nw_ptr, 4 * idx + byte, tok_ok, D, rstd, multiplier, KIND, HAS_NORM) << (8 * byte)
+    return xw
+
+
+@triton.jit
 def _decode_gemv_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, D,
                         n_words, rows_per_program, stride_x, x_row16, w_row16, stride_out, beta_scale, norm_eps,
                         FUSED: tl.constexpr, KIND: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, KW: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
                         USE_ASM: tl.constexpr, EPS_: tl.constexpr):
-    """Decode (1–4 tokens) in one launch, no split-K: a program owns ``rows_per_program`` whole output rows (a
-    ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks all of K in chunks of ``KW`` int32 words per
-    row (16·KW weights), the next chunk's loads issued before the current one is used.
+    """Decode (1–4 tokens) in one launch, no split-K (v2; NOTES.md "Decode GEMV v2"): a program owns
+    ``rows_per_program`` whole output rows (a ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks
+    K in chunks of ``KW`` int32 words per row, the next chunk's loads issued before the current one is used (and
+    the first before the activation statistics). The weight tile keeps the layout it is loaded in (16-byte
+    vectors of a row per thread); the activation words of a chunk are computed in the broadcast [1, KW] shape, so
+    only they (KW words) ever change layout, never the weights.
+
+    ``FUSED``: the program quantizes the activation rows itself (``x_ptr``, sub-norm ``nw_ptr`` if ``HAS_NORM``;
+    ``KIND`` 0 INT8 absmax, 1 INT4-range absmean), Σ codes from the same words by ``dp4a`` against 0x01010101.
+    Else the codes (int32 words), scales and sums come from memory (TopK rows, shared inputs)."""
+    pid = tl.program_id(0)
+    local = tl.arange(0, BLOCK_N)
+    rows = pid * rows_per_program + local
+    row_ok = (local < rows_per_program) & (rows < N)
+    toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_ok = toks < M
+    toks64 = toks.to(tl.int64)
+    cols = tl.arange(0, KW)
+    # int32 offsets from a per-chunk scalar base (the launcher checks N·row words < 2^31): a [BLOCK_N, KW] tile of
+    # 64-bit pointers kept live across the loop cost 2 registers per word
+    w_offs = rows[:, None] * (w_row16 * 16) + cols[None, :]
+    w_next = tl.load(w_ptr + w_offs, mask=row_ok[:, None] & (cols < n_words)[None, :], other=0,
+                     eviction_policy="evict_first")
+    if FUSED:  # the token statistics while the first weight chunk is in flight
+        rstd, multiplier, scale = _token_scales(x_ptr, nw_ptr, toks64, tok_ok, D, stride_x, beta_scale, norm_eps,
+                                                KIND, HAS_NORM, BLOCK_M, SB, EPS_)
+        code_sum = tl.zeros([BLOCK_M, KW], dtype=tl.int32)
+        x_tok = x_ptr + toks64[:, None] * stride_x
+    else:
+        scale = tl.load(scale_ptr + toks, mask=tok_ok, other=0.0)
+        x_words = codes_ptr + toks64[:, None] * (x_row16 * 16)
+    acc = tl.zeros([BLOCK_N, KW] if BLOCK_M == 1 else [BLOCK_N, BLOCK_M, KW], dtype=tl.int32)
+    for c in range(0, tl.cdiv(n_words, KW)):
+        w = w_next
+        nxt = (c + 1) * KW + cols
+        w_next = tl.load((w_ptr + (c + 1) * KW) + w_offs, mask=row_ok[:, None] & (nxt < n_words)[None, :], other=0,
+                         eviction_policy="evict_first")
+        word = c * KW + cols  # word j of a row: group j // 16, byte 4·(j % 16) of it
+        for field in tl.static_range(4):
+            # activation word of this field: codes 256·g + 64·field + 4·(j % 16) + 0..3
+            idx = ((word // WORDS_) * (GROUP_ // 4) + field * WORDS_ + word % WORDS_)[None, :]
+            if FUSED:
+                xw = _code_word(x_tok, nw_ptr, idx, tok_ok[:, None], D, rstd[:, None], multiplier[:, None], KIND,
+                                HAS_NORM)
+                code_sum = _dp4a(tl.full([BLOCK_M, KW], 0x01010101, tl.int32), xw, code_sum, USE_ASM)
+            else:
+                xw = tl.load(x_words + idx, mask=tok_ok[:, None] & (word < n_words)[None, :], other=0)
+            if BLOCK_M == 1:
+                acc = _dp4a_field(w, field, tl.broadcast_to(xw, acc.shape), acc, USE_ASM)
+            else:
+                acc = _dp4a_field(tl.broadcast_to(w[:, None, :], acc.shape), field,
+                                  tl.broadcast_to(xw[None, :, :], acc.shape), acc, USE_ASM)
+    if BLOCK_M == 1:
+        total = tl.sum(acc, axis=1)[:, None]
+    else:
+        total = tl.sum(acc, axis=2)
+    if FUSED:
+        sx = tl.sum(code_sum, axis=1)
+    else:
+        sx = tl.load(sum_ptr + toks, mask=tok_ok, other=0)
+    _store_out(total, sx, scale, rows, row_ok, toks, N, M, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+
+
+@triton.jit
+def _decode_gemv_v1_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, D,
+                        n_words, rows_per_program, stride_x, x_row16, w_row16, stride_out, beta_scale, norm_eps,
+                        FUSED: tl.constexpr, KIND: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, KW: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        USE_ASM: tl.constexpr, EPS_: tl.constexpr):
+    """The first one-launch decode GEMV (v1, ``decode_plan(..., version=1)``; kept to be timed beside the new one
+    until the GPU has measured both). Decode (1–4 tokens) in one launch, no split-K: a program owns
+    ``rows_per_program`` whole output rows (a ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks all
+    of K in chunks of ``KW`` int32 words per row (16·KW weights), the next chunk's loads issued before the current
+    one is used.
 
     ``FUSED``: the program quantizes the activation rows itself (``x_ptr``, with the sub-norm ``nw_ptr`` if
     ``HAS_NORM``; ``KIND`` 0 INT8 absmax, 1 INT4-range absmean): a first pass over the row gives the statistics
@@ -373,6 +520,7 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
 _ACT_LAUNCH = FastLauncher(_act_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
 _DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
+_DECODE_V1_LAUNCH = FastLauncher(_decode_gemv_v1_kernel)
 _GEMM_LAUNCH = FastLauncher(_gemm_kernel)
 _EPILOGUE_LAUNCH = FastLauncher(_splitk_epilogue_kernel)
 EPILOGUE_TILE = (64, 16)  # (BLOCK_N, BLOCK_M) of the split-K epilogue
@@ -394,15 +542,26 @@ def _sm_count(device: torch.device) -> int:
     return 132  # the H100's, so that the interpreter exercises the splits the GPU would take
 
 
-def decode_plan(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """Tile of the one-launch decode GEMV (1–4 tokens): no K split, so a program owns whole rows. The fewest
-    programs per SM (p = 1, 2, ...) whose rows fit a tile of ≤ 32 rows and ≤ 64 row·token accumulators per K lane:
-    ``rows_per_program = ceil(n / (p·SMs))`` exactly (the pow2 tile's rest masked), so every SM streams the same
-    bytes (4096 rows: 32 per program, 128 programs; 11008: 28 per program, 394 = 3 per SM). Few rows per program
-    would recompute the activation codes (~9 ops per value and program) too often; many would leave SMs idle.
-    K is walked in chunks of 256 int32 words per row (4096 weights: 32 KB for 32 rows in flight per program)."""
+DECODE_VERSION = 2  # decode_plan's default: 2 = _decode_gemv_kernel, 1 = _decode_gemv_v1_kernel (timed beside it)
+DECODE_ROWS_CAP = {1: 16, 2: 8, 4: 8}  # v2: rows per program by BLOCK_M (≤ 16 weight words per thread and chunk)
+
+
+def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = None) -> dict:
+    """Tile of the one-launch decode GEMV (1–4 tokens): no K split, so a program owns whole rows.
+
+    v2 (default; NOTES.md "Decode GEMV v2"): ≤ 16 rows per program at 1 token (8 at 2–4 tokens), 8 warps, chunks
+    of ``KW`` = 256 int32 words per row (1 KB), one word column per thread: 16 words of weights per thread and
+    chunk, ~100 registers, so 2 programs share an SM and each has its 16 KB chunk in flight (32 KB per SM, what
+    ~1 µs of HBM latency at 4.1 TB/s asks for). ``rows_per_program = ceil(n / (p·SMs))`` for the smallest p that
+    fits the cap, so every SM streams the same bytes: 4096 rows → 16 per program (256 programs, 2 per SM);
+    11008 → 14 (787 programs, 6 per SM). ``version=1``: the v1 tile (≤ 32 rows, 139–255 registers, 1 per SM)."""
+    version = DECODE_VERSION if version is None else version
+    if version not in (1, 2):
+        raise ValueError(f"version: expected 1 or 2, got {version!r}")
     block_m = _pow2(m)
-    cap = min(32, 64 // block_m)
+    if block_m > GEMV_MAX_TOKENS:
+        raise ValueError(f"m: the decode GEMV takes 1–{GEMV_MAX_TOKENS} tokens, got {m}")
+    cap = min(32, 64 // block_m) if version == 1 else DECODE_ROWS_CAP[block_m]
     p = 1
     while _cdiv(n, p * sms) > cap:
         p += 1
@@ -410,8 +569,8 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     words = padded_k(k) // 16
     kw = min(256, _pow2(words))
     warps = max(1, min(8, kw // 32))
-    return dict(kernel="decode", BLOCK_N=_pow2(rows), BLOCK_M=block_m, rows_per_program=rows, KW=kw,
-                SB=max(32, min(_pow2(k), 4096 // block_m)), split=1, num_warps=warps, num_stages=1)
+    return dict(kernel="decode", version=version, BLOCK_N=_pow2(rows), BLOCK_M=block_m, rows_per_program=rows,
+                KW=kw, SB=max(32, min(_pow2(k), 4096 // block_m)), split=1, num_warps=warps, num_stages=1)
 
 
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
@@ -537,13 +696,17 @@ def _decode(cfg: dict, out: torch.Tensor, *, packed, alpha_rows, bias, n: int, k
         x_arg, sums_arg, scale_arg, stride_x, x_row16 = codes_words, sums, scale, 0, codes_words.stride(0) // 16
     rpp = cfg["rows_per_program"]
     grid = (_cdiv(n, rpp), _cdiv(m, cfg["BLOCK_M"]))
-    _DECODE_LAUNCH(grid, x_arg, norm_weight if norm_weight is not None else alpha_rows, codes_words, sums_arg,
-                   scale_arg, w_words, alpha_rows, bias if bias is not None else alpha_rows, out, n, m, k,
-                   w_words.shape[1], rpp, stride_x, x_row16, w_words.stride(0) // 16, out.stride(0),
-                   float(beta_scale), float(norm_eps), FUSED=fused, KIND=FUSED_KINDS.get(kind, 0),
-                   HAS_NORM=norm_weight is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], KW=cfg["KW"],
-                   SB=cfg["SB"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM, EPS_=EPS, num_warps=cfg["num_warps"],
-                   num_stages=cfg["num_stages"])
+    v1 = cfg.get("version", DECODE_VERSION) == 1
+    if not v1 and n * w_words.stride(0) >= 2 ** 31:
+        raise ValueError(f"packed: {n} rows of {w_words.stride(0)} int32 words exceed the decode GEMV's int32 "
+                         "offsets (2^31 words)")
+    launch = _DECODE_V1_LAUNCH if v1 else _DECODE_LAUNCH
+    launch(grid, x_arg, norm_weight if norm_weight is not None else alpha_rows, codes_words, sums_arg, scale_arg,
+           w_words, alpha_rows, bias if bias is not None else alpha_rows, out, n, m, k, w_words.shape[1], rpp,
+           stride_x, x_row16, w_words.stride(0) // 16, out.stride(0), float(beta_scale), float(norm_eps),
+           FUSED=fused, KIND=FUSED_KINDS.get(kind, 0), HAS_NORM=norm_weight is not None, BLOCK_N=cfg["BLOCK_N"],
+           BLOCK_M=cfg["BLOCK_M"], KW=cfg["KW"], SB=cfg["SB"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM, EPS_=EPS,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
