@@ -542,7 +542,14 @@ def _sm_count(device: torch.device) -> int:
     return 132  # the H100's, so that the interpreter exercises the splits the GPU would take
 
 
-DECODE_VERSION = 2  # decode_plan's default: 2 = _decode_gemv_kernel, 1 = _decode_gemv_v1_kernel (timed beside it)
+DECODE_VERSION = 2  # decode_plan's default at 1 token: 2 = _decode_gemv_kernel, 1 = _decode_gemv_v1_kernel
+# H200, 4ca92a6 (bitnet_kernels.py, v1 tree timed in the same run): v2 wins at 1 token at every 7B shape (7.44 /
+# 13.95 / 11.65 us against 7.97 / 17.06 / 12.10), v1 wins at 4 tokens (15.1 / 35.7 / 27.8 us against 17.1 / 38.4
+# / 33.2): v1 takes 2-4 tokens.
+DECODE_VERSION_MULTI = 1
+# v2 chunk width when a shape gives >= this many programs per SM: 11008x4096 (787 programs, 6 per SM) ran in 9.95 us
+# with 256-byte chunks (KW = 64) against 13.7 with 1 KB; 4096 rows (2 per SM) are fastest with 1 KB (7.39 us).
+DECODE_NARROW_AT = 4
 DECODE_ROWS_CAP = {1: 16, 2: 8, 4: 8}  # v2: rows per program by BLOCK_M (≤ 16 weight words per thread and chunk)
 
 
@@ -554,8 +561,10 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
     chunk, ~100 registers, so 2 programs share an SM and each has its 16 KB chunk in flight (32 KB per SM, what
     ~1 µs of HBM latency at 4.1 TB/s asks for). ``rows_per_program = ceil(n / (p·SMs))`` for the smallest p that
     fits the cap, so every SM streams the same bytes: 4096 rows → 16 per program (256 programs, 2 per SM);
-    11008 → 14 (787 programs, 6 per SM). ``version=1``: the v1 tile (≤ 32 rows, 139–255 registers, 1 per SM)."""
-    version = DECODE_VERSION if version is None else version
+    11008 → 14 (787 programs, 6 per SM; there 256-byte chunks, ``DECODE_NARROW_AT``). ``version=1``: the v1 tile
+    (≤ 32 rows, 139–255 registers, 1 per SM), the default at 2–4 tokens (measured faster there)."""
+    if version is None:
+        version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
     if version not in (1, 2):
         raise ValueError(f"version: expected 1 or 2, got {version!r}")
     block_m = _pow2(m)
@@ -568,6 +577,8 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
     rows = _cdiv(n, p * sms)
     words = padded_k(k) // 16
     kw = min(256, _pow2(words))
+    if version == 2 and _cdiv(n, rows) >= DECODE_NARROW_AT * sms:
+        kw = min(kw, 64)
     warps = max(1, min(8, kw // 32))
     return dict(kernel="decode", version=version, BLOCK_N=_pow2(rows), BLOCK_M=block_m, rows_per_program=rows,
                 KW=kw, SB=max(32, min(_pow2(k), 4096 // block_m)), split=1, num_warps=warps, num_stages=1)
