@@ -39,7 +39,7 @@ WIDE = (4, 4)
 NARROW = (1, 2)
 MIN_PROGRAMS_PER_SM = 2  # below this many WIDE programs per SM a block launches NARROW
 PACK_STREAMS = ("words", "lane_units", "group_offsets", "raw", "lengths", "pair_syms")
-ALIGN_BYTES = 16  # each tensor's part of a pack stream starts at a multiple of this
+ALIGN_BYTES = R.ALIGN_BYTES  # each tensor's part of a pack stream starts at a multiple of this
 
 
 @triton.jit

@@ -44,7 +44,6 @@ import triton
 import triton.language as tl
 
 from . import reference as R
-from .block_decode import ALIGN_BYTES
 from .tensor import code_streams
 
 GROUPS_PER_PROG = 2  # groups of 64 lanes per program of the lane kernels (128 lanes, 4 warps: a lane per thread)
@@ -352,8 +351,8 @@ def _block_meta(device, dtype, offsets, numels, steps):
         first = [np.cumsum(p) - p for p in progs]
         lanes = groups * R.GROUP
         raw_bytes = n * (R.field_layout(dtype, None)[1] // 8)
-        raw_off, raw_total = _aligned_bases(raw_bytes, ALIGN_BYTES)
-        goff_base, goff_total = _aligned_bases(groups, ALIGN_BYTES // 8)
+        raw_off, raw_total = _aligned_bases(raw_bytes, R.ALIGN_BYTES)
+        goff_base, goff_total = _aligned_bases(groups, R.ALIGN_BYTES // 8)
         meta = np.stack([np.array(offsets, np.int64), n, *first, np.cumsum(lanes) - lanes, groups, raw_off,
                          goff_base], 1)
         lane0 = np.cumsum(lanes) - lanes
@@ -598,7 +597,7 @@ def _pack_and_outputs(flat, meta, host, pairs, tab, width: int, lanes: dict, tot
     kept = R.DTYPES[dtype][2]
     with _stage(profile, "pack"):
         n_words = np.array([-(-t // 32) + R.WORD_PAD for t in totals], np.int64)
-        wbase, w_total = _aligned_bases(n_words, ALIGN_BYTES // 4)
+        wbase, w_total = _aligned_bases(n_words, R.ALIGN_BYTES // 4)
         words = torch.zeros(w_total, dtype=torch.int32, device=dev)
         raw = torch.zeros(host["raw_total"], dtype=torch.uint8, device=dev)  # zero padding, as the pack's
         goff = torch.zeros(host["goff_total"], dtype=torch.int64, device=dev)

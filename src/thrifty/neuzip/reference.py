@@ -53,6 +53,7 @@ STEPS = 64  # default lane length (GPU decode speed vs metadata, NOTES.md): 0.08
 LEGACY_STEPS = 256  # the only lane length of format version 1
 LEGACY_UNIT = 1  # format versions 1 and 2: lane lengths in bits (uint16)
 WORD_PAD = 4  # zero words after the stream so a decoder's look-ahead never reads past the end
+ALIGN_BYTES = 16  # each tensor's part of a block pack's stream starts at a multiple of this (block_decode)
 
 # dtype -> (bits per element, position of the symbol's lowest bit, raw bits kept below the symbol)
 DTYPES = {
