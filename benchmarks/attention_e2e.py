@@ -284,11 +284,13 @@ class _Module:
 
 def _host_python_us_cpu(calls):
     """The host path of ``calls`` with FastLauncher's direct launches on a fake driver (no GPU here)."""
+    import importlib
     from unittest import mock
 
     from thrifty import triton_utils
     from thrifty.attention import attn_kernel, quant_kernel, sage
     from thrifty.kv import decode_kernel
+    kv_decode = importlib.import_module("thrifty.kv.decode")  # the module (this file's ``decode`` is a section)
 
     class Kernel:
         function = packed_metadata = None
@@ -306,14 +308,14 @@ def _host_python_us_cpu(calls):
     fake = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
                                                               get_current_stream=lambda d: 0))
     launchers = (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH,
-                 decode_kernel._SPLIT_LAUNCH, decode_kernel._COMBINE_LAUNCH, decode_kernel._APPEND_LAUNCH)
+                 decode_kernel._SPLIT_LAUNCH, decode_kernel._MERGE_LAUNCH, decode_kernel._APPEND_LAUNCH)
     saved = [(lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers]
     out = {}
     try:
         with mock.patch.object(triton_utils, "_DRIVER", fake), \
                 mock.patch.object(triton_utils, "_direct_launch_allowed", lambda: True), \
                 mock.patch.object(sage, "kernels_available", lambda d: True), \
-                mock.patch.object(decode, "kernels_available", lambda d: True):
+                mock.patch.object(kv_decode, "kernels_available", lambda d: True):
             for lz in launchers:
                 lz.fn, lz.interpreted = FakeJit(lz.fn), False
                 lz.cache.clear()
