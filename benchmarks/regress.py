@@ -586,6 +586,7 @@ def sec_shadowkv(ctx: Ctx):
         fig = f"shadowkv_{'dense_' if method == 'dense' else ''}graph_step_ms"  # leave the context unusable)
         try:
             ctx.guard(f"{method} graph", 5)
+            # thrifty.bench.capture_graph's recipe, written out: workers use no thrifty.bench (module docstring)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):

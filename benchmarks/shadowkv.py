@@ -42,6 +42,22 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 from thrifty import bench  # noqa: E402
 
 try:
+    from thrifty.bench import capture_graph  # noqa: E402
+except ImportError:  # a --baseline-src tree from before bench.capture_graph: its recipe (see there), inline
+    def capture_graph(fn, warmup=2, *, repeat=1):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(repeat):
+                out = fn()
+        return graph, out
+
+try:
     from thrifty.kv.decode_kernel import masked_decode_attention  # noqa: E402
 except ImportError:  # a --baseline-src tree from before the KV family's one decode kernel
     from thrifty.kvcache.attention_kernel import decode_attention as masked_decode_attention  # noqa: E402
@@ -247,14 +263,7 @@ def run_graph(step: DecodeStep, steps: int, use_graph: bool) -> float:
         for _ in range(steps):
             step()
         return (time.perf_counter() - t0) / steps
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step, warmup=1)
     t = bench.time_fn(graph.replay, [()], warmup=2, reps=steps, min_reps=3)
     return t.median_ms / 1e3
 
@@ -264,15 +273,7 @@ def graph_ms(fn, reps: int, device) -> float:
     without the host's launch overhead, as in the decode step. Eager timing on the CPU."""
     if device.type != "cuda":
         return bench.time_fn(fn, [()], warmup=1, reps=2, min_reps=1).median_ms
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph, _ = capture_graph(fn, warmup=1, repeat=reps)
     return bench.time_fn(graph.replay, [()], warmup=2, reps=10, min_reps=3).median_ms / reps
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.bench import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
@@ -155,13 +156,7 @@ def test_cuda_gluon_graph_capture():
     q, k, v = _inputs(1, 4, 2, 1024, 1024, 128)
     run = lambda: sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125)
     ref = run()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        run()  # warm up (compile) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run, warmup=1)  # warm up (compile) outside the capture
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)

@@ -1,4 +1,4 @@
-"""thrifty.bench on CPU: result schema round trip, plot, table, timer, argument errors."""
+"""thrifty.bench on CPU: result schema round trip, plot, table, timer, CUDA-graph capture, argument errors."""
 
 import json
 
@@ -147,3 +147,38 @@ def test_cuda_gpu_only_timing_hides_host_overhead():
     gpu = time_fn(slow_host, warmup=2, reps=20, gpu_only=True)
     assert plain.median_ms > 0.25
     assert gpu.median_ms < 0.1 and gpu.backend == "cuda-events, gpu-only"
+
+
+def test_capture_graph_argument_errors():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        bench.capture_graph(torch.zeros(1))
+    with pytest.raises(TypeError, match="warmup"):
+        bench.capture_graph(lambda: None, warmup=1.5)
+    with pytest.raises(ValueError, match="warmup"):
+        bench.capture_graph(lambda: None, warmup=-1)
+    with pytest.raises(ValueError, match="repeat"):
+        bench.capture_graph(lambda: None, repeat=0)
+    if not torch.cuda.is_available():
+        calls = []
+        with pytest.raises(RuntimeError, match="capture_graph: CUDA graphs need a CUDA device"):
+            bench.capture_graph(lambda: calls.append(1))
+        assert not calls  # checked before any warm-up call
+
+
+@pytest.mark.cuda
+def test_cuda_capture_graph_replays():
+    """Warm-up calls run eagerly, the capture does not run ``fn``, each replay runs the ``repeat`` captured calls
+    and writes the returned (pool) tensor in place."""
+    x = torch.zeros(4, device="cuda")
+
+    def step():
+        x.add_(1)
+        return x * 2
+
+    graph, out = bench.capture_graph(step, warmup=2, repeat=3)
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4  # the 2 warm-up calls; the capture ran nothing
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [8.0] * 4 and out.tolist() == [16.0] * 4

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from thrifty.attention import accuracy_metrics, enable_hf, exact_attention, sage_attention
+from thrifty.bench import capture_graph
 from thrifty.kv import QuantizedKV, QuantizedKVCache, decode_attention, quantize_kv_cache, thrifty_kv_cache
 from thrifty.kv.decode import decode_attention_reference
 from thrifty.kv.quantized import bytes_per_token, pack_codes, quantize_per_token, unpack_codes
@@ -372,14 +373,7 @@ def test_cuda_graph_replay_equals_eager(what):
           "decode": lambda: decode_attention(q, cache),
           "short_query": lambda: sage_attention(q, k, v, causal=True)}[what]
     eager = fn()  # compiles and warms the launch caches outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn()
+    graph, captured = capture_graph(fn, warmup=1)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)

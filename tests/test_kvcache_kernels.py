@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from thrifty.bench import capture_graph
 from thrifty.kv.decode_kernel import masked_decode_attention
 from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine
 from thrifty.kvcache import reference as ref
@@ -284,15 +285,8 @@ def test_decode_step_captures_in_a_cuda_graph():
     _, e = _engines(cfg, [1000, 1000], H=2, G=4, D=64)
     q = torch.randn(2, 8, 1, 64, device="cuda")
     kn, vn = torch.randn(2, 2, 1, 64, device="cuda"), torch.randn(2, 2, 1, 64, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            kernel_decode_step(e, 0, q, kn, vn, 0.125)  # warm-up compiles the kernels
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernel_decode_step(e, 0, q, kn, vn, 0.125)
+    # the 3 warm-up calls compile the kernels
+    graph, out = capture_graph(lambda: kernel_decode_step(e, 0, q, kn, vn, 0.125), warmup=3)
     before = int(e.fast[0].n_generated)
     graph.replay()
     torch.cuda.synchronize()

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from thrifty.triton_utils import HAVE_TRITON, interpreting, kernels_available, mma
+from thrifty.triton_utils import HAVE_TRITON, interpreting, kernels_available, mma, sm_count
 
 pytestmark = pytest.mark.skipif(
     not (interpreting() or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1"
@@ -94,3 +94,12 @@ def test_fast_launcher_key_separates_what_triton_specializes_on():
     x = torch.zeros(8, dtype=torch.float32)
     assert spec(x) != spec(x.to(torch.float16)) and spec(x) != spec(x[1:])  # dtype, 16-byte alignment
     assert spec(torch.nn.Parameter(x)) == spec(x)
+
+
+def test_sm_count_forms_agree():
+    """Every form of a device gives one count; the CPU (interpreter) gets the H100's 132."""
+    assert sm_count(None) == sm_count("cpu") == sm_count(torch.device("cpu")) == 132
+    if torch.cuda.is_available():
+        i = torch.cuda.current_device()
+        n = torch.cuda.get_device_properties(i).multi_processor_count
+        assert sm_count(i) == sm_count(f"cuda:{i}") == sm_count(torch.device("cuda")) == n

@@ -245,6 +245,37 @@ def time_fn(
     return Timing(times, "cuda-events" if cuda else "perf_counter")
 
 
+def capture_graph(fn: Callable[[], object], warmup: int = 2, *, repeat: int = 1) -> tuple:
+    """``(graph, out)``: ``fn()`` captured ``repeat`` times in one ``torch.cuda.CUDAGraph``, after ``warmup`` eager
+    calls on a side stream; ``out`` is the last captured call's return value (tensors in the graph's memory pool,
+    which every ``graph.replay()`` overwrites). The capture does not run ``fn``: replay it.
+
+    The warm-up is PyTorch's documented recipe (``torch.cuda.graphs``): Triton compiles, launcher caches,
+    cuBLAS workspaces and lazily built buffers must exist before capture (a capture cannot compile, sync or
+    allocate outside its pool), and the calls run on a side stream that waits for the current one (so they see
+    its inputs) and that the current one then waits for, so that the capture's side stream starts from
+    finished warm-up work; ``torch.cuda.graph`` itself synchronizes the device on entry. ``repeat > 1``
+    captures ``repeat`` calls back to back (a kernel's time per call without the host's launch overhead)
+    and warms up with single calls."""
+    if not callable(fn):
+        raise TypeError(f"capture_graph: fn must be callable, got {type(fn).__name__}")
+    check_positive_int("capture_graph: warmup", warmup, allow_zero=True)
+    check_positive_int("capture_graph: repeat", repeat)
+    if not torch.cuda.is_available():
+        raise RuntimeError("capture_graph: CUDA graphs need a CUDA device (torch.cuda.is_available() is False)")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            out = fn()
+    return graph, out
+
+
 def _spin_cycles(fn, sets, clock_ghz: float = 2.0) -> int:
     """GPU clock cycles to spin before a timed call: twice the host time of enqueueing one call (measured here,
     the GPU idle), at least 20 µs and at most 5 ms."""
@@ -513,6 +544,6 @@ def plot_rows(
 
 
 __all__ = [
-    "Timing", "time_fn", "peak_memory", "detect_device", "env_info", "git_commit", "default_results_dir",
+    "Timing", "time_fn", "capture_graph", "peak_memory", "detect_device", "env_info", "git_commit", "default_results_dir",
     "write_result", "read_result", "format_table", "print_table", "plot_rows", "SCHEMA_VERSION", "REQUIRED_KEYS",
 ]

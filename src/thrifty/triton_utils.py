@@ -12,7 +12,6 @@ The interpreter is chosen when ``triton.jit`` runs, i.e. when a kernel module is
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -34,12 +33,32 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int | None) -> int:
-    """Streaming multiprocessors of the device (132 on the H100 SXM; the CPU/interpreter assumes that)."""
-    if device_index is None or not torch.cuda.is_available():
-        return 132
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+_SM_COUNTS: dict = {}  # what sm_count was passed -> its count
+
+
+def sm_count(device: torch.device | str | int | None) -> int:
+    """Streaming multiprocessors of ``device`` (a CUDA device, its index, or None/a CPU device), for the launch
+    grids sized in waves. The CPU/interpreter gets 132, the H100 SXM's count, so that the interpreter exercises
+    the splits the GPU would take. ``torch.device("cuda")`` without an index means the current device.
+
+    Cheap on hot paths: after the first call with a given argument it is one dict lookup, cheaper
+    than the ``device.type`` test alone that the inline versions made before ``get_device_properties`` (which
+    torch caches per device, but behind a lazy-init check and a C call)."""
+    n = _SM_COUNTS.get(device)
+    if n is not None:
+        return n
+    index = device
+    if isinstance(device, (str, torch.device)):
+        d = torch.device(device)
+        index = d.index if d.type == "cuda" else None
+        if d.type == "cuda" and index is None and torch.cuda.is_available():
+            return sm_count(torch.cuda.current_device())  # the current device: resolved per call, not cached
+    if index is None or not torch.cuda.is_available():
+        n = 132  # the H100's count: the interpreter exercises the GPU's splits
+    else:
+        n = torch.cuda.get_device_properties(index).multi_processor_count
+    _SM_COUNTS[device] = n
+    return n
 
 
 def kernels_available(device: torch.device | str) -> bool:

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import FastLauncher, interpreting
+from ..triton_utils import sm_count as _sm_count  # PK._sm_count: the benchmarks' name (older trees have it)
 from .pack import GROUP, SLICE, padded_k
 from .kernel_math import COMPILED as COMPILED_, cast_to, mul_rn, quant_code, quant_round, quant_scales, subnorm
 from .kernel_math import subnorm_rstd
@@ -534,12 +535,6 @@ def _pow2(n: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the H100's, so that the interpreter exercises the splits the GPU would take
 
 
 DECODE_VERSION = 2  # decode_plan's default at 1 token: 2 = _decode_gemv_kernel, 1 = _decode_gemv_v1_kernel

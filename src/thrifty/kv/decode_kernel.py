@@ -277,7 +277,7 @@ def masked_split_plan(rows: int, N: int, block_n: int, device: torch.device) -> 
     """(splits, rows per split) of :func:`masked_decode_attention` over ``rows`` (sequence, KV head) pairs of N
     cache rows each: ~4 programs per SM, whole blocks per split."""
     blocks = cdiv(N, block_n)
-    programs = MASKED_PROGRAMS_PER_SM * sm_count(device.index if device.type == "cuda" else None)
+    programs = MASKED_PROGRAMS_PER_SM * sm_count(device)
     splits = max(1, min(blocks, cdiv(programs, rows)))
     split_len = cdiv(blocks, splits) * block_n
     return cdiv(N, split_len), split_len

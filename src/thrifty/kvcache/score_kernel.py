@@ -98,7 +98,7 @@ TUNING = SelectTuning()
 
 
 def target_programs(device: torch.device) -> int:
-    return PROGRAMS_PER_SM * sm_count(device.index if device.type == "cuda" else None)
+    return PROGRAMS_PER_SM * sm_count(device)
 
 
 def logit_splits(rows: int, C: int, device: torch.device, block: int = TUNING.logit_block) -> tuple[int, int]:

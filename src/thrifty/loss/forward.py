@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import interpreting, mma
+from ..triton_utils import interpreting, mma, sm_count
 
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp(NEG_BIG - NEG_BIG) must not be NaN
 
@@ -110,8 +110,7 @@ def lse_forward(e2d, c, bias, rows, targets, softcap, config=None):
     bn, bv = cfg["BLOCK_N"], cfg["BLOCK_V"]
     n_blocks = triton.cdiv(nv, bn)
     # enough programs for ~4 waves on the GPU, each with at least a few vocabulary tiles
-    sms = 132 if e2d.device.type != "cuda" else torch.cuda.get_device_properties(e2d.device).multi_processor_count
-    splits = max(1, min(triton.cdiv(4 * sms, max(n_blocks, 1)), triton.cdiv(V, 4 * bv)))
+    splits = max(1, min(triton.cdiv(4 * sm_count(e2d.device), max(n_blocks, 1)), triton.cdiv(V, 4 * bv)))
     v_per_split = triton.cdiv(triton.cdiv(V, splits), bv) * bv
     splits = triton.cdiv(V, v_per_split)
     out = torch.empty(splits, 4, nv, dtype=torch.float32, device=e2d.device)

@@ -29,7 +29,7 @@ from . import reference as R
 from .decode_kernel import _lanes_v3, _pair_lanes, kernel_table, pair_kernel_table
 from . import tensor as _tensor_module
 from .tensor import CompressedTensor
-from ..triton_utils import FastLauncher
+from ..triton_utils import FastLauncher, sm_count
 
 META = 13  # int64 fields per program row
 # Launch shapes, (groups of 64 lanes per program, warps). WIDE: 2 lanes per thread, 40 registers (12 programs,
@@ -303,7 +303,7 @@ class BlockPack:
         key = (str(device), aligned)
         if key not in self._meta:
             device = torch.device(device)
-            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+            sms = sm_count(device)
             groups = [R.n_groups(n, self.steps) for n in self.numels]
             wide = sum(math.ceil(g / WIDE[0]) for g in groups)
             gpp, warps = WIDE if wide >= MIN_PROGRAMS_PER_SM * sms else NARROW
