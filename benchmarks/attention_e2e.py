@@ -64,13 +64,13 @@ def build_model(shape: dict, device, layers=None, dtype=torch.bfloat16):
 class Switch:
     """The two attention paths of one model: ``with Switch(model, "thrifty"):``."""
 
-    def __init__(self, model, which):
-        self.model, self.which = model, which
+    def __init__(self, model, which, **options):
+        self.model, self.which, self.options = model, which, options
 
     def __enter__(self):
         from thrifty.attention import enable_hf
         if self.which == "thrifty":
-            enable_hf(self.model)
+            enable_hf(self.model, **self.options)
         return self.model
 
     def __exit__(self, *exc):
@@ -183,9 +183,12 @@ def train(args, device, rows, summary, extra):
             loss.backward()
             model.zero_grad(set_to_none=True)
         ms = {}
-        for which in ("sdpa", "thrifty"):
+        # thrifty's default (impl "auto") trains through exact SDPA (routing.training_goes_to_sdpa); the
+        # quantized forward with the exact backward (impl "triton"), the default before, is timed beside it
+        for which, switch, options in (("sdpa", "sdpa", {}), ("thrifty", "thrifty", {}),
+                                       ("thrifty quantized forward", "thrifty", {"impl": "triton"})):
             try:
-                with Switch(model, which):
+                with Switch(model, switch, **options):
                     t = bench.time_fn(step, warmup=2, reps=max(3, args.reps // 2), budget_s=args.budget_s,
                                       device=device)
                 ms[which] = t.median_ms
@@ -194,8 +197,10 @@ def train(args, device, rows, summary, extra):
             except Exception as e:  # noqa: BLE001
                 rows.append(dict(section="train", shape=name, S=args.train_s, backend=which, error=repr(e)[:300]))
             _free(device)
-        if len(ms) == 2:
+        if "sdpa" in ms and "thrifty" in ms:
             summary[f"e2e_train_step_speedup_{name}"] = ms["sdpa"] / ms["thrifty"]
+        if "sdpa" in ms and "thrifty quantized forward" in ms:
+            summary[f"e2e_train_step_speedup_quantized_forward_{name}"] = ms["sdpa"] / ms["thrifty quantized forward"]
         del model
         _free(device)
     summary["e2e_train_step_speedup"] = summary.get("e2e_train_step_speedup_1b", float("nan"))

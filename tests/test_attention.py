@@ -153,9 +153,37 @@ def test_4bit_mode_is_less_accurate_than_8bit():
     assert 0.95 < c4 < c8
 
 
-def test_exact_backward_gradients():
+def test_training_calls_run_exact_sdpa_by_default(monkeypatch):
+    """impl="auto" with inputs that need gradients: exact SDPA forward and backward (the quantized forward made
+    a training step slower), the quantized forward not called; with grad disabled the quantized path runs."""
+    from thrifty.attention import sage as sage_module
+
+    calls = []
+    real = sage_module._forward
+    monkeypatch.setattr(sage_module, "_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     q, k, v = (x.requires_grad_() for x in qkv(Sq=24, Sk=24))
-    sage_attention(q, k, v, causal=True).pow(2).sum().backward()
+    out = sage_attention(q, k, v, causal=True)
+    assert not calls
+    assert torch.allclose(out, exact_attention(q, k, v, causal=True), atol=1e-5)
+    out.pow(2).sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+    with torch.no_grad():
+        sage_attention(q, k, v, causal=True)
+    assert calls == [1]
+
+
+def test_training_route_keeps_the_nan_rule():
+    q, k, v = (x.clone() for x in qkv(Sq=24, Sk=24))
+    q[0, 1, 5] = float("nan")
+    q.requires_grad_()
+    out = sage_attention(q, k, v, causal=True)
+    assert torch.isnan(out[0, 1, 5]).all() and torch.isfinite(out[0, 1, :5]).all()
+
+
+def test_exact_backward_gradients():
+    """The quantized forward (an explicit impl) with the gradients of exact attention."""
+    q, k, v = (x.requires_grad_() for x in qkv(Sq=24, Sk=24))
+    sage_attention(q, k, v, causal=True, impl="reference").pow(2).sum().backward()
     grads = [x.grad.clone() for x in (q, k, v)]
     for x in (q, k, v):
         x.grad = None

@@ -14,7 +14,7 @@ from .._checks import check_choice, check_impl, check_range, check_tensor
 from ..kv.reference import causal_mask, nonfinite_rows
 from ..triton_utils import kernels_available
 from .reference import empty_attention, sage_attention_reference
-from .routing import short_query_goes_to_sdpa
+from .routing import short_query_goes_to_sdpa, training_goes_to_sdpa
 
 # qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per block of SMOOTH_Q_BLOCK queries (one CTA
 # tile of the GPU kernel) with ΔS = mean(q_block)·γ(K)ᵀ added back in fp32, K smoothed and quantized per KV
@@ -171,8 +171,9 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     never spreads through K smoothing to the whole head). ``sm_scale`` must be finite and > 0.
     Degenerate sizes: zero heads or head_dim 0 raise ValueError; zero batch or queries give an empty output;
     zero keys give zeros (no key to attend to) with LSE −inf.
-    Gradients, when inputs require them, are those of exact attention (see
-    :class:`_QuantizedForwardExactBackward`).
+    Calls that need gradients run exact SDPA with ``impl="auto"`` (``routing.training_goes_to_sdpa``: the
+    quantized forward made a training step slower); with an explicit ``impl`` they run the quantized forward
+    and the gradients of exact attention (:class:`_QuantizedForwardExactBackward`).
     """
     q, k, v = _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
@@ -185,7 +186,8 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
         if layout == "bshd":
             return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
         return result
-    if short_query_goes_to_sdpa(impl, q.shape[2], k.shape[2], causal):
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if short_query_goes_to_sdpa(impl, q.shape[2], k.shape[2], causal) or training_goes_to_sdpa(impl, needs_grad):
         # NaN in -> NaN out here too: torch's CPU flash SDPA returns zeros for a NaN query row
         bad_rows = nonfinite_rows(q, k, v, bool(causal))
         result = _exact_sdpa(q, k, v, bool(causal), sm_scale, return_lse)
@@ -193,7 +195,6 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
         if layout == "bshd":
             return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
         return result
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     result = _QuantizedForwardExactBackward.apply(q, k, v, opts) if needs_grad else _forward(q, k, v, **opts)
     if layout == "bshd":
         return (result[0].transpose(1, 2), result[1]) if return_lse else result.transpose(1, 2)
