@@ -294,3 +294,33 @@ def test_hf_integration_matches_eager_and_keeps_causal_mask():
     assert cos(out, ref) > 0.999
     assert cos(out2[:, :-1], out[:, :-1]) > 0.9999 and cos(out2[:, -1], out[:, -1]) < 0.99
     assert (out_pad[:, 5:] - ref_pad[:, 5:]).abs().max() < 1e-4
+
+
+def test_hf_training_calls_take_transformers_sdpa(monkeypatch):
+    """In a transformers model with impl="auto", a forward that builds gradients calls transformers' own SDPA
+    (stock training cost, stock gradients) and not sage_attention; under no_grad the quantized path runs; an
+    explicit impl keeps the quantized forward while training."""
+    transformers = pytest.importorskip("transformers")
+    from thrifty.attention import hf as hf_module
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 128, (2, 40))
+    ref_loss = model(ids, labels=ids).loss
+    sage_calls = []
+    real = hf_module.sage_attention
+    monkeypatch.setattr(hf_module, "sage_attention", lambda *a, **k: sage_calls.append(1) or real(*a, **k))
+    enable_hf(model)
+    loss = model(ids, labels=ids).loss
+    assert not sage_calls and torch.equal(loss, ref_loss)
+    loss.backward()
+    with torch.no_grad():
+        model(ids)
+    assert len(sage_calls) == cfg.num_hidden_layers
+    enable_hf(model, impl="reference")
+    model(ids, labels=ids).loss.backward()
+    assert len(sage_calls) == 2 * cfg.num_hidden_layers
+    disable_hf(model)

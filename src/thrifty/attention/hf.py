@@ -11,8 +11,9 @@ Options live on the model: ``enable_hf`` stores each attention module's options 
 on the module itself, so two models in one process keep their own settings (the function registered in
 transformers is one for the whole process and reads them from the module it is called with).
 
-Routing per call (see ``routing.py``): 1–16 query rows go to transformers' own SDPA (the prefill kernel is
-slower there), unless the keys come from a :func:`thrifty.kv.thrifty_kv_cache`, whose packed 8/4/3-bit cache
+Routing per call (see ``routing.py``): calls that need gradients (training) and 1–16 query rows go to
+transformers' own SDPA (the quantized forward made a training step slower; the prefill kernel is slower on a
+few rows), unless the keys come from a :func:`thrifty.kv.thrifty_kv_cache`, whose packed 8/4/3-bit cache
 the family's split-K decode kernel reads directly; longer queries go to the quantized prefill kernel.
 """
 
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from ..kv.decode import DECODE_MAX_ROWS, decode_attention
 from ..kv.hf import PACKED_KV_READERS
 from .plan import check_plan
+from .routing import training_goes_to_sdpa
 from .sage import sage_attention
 from .seam import check_sage_options
 
@@ -48,12 +52,14 @@ def hf_sage_attention(module, query, key, value, attention_mask, dropout: float 
             out = decode_attention(query, cache, causal=True, sm_scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         key, value = (x.to(query.dtype) for x in cache.dequantize())  # a real mask: exact SDPA on the cache
+    options = module.__dict__.get(OPTIONS_ATTR) or {}
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if (attention_mask is not None or (dropout > 0.0 and module.training)
-            or query.shape[2] <= min(DECODE_MAX_ROWS, key.shape[2])):
+            or query.shape[2] <= min(DECODE_MAX_ROWS, key.shape[2])
+            or training_goes_to_sdpa(options.get("impl", "auto"), needs_grad)):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    options = module.__dict__.get(OPTIONS_ATTR) or {}
     out = sage_attention(query, key, value, causal=bool(causal), sm_scale=scaling, **options)
     return out.transpose(1, 2).contiguous(), None
 

@@ -16,10 +16,13 @@ def short_query_goes_to_sdpa(impl: str, q_len: int, kv_len: int, causal: bool) -
 
 
 def training_goes_to_sdpa(impl: str, needs_grad: bool) -> bool:
-    """True when a call that needs gradients runs exact SDPA, forward and backward: ``impl="auto"`` only.
+    """True when a call that needs gradients runs exact SDPA, forward and backward: ``impl="auto"`` only (in
+    transformers models, transformers' own SDPA call).
     Why: the quantized forward is inference-only in the paper, and its exact backward recomputes SDPA's
     forward, so a training step paid the quantized forward on top of SDPA's forward and backward: 0.948× SDPA's
     step at 8K on a Llama-3.2-1B shape, 0.972× on 8 Llama-3.1-8B layers (H100, 42abedf, attention_e2e.py).
+    Routed to ``sage_attention``'s exact path it was still 0.962× / 0.974× (H200, c2ce4f8: its NaN rule costs
+    ~4% there), hence transformers' SDPA itself in models.
     A backward that reuses the quantized forward's output and LSE would only pay where that forward beats
     SDPA's (causal S ≥ 32K at head_dim 128 today). An explicit ``impl`` keeps the quantized forward."""
     return impl == "auto" and needs_grad
