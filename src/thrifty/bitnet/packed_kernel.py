@@ -426,31 +426,8 @@ def _decode_gemv_v1_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, 
     w_next = tl.load(w_rows, mask=row_ok[:, None] & (cols < n_words)[None, :], other=0,
                      eviction_policy="evict_first")
     if FUSED:  # the token statistics (the weights' first chunk is in flight meanwhile)
-        xs = tl.arange(0, SB)
-        x_rows = x_ptr + toks64[:, None] * stride_x
-        if HAS_NORM:
-            sum_sq = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
-            for k0 in range(0, D, SB):
-                x = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & (k0 + xs < D)[None, :],
-                            other=0.0).to(tl.float32)
-                sum_sq += mul_rn(x, x, COMPILED_)
-            rstd = subnorm_rstd(tl.sum(sum_sq, axis=1), D, norm_eps)
-        top = tl.zeros([BLOCK_M, SB], dtype=tl.int32)
-        abs_sum = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
-        for k0 in range(0, D, SB):
-            inside = (k0 + xs < D)[None, :]
-            x_in = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & inside, other=0.0)
-            x = x_in.to(tl.float32)
-            if HAS_NORM:
-                nw = tl.load(nw_ptr + k0 + xs, mask=k0 + xs < D, other=0.0).to(tl.float32)
-                x = subnorm(x, x_in.dtype, rstd[:, None], nw[None, :], COMPILED_)
-            bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # padding loads 0.0: bits 0
-            top = tl.maximum(top, bits)
-            if KIND == 1:
-                abs_sum += bits.to(tl.float32, bitcast=True)
-        top_row = tl.max(top, axis=1)
-        multiplier, step = quant_scales(top_row, tl.sum(abs_sum, axis=1), D, beta_scale, KIND, EPS_, COMPILED_)
-        scale = tl.where(top_row >= NAN_BITS, float("nan"), step)
+        rstd, multiplier, scale = _token_scales(x_ptr, nw_ptr, toks64, tok_ok, D, stride_x, beta_scale, norm_eps,
+                                                KIND, HAS_NORM, BLOCK_M, SB, EPS_)
         code_sum = tl.zeros([BLOCK_M, KW], dtype=tl.int32)
         byte = tl.arange(0, 4)
         x_tok = x_ptr + toks64[:, None, None] * stride_x
