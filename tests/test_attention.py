@@ -267,13 +267,18 @@ def test_calibrate_plan_round_trip(tmp_path):
         load_plan(tmp_path / "junk.json")
 
 
-def test_hf_integration_matches_eager_and_keeps_causal_mask():
+def _tiny_hf_llama(attn_implementation: str):
+    """A 2-layer transformers Llama (GQA 4/2 heads, 128 wide), seed 0."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   attn_implementation="eager")
+                                   attn_implementation=attn_implementation)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_hf_integration_matches_eager_and_keeps_causal_mask():
+    model = _tiny_hf_llama("eager").eval()
     ids = torch.randint(0, 128, (2, 40))
     with torch.no_grad():
         ref = model(ids).logits
@@ -300,14 +305,10 @@ def test_hf_training_calls_take_transformers_sdpa(monkeypatch):
     """In a transformers model with impl="auto", a forward that builds gradients calls transformers' own SDPA
     (stock training cost, stock gradients) and not sage_attention; under no_grad the quantized path runs; an
     explicit impl keeps the quantized forward while training."""
-    transformers = pytest.importorskip("transformers")
     from thrifty.attention import hf as hf_module
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()
+    model = _tiny_hf_llama("sdpa").train()
+    layers = model.config.num_hidden_layers
     ids = torch.randint(0, 128, (2, 40))
     ref_loss = model(ids, labels=ids).loss
     sage_calls = []
@@ -319,8 +320,8 @@ def test_hf_training_calls_take_transformers_sdpa(monkeypatch):
     loss.backward()
     with torch.no_grad():
         model(ids)
-    assert len(sage_calls) == cfg.num_hidden_layers
+    assert len(sage_calls) == layers
     enable_hf(model, impl="reference")
     model(ids, labels=ids).loss.backward()
-    assert len(sage_calls) == 2 * cfg.num_hidden_layers
+    assert len(sage_calls) == 2 * layers
     disable_hf(model)
