@@ -2,8 +2,8 @@
 fetching them without installing anything system-wide.
 
 Why Debian packages: they are the only large, licensed, versioned English text that the project's machines and
-CI can reach (no dataset hub). ``apt-get download`` fetches a ``.deb`` and ``dpkg-deb -x`` unpacks it into our
-own folder (``<data>/debian``), so nothing outside ``data/`` changes. Each package's copyright file names its
+CI can reach (no dataset hub). ``apt-get download`` fetches a ``.deb`` and ``dpkg-deb -x`` unpacks it into a temporary
+folder in our own (``<data>/debian``) while it is cleaned, so nothing outside ``data/`` changes. Each package's copyright file names its
 licence (:func:`read_license`)."""
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ DEBIAN_PACKAGES = tuple(s.package for s in DEBIAN_SOURCES)
 
 
 def debian_cache_dir() -> Path:
-    """Where downloaded ``.deb`` files and their unpacked trees are kept (shared by every corpus build)."""
+    """Where downloaded ``.deb`` files are kept (each unpacked only while it is cleaned) (shared by every corpus build)."""
     from ..paths import data_dir
 
     return data_dir() / "debian"
@@ -90,25 +92,26 @@ def fetch_debian_package(package: str, cache_dir: Optional[Path] = None) -> Path
     return found[-1]
 
 
-def unpack_deb(deb: Path, dest_root: Optional[Path] = None) -> tuple[Path, str]:
-    """Unpacks ``deb`` (``dpkg-deb -x``) once into ``<dest_root>/<package>_<version>``; returns (dir, version)."""
-    deb = Path(deb)
-    info = _run(["dpkg-deb", "-f", str(deb), "Package", "Version"], deb.parent)
-    if info.returncode != 0:
+def deb_version(deb: Path) -> str:
+    """The Version field of ``deb`` (ValueError when it is not a readable .deb)."""
+    info = _run(["dpkg-deb", "-f", str(deb), "Version"], Path(deb).parent)
+    if info.returncode != 0 or not info.stdout.strip():
         raise ValueError(f"{deb}: not a readable .deb ({info.stderr.strip()})")
-    fields = dict(line.split(": ", 1) for line in info.stdout.strip().splitlines())
-    root = Path(dest_root) if dest_root is not None else deb.parent / "unpacked"
-    dest = root / f"{fields['Package']}_{fields['Version']}"
-    done = dest / ".unpacked"
-    if not done.is_file():
-        if dest.exists():
-            shutil.rmtree(dest)
-        dest.mkdir(parents=True)
-        res = _run(["dpkg-deb", "-x", str(deb), str(dest)], deb.parent)
+    return info.stdout.strip()
+
+
+@contextmanager
+def unpacked_deb(deb: Path) -> Iterator[tuple[Path, str]]:
+    """Unpacks ``deb`` (``dpkg-deb -x``) into a temporary folder beside it; yields (folder, version) and removes
+    the folder afterwards. The unpacked trees are 1-2x bigger than the .deb files and needed only while one
+    package is cleaned, so keeping them all would fill a small disk (a CI runner ran out at the eighth)."""
+    deb = Path(deb)
+    version = deb_version(deb)
+    with tempfile.TemporaryDirectory(prefix="unpack-", dir=deb.parent) as tmp:
+        res = _run(["dpkg-deb", "-x", str(deb), tmp], deb.parent)
         if res.returncode != 0:
-            raise RuntimeError(f"dpkg-deb -x {deb} failed: {res.stderr.strip()}")
-        done.write_text(fields["Version"])
-    return dest, fields["Version"]
+            raise RuntimeError(f"dpkg-deb -x {deb} failed: {res.stderr.strip()[-2000:]}")
+        yield Path(tmp), version
 
 
 def read_license(tree: Path, package: str, fallback: str = "") -> tuple[str, list[str], str]:

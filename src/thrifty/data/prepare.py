@@ -19,7 +19,7 @@ import numpy as np
 
 from .._checks import check_range
 from .clean import CLEANER_VERSION, clean_file
-from .debian import DEBIAN_PACKAGES, DEBIAN_SOURCES, DebianSource, fetch_debian_package, read_license, unpack_deb
+from .debian import DEBIAN_PACKAGES, DEBIAN_SOURCES, DebianSource, fetch_debian_package, read_license, unpacked_deb
 from .layout import FORMAT_VERSION, SPLITS, file_sha256
 from .tokenizer import as_tokenizer, eos_token_of
 
@@ -208,12 +208,12 @@ def prepare_corpus(
     for name in names:
         src = next(s for s in DEBIAN_SOURCES if s.package == name)
         deb = fetch_debian_package(name)
-        tree, version = unpack_deb(deb)
-        licence, all_licences, copyright_text = read_license(tree, name, src.license)
-        (out / "licenses").mkdir(exist_ok=True)
-        (out / "licenses" / f"{name}.copyright").write_text(copyright_text)
-        stats = _write_source_text(name, _debian_jobs(src, tree), out / "text" / f"{name}.jsonl", cap,
-                                   VALIDATION_FRACTION, progress)
+        with unpacked_deb(deb) as (tree, version):
+            licence, all_licences, copyright_text = read_license(tree, name, src.license)
+            (out / "licenses").mkdir(exist_ok=True)
+            (out / "licenses" / f"{name}.copyright").write_text(copyright_text)
+            stats = _write_source_text(name, _debian_jobs(src, tree), out / "text" / f"{name}.jsonl", cap,
+                                       VALIDATION_FRACTION, progress)
         records.append({"name": name, "package": name, "version": version, "license": licence,
                         "licenses_in_copyright_file": all_licences,
                         "copyright_file": f"licenses/{name}.copyright", "deb": deb.name, **stats})
