@@ -325,3 +325,56 @@ def test_hf_training_calls_take_transformers_sdpa(monkeypatch):
     model(ids, labels=ids).loss.backward()
     assert len(sage_calls) == 2 * layers
     disable_hf(model)
+
+
+def _decode_logits(model, ids, steps):
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(), []
+    with torch.no_grad():
+        tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(steps):  # the same tokens for both models: compare the logits of each step
+            logits = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].float()
+            out.append(logits)
+            tok = (tok + 1) % 128
+    return torch.stack(out)
+
+
+@pytest.mark.cuda
+def test_cuda_hf_decode_steps_take_one_row_flash(monkeypatch):
+    """A decode step (one query row, no mask) in a transformers model runs torch's FlashAttention-2 op, not
+    SDPA (whose cuDNN choice builds a graph per key length), with grouped KV heads as they are, and gives
+    SDPA's logits."""
+    from thrifty.attention import hf as hf_module
+
+    model = _tiny_hf_llama("sdpa").eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 41), device="cuda")
+    ref = _decode_logits(model, ids, 5)
+    calls = []
+    real = hf_module.one_row_flash
+    monkeypatch.setattr(hf_module, "one_row_flash", lambda *a: calls.append(1) or real(*a))
+    enable_hf(model)
+    out = _decode_logits(model, ids, 5)
+    assert len(calls) == 5 * model.config.num_hidden_layers
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("D,heads,kv_heads,keys", [(64, 8, 2, 4097), (128, 4, 4, 333), (64, 6, 3, 1)])
+def test_cuda_one_row_query_matches_float64(D, heads, kv_heads, keys, monkeypatch):
+    """sage_attention on a one-row query (impl="auto": the flash route, asserted) against float64 attention,
+    GQA, odd key counts, bhsd and bshd."""
+    from thrifty.attention import sage as sage_module
+
+    calls = []
+    real = sage_module.one_row_flash
+    monkeypatch.setattr(sage_module, "one_row_flash", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(D + keys)
+    q = torch.randn(2, heads, 1, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, kv_heads, keys, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, kv_heads, keys, D, device="cuda", dtype=torch.bfloat16)
+    ref = exact_attention(q.double(), k.double(), v.double(), causal=True)
+    out = sage_attention(q, k, v, causal=True)
+    assert out.dtype == torch.bfloat16 and (out.double() - ref).abs().max() < 2e-2
+    out_bshd = sage_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, layout="bshd")
+    assert torch.equal(out_bshd.transpose(1, 2), out) and len(calls) == 2

@@ -11,10 +11,12 @@ Options live on the model: ``enable_hf`` stores each attention module's options 
 on the module itself, so two models in one process keep their own settings (the function registered in
 transformers is one for the whole process and reads them from the module it is called with).
 
-Routing per call (see ``routing.py``): calls that need gradients (training) and 1–16 query rows go to
-transformers' own SDPA (the quantized forward made a training step slower; the prefill kernel is slower on a
-few rows), unless the keys come from a :func:`thrifty.kv.thrifty_kv_cache`, whose packed 8/4/3-bit cache
-the family's split-K decode kernel reads directly; longer queries go to the quantized prefill kernel.
+Routing per call (see ``routing.py``): a one-row query on CUDA without a mask (a decode step) goes straight
+to torch's FlashAttention-2 op (``sage.one_row_flash``: SDPA's cuDNN choice builds a graph per new key
+length); calls that need gradients (training) and other queries of 1–16 rows go to transformers' own SDPA (the
+quantized forward made a training step slower; the prefill kernel is slower on a few rows), unless the keys
+come from a :func:`thrifty.kv.thrifty_kv_cache`, whose packed 8/4/3-bit cache the family's split-K decode
+kernel reads directly; longer queries go to the quantized prefill kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ..kv.decode import DECODE_MAX_ROWS, decode_attention
 from ..kv.hf import PACKED_KV_READERS
 from .plan import check_plan
 from .routing import training_goes_to_sdpa
-from .sage import sage_attention
+from .sage import one_row_flash, one_row_flash_fits, sage_attention
 from .seam import check_sage_options
 
 NAME = "thrifty_sage"
@@ -52,6 +54,9 @@ def hf_sage_attention(module, query, key, value, attention_mask, dropout: float 
             out = decode_attention(query, cache, causal=True, sm_scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         key, value = (x.to(query.dtype) for x in cache.dequantize())  # a real mask: exact SDPA on the cache
+    if (attention_mask is None and key.shape[2] >= 1 and not (dropout > 0.0 and module.training)
+            and one_row_flash_fits(query, key, value)):  # a decode step: not SDPA's cuDNN (see one_row_flash)
+        return one_row_flash(query, key, value, scaling).transpose(1, 2).contiguous(), None
     options = module.__dict__.get(OPTIONS_ATTR) or {}
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     if (attention_mask is not None or (dropout > 0.0 and module.training)

@@ -106,9 +106,39 @@ def _nan_rows(result, bad_rows, return_lse):
     return result.masked_fill(bad_rows[..., None], float("nan"))
 
 
+_FLASH_CAPABLE: dict = {}  # CUDA device index -> sm_80 or newer (torch's FlashAttention-2 build)
+
+
+def one_row_flash_fits(q, k, v) -> bool:
+    """True when :func:`one_row_flash` can take this call: one query row, CUDA fp16/bf16 of one dtype, head_dim
+    a multiple of 8 up to 256, query heads a multiple of the KV heads, unit stride on head_dim, no gradient."""
+    if not (q.is_cuda and q.shape[2] == 1 and q.dtype in (torch.float16, torch.bfloat16)
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if index not in _FLASH_CAPABLE:
+        _FLASH_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 8
+    return _FLASH_CAPABLE[index]
+
+
+def one_row_flash(q, k, v, sm_scale: Optional[float]) -> torch.Tensor:
+    """Exact attention of one query row (a decode step) through torch's FlashAttention-2 op, past SDPA's backend
+    choice. Why: on sm_90, SDPA in torch 2.11 picks cuDNN, which builds a graph on the host for every key length
+    it has not seen (4.8 ms per call on the H100 box, 42abedf), and a decode step's key length is always new:
+    ~77 ms per token for 16 layers where the kernels need ~10. FlashAttention-2 needs no per-shape build and
+    takes grouped KV heads as they are. No mask and no causal flag are needed: one row sees every key."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=sm_scale)[0]
+
+
 def _exact_sdpa(q, k, v, causal, sm_scale, return_lse=False):
     """Exact attention with SDPA (grouped heads, bottom-right causal mask); the fallback and the backward."""
     tq, tk = q.shape[2], k.shape[2]
+    if not return_lse and tk >= 1 and one_row_flash_fits(q, k, v):
+        return one_row_flash(q, k, v, sm_scale)
     gqa = q.shape[1] != k.shape[1]
     if causal and tq != tk:
         mask = causal_mask(tq, tk, q.device)
