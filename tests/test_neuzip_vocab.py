@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thrifty.models import LlamaConfig, LlamaForCausalLM
-from thrifty.neuzip import NeuZipConfig, compress_model, decompress_model, save_compressed
+from thrifty.neuzip import NeuZipConfig, compress_model, decompress_model, load_compressed, save_compressed
 from thrifty.optim import LomoConfig
 from thrifty.neuzip import reference as R
 
@@ -103,10 +103,43 @@ def test_refusals_leave_the_model_unchanged(tmp_path):
     with pytest.raises(ValueError, match="mantissa_bits"):
         compress_model(fp32, config=NeuZipConfig(mode="lossy", mantissa_bits=3, vocab=True))
     assert getattr(fp32, "neuzip", None) is None and isinstance(fp32.lm_head, torch.nn.Linear)
-    model = compress_model(copy.deepcopy(base), config=NeuZipConfig(vocab=True))
-    with pytest.raises(ValueError, match="vocab"):
-        save_compressed(model, tmp_path / "ckpt")
-    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("tied,mode", [(True, "lossless"), (False, "lossy")])
+def test_save_load_round_trip_keeps_the_coded_vocabulary(tmp_path, tied, mode):
+    """A vocab-coded model saves and loads as it is: the same logits, the same coded bytes, the embedding and
+    lm_head still coded (one matrix when tied)."""
+    config = NeuZipConfig(mode=mode, mantissa_bits=3 if mode == "lossy" else None, vocab=True)
+    model = compress_model(tiny(tied), config=config)
+    path = save_compressed(model, tmp_path / "ckpt")
+    loaded = load_compressed(path)
+    x = ids(2)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert loaded.neuzip.config == model.neuzip.config
+    assert loaded.neuzip.memory()["vocab_compressed_bytes"] == model.neuzip.memory()["vocab_compressed_bytes"]
+    assert type(loaded.lm_head).__name__ == "CompressedHead"
+    assert (loaded.neuzip.vocab["lm_head"] is loaded.neuzip.vocab["model.embed_tokens"]) == tied
+
+
+def test_load_refuses_a_vocabulary_that_does_not_match(tmp_path):
+    import json
+
+    path = save_compressed(compress_model(tiny(), config=NeuZipConfig(vocab=True)), tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    for name, change in [("rows", lambda c: c["thrifty_neuzip_vocab"]["matrices"]["model.embed_tokens.weight"]
+                          .update(chunk_rows=7)),
+                         ("layout", lambda c: c.pop("thrifty_neuzip_vocab")),
+                         ("chunks", lambda c: c["thrifty_neuzip_vocab"]["matrices"]["model.embed_tokens.weight"]
+                          .update(chunks=99))]:
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "neuzip.safetensors").write_bytes((path / "neuzip.safetensors").read_bytes())
+        edited = copy.deepcopy(config)
+        change(edited)
+        (bad / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match="vocab"):
+            load_compressed(bad)
 
 
 def test_transformers_llama_generates_with_coded_vocab():

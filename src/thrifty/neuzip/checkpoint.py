@@ -14,7 +14,7 @@ import torch.nn as nn
 from . import reference as R
 from .block_decode import BlockPack
 from .config import NeuZipConfig
-from .convert import _block_linears, _install, find_blocks
+from .convert import _block_linears, _install, find_blocks, set_vocab_module
 from .tensor import CompressedTensor
 
 CHECKPOINT_FILE = "neuzip.safetensors"
@@ -28,13 +28,11 @@ def save_compressed(model: nn.Module, path) -> Path:
     state = getattr(model, "neuzip", None)
     if state is None:
         raise ValueError("model: not compressed (call compress_model first)")
-    if state.vocab:
-        raise ValueError("model: compressed with NeuZipConfig(vocab=True), whose chunked embedding/lm_head the "
-                         "checkpoint format does not hold yet; save it compressed with vocab=False (the default)")
     path = Path(path)
     if (path / CHECKPOINT_FILE).exists():
         raise ValueError(f"path: {path / CHECKPOINT_FILE} exists; refusing to overwrite it")
     entries: dict = dict(state.compressed_tensors())
+    vocab_layout = _vocab_entries(state, entries)
     seen = set()
     for name, t in model.state_dict().items():
         if t.data_ptr() in seen and t.numel():  # tied weights: stored once, re-tied by the model on load
@@ -43,10 +41,61 @@ def save_compressed(model: nn.Module, path) -> Path:
         entries[name] = t.detach().cpu()
     config = _model_config(model)
     config["thrifty_neuzip"] = asdict(state.config)
+    if vocab_layout:
+        config["thrifty_neuzip_vocab"] = vocab_layout
     path.mkdir(parents=True, exist_ok=True)
     FMT.save(path / CHECKPOINT_FILE, entries)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def _vocab_entries(state, entries: dict) -> dict:
+    """Adds the coded vocabulary's chunks to ``entries`` as ``<module>.weight.chunk<i>`` (a tied matrix once,
+    under its first module's name) and returns their layout for config.json ({} without a coded vocabulary)."""
+    matrices, modules, keys = {}, {}, {}
+    for name, vocab in state.vocab.items():
+        if id(vocab) not in keys:
+            key = keys[id(vocab)] = f"{name}.weight"
+            matrices[key] = {"shape": list(vocab.shape), "chunk_rows": vocab.chunk_rows, "chunks": len(vocab.packs)}
+            for i, pack in enumerate(vocab.packs):
+                entries[f"{key}.chunk{i}"] = pack.tensor(0)
+        modules[name] = keys[id(vocab)]
+    return {"modules": modules, "matrices": matrices} if modules else {}
+
+
+def _load_vocab(model: nn.Module, nz: NeuZipConfig, layout: dict, entries: dict, ckpt_path: Path) -> None:
+    """Installs the coded vocabulary of a checkpoint (layout from config.json, chunks from ``entries``), each
+    chunk checked against the layout, the codec settings and the model's decode buffer before anything runs."""
+    from .vocab import CompressedVocab, find_vocab
+
+    state = model.neuzip
+    made = {}
+    try:
+        for key, meta in layout["matrices"].items():
+            V, D = meta["shape"]
+            rows, n = int(meta["chunk_rows"]), int(meta["chunks"])
+            if rows * D > state.buffers[0].numel():
+                raise ValueError(f"{key}: chunks of {rows} rows do not fit the block decode buffer")
+            chunks = [entries.pop(f"{key}.chunk{i}", None) for i in range(n)]
+            if not all(isinstance(c, CompressedTensor) for c in chunks):
+                raise ValueError(f"{key}: coded chunks missing")
+            packs = [BlockPack([c]) for c in chunks]
+            if any((p.mantissa_bits, p.steps) != (nz.kept_bits, nz.steps) for p in packs):
+                raise ValueError(f"{key}: coded with other mantissa bits or steps than {nz}")
+            made[key] = CompressedVocab.from_packs(packs, (V, D), rows)
+        modules = dict(layout["modules"])
+        expected = {n for n in find_vocab(model) if n is not None}
+        if set(modules) != expected or not set(modules.values()) <= set(made):
+            raise ValueError(f"coded modules {sorted(modules)}, the model has {sorted(expected)}")
+        for name, key in modules.items():
+            if tuple(model.get_submodule(name).weight.shape) != made[key].shape:
+                raise ValueError(f"{name}: shape {tuple(model.get_submodule(name).weight.shape)}, coded "
+                                 f"{made[key].shape}")
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{ckpt_path}: coded vocabulary does not match config.json ({type(err).__name__}: "
+                         f"{err})") from None
+    for name, key in modules.items():
+        set_vocab_module(model, state, name, made[key])
 
 
 def _model_config(model: nn.Module) -> dict:
@@ -82,6 +131,9 @@ def load_compressed(path, device="cpu") -> nn.Module:
         nz = config.pop("thrifty_neuzip")
         nz.pop("prefetch", None)  # an option of earlier checkpoints (the side-stream decode, removed)
         nz = NeuZipConfig(**nz)
+        vocab_layout = config.pop("thrifty_neuzip_vocab", None)
+        if bool(vocab_layout) != nz.vocab:
+            raise ValueError(f"thrifty_neuzip_vocab: {'missing' if nz.vocab else 'present'}, but vocab={nz.vocab}")
         kind = config.pop("thrifty_model")
         if kind not in ("reference", "transformers"):
             raise ValueError(f"thrifty_model: expected 'reference' or 'transformers', got {kind!r}")
@@ -119,6 +171,8 @@ def load_compressed(path, device="cpu") -> nn.Module:
     dtype = packs[0].dtype
     model.to(dtype)
     _install(model, blocks, groups, packs, nz)
+    if nz.vocab:
+        _load_vocab(model, nz, vocab_layout, entries, ckpt_path)
     missing, unexpected = model.load_state_dict(plain, strict=False)
     tied = bool(config.get("tie_word_embeddings"))
     missing = [m for m in missing if not (tied and m.endswith("lm_head.weight"))]

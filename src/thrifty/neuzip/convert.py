@@ -135,25 +135,31 @@ def _check_vocab(model: nn.Module, config: NeuZipConfig, buffer_numel: int) -> N
 
 def _install_vocab(model: nn.Module, state: "CompressedWeights", config: NeuZipConfig) -> None:
     """The embedding and the bias-free lm_head as chunked compressed modules (one shared matrix when tied)."""
-    from .vocab import CompressedEmbedding, CompressedHead, CompressedVocab, find_vocab
+    from .vocab import CompressedVocab, find_vocab
 
     by_weight: dict = {}
     for name in find_vocab(model):
         if name is None:
             continue
-        module = model.get_submodule(name)
-        w = module.weight
+        w = model.get_submodule(name).weight
         if id(w) not in by_weight:
             by_weight[id(w)] = CompressedVocab(w, state.buffers[0].numel() // w.shape[1], config.kept_bits,
                                                config.steps)
-        vocab = by_weight[id(w)]
-        state.vocab[name] = vocab
-        if isinstance(module, nn.Embedding):
-            new = CompressedEmbedding(vocab, state, module.padding_idx)
-        else:
-            new = CompressedHead(vocab, state)
-        new.__dict__["frozen"] = not w.requires_grad
-        _set_module(model, name, new)
+        set_vocab_module(model, state, name, by_weight[id(w)])
+
+
+def set_vocab_module(model: nn.Module, state: "CompressedWeights", name: str, vocab) -> None:
+    """Replaces the embedding or lm_head ``name`` by its module over the coded matrix ``vocab``."""
+    from .vocab import CompressedEmbedding, CompressedHead
+
+    module = model.get_submodule(name)
+    state.vocab[name] = vocab
+    if isinstance(module, nn.Embedding):
+        new = CompressedEmbedding(vocab, state, module.padding_idx)
+    else:
+        new = CompressedHead(vocab, state)
+    new.__dict__["frozen"] = not module.weight.requires_grad
+    _set_module(model, name, new)
 
 
 def _restore_vocab(model: nn.Module, state: "CompressedWeights") -> None:

@@ -41,6 +41,27 @@ class CompressedVocab:
         self.packs: list[BlockPack] = [pack_tensors([w[s: s + chunk_rows].contiguous()], kept_bits, steps)
                                        for s in self.starts]
 
+    @classmethod
+    def from_packs(cls, packs: list, shape: tuple, chunk_rows: int) -> "CompressedVocab":
+        """The matrix from its coded chunks (a checkpoint's): one single-tensor pack per ``chunk_rows`` rows, the
+        last one shorter; ValueError when the chunks do not tile ``shape``."""
+        V, D = (int(x) for x in shape)
+        if V < 1 or D < 1 or chunk_rows < 1:
+            raise ValueError(f"shape {shape} / chunk_rows {chunk_rows}: expected positive sizes")
+        starts = list(range(0, V, chunk_rows))
+        if len(packs) != len(starts):
+            raise ValueError(f"{len(packs)} chunks for {V} rows in chunks of {chunk_rows}: expected {len(starts)}")
+        for start, pack in zip(starts, packs):
+            want = (min(chunk_rows, V - start), D)
+            if len(pack.shapes) != 1 or tuple(pack.shapes[0]) != want:
+                raise ValueError(f"the chunk at row {start} has shape {list(pack.shapes)}, expected {want}")
+        if len({p.dtype for p in packs}) != 1:
+            raise ValueError("chunks of different dtypes")
+        self = cls.__new__(cls)
+        self.shape, self.chunk_rows, self.starts, self.packs = (V, D), chunk_rows, starts, list(packs)
+        self.dtype, self.device = packs[0].dtype, packs[0].device
+        return self
+
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.packs)
