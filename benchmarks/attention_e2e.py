@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import tempfile
 import time
 import types
@@ -157,6 +158,35 @@ def _decode_cold(model, S, steps, device, rows, name) -> dict:
     return ms
 
 
+def _decode_alternating(model, prompt, steps, rounds, device) -> dict:
+    """SDPA and thrifty in steady state, alternating: one prefill each into its own DynamicCache, then ``rounds``
+    rounds in which each backend in turn decodes the same lengths (4 untimed steps, then ``steps`` timed; the
+    cache cropped back to the prompt after each). Alternating round by round cancels the host's drift, which
+    made one pass per backend scatter ±40% (42abedf). Returns {backend: [ms per token per round]}."""
+    from transformers import DynamicCache
+
+    caches, tokens, times = {}, {}, {"sdpa": [], "thrifty": []}
+    with torch.no_grad():
+        for which in times:
+            with Switch(model, which):
+                caches[which] = DynamicCache()
+                out = model(prompt, past_key_values=caches[which], use_cache=True, logits_to_keep=1)
+                tokens[which] = out.logits[:, -1:].argmax(-1)
+        for _ in range(rounds):
+            for which, cache in caches.items():
+                with Switch(model, which):
+                    tok = tokens[which]
+                    for i in range(4 + steps):
+                        if i == 4:
+                            _sync(device)
+                            t = time.perf_counter()
+                        tok = model(tok, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+                    _sync(device)
+                    times[which].append((time.perf_counter() - t) / steps * 1e3)
+                    cache.crop(-(cache.get_seq_length() - prompt.shape[1]))
+    return times
+
+
 def decode(args, device, rows, summary):
     from transformers import DynamicCache
 
@@ -172,15 +202,24 @@ def decode(args, device, rows, summary):
             with Switch(model, "sdpa"):
                 _decode_ms(model, prompt, DynamicCache(), args.decode_steps, 4, device)
             ms = {}
-            for which, make_cache in (("sdpa", lambda m: DynamicCache()), ("thrifty", lambda m: DynamicCache()),
-                                      ("thrifty+int8cache", thrifty_kv_cache)):
-                try:
-                    with Switch(model, "sdpa" if which == "sdpa" else "thrifty"):
-                        ms[which] = _decode_ms(model, prompt, make_cache(model), args.decode_steps, 4, device)
-                    rows.append(dict(section="decode", shape=name, S=S, backend=which, ms_per_token=ms[which]))
-                except Exception as e:  # noqa: BLE001
-                    rows.append(dict(section="decode", shape=name, S=S, backend=which, error=repr(e)[:300]))
-                _free(device)
+            try:
+                times = _decode_alternating(model, prompt, args.decode_steps, max(3, args.reps // 3), device)
+                for which, ts in times.items():
+                    ms[which] = statistics.median(ts)
+                    rows.append(dict(section="decode", shape=name, S=S, backend=which, ms_per_token=ms[which],
+                                     rounds=len(ts), spread=(max(ts) - min(ts)) / ms[which]))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(section="decode", shape=name, S=S, backend="sdpa+thrifty", error=repr(e)[:300]))
+            _free(device)
+            try:  # the int8 cache has no crop: one pass after the same warm-up
+                with Switch(model, "thrifty"):
+                    ms["thrifty+int8cache"] = _decode_ms(model, prompt, thrifty_kv_cache(model), args.decode_steps,
+                                                         4, device)
+                rows.append(dict(section="decode", shape=name, S=S, backend="thrifty+int8cache",
+                                 ms_per_token=ms["thrifty+int8cache"]))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(section="decode", shape=name, S=S, backend="thrifty+int8cache", error=repr(e)[:300]))
+            _free(device)
             if "sdpa" in ms and "thrifty" in ms:
                 ratios.append(ms["sdpa"] / ms["thrifty"])
                 summary[f"e2e_decode_speedup_{name}_{_k(S)}"] = ratios[-1]
