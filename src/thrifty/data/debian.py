@@ -2,9 +2,9 @@
 fetching them without installing anything system-wide.
 
 Why Debian packages: they are the only large, licensed, versioned English text that the project's machines and
-CI can reach (no dataset hub). ``apt-get download`` fetches a ``.deb`` and ``dpkg-deb -x`` unpacks it into a temporary
-folder in our own (``<data>/debian``) while it is cleaned, so nothing outside ``data/`` changes. Each package's copyright file names its
-licence (:func:`read_license`)."""
+CI can reach (no dataset hub). ``apt-get download`` fetches a ``.deb`` into our own folder (``<data>/debian``)
+and ``dpkg-deb -x`` unpacks it into a temporary folder there while it is cleaned, so nothing outside ``data/``
+changes. Each package's copyright file names its licence (:func:`read_license`)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ DEBIAN_PACKAGES = tuple(s.package for s in DEBIAN_SOURCES)
 
 
 def debian_cache_dir() -> Path:
-    """Where downloaded ``.deb`` files are kept (each unpacked only while it is cleaned) (shared by every corpus build)."""
+    """Where downloaded ``.deb`` files are kept, shared by every corpus build (each is unpacked only while it is
+    cleaned, :func:`unpacked_deb`)."""
     from ..paths import data_dir
 
     return data_dir() / "debian"
