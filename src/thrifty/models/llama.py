@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_positive_int, check_range, check_tensor, check_token_ids
-from ..layers import RMSNorm  # noqa: F401 (importable from here too)
+from ..layers import KEY_MASK_ATTR, RMSNorm  # noqa: F401 (RMSNorm importable from here too)
 
 
 @dataclass
@@ -100,17 +100,24 @@ class LlamaConfig:
 # ----------------------------------------------------------------------------------------------- default seams
 
 def sdpa_attention(q, k, v, *, causal: bool, scale: float):
-    """torch SDPA with grouped-query heads; ``causal`` with fewer queries than keys means the queries are last."""
+    """torch SDPA with grouped-query heads; ``causal`` with fewer queries than keys means the queries are last.
+    Keys from a static cache in graph mode carry a mask of the slots written (``layers.KEY_MASK_ATTR``)."""
+    key_mask = getattr(k, KEY_MASK_ATTR, None)
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
+    if key_mask is not None:  # one query row over a static buffer: the mask alone says which keys exist
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale)
     tq, tk = q.shape[2], k.shape[2]
     if causal and tq > 1 and tq != tk:
         # queries sit at the end of the key sequence (chunked prefill with a cache): explicit bottom-right mask
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal and tq > 1, scale=scale)
+
+
+sdpa_attention.reads_key_mask = True
 
 
 def default_linear(in_features: int, out_features: int, *, name: str) -> nn.Module:
