@@ -36,6 +36,25 @@ def test_static_cache_gives_the_concatenating_cache_logits(t):
     assert static.keys[0].shape == (2, 2, t + 4, 16) and static.nbytes() == 2 * 2 * 2 * 2 * (t + 4) * 16 * 4
 
 
+def test_graph_mode_steps_match_the_growing_cache_logits():
+    """Step by step, one positions tensor advanced in place (as the graph's): the rotation follows it (a cache
+    keyed on the tensor alone froze it at the first position, 1e-3 off from the second step)."""
+    model, x, steps = tiny(), ids(), ids(t=5, seed=3)
+    with torch.no_grad():
+        plain, static = KVCache(), StaticKVCache(20)
+        model(x, cache=plain)
+        model(x, cache=static)
+        static.graph_mode = True
+        pos = torch.tensor([x.shape[1]])
+        graphed = []
+        for i in range(steps.shape[1]):  # no other forward in between, as in a replay loop
+            graphed.append(model(steps[:, i: i + 1], positions=pos, cache=static))
+            static.advance(1)
+            pos.add_(1)
+        for i in range(steps.shape[1]):
+            assert torch.allclose(model(steps[:, i: i + 1], cache=plain), graphed[i], atol=1e-5), i
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_graph_mode_step_gives_eager_tokens(temperature):
     """The decode step that the graph records (masked full buffer, positions on the device), run eagerly on the
@@ -89,20 +108,23 @@ def test_a_seam_without_the_mask_contract_is_refused():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["bf16", "packed_b158", "packed_a48"])
-def test_cuda_graph_generate_matches_eager(kind, monkeypatch):
-    """The captured decode step replays to eager decoding's tokens on a bf16 model and on packed BitNet models
-    (their Triton GEMV kernels inside the graph), and the graph path really ran (a replay count)."""
-    from thrifty.models import generate as gen_module
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "packed_b158", "packed_a48"])
+def test_cuda_graph_generate_picks_what_the_model_predicts(kind, monkeypatch):
+    """The captured decode step, replayed (counted), picks at every step the token that one eager forward over
+    the whole generated sequence ranks first, up to a near-tie: on fp32 and bf16 models and on packed BitNet
+    models (their Triton GEMV kernels inside the graph). Token-for-token equality with eager decoding is not
+    asserted: the graph's attention reads a masked fixed-length buffer, and one rounding flip of a near-tie
+    changes every later token."""
+    import importlib
 
-    if kind == "bf16":
-        model = tiny(dtype=torch.bfloat16).to("cuda")
+    gen_module = importlib.import_module("thrifty.models.generate")
+    if kind in ("fp32", "bf16"):
+        model = tiny(dtype=torch.float32 if kind == "fp32" else torch.bfloat16).to("cuda")
     else:
         recipe = "b1.58" if kind == "packed_b158" else "a4.8"
         model = bitnet.pack(tiny(linear=bitnet.linear_factory(recipe), activation=bitnet.mlp_activation(recipe)))
-        model = model.to("cuda", torch.bfloat16)
+        model = model.to("cuda")
     x = ids().to("cuda")
-    eager = generate(model, x, 24)
     replays = []
     real = gen_module._capture
 
@@ -111,8 +133,12 @@ def test_cuda_graph_generate_matches_eager(kind, monkeypatch):
         return type("Counted", (), {"replay": lambda self: replays.append(1) or graph.replay()})(), logits
 
     monkeypatch.setattr(gen_module, "_capture", counting)
-    graphed = generate(model, x, 24, cuda_graph=True)
-    assert len(replays) == 23
-    agree = (graphed[:, x.shape[1]:] == eager[:, x.shape[1]:]).float().mean().item()
-    assert graphed.shape == eager.shape and agree >= 0.9  # bf16: a near-tie may flip one greedy token
-    assert torch.equal(graphed[:, : x.shape[1] + 4], eager[:, : x.shape[1] + 4])
+    out = generate(model, x, 24, cuda_graph=True)
+    assert out.shape == (2, x.shape[1] + 24) and len(replays) == 23
+    with torch.no_grad():
+        logits = model(out[:, :-1]).float()[:, x.shape[1] - 1:]  # the prediction for each generated token
+    chosen = logits.gather(-1, out[:, x.shape[1]:, None]).squeeze(-1)
+    top = logits.max(-1).values
+    spread = (logits.max() - logits.min()).item()
+    tol = (1e-4 if kind == "fp32" else 2e-2) * spread
+    assert bool((chosen >= top - tol).all()), (top - chosen).max().item()

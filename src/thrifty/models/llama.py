@@ -137,6 +137,14 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def _version(t: torch.Tensor):
+    """The tensor's in-place modification counter (None for inference-mode tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _is_dtensor(x) -> bool:
     if not torch.distributed.is_available():
         return False
@@ -155,14 +163,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self._table: Optional[tuple] = None
-        self._last: Optional[tuple] = None  # (positions, cos, sin): every layer of one forward reuses it
+        # (positions, its version, capturing?, cos, sin): every layer of one forward reuses it. The version and
+        # the capture flag matter when one positions tensor serves several forwards (a CUDA-graph decode step
+        # advances its positions in place): a stale entry, or one computed outside the graph being recorded,
+        # would freeze the rotation at the first position.
+        self._last: Optional[tuple] = None
 
     def _cos_sin(self, positions):
-        if self._last is not None and self._last[0] is positions:
-            return self._last[1], self._last[2]
-        if _capturing():
-            self._last = (positions, *self._direct_cos_sin(positions))
-            return self._last[1], self._last[2]
+        key = (positions, _version(positions), _capturing())
+        if self._last is not None and self._last[0] is positions and self._last[1:3] == key[1:]:
+            return self._last[3], self._last[4]
+        if key[2]:
+            self._last = (*key, *self._direct_cos_sin(positions))
+            return self._last[3], self._last[4]
         length = int(positions.max()) + 1 if positions.numel() else 1
         table = self._table
         if table is None or table[0].shape[0] < length or table[0].device != positions.device:
@@ -171,8 +184,8 @@ class RotaryEmbedding(nn.Module):
                 self.inv_freq.to(positions.device)
             emb = torch.cat((freqs, freqs), dim=-1)
             self._table = table = (emb.cos(), emb.sin())
-        self._last = (positions, table[0][positions], table[1][positions])
-        return self._last[1], self._last[2]
+        self._last = (*key, table[0][positions], table[1][positions])
+        return self._last[3], self._last[4]
 
     def _direct_cos_sin(self, positions):
         """cos/sin computed at ``positions`` instead of gathered from the table: the table's length needs the
