@@ -108,7 +108,7 @@ def test_a_seam_without_the_mask_contract_is_refused():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "packed_b158", "packed_a48"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "packed_b158", "packed_a48", "stacked_a48"])
 def test_cuda_graph_generate_picks_what_the_model_predicts(kind, monkeypatch):
     """The captured decode step, replayed (counted), picks at every step the token that one eager forward over
     the whole generated sequence ranks first, up to a near-tie: on fp32 and bf16 models and on packed BitNet
@@ -123,6 +123,8 @@ def test_cuda_graph_generate_picks_what_the_model_predicts(kind, monkeypatch):
     else:
         recipe = "b1.58" if kind == "packed_b158" else "a4.8"
         model = bitnet.pack(tiny(linear=bitnet.linear_factory(recipe), activation=bitnet.mlp_activation(recipe)))
+        if kind.startswith("stacked"):
+            bitnet.stack_projections(model)
         model = model.to("cuda")
     x = ids().to("cuda")
     replays = []
