@@ -12,14 +12,15 @@
 3. **Sweep** (M = 1 and 16, 7B shapes): other tiles / K splits of the same kernels, so ``plan()`` can be checked.
 4. **Model decode**: a Llama-7B-shaped model (32 layers, 4096 / 11008, vocab 32000) with *random* ternary weights
    (speed does not depend on the values, so random weights are honest for it) against the same shape in bf16,
-   batch 1 and 16, 128 cached tokens: ms per decode step as run eagerly (host included) and the GPU busy time
-   (sum of the step's kernel durations, torch.profiler: the CUDA-graph bound), tokens/s, weight bytes; KV-cache
-   bytes at 32K context computed.
+   batch 1 and 16, 128 cached tokens: ms per decode step as run eagerly (host included), the GPU busy time
+   (sum of the step's kernel durations, torch.profiler) and per new token of ``generate(..., cuda_graph=True)``
+   (each step one graph replay, capture included), tokens/s (from the graph figure when it ran), weight bytes;
+   KV-cache bytes at 32K context computed.
 
 Writes ``benchmarks/results/bitnet_kernels_<device>.json`` + PNG; summary keys ``gemv_speedup_vs_bf16_b1_min``,
 ``gemv_speedup_vs_bf16_b16_min``, ``gemm_speedup_vs_bf16_t2048_min`` (7B shapes, GPU time, full layer incl.
-activation quantization), ``packed_weight_mem_ratio``, ``decode_tokens_per_s_ratio_vs_bf16_b1`` (GPU busy time;
-``..._eager`` beside it), ``kv3_ppl_delta_pct`` (copied from ``benchmarks/bitnet_kv.py``'s result). GPU box:
+activation quantization), ``packed_weight_mem_ratio``, ``decode_tokens_per_s_ratio_vs_bf16_b1`` (graph-replayed
+``generate``; ``..._gpu_busy`` and ``..._eager`` beside it), ``kv3_ppl_delta_pct`` (copied from ``benchmarks/bitnet_kv.py``'s result). GPU box:
 
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_kernels.py
 
@@ -35,6 +36,7 @@ keys ``thrifty_speedup_vs_baseline_<shape>_t<tokens>``):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -308,7 +310,27 @@ def decode_step_times(model, batch: int, args, device) -> dict:
     for _ in range(args.warmup):
         step()
     eager = time_fn(step, warmup=0, reps=args.decode_steps, device=device).median_ms
-    return {"eager_ms": eager, **gpu_busy_ms(step, device)}
+    return {"eager_ms": eager, **gpu_busy_ms(step, device), **graph_ms_per_token(model, ids, args, device)}
+
+
+def graph_ms_per_token(model, ids, args, device) -> dict:
+    """ms per new token of ``generate(..., cuda_graph=True)`` (each decode step one CUDA-graph replay, what a
+    user calls): (time for n + 1 new tokens − time for 1) / n, n = ``--graph-tokens``; the capture (two warm-up
+    steps + the recording, once per call) is inside the first figure, so it is charged to the n tokens."""
+    from thrifty.models import generate
+
+    if device.type != "cuda":
+        return {"graph_ms": None}
+    n = args.graph_tokens
+    try:
+        times = {}
+        for new in (1, n + 1):
+            generate(model, ids, new, cuda_graph=new > 1)  # compiles and warms what the timed call runs
+            times[new] = time_fn(lambda: generate(model, ids, new, cuda_graph=new > 1), warmup=0, reps=3,
+                                 device=device).median_ms
+        return {"graph_ms": (times[n + 1] - times[1]) / n, "graph_tokens": n}
+    except Exception as err:  # noqa: BLE001 - the eager and busy figures still stand
+        return {"graph_ms": None, "graph_error": f"{type(err).__name__}: {err}"[:300]}
 
 
 def gpu_busy_ms(step, device, steps: int = 5) -> dict:
@@ -332,15 +354,23 @@ def gpu_busy_ms(step, device, steps: int = 5) -> dict:
 
 
 def model_rows(args, device) -> list[dict]:
+    from thrifty.bitnet import stack_projections
+
     dense, ternary = build_models(args, device)
+    stacked = copy.deepcopy(ternary)
+    stack_projections(stacked)  # q/k/v and gate/up one launch each: what a user of the packed model runs
     rows = []
-    for name, model in (("bf16", dense), ("ternary packed (random weights)", ternary)):
+    for name, model in (("bf16", dense), ("ternary packed (random weights)", ternary),
+                        ("stacked ternary, q/k/v and gate/up one launch each (random weights)", stacked)):
         mem = weight_bytes(model)
         for batch in (1, 16):
             t = decode_step_times(model, batch, args, device)
-            ms = t["gpu_busy_ms"] or t["eager_ms"]
+            ms = t["graph_ms"] or t["gpu_busy_ms"] or t["eager_ms"]
+            busy = t["gpu_busy_ms"] or t["eager_ms"]
             rows.append(dict(what="decode", model=name, batch=batch, **t, **mem,
-                             tokens_per_s=batch / (ms / 1e3), tokens_per_s_eager=batch / (t["eager_ms"] / 1e3)))
+                             timed="graph" if t["graph_ms"] else ("gpu busy" if t["gpu_busy_ms"] else "eager"),
+                             tokens_per_s=batch / (ms / 1e3), tokens_per_s_gpu_busy=batch / (busy / 1e3),
+                             tokens_per_s_eager=batch / (t["eager_ms"] / 1e3)))
             print(f"  decode {name} batch {batch}: {t}", flush=True)
     return rows
 
@@ -389,12 +419,16 @@ def summarize(rows: list[dict]) -> dict:
         out[key] = min(s) if s else None
     dec = {(r["model"].split()[0], r["batch"]): r for r in rows if r.get("what") == "decode"}
     if dec:
-        b, t = dec[("bf16", 1)], dec[("ternary", 1)]
-        out["packed_weight_mem_ratio"] = t["projection_bytes"] / b["projection_bytes"]
+        fast = "stacked" if ("stacked", 1) in dec else "ternary"
+        b, t = dec[("bf16", 1)], dec[(fast, 1)]
+        out["packed_weight_mem_ratio"] = dec[("ternary", 1)]["projection_bytes"] / b["projection_bytes"]
         out["decode_tokens_per_s_ratio_vs_bf16_b1"] = t["tokens_per_s"] / b["tokens_per_s"]
-        out["decode_tokens_per_s_ratio_vs_bf16_b16"] = dec[("ternary", 16)]["tokens_per_s"] / \
+        out["decode_tokens_per_s_ratio_vs_bf16_b16"] = dec[(fast, 16)]["tokens_per_s"] / \
             dec[("bf16", 16)]["tokens_per_s"]
+        out["decode_tokens_per_s_ratio_unstacked_vs_bf16_b1"] = dec[("ternary", 1)]["tokens_per_s"] / b["tokens_per_s"]
         out["decode_tokens_per_s_ratio_vs_bf16_b1_eager"] = t["tokens_per_s_eager"] / b["tokens_per_s_eager"]
+        out["decode_tokens_per_s_ratio_vs_bf16_b1_gpu_busy"] = t["tokens_per_s_gpu_busy"] / b["tokens_per_s_gpu_busy"]
+        out["decode_timed_by"] = f"{b['timed']} / {t['timed']}"
     else:  # from the layer table: packed bytes over bf16 bytes of the same matrices
         out["packed_weight_mem_ratio"] = 0.125
     gates = [r["match"] for r in rows if "match" in r]
@@ -454,6 +488,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--context", type=int, default=128, help="cached tokens before the timed decode steps")
     ap.add_argument("--decode-steps", type=int, default=20)
+    ap.add_argument("--graph-tokens", type=int, default=64, help="new tokens per timed generate(cuda_graph=True)")
     ap.add_argument("--no-model", action="store_true", help="skip the 7B model decode")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
     ap.add_argument("--device", default="auto")

@@ -6,6 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+# The attention seam's contract for static caches (``thrifty.kv.StaticKVCache``): keys handed out with this
+# attribute set hold empty slots, and the attribute is a boolean mask broadcastable to (B, H, Tq, Tk), True
+# where a key exists. Seams that honour it carry ``reads_key_mask = True``. It lives here, below the reference
+# model, the KV-cache family and the attention package, which all read it.
+KEY_MASK_ATTR = "_thrifty_key_mask"
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

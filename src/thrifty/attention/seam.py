@@ -8,9 +8,11 @@ import functools
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .._checks import check_impl
 from ..kv.decode import decode_attention
+from ..layers import KEY_MASK_ATTR
 from .sage import EXTRA_IMPLS, sage_attention
 
 
@@ -21,6 +23,7 @@ def sage_seam(**options) -> Callable:
     fn = functools.partial(_seam_call, options=options)
     fn.options = options
     fn.reads_kv_codes = True  # a QuantizedKVCache hands it tagged keys for decode steps (see _seam_call)
+    fn.reads_key_mask = True  # a StaticKVCache in graph mode hands it masked keys (see _seam_call)
     return fn
 
 
@@ -40,6 +43,10 @@ def _seam_call(q, k, v, *, causal, scale, options):
     cache = getattr(k, "_thrifty_kv", None)  # a decode step's keys from a QuantizedKVCache: read its codes
     if cache is not None:
         return decode_attention(q, cache, causal=causal, sm_scale=scale)
+    key_mask = getattr(k, KEY_MASK_ATTR, None)  # a static buffer in graph mode: exact attention over its slots
+    if key_mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
     return sage_attention(q, k, v, causal=causal, sm_scale=scale, **options)
 
 

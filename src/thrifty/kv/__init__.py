@@ -8,7 +8,8 @@ ShadowKV (``thrifty.kvcache``) build on it; it imports none of them.
 
 ``QuantizedKV`` is a preallocated static cache of packed 8/4/3-bit codes with per-token-per-head scales;
 ``QuantizedKVCache(bits)`` puts one per layer behind the reference model's cache seam,
-``thrifty_kv_cache(model, bits)`` behind transformers' ``generate``. ShadowKV's static buffer of bf16 rows with
+``thrifty_kv_cache(model, bits)`` behind transformers' ``generate``. ``StaticKVCache(capacity)``: 16-bit K/V in
+fixed buffers for the reference model's CUDA-graph decode (``generate(..., cuda_graph=True)``). ShadowKV's static buffer of bf16 rows with
 a validity byte per row decodes with the same kernel (``decode_kernel.masked_decode_attention``).
 
 Modules: ``quantized`` (the cache layout and its quantizer), ``decode`` (the decode API and its reference),
@@ -22,5 +23,6 @@ from .decode import decode_attention
 from .hf import thrifty_kv_cache
 from .quantized import QuantizedKV, quantize_kv_cache
 from .seam import QuantizedKVCache
+from .static import StaticKVCache
 
-__all__ = ["decode_attention", "QuantizedKV", "QuantizedKVCache", "quantize_kv_cache", "thrifty_kv_cache"]
+__all__ = ["decode_attention", "QuantizedKV", "QuantizedKVCache", "quantize_kv_cache", "thrifty_kv_cache", "StaticKVCache"]

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_positive_int, check_range, check_tensor, check_token_ids
-from ..layers import RMSNorm  # noqa: F401 (importable from here too)
+from ..layers import KEY_MASK_ATTR, RMSNorm  # noqa: F401 (RMSNorm importable from here too)
 
 
 @dataclass
@@ -100,17 +100,24 @@ class LlamaConfig:
 # ----------------------------------------------------------------------------------------------- default seams
 
 def sdpa_attention(q, k, v, *, causal: bool, scale: float):
-    """torch SDPA with grouped-query heads; ``causal`` with fewer queries than keys means the queries are last."""
+    """torch SDPA with grouped-query heads; ``causal`` with fewer queries than keys means the queries are last.
+    Keys from a static cache in graph mode carry a mask of the slots written (``layers.KEY_MASK_ATTR``)."""
+    key_mask = getattr(k, KEY_MASK_ATTR, None)
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
+    if key_mask is not None:  # one query row over a static buffer: the mask alone says which keys exist
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale)
     tq, tk = q.shape[2], k.shape[2]
     if causal and tq > 1 and tq != tk:
         # queries sit at the end of the key sequence (chunked prefill with a cache): explicit bottom-right mask
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal and tq > 1, scale=scale)
+
+
+sdpa_attention.reads_key_mask = True
 
 
 def default_linear(in_features: int, out_features: int, *, name: str) -> nn.Module:
@@ -128,6 +135,14 @@ def _capturing() -> bool:
     ``int(tensor)`` is illegal then, so the checks that read tensor values are skipped and the caller checks the
     values on the host (the Trainer checks each batch's ids before copying it into the graph's input buffer)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _version(t: torch.Tensor):
+    """The tensor's in-place modification counter (None for inference-mode tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _is_dtensor(x) -> bool:
@@ -148,14 +163,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self._table: Optional[tuple] = None
-        self._last: Optional[tuple] = None  # (positions, cos, sin): every layer of one forward reuses it
+        # (positions, its version, capturing?, cos, sin): every layer of one forward reuses it. The version and
+        # the capture flag matter when one positions tensor serves several forwards (a CUDA-graph decode step
+        # advances its positions in place): a stale entry, or one computed outside the graph being recorded,
+        # would freeze the rotation at the first position.
+        self._last: Optional[tuple] = None
 
     def _cos_sin(self, positions):
-        if self._last is not None and self._last[0] is positions:
-            return self._last[1], self._last[2]
-        if _capturing():
-            self._last = (positions, *self._direct_cos_sin(positions))
-            return self._last[1], self._last[2]
+        key = (positions, _version(positions), _capturing())
+        if self._last is not None and self._last[0] is positions and self._last[1:3] == key[1:]:
+            return self._last[3], self._last[4]
+        if key[2]:
+            self._last = (*key, *self._direct_cos_sin(positions))
+            return self._last[3], self._last[4]
         length = int(positions.max()) + 1 if positions.numel() else 1
         table = self._table
         if table is None or table[0].shape[0] < length or table[0].device != positions.device:
@@ -164,8 +184,8 @@ class RotaryEmbedding(nn.Module):
                 self.inv_freq.to(positions.device)
             emb = torch.cat((freqs, freqs), dim=-1)
             self._table = table = (emb.cos(), emb.sin())
-        self._last = (positions, table[0][positions], table[1][positions])
-        return self._last[1], self._last[2]
+        self._last = (*key, table[0][positions], table[1][positions])
+        return self._last[3], self._last[4]
 
     def _direct_cos_sin(self, positions):
         """cos/sin computed at ``positions`` instead of gathered from the table: the table's length needs the

@@ -1,0 +1,110 @@
+"""Sibling projections as one packed matrix: ``stack_projections(model)`` stacks the rows of q/k/v (and of
+gate/up) into one :class:`PackedBitLinear` and turns each sibling into a :class:`ProjectionSlice` of its output.
+
+Why: at decode time a packed GEMV is latency-bound (5–10× its byte floor at one token, NOTES.md), so three
+launches over 4096×4096, 1024×4096, 1024×4096 cost more than one over the stacked 6144×4096; per Llama layer 7
+matmul launches become 4. The result is the same bit for bit: each sibling keeps its α (the stacked layer's
+``splits``), the activation is quantized once per token either way, and the integer dot products and the fp32
+epilogue of a row do not depend on which other rows share its launch.
+
+Inference only, in memory (like :func:`~thrifty.bitnet.pack`): the stacked layer is registered on the parent
+module (``qkv_proj`` / ``gate_up_proj``); ``export`` writes the unfused training model as before.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .packed import PackedBitLinear
+
+SIBLINGS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class _StackedOutput:
+    """The stacked layer's output for the current input, computed by the first sibling that asks and dropped once
+    every sibling has read it (no activation outlives its forward)."""
+
+    def __init__(self, layer: PackedBitLinear, members: int):
+        self.layer, self.members = layer, members
+        self._entry: Optional[list] = None  # [x, x._version, y, reads left]
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        e = self._entry
+        if e is None or e[0] is not x or e[1] != x._version:
+            e = self._entry = [x, x._version, self.layer(x), self.members]
+        y = e[2]
+        e[3] -= 1
+        if e[3] <= 0:
+            self._entry = None
+        return y
+
+
+class ProjectionSlice(nn.Module):
+    """One sibling's rows ``[start, end)`` of a stacked projection's output (a view: a last-dim slice)."""
+
+    def __init__(self, stacked: _StackedOutput, start: int, end: int, in_features: int):
+        super().__init__()
+        self.__dict__["stacked"] = stacked  # not a submodule: the parent holds the stacked layer once
+        self.start, self.end = start, end
+        self.in_features, self.out_features = in_features, end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stacked.read(x)[..., self.start: self.end]
+
+    def extra_repr(self) -> str:
+        return f"rows [{self.start}, {self.end}) of the stacked projection"
+
+
+def stack_layers(layers: list) -> PackedBitLinear:
+    """One PackedBitLinear whose rows are ``layers``' stacked in order (same input width, recipe settings, impl
+    and device; no sub-norm, since each sibling would norm the same input again; all or none with a bias)."""
+    first = layers[0]
+    settings = lambda m: (m.in_features, m.activation, m.beta_scale, m.topk_ratio, m.impl,  # noqa: E731
+                          m.packed.device, m.bias is not None)
+    if any(not isinstance(m, PackedBitLinear) for m in layers):
+        raise TypeError("layers: expected PackedBitLinear layers (call thrifty.bitnet.pack first)")
+    if any(settings(m) != settings(first) for m in layers) or any(m.norm is not None for m in layers):
+        raise ValueError("layers: siblings differ in input width, activation settings, impl, device or bias, or "
+                         "have a sub-norm; they cannot share one launch")
+    out = sum(m.out_features for m in layers)
+    splits = [s for m in layers for s in m.splits]
+    stacked = PackedBitLinear(first.in_features, out, activation=first.activation, beta_scale=first.beta_scale,
+                              topk_ratio=first.topk_ratio, splits=splits, bias=first.bias is not None,
+                              impl=first.impl, device=first.packed.device)
+    with torch.no_grad():
+        stacked.packed.copy_(torch.cat([m.packed for m in layers]))
+        stacked.alpha.copy_(torch.cat([m.alpha for m in layers]))
+        if first.bias is not None:
+            stacked.bias.copy_(torch.cat([m.bias for m in layers]))
+    return stacked
+
+
+def stack_projections(model: nn.Module) -> int:
+    """In place: every module holding packed q/k/v (or gate/up) siblings gets one stacked layer for them
+    (``qkv_proj`` / ``gate_up_proj``) and the siblings become :class:`ProjectionSlice` views of its output.
+    Returns how many groups were stacked; ValueError when there is none."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    groups = 0
+    for parent in list(model.modules()):
+        for fused_name, names in SIBLINGS.items():
+            layers = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, PackedBitLinear) for m in layers) or hasattr(parent, fused_name):
+                continue
+            stacked = stack_layers(layers)
+            output = _StackedOutput(stacked, len(layers))
+            parent.add_module(fused_name, stacked)
+            start = 0
+            for name, layer in zip(names, layers):
+                setattr(parent, name, ProjectionSlice(output, start, start + layer.out_features, layer.in_features))
+                start += layer.out_features
+            groups += 1
+    if not groups:
+        raise ValueError("model: no packed q/k/v or gate/up siblings found (call thrifty.bitnet.pack first)")
+    return groups
+
+
+__all__ = ["stack_projections", "ProjectionSlice", "stack_layers"]

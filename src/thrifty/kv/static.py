@@ -1,0 +1,85 @@
+"""A preallocated 16-bit K/V cache behind the reference model's cache seam, for decoding inside a CUDA graph.
+
+Why: a graph replays fixed shapes and fixed addresses, so a cache that grows by concatenation (``KVCache``) or
+whose length lives on the host (``QuantizedKVCache``) cannot be captured. :class:`StaticKVCache` keeps each
+layer's K/V in buffers of a fixed ``capacity`` and writes new tokens at their positions with ``index_copy_``
+(positions read on the device, never on the host).
+
+Two ways out of ``update``:
+- prefill and eager calls get the filled prefix (``[:, :, :length]``, a view), as any cache would give;
+- in ``graph_mode`` a call of one query row gets the whole buffer, and the keys carry a boolean mask
+  (attribute :data:`~thrifty.layers.KEY_MASK_ATTR`, shape (1, 1, 1, capacity)) that is True for the positions
+  written so far. The seams that read it (the reference model's ``sdpa_attention``, ``thrifty.attention``'s
+  ``sage_seam``) say so with ``fn.reads_key_mask = True``; ``generate(..., cuda_graph=True)`` refuses any other,
+  since a seam that ignored the mask would attend to empty slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_positive_int
+from ..layers import KEY_MASK_ATTR
+
+
+class StaticKVCache:
+    """Post-RoPE keys and values of every layer in ``(B, Hkv, capacity, D)`` buffers (the dtype of the first
+    keys written). ``len(cache)`` is the number of positions written, kept on the host: ``update`` adds the new
+    tokens in eager mode; in ``graph_mode`` the caller (``generate``) calls :meth:`advance` after each replay."""
+
+    def __init__(self, capacity: int):
+        self.capacity = check_positive_int("capacity", capacity)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.lengths: dict[int, int] = {}
+        self.graph_mode = False
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions, rope):
+        k = rope(k, positions)
+        if positions.ndim != 1:
+            raise ValueError(f"positions: the static cache takes one row of positions (T,) shared by the batch, "
+                             f"got shape {tuple(positions.shape)}")
+        keys, values = self._buffers(layer_idx, k, v)
+        T = k.shape[2]
+        start = self.lengths[layer_idx]
+        if not self.graph_mode and start + T > self.capacity:
+            raise ValueError(f"capacity: {start} cached + {T} new tokens exceed the static cache's {self.capacity}; "
+                             "build it with a larger capacity")
+        keys.index_copy_(2, positions, k.to(keys.dtype))
+        values.index_copy_(2, positions, v.to(values.dtype))
+        if self.graph_mode:
+            if T != 1:
+                raise ValueError(f"input_ids: graph_mode decodes one token per step, got {T}")
+            mask = torch.arange(self.capacity, device=keys.device) <= positions[-1]
+            setattr(keys, KEY_MASK_ATTR, mask.view(1, 1, 1, -1))
+            return keys, values
+        self.lengths[layer_idx] = start + T
+        return keys[:, :, : start + T], values[:, :, : start + T]
+
+    def _buffers(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        if layer_idx not in self.keys:
+            if self.graph_mode:
+                raise ValueError("graph_mode: prefill the cache eagerly first (the buffers are made then)")
+            B, H, _, D = k.shape
+            self.keys[layer_idx] = torch.zeros(B, H, self.capacity, D, dtype=k.dtype, device=k.device)
+            self.values[layer_idx] = torch.zeros(B, H, self.capacity, v.shape[3], dtype=k.dtype, device=k.device)
+            self.lengths[layer_idx] = 0
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if keys.shape[0] != k.shape[0] or keys.shape[1] != k.shape[1] or keys.shape[3] != k.shape[3]:
+            raise ValueError(f"input_ids: batch/heads {tuple(k.shape[:2])} and head_dim {k.shape[3]} do not match "
+                             f"the cache's {tuple(keys.shape[:2])} and {keys.shape[3]}; use a new cache")
+        return keys, values
+
+    def advance(self, n: int = 1) -> None:
+        """Counts ``n`` more positions as written in every layer (after a graph replay wrote them)."""
+        for i in self.lengths:
+            self.lengths[i] += n
+
+    def __len__(self) -> int:
+        return self.lengths.get(0, 0)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+__all__ = ["StaticKVCache"]

@@ -1,0 +1,76 @@
+"""bitnet.stack_projections: packed q/k/v and gate/up stacked into one layer each give the unstacked model's
+logits bit for bit (PyTorch path, and the Triton kernels under TRITON_INTERPRET=1 on the CPU), with 4 packed
+launches per layer instead of 7; refusals name their argument."""
+
+import copy
+
+import pytest
+import torch
+
+from thrifty import bitnet
+from thrifty.bitnet import PackedBitLinear, ProjectionSlice, stack_projections
+from thrifty.models import LlamaConfig, LlamaForCausalLM
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def packed_model(recipe, impl, seed=0):
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg, linear=bitnet.linear_factory(recipe), activation=bitnet.mlp_activation(recipe))
+    return bitnet.pack(model.init_weights(seed=seed).eval(), impl=impl).to(DEVICE)
+
+
+def packed_calls(model):
+    calls = []
+    for m in model.modules():
+        if isinstance(m, PackedBitLinear):
+            m.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["b1.58", "a4.8"])
+def test_stacked_logits_are_the_unstacked_logits_bit_for_bit(recipe):
+    impl = "triton" if DEVICE == "cuda" else "reference"
+    base = packed_model(recipe, impl)
+    stacked = copy.deepcopy(base)
+    assert stack_projections(stacked) == 2 * stacked.config.num_hidden_layers
+    ids = torch.randint(0, 64, (2, 9), device=DEVICE)
+    calls = packed_calls(stacked)
+    with torch.no_grad():
+        want, got = base(ids), stacked(ids)
+        one = base(ids[:, :1]), stacked(ids[:, :1])  # one token: the decode kernels on the Triton path
+    assert torch.equal(got, want) and torch.equal(one[1], one[0])
+    assert len(calls) == 2 * 4 * stacked.config.num_hidden_layers  # 4 packed launches per layer, two forwards
+    attn = stacked.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, ProjectionSlice) and attn.qkv_proj.splits == (64, 32, 32)
+    assert attn.qkv_proj.last_path == ("triton" if impl == "triton" else "reference")
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_stacked_layer_is_its_siblings_in_the_kernels(tokens):
+    """The Triton decode kernels (v2 at one token, v1 at 2–4) on the stacked q/k/v rows: each slice equals its
+    sibling's own launch bit for bit (TRITON_INTERPRET=1 on the CPU; the model-level test covers the rest)."""
+    torch.manual_seed(tokens)
+    siblings = [PackedBitLinear.from_bitlinear(bitnet.BitLinear(64, n, activation="int4"), impl="triton").to(DEVICE)
+                for n in (48, 16, 16)]
+    stacked = bitnet.stacked.stack_layers(siblings)
+    x = torch.randn(tokens, 64, device=DEVICE)
+    with torch.no_grad():
+        y = stacked(x)
+        parts = [m(x) for m in siblings]
+    assert stacked.last_path == "triton" and torch.equal(y, torch.cat(parts, dim=-1))
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="model"):
+        stack_projections(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                       num_hidden_layers=1, num_attention_heads=4,
+                                                       num_key_value_heads=2)))
+    with pytest.raises(TypeError, match="model"):
+        stack_projections("model")
+    model = packed_model("a4.8", "reference")
+    layer = model.model.layers[0]
+    with pytest.raises(ValueError, match="layers"):  # o_proj has a sub-norm and another input width
+        bitnet.stacked.stack_layers([layer.self_attn.q_proj, layer.mlp.down_proj])
