@@ -54,7 +54,7 @@ def hf_sage_attention(module, query, key, value, attention_mask, dropout: float 
             out = decode_attention(query, cache, causal=True, sm_scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         key, value = (x.to(query.dtype) for x in cache.dequantize())  # a real mask: exact SDPA on the cache
-    if (attention_mask is None and key.shape[2] >= 1 and not (dropout > 0.0 and module.training)
+    if (attention_mask is None and not (dropout > 0.0 and module.training)
             and one_row_flash_fits(query, key, value)):  # a decode step: not SDPA's cuDNN (see one_row_flash)
         return one_row_flash(query, key, value, scaling).transpose(1, 2).contiguous(), None
     options = module.__dict__.get(OPTIONS_ATTR) or {}

@@ -110,9 +110,10 @@ _FLASH_CAPABLE: dict = {}  # CUDA device index -> sm_80 or newer (torch's FlashA
 
 
 def one_row_flash_fits(q, k, v) -> bool:
-    """True when :func:`one_row_flash` can take this call: one query row, CUDA fp16/bf16 of one dtype, head_dim
-    a multiple of 8 up to 256, query heads a multiple of the KV heads, unit stride on head_dim, no gradient."""
-    if not (q.is_cuda and q.shape[2] == 1 and q.dtype in (torch.float16, torch.bfloat16)
+    """True when :func:`one_row_flash` can take this call: one query row over at least one key, CUDA fp16/bf16 of
+    one dtype, head_dim a multiple of 8 up to 256, query heads a multiple of the KV heads, unit stride on head_dim,
+    no gradient."""
+    if not (q.is_cuda and q.shape[2] == 1 and k.shape[2] >= 1 and q.dtype in (torch.float16, torch.bfloat16)
             and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
             and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
@@ -137,7 +138,7 @@ def one_row_flash(q, k, v, sm_scale: Optional[float]) -> torch.Tensor:
 def _exact_sdpa(q, k, v, causal, sm_scale, return_lse=False):
     """Exact attention with SDPA (grouped heads, bottom-right causal mask); the fallback and the backward."""
     tq, tk = q.shape[2], k.shape[2]
-    if not return_lse and tk >= 1 and one_row_flash_fits(q, k, v):
+    if not return_lse and one_row_flash_fits(q, k, v):
         return one_row_flash(q, k, v, sm_scale)
     gqa = q.shape[1] != k.shape[1]
     if causal and tq != tk:
