@@ -32,12 +32,14 @@ from .tensor import CompressedTensor
 from ..triton_utils import FastLauncher, sm_count
 
 META = 13  # int64 fields per program row
-# Launch shapes, (groups of 64 lanes per program, warps). WIDE: 2 lanes per thread, 40 registers (12 programs,
-# 3072 lanes in flight per SM on sm_90); v3's best launch on large tensors (H100 sweep, NOTES.md). NARROW: 1 lane
-# per thread, 32 registers, 4x the programs, for blocks whose WIDE grid would leave SMs idle or one program per SM.
-WIDE = (4, 4)
+# Launch shapes, (groups of 64 lanes per program, warps). WIDE: 1 lane per thread, 4 warps; the fastest of ten
+# shapes swept on the H200 for the pair kernel (a 1B block 75 us against 89 for 2 lanes per thread at 4 warps:
+# the L1 gathers of the code table are latency-bound, and one lane per thread keeps the registers at full
+# occupancy). NARROW: 1 lane per thread, 2 warps, twice the programs, for a block whose WIDE grid has fewer
+# programs than SMs.
+WIDE = (2, 4)
 NARROW = (1, 2)
-MIN_PROGRAMS_PER_SM = 2  # below this many WIDE programs per SM a block launches NARROW
+MIN_PROGRAMS_PER_SM = 1  # below this many WIDE programs per SM a block launches NARROW
 PACK_STREAMS = ("words", "lane_units", "group_offsets", "raw", "lengths", "pair_syms")
 ALIGN_BYTES = R.ALIGN_BYTES  # each tensor's part of a pack stream starts at a multiple of this
 
