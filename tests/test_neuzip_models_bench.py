@@ -28,3 +28,26 @@ def test_neuzip_models_training_smoke(capsys):
     assert packed["phase_reencode_calls"] > 0 and packed["phase_update_calls"] > 0 and packed["phase_decode_calls"] > 0
     assert all(r["phase_step_ms"] > 0 and "phase_backward_host_ms" in r for r in rows.values())
     assert "phase_update_calls" not in rows["vanilla AdamW"]
+
+
+def test_neuzip_models_real_text_identity_smoke():
+    """The real-text identity rows: a small trained-shape model, LOMO AdamW 8-bit states on the corpus's train
+    split without and with NeuZip lossless: both losses lists exist, and they are equal."""
+    import pytest
+    import torch
+
+    from thrifty.models import LlamaForCausalLM, preset
+    from thrifty.paths import data_dir
+
+    if not (data_dir() / "corpus" / "manifest.json").is_file():
+        pytest.skip("no prepared corpus (thrifty setup)")
+    spec = importlib.util.spec_from_file_location("neuzip_models_bench", ROOT / "benchmarks" / "neuzip_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = LlamaForCausalLM(preset("tiny")).init_weights(seed=0).to(torch.bfloat16)
+    args = mod.argparse.Namespace(smoke=True)
+    rows = mod.real_text_identity_rows(args, torch.device("cpu"), base)
+    assert [r.get("error") for r in rows] == [None, None]
+    assert len(rows[0]["losses"]) == 2 and rows[0]["losses"][0] > 0
+    summary = mod._real_text_summary(rows)
+    assert summary["train_loss_identical_real_text"] == 1 and summary["train_loss_max_gap_real_text"] == 0
