@@ -242,13 +242,13 @@ def _kvcache():
                         dict(G=G, G_PAD=g_pad, G_P2=g_p2, S_PAD=s_pad, BLOCK=tu.score_block, **hist),
                         {"logit_ptr part_m_ptr part_l_ptr score_ptr": "*fp32", "sel_ptr": "*i8",
                          "hist_ptr ref_ptr": "*i32"}, num_warps=SK.SCORE_WARPS)
-    tail = {"mark_ptr valid_ptr": "*i8", "hist_ptr mseg_ptr cseg_ptr kseg_ptr count_ptr miss_ptr cand_ptr ckey_ptr "
+    tail = {"mark_ptr valid_ptr": "*i8", "hist_ptr mseg_ptr cseg_ptr kseg_ptr count_ptr path_ptr miss_ptr cand_ptr ckey_ptr "
             "slot_ids_ptr slot_of_ptr work_ptr": "*i32"}
     lists = tail | {"score_ptr": "*fp32", "sel_ptr": "*i8", "ref_ptr done_ptr": "*i32"}
 
     def plan(k_pad, s_pad):  # as score_and_select
         return dict(K_PAD=k_pad, C_SIZE=chunk, C_PAD=triton.next_power_of_2(chunk), S_PAD=s_pad,
-                    OB=tu.tail_cols(s_pad), TAIL_BLOCK=tu.select_block, NB=tu.hist_bins)
+                    OB=tu.tail_cols(s_pad), TAIL_BLOCK=tu.select_block, RANK_BLOCK=tu.rank_block, NB=tu.hist_bins)
 
     for k_pad, s_pad in ((32, 128), (128, 128), (256, 128), (512, 128), (256, 1)):  # fused_tail=False; no dtype
         yield entry(SK._select_tail_kernel, f"K{k_pad} S{s_pad}", plan(k_pad, s_pad), tail, num_warps=SK.TAIL_WARPS)

@@ -13,7 +13,7 @@ from thrifty.kvcache import ShadowKVConfig, ShadowKVEngine
 from thrifty.kvcache import reference as ref
 from thrifty.kvcache.decode import fast_layer
 from thrifty.kvcache.fill_kernel import fill_slots
-from thrifty.kvcache.score_kernel import SelectTuning, score_and_select
+from thrifty.kvcache.score_kernel import TUNING, SelectTuning, score_and_select
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,8 +39,13 @@ def make_state(lengths, H=3, D=32, cfg=None, dtype=torch.float32, seed=0):
 # Blocks of 16 and 16 coarse bins (one per octave: the clamped bin is reached): the select stage's multi-split,
 # multi-block and many-candidate paths at interpreter sizes, and tail tiles of one entry per split (the tail's
 # concatenation loops). The GPU's defaults see one block at these sizes. UNFUSED: the tail as its own launch.
-SMALL = SelectTuning(logit_block=16, score_block=16, select_block=16, hist_bins=16, hist_shift=23, tail_tile=16)
+# rank_block=1: the candidates go through the radix select (RANKED: pairwise ranks up to 16 candidates, as the
+# GPU's default of 128 does at batch 1).
+SMALL = SelectTuning(logit_block=16, score_block=16, select_block=16, hist_bins=16, hist_shift=23, tail_tile=16,
+                     rank_block=1)
 UNFUSED = dataclasses.replace(SMALL, fused_tail=False)
+RANKED = dataclasses.replace(SMALL, rank_block=16)
+RANKED_UNFUSED = dataclasses.replace(RANKED, fused_tail=False)
 
 CFG = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=20, outlier_chunks=2, local_chunks=2, min_prompt_len=16)
 
@@ -82,7 +87,8 @@ def scores_f64(q, st):
     (torch.bfloat16, 4, [211, 99], 5, SMALL),
     (torch.float32, 2, [157, 30], 13, SMALL),  # the short sequence has fewer selectable chunks than K: -1 ties
     (torch.float32, 2, [157, 30], 13, None), (torch.float32, 2, [157, 30], 13, UNFUSED),
-    (torch.bfloat16, 3, [333], 13, UNFUSED)])
+    (torch.bfloat16, 3, [333], 13, UNFUSED), (torch.float32, 3, [333], 13, RANKED),
+    (torch.float32, 2, [157, 30], 13, RANKED_UNFUSED)])
 def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * K, outlier_chunks=2, local_chunks=2,
                          min_prompt_len=16, max_generated=8)
@@ -103,6 +109,7 @@ def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tunin
     # the selection is the top K of the scores (ties: lowest ids); every slot is filled at the first step;
     # slot_of inverts slot_ids
     assert torch.equal(fl.slot_ids.long().sort(-1).values, top_k_lowest_ids(got, K))
+    assert_tail_path(fl, tuning)
     picked = st.selectable.gather(-1, fl.slot_ids.long())
     assert torch.equal(fl.work, torch.where(picked, fl.slot_ids, -1))
     for b in range(len(lengths)):
@@ -117,7 +124,16 @@ def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tunin
     assert torch.equal(fl.valid[:, :, fl.sel_base:fl.gen_base], picked.repeat_interleave(4, -1))
 
 
-@pytest.mark.parametrize("tuning", [None, SMALL, UNFUSED])
+def assert_tail_path(fl, tuning):
+    """The tail took each head's candidates the way its tuning says: pairwise ranks when they fit rank_block
+    (1), else the radix select (2)."""
+    tu = tuning or TUNING
+    counts = fl.scratch.counts.reshape(fl.scratch.tail_path.shape[0], -1, 4)[..., 1].sum(-1)
+    want = torch.where(counts <= tu.rank_block, 1, 2).to(fl.scratch.tail_path.dtype)
+    assert torch.equal(fl.scratch.tail_path, want), (fl.scratch.tail_path, counts)
+
+
+@pytest.mark.parametrize("tuning", [None, SMALL, UNFUSED, RANKED])
 def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=24, outlier_chunks=1, local_chunks=1,
                          min_prompt_len=16, max_generated=8)
@@ -134,6 +150,7 @@ def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True)
     assert (scores.masked_fill(~chosen, 2).amin(-1) >= scores.masked_fill(chosen, -2).amax(-1)).all()
     assert torch.equal(ids.sort(-1).values, top_k_lowest_ids(scores, K))
+    assert_tail_path(fl, tuning)
     before = fl.slot_ids.clone()
     fl.n_generated += 1
     score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)  # same query: all hits

@@ -46,6 +46,7 @@ class Scratch:
     seg_cand: torch.Tensor  # (B*H, splits*span) int32: per mark program, its candidates (chunk*4 + miss*2 + sel)
     seg_key: torch.Tensor  # (B*H, splits*span) int32: the candidates' score keys
     counts: torch.Tensor  # (B*H, splits, 4) int32: per mark program: misses, candidates, min and max key
+    tail_path: torch.Tensor  # (B*H,) int32: how the last tail took its candidates (1 ranked pairwise, 2 radix)
     candidates: torch.Tensor  # (B*H, C) int32: the candidates of the head, in chunk order
     cand_keys: torch.Tensor  # (B*H, C) int32
     miss_list: torch.Tensor  # (B*H, K) int32: newly selected chunks (chunk*2 + selectable)
@@ -63,7 +64,8 @@ class Scratch:
                    torch.empty(R, tuning.hist_bins, **i32), torch.empty(R, **i32), torch.zeros(R, **i32),
                    torch.empty(B, H, C, dtype=torch.int8, device=device), torch.empty(R, splits * span, **i32),
                    torch.empty(R, splits * span, **i32), torch.empty(R, splits * span, **i32),
-                   torch.empty(R, splits, 4, **i32), torch.empty(R, C, **i32), torch.empty(R, C, **i32),
+                   torch.empty(R, splits, 4, **i32), torch.zeros(R, **i32), torch.empty(R, C, **i32),
+                   torch.empty(R, C, **i32),
                    torch.empty(R, K, **i32), (splits, span), tuning)
 
 

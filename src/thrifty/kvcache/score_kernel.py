@@ -80,12 +80,15 @@ class SelectTuning:
     hist_shift: int = 18  # key bits per bin: an octave is 2^23, so 32 bins per octave
     tail_tile: int = 1024  # elements of the tail's (splits x entries) tiles when it concatenates the segments
     fused_tail: bool = True  # the tail in the mark kernel's last program per head (else a fourth launch)
+    rank_block: int = 128  # up to this many candidates are ranked pairwise; more go through the radix select
 
     def __post_init__(self):
         for name in ("logit_block", "score_block", "select_block", "hist_bins", "tail_tile"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"SelectTuning.{name} must be a power of two >= 16, got {v}")
+        if self.rank_block < 1 or self.rank_block & (self.rank_block - 1):
+            raise ValueError(f"SelectTuning.rank_block must be a power of two >= 1, got {self.rank_block}")
         if not 0 <= self.hist_shift <= 31:
             raise ValueError(f"SelectTuning.hist_shift must be in [0, 31], got {self.hist_shift}")
 
@@ -236,12 +239,13 @@ def _threshold_bin(hist_ptr, row, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _mark_kernel(score_ptr, hist_ptr, ref_ptr, sel_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, done_ptr,
+def _mark_kernel(score_ptr, hist_ptr, ref_ptr, sel_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr,
+                 done_ptr,
                  miss_ptr, cand_ptr, ckey_ptr, slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, knew_ptr, vnew_ptr,
                  kbuf_ptr, vbuf_ptr, ngen_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE, GEN_BASE,
                  K_PAD: tl.constexpr, C_SIZE: tl.constexpr, C_PAD: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
                  SHIFT: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr, OB: tl.constexpr,
-                 TAIL_BLOCK: tl.constexpr, FUSED: tl.constexpr):
+                 TAIL_BLOCK: tl.constexpr, RANK_BLOCK: tl.constexpr, FUSED: tl.constexpr):
     pid = tl.program_id(0)  # b * H + h
     sp = tl.program_id(1)
     row = pid.to(tl.int64)
@@ -283,22 +287,24 @@ def _mark_kernel(score_ptr, hist_ptr, ref_ptr, sel_ptr, mark_ptr, mseg_ptr, cseg
         tl.debug_barrier()  # every thread's list stores before this program's release
         arrived = tl.atomic_add(done_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:  # the head's last program: all the others' lists are visible
-            _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, miss_ptr, cand_ptr, ckey_ptr,
+            _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr, miss_ptr, cand_ptr,
+                  ckey_ptr,
                   slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE, K_PAD,
-                  C_SIZE, C_PAD, S_PAD, OB, TAIL_BLOCK)
+                  C_SIZE, C_PAD, S_PAD, OB, TAIL_BLOCK, RANK_BLOCK)
 
 
 @triton.jit
-def _select_tail_kernel(hist_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, miss_ptr, cand_ptr, ckey_ptr,
+def _select_tail_kernel(hist_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr, miss_ptr, cand_ptr,
+                        ckey_ptr,
                         slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE,
                         K_PAD: tl.constexpr, C_SIZE: tl.constexpr, C_PAD: tl.constexpr, NB: tl.constexpr,
-                        S_PAD: tl.constexpr, OB: tl.constexpr, TAIL_BLOCK: tl.constexpr):
+                        S_PAD: tl.constexpr, OB: tl.constexpr, TAIL_BLOCK: tl.constexpr, RANK_BLOCK: tl.constexpr):
     """The tail as its own launch, one program per (sequence, KV head) (``SelectTuning.fused_tail=False``)."""
     row = tl.program_id(0).to(tl.int64)
     top, need = _threshold_bin(hist_ptr, row, K, NB)
-    _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, miss_ptr, cand_ptr, ckey_ptr,
+    _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr, miss_ptr, cand_ptr, ckey_ptr,
           slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE, K_PAD, C_SIZE,
-          C_PAD, S_PAD, OB, TAIL_BLOCK)
+          C_PAD, S_PAD, OB, TAIL_BLOCK, RANK_BLOCK)
 
 
 @triton.jit
@@ -315,10 +321,71 @@ def _concat(src_ptr, dst_ptr, row, counts, starts, SPAN, SPLITS, S_PAD: tl.const
 
 
 @triton.jit
-def _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, miss_ptr, cand_ptr, ckey_ptr,
+def _take_radix(cand_ptr, ckey_ptr, mark_ptr, misses, n_cand, need, n_sure, lo_key, hi_key, BLOCK: tl.constexpr):
+    """Marks the ``need`` best candidates (ties to the lowest chunk ids) and appends their misses after
+    ``n_sure``; returns the miss count. The need-th largest key by a radix select on key - lo_key (in [0, 2^31):
+    the candidates share a bin, which is either non-negative keys or only -1 scores, then all equal); digits
+    above the spread are all 0 and skipped."""
+    spread = hi_key - lo_key
+    prefix = need * 0
+    bins = tl.arange(0, 512)
+    j0 = tl.arange(0, BLOCK)
+    for i in tl.static_range(4):  # digits of 9 bits: 2 passes within one bin of 2^18 keys
+        shift = 27 - 9 * i
+        if (spread >> shift) != 0:
+            hist = tl.zeros((512,), tl.int32)
+            for c0 in range(0, n_cand, BLOCK):
+                j = c0 + j0
+                match = j < n_cand
+                u = tl.load(ckey_ptr + j, mask=match, other=0) - lo_key
+                if i > 0:
+                    match = match & ((u >> (shift + 9)) == (prefix >> (shift + 9)))
+                hist += tl.histogram((u >> shift) & 511, 512, mask=match)
+            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matched keys with this digit or larger
+            digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
+            need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+            prefix = prefix | (digit << shift)
+    thr = lo_key + prefix  # need: how many candidates equal to thr are taken
+    # taken candidates: marked, their misses appended (chunk order); ties at thr to the lowest chunk ids
+    n_eq = need * 0
+    n_miss = n_sure
+    for c0 in range(0, n_cand, BLOCK):
+        j = c0 + j0
+        inb = j < n_cand
+        entry = tl.load(cand_ptr + j, mask=inb, other=0)
+        u = tl.load(ckey_ptr + j, mask=inb, other=0)
+        eq = (inb & (u == thr)).to(tl.int32)
+        take = (inb & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq + n_eq < need))
+        n_eq += tl.sum(eq, 0)
+        cid = entry >> 2
+        tl.store(mark_ptr + cid, 1, mask=take)
+        n_miss = _append(misses, n_miss, cid * 2 + (entry & 1), take & ((entry & 2) != 0))
+    return n_miss
+
+
+@triton.jit
+def _take_ranked(cand_ptr, ckey_ptr, mark_ptr, misses, n_cand, need, n_sure, RANK_BLOCK: tl.constexpr):
+    """As :func:`_take_radix` for at most RANK_BLOCK candidates, by each one's rank among them (a RANK_BLOCK²
+    comparison in registers: larger keys first, equal keys in list order = chunk order). Why: the radix passes
+    cost ~3 us each whatever the candidate count (a 512-bin ``tl.histogram`` over a 1024-wide tile), and at
+    batch 1 a head has ~10-40 candidates (H200, 122K/61K, random state)."""
+    j = tl.arange(0, RANK_BLOCK)
+    inb = j < n_cand
+    entry = tl.load(cand_ptr + j, mask=inb, other=0)
+    u = tl.load(ckey_ptr + j, mask=inb, other=0)
+    ahead = (u[None, :] > u[:, None]) | ((u[None, :] == u[:, None]) & (j[None, :] < j[:, None]))
+    rank = tl.sum((ahead & inb[None, :]).to(tl.int32), 1)
+    take = inb & (rank < need)
+    cid = entry >> 2
+    tl.store(mark_ptr + cid, 1, mask=take)
+    return _append(misses, n_sure, cid * 2 + (entry & 1), take & ((entry & 2) != 0))
+
+
+@triton.jit
+def _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr, miss_ptr, cand_ptr, ckey_ptr,
           slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE,
           K_PAD: tl.constexpr, C_SIZE: tl.constexpr, C_PAD: tl.constexpr, S_PAD: tl.constexpr, OB: tl.constexpr,
-          BLOCK: tl.constexpr):
+          BLOCK: tl.constexpr, RANK_BLOCK: tl.constexpr):
     """A head's exact top-K and reuse plan from the per-program lists of the mark kernel (see the module doc)."""
     base = row * C
     s = tl.arange(0, S_PAD)
@@ -340,44 +407,14 @@ def _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, mis
     _concat(kseg_ptr, ckey_ptr + base, row, n_c, tl.cumsum(n_c, 0) - n_c, SPAN, SPLITS, S_PAD, OB)
     tl.debug_barrier()  # the passes below read what other threads wrote
 
-    # the need-th largest key among the candidates: radix select on key - lo_key (in [0, 2^31): the candidates
-    # share a bin, which is either non-negative keys or only -1 scores, then all equal); digits above the
-    # spread are all 0 and skipped
-    spread = hi_key - lo_key
-    prefix = need * 0
-    bins = tl.arange(0, 512)
-    j0 = tl.arange(0, BLOCK)
-    for i in tl.static_range(4):  # digits of 9 bits: 2 passes within one bin of 2^18 keys
-        shift = 27 - 9 * i
-        if (spread >> shift) != 0:
-            hist = tl.zeros((512,), tl.int32)
-            for c0 in range(0, n_cand, BLOCK):
-                j = c0 + j0
-                match = j < n_cand
-                u = tl.load(ckey_ptr + base + j, mask=match, other=0) - lo_key
-                if i > 0:
-                    match = match & ((u >> (shift + 9)) == (prefix >> (shift + 9)))
-                hist += tl.histogram((u >> shift) & 511, 512, mask=match)
-            at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matched keys with this digit or larger
-            digit = tl.max(tl.where(at_least >= need, bins, -1), 0)
-            need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-            prefix = prefix | (digit << shift)
-    thr = lo_key + prefix  # need: how many candidates equal to thr are taken
-
-    # taken candidates: marked, their misses appended (chunk order); ties at thr to the lowest chunk ids
-    n_eq = need * 0
-    n_miss = n_sure
-    for c0 in range(0, n_cand, BLOCK):
-        j = c0 + j0
-        inb = j < n_cand
-        entry = tl.load(cand_ptr + base + j, mask=inb, other=0)
-        u = tl.load(ckey_ptr + base + j, mask=inb, other=0)
-        eq = (inb & (u == thr)).to(tl.int32)
-        take = (inb & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq + n_eq < need))
-        n_eq += tl.sum(eq, 0)
-        cid = entry >> 2
-        tl.store(mark_ptr + base + cid, 1, mask=take)
-        n_miss = _append(misses, n_miss, cid * 2 + (entry & 1), take & ((entry & 2) != 0))
+    if n_cand <= RANK_BLOCK:
+        n_miss = _take_ranked(cand_ptr + base, ckey_ptr + base, mark_ptr + base, misses, n_cand, need, n_sure,
+                              RANK_BLOCK)
+        tl.store(path_ptr + row, 1)
+    else:
+        n_miss = _take_radix(cand_ptr + base, ckey_ptr + base, mark_ptr + base, misses, n_cand, need, n_sure,
+                             lo_key, hi_key, BLOCK)
+        tl.store(path_ptr + row, 2)
     tl.debug_barrier()
 
     # reuse plan: kept chunks stay in their slots, misses take the freed slots in order
@@ -438,8 +475,8 @@ def score_and_select(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         return
     c = fl.chunk_size
     plan = dict(K_PAD=triton.next_power_of_2(K), C_SIZE=c, C_PAD=triton.next_power_of_2(c), NB=tu.hist_bins,
-                S_PAD=s_pad, OB=tu.tail_cols(s_pad), TAIL_BLOCK=tu.select_block)
-    lists = (sc.mark, sc.seg_miss, sc.seg_cand, sc.seg_key, sc.counts)
+                S_PAD=s_pad, OB=tu.tail_cols(s_pad), TAIL_BLOCK=tu.select_block, RANK_BLOCK=tu.rank_block)
+    lists = (sc.mark, sc.seg_miss, sc.seg_cand, sc.seg_key, sc.counts, sc.tail_path)
     tail = (sc.miss_list, sc.candidates, sc.cand_keys, fl.slot_ids, fl.slot_of, fl.work, fl.valid.view(torch.int8))
     _mark_kernel[(B * H, splits)](
         sc.scores, sc.hist, sc.key_ref, sel, *lists, sc.done, *tail, k_new.reshape(B * H, D),
