@@ -79,7 +79,9 @@ class SelectTuning:
     hist_bins: int = 2048  # bins of the first level (8 KB of int32 per head)
     hist_shift: int = 18  # key bits per bin: an octave is 2^23, so 32 bins per octave
     tail_tile: int = 1024  # elements of the tail's (splits x entries) tiles when it concatenates the segments
-    fused_tail: bool = True  # the tail in the mark kernel's last program per head (else a fourth launch)
+    # the tail as a fourth launch, one program per head (True: in the mark kernel's last program per head; it
+    # saved a launch, but measured 4-5 us slower per layer once the radix passes were gone: H200, 510d149)
+    fused_tail: bool = False
     rank_block: int = 128  # up to this many candidates are ranked pairwise; more go through the radix select
 
     def __post_init__(self):
