@@ -244,28 +244,22 @@ def _kvcache():
                          "hist_ptr ref_ptr": "*i32"}, num_warps=SK.SCORE_WARPS)
     tail = {"mark_ptr valid_ptr": "*i8", "hist_ptr mseg_ptr cseg_ptr kseg_ptr count_ptr path_ptr miss_ptr cand_ptr ckey_ptr "
             "slot_ids_ptr slot_of_ptr work_ptr": "*i32"}
-    lists = tail | {"score_ptr": "*fp32", "sel_ptr": "*i8", "ref_ptr done_ptr": "*i32"}
+    mark = {"score_ptr": "*fp32", "sel_ptr mark_ptr valid_ptr": "*i8",
+            "hist_ptr ref_ptr mseg_ptr cseg_ptr kseg_ptr count_ptr slot_of_ptr": "*i32"}
 
     def plan(k_pad, s_pad):  # as score_and_select
         return dict(K_PAD=k_pad, C_SIZE=chunk, C_PAD=triton.next_power_of_2(chunk), S_PAD=s_pad,
                     OB=tu.tail_cols(s_pad), TAIL_BLOCK=tu.select_block, RANK_BLOCK=tu.rank_block, NB=tu.hist_bins)
 
-    for k_pad, s_pad in ((32, 128), (128, 128), (256, 128), (512, 128), (256, 1)):  # fused_tail=False; no dtype
+    for k_pad, s_pad in ((32, 128), (128, 128), (256, 128), (512, 128), (256, 1)):  # no dtype
         yield entry(SK._select_tail_kernel, f"K{k_pad} S{s_pad}", plan(k_pad, s_pad), tail, num_warps=SK.TAIL_WARPS)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for D in (64, 128):
-            # K: the paper's budgets 1024/2048/4096 at c=8 and SmolLM2's 256/512; splits: batch 1 at 61K/122K
-            # (66 on 132 SMs) for every K, 1 / 8 (large batches) and the unfused variant at K=256. The dtype only
-            # changes the new token's append: the whole set for bf16, K=256 at 66 splits for the others
-            variants = [(256, 128, True)]
-            if dtype == torch.bfloat16:
-                variants += [(k_pad, 128, True) for k_pad in (32, 128, 512)] + [(256, 1, True), (256, 8, True),
-                                                                                 (256, 128, False)]
-            for k_pad, s_pad, fused in variants:
-                yield entry(SK._mark_kernel, f"D{D} {NAME[dtype]} K{k_pad} S{s_pad}{'' if fused else ' unfused'}",
-                            dict(D=D, SHIFT=tu.hist_shift, BLOCK=tu.score_block, FUSED=fused, **plan(k_pad, s_pad)),
-                            lists | {"knew_ptr vnew_ptr kbuf_ptr vbuf_ptr": PTR[dtype], "ngen_ptr": "*i64"},
-                            num_warps=SK.MARK_WARPS)
+            # the dtype only changes the new token's append (K and the splits are run-time values here)
+            yield entry(SK._mark_kernel, f"D{D} {NAME[dtype]}",
+                        dict(D=D, NB=tu.hist_bins, SHIFT=tu.hist_shift, BLOCK=tu.score_block),
+                        mark | {"knew_ptr vnew_ptr kbuf_ptr vbuf_ptr": PTR[dtype], "ngen_ptr": "*i64"},
+                        num_warps=SK.MARK_WARPS)
             for G in ((3, 8) if dtype == torch.bfloat16 else (4,)):  # SmolLM2's 9/3 heads; Llama's 32/4, 64/8
                 g_pad = SK.g_pads(G)[0]  # as score_and_select / masked_decode_attention (dot_rows)
                 assert g_pad == AK.dot_rows(G, 1)
@@ -273,7 +267,7 @@ def _kvcache():
                 yield entry(SK._landmark_logits_kernel, label,
                             dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins),
                             {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8",
-                             "logit_ptr part_m_ptr part_l_ptr": "*fp32", "hist_ptr done_ptr": "*i32"},
+                             "logit_ptr part_m_ptr part_l_ptr": "*fp32", "hist_ptr": "*i32"},
                             fp32="scale")
                 # BITS 0: float rows + validity; Sq = 1 and the innermost strides are 1 (Triton specializes them)
                 yield entry(AK._decode_split_kernel, f"{label} rows",

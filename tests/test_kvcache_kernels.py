@@ -38,14 +38,12 @@ def make_state(lengths, H=3, D=32, cfg=None, dtype=torch.float32, seed=0):
 
 # Blocks of 16 and 16 coarse bins (one per octave: the clamped bin is reached): the select stage's multi-split,
 # multi-block and many-candidate paths at interpreter sizes, and tail tiles of one entry per split (the tail's
-# concatenation loops). The GPU's defaults see one block at these sizes. UNFUSED: the tail as its own launch.
+# concatenation loops). The GPU's defaults see one block at these sizes.
 # rank_block=1: the candidates go through the radix select (RANKED: pairwise ranks up to 16 candidates, as the
 # GPU's default of 128 does at batch 1).
 SMALL = SelectTuning(logit_block=16, score_block=16, select_block=16, hist_bins=16, hist_shift=23, tail_tile=16,
                      rank_block=1)
-UNFUSED = dataclasses.replace(SMALL, fused_tail=False)
 RANKED = dataclasses.replace(SMALL, rank_block=16)
-RANKED_UNFUSED = dataclasses.replace(RANKED, fused_tail=False)
 
 CFG = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=20, outlier_chunks=2, local_chunks=2, min_prompt_len=16)
 
@@ -86,9 +84,8 @@ def scores_f64(q, st):
     (torch.bfloat16, 4, [211, 99], 5, None), (torch.float32, 3, [333], 13, SMALL),
     (torch.bfloat16, 4, [211, 99], 5, SMALL),
     (torch.float32, 2, [157, 30], 13, SMALL),  # the short sequence has fewer selectable chunks than K: -1 ties
-    (torch.float32, 2, [157, 30], 13, None), (torch.float32, 2, [157, 30], 13, UNFUSED),
-    (torch.bfloat16, 3, [333], 13, UNFUSED), (torch.float32, 3, [333], 13, RANKED),
-    (torch.float32, 2, [157, 30], 13, RANKED_UNFUSED)])
+    (torch.float32, 2, [157, 30], 13, None), (torch.float32, 3, [333], 13, RANKED),
+    (torch.float32, 2, [157, 30], 13, RANKED)])
 def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * K, outlier_chunks=2, local_chunks=2,
                          min_prompt_len=16, max_generated=8)
@@ -133,7 +130,7 @@ def assert_tail_path(fl, tuning):
     assert torch.equal(fl.scratch.tail_path, want), (fl.scratch.tail_path, counts)
 
 
-@pytest.mark.parametrize("tuning", [None, SMALL, UNFUSED, RANKED])
+@pytest.mark.parametrize("tuning", [None, SMALL, RANKED])
 def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=24, outlier_chunks=1, local_chunks=1,
                          min_prompt_len=16, max_generated=8)
@@ -167,7 +164,7 @@ def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     assert set(fl.work[0, 0][fl.work[0, 0] >= 0].tolist()) == new_set - set(before[0, 0].tolist())
 
 
-@pytest.mark.parametrize("tuning", [None, SMALL, UNFUSED])
+@pytest.mark.parametrize("tuning", [None, SMALL])
 def test_select_ties_across_splits_and_clusters(tuning):
     """Adversarial selections over several steps, against a stable sort of the kernel's scores and against the
     reference's scores: ties straddling the threshold spread over every split (more candidates than a tail

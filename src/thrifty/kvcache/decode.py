@@ -40,7 +40,6 @@ class Scratch:
     scores: torch.Tensor  # (B, H, C) fp32
     hist: torch.Tensor  # (B*H, bins) int32: first-level histogram of the scores
     key_ref: torch.Tensor  # (B*H,) int32: the key the bins count down from
-    done: torch.Tensor  # (B*H,) int32: programs of the mark kernel that have finished (the last runs the tail)
     mark: torch.Tensor  # (B, H, C) int8: selected this step
     seg_miss: torch.Tensor  # (B*H, splits*span) int32: per mark program, its sure misses (chunk*2 + selectable)
     seg_cand: torch.Tensor  # (B*H, splits*span) int32: per mark program, its candidates (chunk*4 + miss*2 + sel)
@@ -61,7 +60,7 @@ class Scratch:
         R = B * H
         return cls(torch.empty(R, G, C, **f32), torch.empty(R, splits, g_pad, **f32),
                    torch.empty(R, splits, g_pad, **f32), torch.empty(B, H, C, **f32),
-                   torch.empty(R, tuning.hist_bins, **i32), torch.empty(R, **i32), torch.zeros(R, **i32),
+                   torch.empty(R, tuning.hist_bins, **i32), torch.empty(R, **i32),
                    torch.empty(B, H, C, dtype=torch.int8, device=device), torch.empty(R, splits * span, **i32),
                    torch.empty(R, splits * span, **i32), torch.empty(R, splits * span, **i32),
                    torch.empty(R, splits, 4, **i32), torch.zeros(R, **i32), torch.empty(R, C, **i32),

@@ -1,10 +1,11 @@
 """Landmark scoring, top-K selection and the reuse plan: the first stage of a ShadowKV decode step, three kernels
-on one grid (sequence x KV head, splits of the chunk axis; ~4 programs per SM even at batch 1).
+on one grid (sequence x KV head, splits of the chunk axis; ~4 programs per SM even at batch 1) and a short tail
+kernel, one program per head.
 
 1. ``_landmark_logits_kernel``: ``q . landmark * scale`` for the G query heads of the group (one tensor-core dot,
    rows padded to 16), the logits parked in an fp32 scratch (G x 4 bytes per chunk), and per split the running
    max and sum of the softmax. The landmarks (C x D x 2 bytes per head) are the bytes that matter. Program 0 of
-   each head also zeroes the head's score histogram and its arrival counter for kernels 2 and 3.
+   each head also zeroes the head's score histogram for kernel 2.
 2. ``_score_hist_kernel``: merges the split statistics, turns its chunks' logits into softmax probabilities and
    writes their max over the group: the score of a chunk (-1 for chunks that cannot be selected: outliers,
    padding), exactly :func:`thrifty.kvcache.reference.landmark_scores`. Each score also goes into a histogram of
@@ -14,31 +15,30 @@ on one grid (sequence x KV head, splits of the chunk axis; ~4 programs per SM ev
    higher bins (taken for sure), lists the sure ones that are misses (no slot yet) and the chunks of bin ``top``
    (the candidates: ~1% of C on random data) in its own segment of a scratch, in chunk order, with their counts.
    Program 0 of a head also appends the new token's key/value to the generated rows of the attention buffer (row
-   ``gen_base + n_generated``, a device counter). Then each program adds 1 to the head's arrival counter; the
-   program that arrives last (it sees ``splits - 1``) runs the head's **tail** (``_tail``), which never walks C:
+   ``gen_base + n_generated``, a device counter).
+4. ``_select_tail_kernel``, one program per head: the head's **tail** (``_tail``), which never walks C:
    * concatenates the segments into one chunk-ordered miss list and one candidate list (the offsets are the
      prefix sums of the per-program counts);
-   * the exact K-th largest among the candidates by a radix select (passes of 9 bits with ``tl.histogram`` over
-     the candidates' keys relative to the smallest, no sort; the passes above the keys' spread are skipped, all
-     of them when the candidates are all equal, e.g. the -1 padding picks of a short sequence). Ties at the
-     threshold go to the lowest chunk ids (``torch.topk`` leaves them unspecified); taken candidates are marked
-     and their misses appended to the miss list;
+   * takes the ``need`` best candidates: up to ``SelectTuning.rank_block`` of them by each one's rank among
+     them (a pairwise comparison in registers; batch 1 sees ~10-40), more by a radix select for the need-th
+     largest key (passes of 9 bits with ``tl.histogram`` over the keys relative to the smallest; passes above the
+     keys' spread are skipped, all of them when the candidates are all equal, e.g. the -1 padding picks of a
+     short sequence). Ties go to the lowest chunk ids either way (``torch.topk`` leaves them unspecified); taken
+     candidates are marked and their misses appended to the miss list;
    * the reuse plan: a chunk still selected keeps its slot (nothing moves), each newly selected chunk takes a
      slot whose chunk left the selection, in slot order, the misses in chunk order (sure ones first);
      ``work[slot]`` = the chunk to rebuild/fetch there, or -1. The maps ``slot_ids`` (slot -> chunk) and
      ``slot_of`` (chunk -> slot) are updated in place, so that a CUDA graph replay sees the previous step's plan.
      A slot whose new chunk is not selectable (a sequence with fewer selectable chunks than K) is marked invalid
      and never filled; a kept slot keeps its validity byte (selectability does not change).
-   With ``SelectTuning.fused_tail=False`` the tail is a fourth launch, one program per head (same code).
 
 Why: v2 ran the whole top-K in one program per head (8 programs on the GPU at batch 1, 6 walks over C: 138 us per
 layer at 122K on the H200); v3 moved the histogram onto the wide grid but still walked C once per head, with
 compaction, in that one program (83 us). Now every C-sized pass runs on ~4 programs per SM; the per-head tail
 touches only the per-program counts, the ~K misses, the ~1% candidates and the K slots.
 
-The last-arrival pattern (as CUDA's threadFenceReduction sample and cooperative groups' grid sync): every thread
-of a program stores its lists, a CTA barrier orders those stores before the program's gpu-scope acq_rel atomic,
-and the last program's acquire makes all of them visible to it. Nothing ever waits, so no co-residency is needed.
+The tail ran inside the mark kernel's last-arriving program per head until the radix passes left it (one launch
+fewer); measured since then, its own launch is 4-5 us per layer faster (H200, 510d149, NOTES.md).
 
 Bins: ``(key(ref) - key(score)) >> shift``, clamped to [0, bins - 2], with ``ref`` the largest score any chunk of
 the head can have (1/sum of the softmax); negative scores (-1) get the last bin. A bin is a function of the key
@@ -66,7 +66,7 @@ KEY_MIN = tl.constexpr(-2147483648)
 PROGRAMS_PER_SM = 4
 SCORE_WARPS = 4
 MARK_WARPS = 4
-TAIL_WARPS = 8  # the separate tail kernel (fused_tail=False)
+TAIL_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,6 @@ class SelectTuning:
     hist_bins: int = 2048  # bins of the first level (8 KB of int32 per head)
     hist_shift: int = 18  # key bits per bin: an octave is 2^23, so 32 bins per octave
     tail_tile: int = 1024  # elements of the tail's (splits x entries) tiles when it concatenates the segments
-    # the tail as a fourth launch, one program per head (True: in the mark kernel's last program per head; it
-    # saved a launch, but measured 4-5 us slower per layer once the radix passes were gone: H200, 510d149)
-    fused_tail: bool = False
     rank_block: int = 128  # up to this many candidates are ranked pairwise; more go through the radix select
 
     def __post_init__(self):
@@ -116,14 +113,13 @@ def logit_splits(rows: int, C: int, device: torch.device, block: int = TUNING.lo
 
 
 @triton.jit
-def _landmark_logits_kernel(q_ptr, lm_ptr, sel_ptr, logit_ptr, part_m_ptr, part_l_ptr, hist_ptr, done_ptr, C, SPAN,
+def _landmark_logits_kernel(q_ptr, lm_ptr, sel_ptr, logit_ptr, part_m_ptr, part_l_ptr, hist_ptr, C, SPAN,
                             SPLITS, scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                             BLOCK_C: tl.constexpr, NB: tl.constexpr):
     pid = tl.program_id(0)  # b * H + h
     sp = tl.program_id(1)
-    if sp == 0:  # kernels 2 and 3 add into these; their previous users (the last mark kernel) have finished
+    if sp == 0:  # kernel 2 adds into it; its previous users (the last step's mark and tail kernels) have finished
         tl.store(hist_ptr + pid.to(tl.int64) * NB + tl.arange(0, NB), 0)
-        tl.store(done_ptr + pid, 0)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     live = g < G
@@ -241,13 +237,9 @@ def _threshold_bin(hist_ptr, row, K, NB: tl.constexpr):
 
 
 @triton.jit
-def _mark_kernel(score_ptr, hist_ptr, ref_ptr, sel_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr,
-                 done_ptr,
-                 miss_ptr, cand_ptr, ckey_ptr, slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, knew_ptr, vnew_ptr,
-                 kbuf_ptr, vbuf_ptr, ngen_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE, GEN_BASE,
-                 K_PAD: tl.constexpr, C_SIZE: tl.constexpr, C_PAD: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                 SHIFT: tl.constexpr, BLOCK: tl.constexpr, S_PAD: tl.constexpr, OB: tl.constexpr,
-                 TAIL_BLOCK: tl.constexpr, RANK_BLOCK: tl.constexpr, FUSED: tl.constexpr):
+def _mark_kernel(score_ptr, hist_ptr, ref_ptr, sel_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr,
+                 valid_ptr, knew_ptr, vnew_ptr, kbuf_ptr, vbuf_ptr, ngen_ptr, slot_of_ptr, C, K, SPAN, SPLITS,
+                 N_TOTAL, GEN_BASE, D: tl.constexpr, NB: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)  # b * H + h
     sp = tl.program_id(1)
     row = pid.to(tl.int64)
@@ -285,14 +277,6 @@ def _mark_kernel(score_ptr, hist_ptr, ref_ptr, sel_ptr, mark_ptr, mseg_ptr, cseg
     tl.store(cnt + 1, n_cand)
     tl.store(cnt + 2, lo_key)
     tl.store(cnt + 3, hi_key)
-    if FUSED:
-        tl.debug_barrier()  # every thread's list stores before this program's release
-        arrived = tl.atomic_add(done_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:  # the head's last program: all the others' lists are visible
-            _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr, miss_ptr, cand_ptr,
-                  ckey_ptr,
-                  slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE, K_PAD,
-                  C_SIZE, C_PAD, S_PAD, OB, TAIL_BLOCK, RANK_BLOCK)
 
 
 @triton.jit
@@ -301,7 +285,7 @@ def _select_tail_kernel(hist_ptr, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_
                         slot_ids_ptr, slot_of_ptr, work_ptr, valid_ptr, C, K, SPAN, SPLITS, N_TOTAL, SEL_BASE,
                         K_PAD: tl.constexpr, C_SIZE: tl.constexpr, C_PAD: tl.constexpr, NB: tl.constexpr,
                         S_PAD: tl.constexpr, OB: tl.constexpr, TAIL_BLOCK: tl.constexpr, RANK_BLOCK: tl.constexpr):
-    """The tail as its own launch, one program per (sequence, KV head) (``SelectTuning.fused_tail=False``)."""
+    """The tail (module doc), one program per (sequence, KV head)."""
     row = tl.program_id(0).to(tl.int64)
     top, need = _threshold_bin(hist_ptr, row, K, NB)
     _tail(row, top, need, mark_ptr, mseg_ptr, cseg_ptr, kseg_ptr, count_ptr, path_ptr, miss_ptr, cand_ptr, ckey_ptr,
@@ -466,8 +450,8 @@ def score_and_select(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     s_pad = triton.next_power_of_2(splits)
     sel = selectable.view(torch.int8)
     _landmark_logits_kernel[(B * H, splits)](
-        q.reshape(B * Hq, D).to(landmarks.dtype), landmarks, sel, sc.logits, sc.part_m, sc.part_l, sc.hist, sc.done,
-        C, span, splits, scale, G=G, G_PAD=G_PAD, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins)
+        q.reshape(B * Hq, D).to(landmarks.dtype), landmarks, sel, sc.logits, sc.part_m, sc.part_l, sc.hist, C,
+        span, splits, scale, G=G, G_PAD=G_PAD, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins)
     if stop_after == "logits":
         return
     _score_hist_kernel[(B * H, splits)](
@@ -481,10 +465,9 @@ def score_and_select(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     lists = (sc.mark, sc.seg_miss, sc.seg_cand, sc.seg_key, sc.counts, sc.tail_path)
     tail = (sc.miss_list, sc.candidates, sc.cand_keys, fl.slot_ids, fl.slot_of, fl.work, fl.valid.view(torch.int8))
     _mark_kernel[(B * H, splits)](
-        sc.scores, sc.hist, sc.key_ref, sel, *lists, sc.done, *tail, k_new.reshape(B * H, D),
-        v_new.reshape(B * H, D), fl.k, fl.v, fl.n_generated, C, K, span, splits, fl.k.shape[2], fl.sel_base,
-        fl.gen_base, D=D, SHIFT=tu.hist_shift, BLOCK=tu.score_block, FUSED=tu.fused_tail, num_warps=MARK_WARPS,
-        **plan)
-    if not tu.fused_tail:
-        _select_tail_kernel[(B * H,)](sc.hist, *lists, *tail, C, K, span, splits, fl.k.shape[2], fl.sel_base,
-                                      num_warps=TAIL_WARPS, **plan)
+        sc.scores, sc.hist, sc.key_ref, sel, sc.mark, sc.seg_miss, sc.seg_cand, sc.seg_key, sc.counts,
+        fl.valid.view(torch.int8), k_new.reshape(B * H, D), v_new.reshape(B * H, D), fl.k, fl.v, fl.n_generated,
+        fl.slot_of, C, K, span, splits, fl.k.shape[2], fl.gen_base, D=D, NB=tu.hist_bins, SHIFT=tu.hist_shift,
+        BLOCK=tu.score_block, num_warps=MARK_WARPS)
+    _select_tail_kernel[(B * H,)](sc.hist, *lists, *tail, C, K, span, splits, fl.k.shape[2], fl.sel_base,
+                                  num_warps=TAIL_WARPS, **plan)
