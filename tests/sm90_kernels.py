@@ -523,7 +523,7 @@ def _bitnet_packed():
                     fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
     plans, decode = set(), set()
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912)):
-        for m in (1, 2, 3, 4, 16, 2048):
+        for m in (1, 2, 3, 4, 16, 32, 64, 128, 256, 2048):  # every tile class of plan()
             cfg = PK.plan(m, n, k)
             if cfg["kernel"] == "decode":
                 for version in (1, 2):  # v2 (decode_plan's default) and v1, timed beside it by the benchmark

@@ -559,28 +559,31 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Kernel, tile, K split and launch options for an (m tokens) × (n, k) product, from the shape alone.
 
-    1–4 tokens: :func:`decode_plan` (one launch, no split). Up to 64 tokens the tensor-core GEMM reads the weight
-    once and is bandwidth-bound: it wants ~4 resident programs per SM with several loads in flight each, so the K
-    loop is split until there are ≥ 4·SMs programs (keeping ≥ 2 groups per program). Prefill is compute-bound:
-    128 × 128 tiles, split only when the tiles cannot fill the GPU. (``kernel="gemv"``, the split-K CUDA-core
-    GEMV the decode kernel replaced, is still run when a config asks for it: tests, the benchmark's sweep.)"""
+    1–4 tokens: :func:`decode_plan` (one launch, no split). Beyond, the tensor-core GEMM with the tile a sweep
+    of 60 tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
+    ≤ 32 tokens 64 × 16 tiles, ≤ 128 tokens 64 × 64, beyond 128 × 64 with 8 warps; 3 stages. The K loop is split
+    (≤ 128 tokens only) while the tiles leave SMs idle and each slice keeps ≥ 16 groups (4096 of K): a split
+    pays only on long K (11008), its workspace and second launch cost more elsewhere. (``kernel="gemv"``, the
+    split-K CUDA-core GEMV the decode kernel replaced, is still run when a config asks for it: tests, the
+    benchmark's sweep.)"""
     if m <= GEMV_MAX_TOKENS:
         return decode_plan(m, n, k, sms)
     groups = padded_k(k) // GROUP
-    if m <= 64:
-        kernel, block_n, block_m, warps, stages = "gemm", 64, max(16, _pow2(m)), 4, 4
+    if m <= 32:
+        block_n, block_m, warps = 64, 16, 4
+    elif m <= 128:
+        block_n, block_m, warps = 64, 64, 4
     else:
-        kernel, block_n, block_m, warps, stages = "gemm", 128, 128, 8, 3
+        block_n, block_m, warps = 128, 64, 8
     tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
     split = 1
-    target = 4 * sms if m <= 64 else 2 * sms
-    while tiles * split < target and groups // (split * 2) >= 2:
+    while m <= 128 and tiles * split < sms and groups // (split * 2) >= 16:
         split *= 2
     per_split = _cdiv(groups, split)
     # fused_epilogue: the last K-slice of a tile applies the scales (one launch instead of two); off until the
     # GPU benchmark has checked its exactness and timed it (benchmarks/bitnet_kernels.py's sweep)
-    return dict(kernel=kernel, BLOCK_N=block_n, BLOCK_M=block_m, split=_cdiv(groups, per_split),
-                groups_per_split=per_split, num_warps=warps, num_stages=stages, fused_epilogue=False)
+    return dict(kernel="gemm", BLOCK_N=block_n, BLOCK_M=block_m, split=_cdiv(groups, per_split),
+                groups_per_split=per_split, num_warps=warps, num_stages=3, fused_epilogue=False)
 
 
 def _workspace(device: torch.device, numel: int, pool: dict | None = None) -> torch.Tensor:
