@@ -562,8 +562,9 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     1–4 tokens: :func:`decode_plan` (one launch, no split). Beyond, the tensor-core GEMM with the tile a sweep
     of 60 tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
     ≤ 32 tokens 64 × 16 tiles, ≤ 128 tokens 64 × 64, beyond 128 × 64 with 8 warps; 3 stages. The K loop is split
-    (≤ 128 tokens only) while the tiles leave SMs idle and each slice keeps ≥ 16 groups (4096 of K): a split
-    pays only on long K (11008), its workspace and second launch cost more elsewhere. (``kernel="gemv"``, the
+    only for long K (≥ 24 groups: 6912, 11008) at ≤ 128 tokens, until 1.5 programs per SM or 4 groups per
+    slice: there it pays (2560 × 6912 at 16 tokens: 10.2 against 12.8 µs unsplit); on K ≤ 4096 the workspace
+    and the second launch cost more than the idle SMs (4096 × 4096 at 16 tokens: 8.9 unsplit, 10.0 split). (``kernel="gemv"``, the
     split-K CUDA-core GEMV the decode kernel replaced, is still run when a config asks for it: tests, the
     benchmark's sweep.)"""
     if m <= GEMV_MAX_TOKENS:
@@ -577,7 +578,7 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
         block_n, block_m, warps = 128, 64, 8
     tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
     split = 1
-    while m <= 128 and tiles * split < sms and groups // (split * 2) >= 16:
+    while m <= 128 and groups >= 24 and tiles * split < 3 * sms // 2 and groups // (split * 2) >= 4:
         split *= 2
     per_split = _cdiv(groups, split)
     # fused_epilogue: the last K-slice of a tile applies the scales (one launch instead of two); off until the
