@@ -239,6 +239,11 @@ def profile_step(model, adam, device, x, y) -> dict:
     return out
 
 
+def _lomo_config(optimizer: str, state_dtype: torch.dtype) -> LomoConfig:
+    """The LOMO settings of every training row (Table 1 and the real-text identity pair)."""
+    return LomoConfig(optimizer=optimizer, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, state_dtype=state_dtype)
+
+
 def _deterministic(on: bool) -> None:
     """Deterministic kernels for the identity rows (flash attention's backward without atomics, cuBLAS with a
     fixed workspace); uninitialized memory is not filled (only the speed would change)."""
@@ -282,8 +287,7 @@ def train_rows(args, device):
         try:
             model = _train_model(shape, device)
             row["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-            cfg = LomoConfig(optimizer=opt_name, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0,
-                             state_dtype=state_dtype)
+            cfg = _lomo_config(opt_name, state_dtype)
             if cce:
                 from thrifty.loss import linear_cross_entropy
 
@@ -502,8 +506,7 @@ def real_text_identity_rows(args, device, base):
             model.set_loss(lambda h, w, y: linear_cross_entropy(h, w, y))
             if neuzip:
                 compress_model(model, config=NeuZipConfig())
-            opt = lomo(model, LomoConfig(optimizer="adamw", lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0,
-                                         state_dtype=torch.int8))
+            opt = lomo(model, _lomo_config("adamw", torch.int8))
             losses = []
             for x, y in batches:
                 loss = model(x.to(device), labels=y.to(device))

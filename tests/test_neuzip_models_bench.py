@@ -8,10 +8,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_neuzip_models_training_smoke(capsys):
+def _bench_module():
     spec = importlib.util.spec_from_file_location("neuzip_models_bench", ROOT / "benchmarks" / "neuzip_models.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_neuzip_models_training_smoke(capsys):
+    mod = _bench_module()
     assert mod.main(["--smoke", "--skip-infer", "--check-identity"]) == 0
     out = capsys.readouterr().out
     path = Path(out.strip().splitlines()[-1].split("wrote ", 1)[1])
@@ -41,9 +46,7 @@ def test_neuzip_models_real_text_identity_smoke():
 
     if not (data_dir() / "corpus" / "manifest.json").is_file():
         pytest.skip("no prepared corpus (thrifty setup)")
-    spec = importlib.util.spec_from_file_location("neuzip_models_bench", ROOT / "benchmarks" / "neuzip_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_module()
     base = LlamaForCausalLM(preset("tiny")).init_weights(seed=0).to(torch.bfloat16)
     args = mod.argparse.Namespace(smoke=True)
     rows = mod.real_text_identity_rows(args, torch.device("cpu"), base)
