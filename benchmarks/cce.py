@@ -150,18 +150,18 @@ def logit_stats(z):
 
 
 # ------------------------------------------------------------------------------------------- inputs (GPU)
-def synthetic(D, V, entropy, top1, seed=0, device="cuda"):
+def synthetic(D, V, entropy, top1, seed=0, device="cuda", n=N_TOKENS):
     """E, C (bf16) with logits z_ij = a*bias_j + s*noise_ij: bias_j = -log(rank_j) (Zipf over a random token
     order) in one coordinate, Gaussian noise in the others; (a, s) fitted on 256 rows to the target
     entropy and top-1. Returns E, C, targets sampled from softmax(z)."""
     g = torch.Generator(device=device).manual_seed(seed)
     rank = torch.randperm(V, generator=g, device=device).float() + 1
     zipf = -torch.log(rank)
-    base_e = torch.randn(N_TOKENS, D - 1, generator=g, device=device) / math.sqrt(D - 1)
+    base_e = torch.randn(n, D - 1, generator=g, device=device) / math.sqrt(D - 1)
     base_c = torch.randn(V, D - 1, generator=g, device=device)
 
     def build(a, s):
-        e = torch.cat([torch.ones(N_TOKENS, 1, device=device), base_e * s], 1)
+        e = torch.cat([torch.ones(n, 1, device=device), base_e * s], 1)
         c = torch.cat([zipf[:, None] * a, base_c], 1)
         return e, c
 
@@ -176,18 +176,18 @@ def synthetic(D, V, entropy, top1, seed=0, device="cuda"):
     _, a, s, st = best
     e, c = build(a, s)
     e, c = e.bfloat16(), c.bfloat16()
-    targets = torch.empty(N_TOKENS, dtype=torch.long, device=device)
-    for i in range(0, N_TOKENS, 512):
+    targets = torch.empty(n, dtype=torch.long, device=device)
+    for i in range(0, n, 512):
         p = torch.softmax((e[i:i + 512] @ c.T).float(), -1)
         targets[i:i + 512] = torch.multinomial(p, 1, generator=g).squeeze(1)
     return e, c, targets, dict(a=a, s=s, **st)
 
 
-def random_inputs(D, V, seed=0, device="cuda"):
+def random_inputs(D, V, seed=0, device="cuda", n=N_TOKENS):
     g = torch.Generator(device=device).manual_seed(seed)
-    e = torch.randn(N_TOKENS, D, generator=g, device=device).bfloat16()
+    e = torch.randn(n, D, generator=g, device=device).bfloat16()
     c = (torch.randn(V, D, generator=g, device=device) / math.sqrt(D)).bfloat16()  # logits ~ N(0, 1)
-    t = torch.randint(0, V, (N_TOKENS,), generator=g, device=device)
+    t = torch.randint(0, V, (n,), generator=g, device=device)
     return e, c, t, logit_stats((e[:256] @ c.T).float())
 
 
@@ -221,7 +221,23 @@ def impls():
     }
     for name, kw in variants.items():
         out[name] = (lambda kw: lambda e, c, t: thrifty_lce(e, c, t, impl="triton", **kw))(kw)
+    out["thrifty_fused_fwd"] = fused_forward(lambda e, c, t: thrifty_lce(e, c, t, impl="triton"))
     return out
+
+
+def fused_forward(fn):
+    """fn with thrifty's forward kept on the fused Triton kernel (the default before the GEMM forward): the
+    dispatch is told there is no dC scratch, everything else is the default path. Old vs new in one run."""
+    from thrifty.loss import cce as cce_module
+
+    def call(e, c, t):
+        real = cce_module._gemm_forward_scratch
+        cce_module._gemm_forward_scratch = lambda c_, nv: None
+        try:
+            return fn(e, c, t)
+        finally:
+            cce_module._gemm_forward_scratch = real
+    return call
 
 
 def float64_reference(e, c, t):
@@ -418,6 +434,8 @@ def main():
                     "kind) whose rows this run extends: one result file from calls split by the carry limit")
     ap.add_argument("--budget", type=float, default=3.0, help="seconds of timing per implementation and mode")
     ap.add_argument("--train", default="", help="preset:steps, e.g. 30m:300 (the end effect in the model)")
+    ap.add_argument("--tokens", default=str(N_TOKENS),
+                    help="token counts for the synthetic and random inputs (the staged real ones have 8192)")
     ap.add_argument("--profile", default="", help="e.g. 2304x256000:realistic,2304x256000:random")
     args = ap.parse_args()
     if args.stage:
@@ -456,42 +474,46 @@ def main():
     rows = json.loads(Path(args.merge_rows).read_text()) if args.merge_rows else []
     if rows:
         print(f"extending {len(rows)} rows of {args.merge_rows}", flush=True)
-    for shape in args.shapes.split(","):
+    cases = [(shape, regime, n) for shape in args.shapes.split(",") for regime in args.regimes.split(",")
+             for n in map(int, args.tokens.split(","))]
+    for shape, regime, n in cases:
         D, V = map(int, shape.split("x"))
-        for regime in args.regimes.split(","):
-            if regime == "random" and args.random_shapes and shape not in args.random_shapes.split(","):
-                continue
-            t0 = time.time()
-            if regime == "random":
-                e, c, t, st = random_inputs(D, V)
-            elif D == 576 and V == 49152:
-                e, c, t, st = e_real.cuda(), c_real.cuda(), t_real.cuda(), dict(real)
-            elif D == 384 and V == 49152:
-                e, c, t, st = e_tr.cuda(), c_tr.cuda(), t_tr.cuda(), dict(trained)
-            else:
-                e, c, t, st = synthetic(D, V, args.entropy, args.top1)
-            ref = float64_reference(e, c, t)
-            with torch.no_grad():
-                from thrifty.loss.reference import linear_cross_entropy as ref_lce  # noqa: F401
+        staged = regime == "realistic" and (D, V) in ((576, 49152), (384, 49152))
+        if staged and n != N_TOKENS:
+            continue  # staged real inputs hold N_TOKENS rows
+        if regime == "random" and args.random_shapes and shape not in args.random_shapes.split(","):
+            continue
+        t0 = time.time()
+        if regime == "random":
+            e, c, t, st = random_inputs(D, V, n=n)
+        elif D == 576 and V == 49152:
+            e, c, t, st = e_real.cuda(), c_real.cuda(), t_real.cuda(), dict(real)
+        elif D == 384 and V == 49152:
+            e, c, t, st = e_tr.cuda(), c_tr.cuda(), t_tr.cuda(), dict(trained)
+        else:
+            e, c, t, st = synthetic(D, V, args.entropy, args.top1, n=n)
+        ref = float64_reference(e, c, t)
+        with torch.no_grad():
+            from thrifty.loss.reference import linear_cross_entropy as ref_lce  # noqa: F401
 
-                lse = torch.logsumexp((e.float() @ c.float().T), -1) if V * N_TOKENS * 4 < 20e9 else None
-            info = dict(regime=regime, entropy=st["entropy"], top1=st["top1"])
-            if lse is not None:
-                info["kept_tiles_sorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, True)
-                info["kept_tiles_unsorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, False)
-            del lse
-            print(f"== D={D} V={V} {regime} {info} (inputs+ref {time.time() - t0:.0f}s)", flush=True)
-            for name, fn in fns.items():
-                t1 = time.time()
-                row = measure(name, fn, e, c, t, ref, rate, info, budget_s=args.budget)
-                row["matmul_tflops"] = rate
-                rows.append(row)
-                keys = ("loss_ms", "loss_grad_ms", "peak_mem_mib", "loss_rel_err", "de_cos", "dc_cos", "error")
-                print(f"  {name:18s}", {k: (round(row[k], 6) if isinstance(row.get(k), float) else row.get(k))
-                                         for k in keys if k in row}, f"{time.time() - t1:.0f}s", flush=True)
-                Path(args.out, "cce_rows.json").write_text(json.dumps(rows, indent=1))
-            del e, c, t, ref
-            torch.cuda.empty_cache()
+            lse = torch.logsumexp((e.float() @ c.float().T), -1) if V * n * 4 < 20e9 else None
+        info = dict(regime=regime, tokens=n, entropy=st["entropy"], top1=st["top1"])
+        if lse is not None:
+            info["kept_tiles_sorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, True)
+            info["kept_tiles_unsorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, False)
+        del lse
+        print(f"== D={D} V={V} N={n} {regime} {info} (inputs+ref {time.time() - t0:.0f}s)", flush=True)
+        for name, fn in fns.items():
+            t1 = time.time()
+            row = measure(name, fn, e, c, t, ref, rate, info, budget_s=args.budget)
+            row["matmul_tflops"] = rate
+            rows.append(row)
+            keys = ("loss_ms", "loss_grad_ms", "peak_mem_mib", "loss_rel_err", "de_cos", "dc_cos", "error")
+            print(f"  {name:18s}", {k: (round(row[k], 6) if isinstance(row.get(k), float) else row.get(k))
+                                     for k in keys if k in row}, f"{time.time() - t1:.0f}s", flush=True)
+            Path(args.out, "cce_rows.json").write_text(json.dumps(rows, indent=1))
+        del e, c, t, ref
+        torch.cuda.empty_cache()
     finalize(rows, rate, args)
 
 
@@ -499,11 +521,32 @@ def finalize(rows, rate, args):
     """Result file (thrifty.bench schema) + a bar chart of the realistic regime, both under --out."""
     from thrifty.bench import detect_device, plot_rows, write_result
 
-    def get(shape, regime, impl, key):
+    def get(shape, regime, impl, key, tokens=N_TOKENS):
         for r in rows:
-            if r["shape"] == shape and r["regime"] == regime and r["impl"] == impl:
+            if (r["shape"] == shape and r["regime"] == regime and r["impl"] == impl
+                    and r.get("tokens", N_TOKENS) == tokens):
                 return r.get(key)
         return None
+
+    # issue #32: the paper's shape and a Llama-3 shape, realistic logits, every token count of the run
+    issue_cases = sorted({(r["shape"], r.get("tokens", N_TOKENS)) for r in rows if r["regime"] == "realistic"
+                          and r["shape"] in ("D=2304 V=256000", "D=4096 V=128256")})
+
+    def over_cases(fn, pick):
+        vals = [v for v in (fn(shape, n) for shape, n in issue_cases) if v is not None]
+        return pick(vals) if vals else None
+
+    def ceiling_fraction(impl):
+        return lambda shape, n: ratio(get(shape, "realistic", impl, "roofline_ms", n),
+                                      get(shape, "realistic", impl, "loss_grad_ms", n))
+
+    def time_ratio(impl, other):
+        return lambda shape, n: ratio(get(shape, "realistic", impl, "loss_grad_ms", n),
+                                      get(shape, "realistic", other, "loss_grad_ms", n))
+
+    def mem_over_lb(shape, n):
+        peak = get(shape, "realistic", "thrifty", "peak_mem_mib", n)
+        return None if peak is None else peak - get(shape, "realistic", "thrifty", "lower_bound_mib", n)
 
     def ratio(a, b):
         return a / b if a is not None and b else None
@@ -537,6 +580,14 @@ def finalize(rows, rate, args):
         random_256k_filtered_loss_grad_ratio_vs_apple_cce=ratio(get(big, "random", "thrifty_filter", "loss_grad_ms"),
                                                                 get(big, "random", "apple_cce", "loss_grad_ms")),
         bf16_matmul_tflops=rate,
+        matmul_ceiling_fraction_min=over_cases(ceiling_fraction("thrifty"), min),
+        matmul_ceiling_fraction_min_fused_forward=over_cases(ceiling_fraction("thrifty_fused_fwd"), min),
+        gemm_forward_speedup_min=over_cases(time_ratio("thrifty_fused_fwd", "thrifty"), min),
+        gemm_forward_speedup_max=over_cases(time_ratio("thrifty_fused_fwd", "thrifty"), max),
+        time_ratio_vs_compile_max=over_cases(time_ratio("thrifty", "torch.compile"), max),
+        time_ratio_vs_quack_max=over_cases(time_ratio("thrifty", "quack"), max),
+        mem_over_lb_mib_max=over_cases(mem_over_lb, max),
+        train_step_ratio_vs_stock_1b=None,  # not measured by this script
     )
     dev = detect_device()
     path = write_result("cce", rows, summary, device=dev, results_dir=args.out,
@@ -545,10 +596,11 @@ def finalize(rows, rate, args):
                                            "hidden states/lm_head on Python docs text (D=576), the 30m model "
                                            "trained here on corpus validation text (D=384), else synthetic "
                                            "Zipf bias + Gaussian noise fitted to entropy/top-1, targets sampled"))
-    plotted = [r for r in rows if r["regime"] == "realistic" and "loss_grad_ms" in r]
+    plotted = [dict(r, case=f"{r['shape']} N={r.get('tokens', N_TOKENS)}") for r in rows
+               if r["regime"] == "realistic" and "loss_grad_ms" in r]
     if plotted:  # a random-only run has nothing for this chart
-        plot_rows(plotted, x="shape", y="loss_grad_ms", hue="impl", path=Path(args.out) / f"cce_{dev}.png",
-                  logy=True, title=f"linear CE loss+grad, N={N_TOKENS}, bf16, realistic logits ({dev})",
+        plot_rows(plotted, x="case", y="loss_grad_ms", hue="impl", path=Path(args.out) / f"cce_{dev}.png",
+                  logy=True, title=f"linear CE loss+grad, bf16, realistic logits ({dev})",
                   ylabel="ms (log)")
     print("summary:", json.dumps(summary, indent=1), "->", path)
 

@@ -290,7 +290,8 @@ def _kvcache():
 
 # --------------------------------------------------------------------------------------------- CCE
 def _loss():
-    """loss.forward.lse_forward (autotuned for 16-bit inputs: every config) and loss.backward.linear_ce_backward."""
+    """loss.forward.lse_forward (autotuned for 16-bit inputs: every config), lse_forward_gemm's row pass and
+    loss.backward.linear_ce_backward."""
     from thrifty.loss import backward as B, forward as F
 
     base = F.forward_config(False)
@@ -308,6 +309,11 @@ def _loss():
             for bias, softcap in ((False, False), (True, True)) if i == 0 else ((False, False),):
                 yield entry(F._lse_forward_kernel, f"{NAME[dtype]} {name} bias={bias} softcap={softcap}",
                             dict(HAS_BIAS=bias, HAS_SOFTCAP=softcap, **cfg), ptrs, fp32="softcap", **options)
+
+        for bias, softcap in ((False, False), (True, True)):  # the GEMM forward's row pass over fp32 logits
+            yield entry(F._row_stats_kernel, f"{NAME[dtype]} bias={bias} softcap={softcap}",
+                        dict(HAS_BIAS=bias, HAS_SOFTCAP=softcap, BLOCK=2048),
+                        {"X OUT": "*fp32", "BIAS": t, "TGT": "*i64"}, fp32="softcap", num_warps=8)
 
         cfg = B.backward_config(False)
         if dtype == torch.float32:

@@ -202,6 +202,66 @@ def test_kernels_match_float64(dtype, opts):
                  GRAD_TOL[dtype])
 
 
+class _Spy:
+    """Counts the calls of the two forward paths (thrifty.loss.forward.lse_forward / lse_forward_gemm)."""
+
+    def __init__(self, monkeypatch):
+        from thrifty.loss import forward
+
+        self.calls = {"fused": 0, "gemm": 0}
+        for name, key in (("lse_forward", "fused"), ("lse_forward_gemm", "gemm")):
+            real = getattr(forward, name)
+            monkeypatch.setattr(forward, name, self._wrap(real, key))
+
+    def _wrap(self, real, key):
+        def counted(*a, **k):
+            self.calls[key] += 1
+            return real(*a, **k)
+        return counted
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, opts, chunked", [
+    ((53, 33, 517), dict(softcap=3.0, label_smoothing=0.1, z_loss=1e-3, bias=True), True),
+    ((77, 40, 1000), {}, True), ((7, 16, 97), dict(bias=True), False)])
+def test_gemm_forward_runs_for_training_and_matches_float64(monkeypatch, dtype, shape, opts, chunked):
+    """With dC wanted, the forward's logits come from GEMM chunks in dC's bytes (several chunks at these shapes
+    in bf16), and loss and gradients still match float64 and the fused forward's loss."""
+    from thrifty.loss.forward import gemm_chunk_cols
+
+    opts = dict(opts)
+    N, D, V = shape
+    spy = _Spy(monkeypatch)
+    e, c, b, t = make(N, D, V, dtype=dtype, bias=opts.pop("bias", False), device=DEVICE, ignore_every=4)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", reduction="none", **opts)
+    assert spy.calls == {"fused": 0, "gemm": 1}
+    nv = int((t != -100).sum())
+    if DEVICE == "cpu":
+        assert (gemm_chunk_cols(V * D * e.element_size(), nv, V) < V) == chunked
+    assert_close(got, oracle(e, c, b, t, reduction="none", **opts), 1e-4 if dtype == torch.float32 else 2e-3,
+                 GRAD_TOL[dtype])
+    with torch.no_grad():
+        fused = linear_cross_entropy(e, c, t, bias=b, impl="triton", reduction="none", **opts)
+    assert spy.calls == {"fused": 1, "gemm": 1}
+    assert torch.allclose(got[0], fused.double(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_fused_forward_when_the_classifier_gets_no_gradient(monkeypatch):
+    """A frozen classifier (no dC to lend its bytes) or an explicit forward kernel config keeps the fused
+    forward, whose extra memory is a few partials per row."""
+    spy = _Spy(monkeypatch)
+    e, c, b, t = make(30, 24, 200, dtype=torch.bfloat16, device=DEVICE)
+    c.requires_grad_(False)
+    linear_cross_entropy(e, c, t, impl="triton").backward()
+    assert spy.calls == {"fused": 1, "gemm": 0} and e.grad is not None
+    c.requires_grad_(True)
+    cfg = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, num_warps=4, num_stages=1)
+    linear_cross_entropy(e, c, t, impl="triton", kernel_config=dict(forward=cfg)).backward()
+    assert spy.calls == {"fused": 2, "gemm": 0} and c.grad is not None
+
+
 @needs_kernels
 @pytest.mark.parametrize("filter_eps", [None, "auto", 1e-3])
 @pytest.mark.parametrize("sort_vocab", [False, True])

@@ -299,7 +299,7 @@ MAX_RECOMPUTED = 0.25
 def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional[float], label_smoothing: float,
                        z_loss: float, filter_eps: Optional[float], sort_vocab: bool, chunk_bytes: Optional[int],
                        need_e: bool = True, need_c: bool = True, e_grad_fp32: bool = True, dense_above: float = 0.3,
-                       scratch_in_dc: bool = True, config=None):
+                       scratch_in_dc: bool = True, config=None, dc: Optional[torch.Tensor] = None):
     """Returns (dE shaped like e2d or None, dC or None, dbias or None). ``w``: fp32 upstream grad per valid row.
 
     Per vocabulary chunk, after the gradient-tile kernel, the fraction of kept tiles picks the GEMMs: above
@@ -309,7 +309,8 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     Memory (``scratch_in_dc``, the default; not with a sorted vocabulary): the gradient tiles and the fp32 dE
     accumulator live in dC's not-yet-written rows (plan_chunks), so the extra memory is one small buffer
     (``chunk_bytes``, default TAIL_BYTES) for the last chunks. dE is accumulated in compact valid-row order in
-    dE's own first nv rows and spread to the token rows at the end when tokens are ignored.
+    dE's own first nv rows and spread to the token rows at the end when tokens are ignored. ``dc``: the dC
+    buffer when the forward allocated it already (c's shape, contiguous; its contents are overwritten).
     """
     N, D = e2d.shape
     V = c.shape[0]
@@ -321,7 +322,10 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     bd_tile, bd_dc, bd_de = cfg.pop("BLOCK_D_TILE"), cfg.pop("BLOCK_D_DC"), cfg.pop("BLOCK_D_DE")
     need_b = bias is not None and need_c
     de = torch.zeros(N, D, dtype=e2d.dtype, device=e2d.device) if need_e else None
-    dc = torch.empty_like(c) if need_c else None
+    if need_c and dc is None:
+        dc = torch.empty_like(c)
+    elif not need_c:
+        dc = None
     db = torch.zeros(V, dtype=torch.float32, device=c.device) if need_b else None
     if nv == 0:
         return de, (dc.zero_() if need_c else None), (db.to(bias.dtype) if need_b else None)

@@ -19,10 +19,18 @@ class _TritonLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, e2d, c, bias, rows, targets, softcap, label_smoothing, z_loss, opts):
-        from .forward import lse_forward
+        from .forward import lse_forward, lse_forward_gemm
 
         opts = dict(opts)
-        lse, z_t, z_sum = lse_forward(e2d, c, bias, rows, targets, softcap, config=opts.pop("forward_config"))
+        forward_config = opts.pop("forward_config")
+        # needs_input_grad says requires_grad even under torch.no_grad(); the dispatch recorded the grad mode
+        need_c = opts.pop("grad_enabled") and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        # dC is allocated here when the GEMM forward can use its bytes as scratch, and handed to the backward
+        ctx.dc = _gemm_forward_scratch(c, rows.numel()) if need_c and forward_config is None else None
+        if ctx.dc is not None:
+            lse, z_t, z_sum = lse_forward_gemm(e2d, c, bias, rows, targets, softcap, ctx.dc)
+        else:
+            lse, z_t, z_sum = lse_forward(e2d, c, bias, rows, targets, softcap, config=forward_config)
         ctx.save_for_backward(e2d, c, bias, rows, targets, lse)
         ctx.opts = (softcap, label_smoothing, z_loss, opts)
         return _spec.token_loss(lse, z_t, z_sum, c.shape[0], label_smoothing, z_loss)
@@ -33,11 +41,23 @@ class _TritonLinearCE(torch.autograd.Function):
 
         e2d, c, bias, rows, targets, lse = ctx.saved_tensors
         softcap, ls, z_loss, opts = ctx.opts
+        dc_buffer, ctx.dc = ctx.dc, None
         de, dc, db = linear_ce_backward(
             e2d, c, bias, rows, targets, lse, grad_losses.float().contiguous(), softcap=softcap,
             label_smoothing=ls, z_loss=z_loss, need_e=ctx.needs_input_grad[0],
-            need_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2], **opts)
+            need_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2], dc=dc_buffer, **opts)
         return de, (dc if ctx.needs_input_grad[1] else None), db, None, None, None, None, None, None
+
+
+def _gemm_forward_scratch(c, nv):
+    """The dC buffer (uninitialised, c's shape) when the GEMM forward fits its chunks in it, else None."""
+    from .forward import gemm_chunk_cols, gemm_min_cols
+
+    V = c.shape[0]
+    cols = gemm_chunk_cols(c.numel() * c.element_size(), nv, V)
+    if nv == 0 or not (cols == V or cols >= gemm_min_cols(interpreting())):
+        return None
+    return torch.empty_like(c, memory_format=torch.contiguous_format)
 
 
 def _torch_impl(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss):
@@ -127,7 +147,7 @@ def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, labe
     opts = dict(filter_eps=filter_eps, sort_vocab=sort_vocab, chunk_bytes=chunk_bytes, e_grad_fp32=e_grad_fp32,
                 scratch_in_dc=bool(scratch_in_dc),
                 config=kernel_config.get("backward"), forward_config=kernel_config.get("forward"),
-                dense_above=kernel_config.get("dense_above", 0.3))
+                dense_above=kernel_config.get("dense_above", 0.3), grad_enabled=torch.is_grad_enabled())
     losses = _TritonLinearCE.apply(
         e2d, c.contiguous(), None if bias is None else bias.contiguous(), prep.rows, prep.targets, softcap,
         float(label_smoothing), float(z_loss), opts)

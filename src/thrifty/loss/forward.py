@@ -121,6 +121,100 @@ def lse_forward(e2d, c, bias, rows, targets, softcap, config=None):
         _lse_forward_tuned[(n_blocks, splits)](*args, **flags, BLOCK_N=bn, BLOCK_V=bv)
     elif nv:
         _lse_forward_kernel[(n_blocks, splits)](*args, **flags, **cfg)
+    return merge_partials(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GEMM forward (training): the logits of a vocabulary chunk by cuBLAS (bf16/fp16 x -> fp32 out, tensor cores at
+# cuBLAS speed) into a scratch that costs no memory -- the bytes of the dC buffer the backward must allocate
+# anyway, allocated here and handed over -- then one memory-bound pass per row for the same statistics. At
+# N=8192 the fused kernel above ran at 0.61-0.66 of the bf16 matmul ceiling; GEMM + pass measured 1.20x (256k
+# vocabulary) and 1.31x (128k) faster on the H200 (NOTES.md "GEMM forward").
+
+GEMM_ALIGN = 64  # chunk widths in columns: fp32 rows start 256-byte aligned
+
+
+def gemm_min_cols(interp: bool) -> int:
+    """Narrowest chunk the GEMM forward takes; below it the fused kernel is used (small GEMMs lose their tensor-
+    core efficiency). The interpreter takes any width, so the CPU tests reach the multi-chunk path."""
+    return GEMM_ALIGN if interp else 1024
+
+
+def gemm_chunk_cols(scratch_bytes: int, nv: int, V: int) -> int:
+    """Vocabulary columns per chunk of fp32 logits for ``nv`` rows in ``scratch_bytes``: all of V when it fits,
+    else a multiple of GEMM_ALIGN; 0 when not even GEMM_ALIGN columns fit."""
+    cols = scratch_bytes // max(4 * nv, 1)
+    return V if cols >= V else cols // GEMM_ALIGN * GEMM_ALIGN
+
+
+@triton.jit
+def _row_stats_kernel(X, BIAS, TGT, OUT, cols, col0, NV, softcap,
+                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """One row of a chunk's fp32 logits (bias and softcap applied here): its max, sum of exp(z - max), target
+    logit and sum of logits, as _lse_forward_kernel's partials."""
+    row = tl.program_id(0)
+    base = X + row.to(tl.int64) * cols
+    tgt = tl.load(TGT + row) - col0
+    m = tl.full((BLOCK,), NEG_BIG, tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    z_t = tl.zeros((BLOCK,), tl.float32)
+    z_sum = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(0, cols, BLOCK):
+        j = c0 + tl.arange(0, BLOCK)
+        inside = j < cols
+        z = tl.load(base + j, mask=inside, other=0.0)
+        if HAS_BIAS:
+            z += tl.load(BIAS + col0 + j, mask=inside, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        z_t += tl.where(j == tgt, z, 0.0)  # tgt outside [0, cols) matches no column of this chunk
+        z_sum += tl.where(inside, z, 0.0)
+        z = tl.where(inside, z, NEG_BIG)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    out = OUT + row
+    tl.store(out, m_row)
+    tl.store(out + NV, tl.sum(s * tl.exp(m - m_row), axis=0))
+    tl.store(out + 2 * NV, tl.sum(z_t, axis=0))
+    tl.store(out + 3 * NV, tl.sum(z_sum, axis=0))
+
+
+def _logits_into(x, e_valid, c_chunk):
+    """x (nv x cur fp32) = e_valid @ c_chunk.T with fp32 accumulation and output."""
+    if e_valid.dtype == torch.float32:
+        torch.mm(e_valid, c_chunk.T, out=x)
+    elif x.is_cuda:
+        torch.mm(e_valid, c_chunk.T, out_dtype=torch.float32, out=x)
+    else:  # the CPU has no 16-bit x 16-bit -> fp32 GEMM: the products are exact in fp32 either way
+        torch.mm(e_valid.float(), c_chunk.float().T, out=x)
+
+
+def lse_forward_gemm(e2d, c, bias, rows, targets, softcap, scratch: torch.Tensor):
+    """lse_forward's result through GEMM chunks whose fp32 logits live in ``scratch`` (contiguous, any dtype;
+    its bytes are overwritten). The caller checks gemm_chunk_cols(scratch bytes, ...) >= gemm_min_cols first."""
+    nv, V = rows.numel(), c.shape[0]
+    flat = scratch.view(-1).view(torch.uint8)
+    cols = gemm_chunk_cols(flat.numel(), nv, V)
+    x_all = flat[:flat.numel() // 4 * 4].view(torch.float32)
+    e_valid = e2d if nv == e2d.shape[0] else e2d.index_select(0, rows)
+    n_chunks = triton.cdiv(V, cols)
+    out = torch.empty(n_chunks, 4, nv, dtype=torch.float32, device=e2d.device)
+    block = 2048 if not interpreting() else 32
+    for k in range(n_chunks):
+        start = k * cols
+        cur = min(cols, V - start)
+        x = x_all[:nv * cur].view(nv, cur)
+        _logits_into(x, e_valid, c[start:start + cur])
+        _row_stats_kernel[(nv,)](x, c if bias is None else bias, targets, out[k], cur, start, nv,
+                                 float(softcap or 1.0), HAS_BIAS=bias is not None,
+                                 HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=8 if block > 256 else 4)
+    return merge_partials(out)
+
+
+def merge_partials(out):
+    """(lse, target logit, logit sum) from per-split partials (splits, 4, nv): max, sum of exp, z_t, z_sum."""
     m, s, z_t, z_sum = out.unbind(1)
     m_max = m.max(0).values
     lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(0))
