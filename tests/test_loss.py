@@ -220,31 +220,41 @@ class _Spy:
         return counted
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape, opts, chunked", [
-    ((53, 33, 517), dict(softcap=3.0, label_smoothing=0.1, z_loss=1e-3, bias=True), True),
-    ((77, 40, 1000), {}, True), ((7, 16, 97), dict(bias=True), False)])
-def test_gemm_forward_runs_for_training_and_matches_float64(monkeypatch, dtype, shape, opts, chunked):
-    """With dC wanted, the forward's logits come from GEMM chunks in dC's bytes (several chunks at these shapes
-    in bf16), and loss and gradients still match float64 and the fused forward's loss."""
-    from thrifty.loss.forward import gemm_chunk_cols
+def _gemm_forward_case(monkeypatch, N, D, V, dtype, opts, chunked):
+    """Loss and gradients of a training call against float64 and against the fused forward's loss; the GEMM
+    forward must have run (the chunk rule of thrifty.loss.forward), in several chunks when ``chunked``."""
+    from thrifty.loss.forward import gemm_chunk_cols, gemm_min_cols
 
     opts = dict(opts)
-    N, D, V = shape
     spy = _Spy(monkeypatch)
     e, c, b, t = make(N, D, V, dtype=dtype, bias=opts.pop("bias", False), device=DEVICE, ignore_every=4)
+    cols = gemm_chunk_cols(V * D * e.element_size(), int((t != -100).sum()), V)
+    assert (cols < V) == chunked and (cols == V or cols >= gemm_min_cols(interpreting()))
     got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", reduction="none", **opts)
     assert spy.calls == {"fused": 0, "gemm": 1}
-    nv = int((t != -100).sum())
-    if DEVICE == "cpu":
-        assert (gemm_chunk_cols(V * D * e.element_size(), nv, V) < V) == chunked
     assert_close(got, oracle(e, c, b, t, reduction="none", **opts), 1e-4 if dtype == torch.float32 else 2e-3,
                  GRAD_TOL[dtype])
     with torch.no_grad():
         fused = linear_cross_entropy(e, c, t, bias=b, impl="triton", reduction="none", **opts)
     assert spy.calls == {"fused": 1, "gemm": 1}
     assert torch.allclose(got[0], fused.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not interpreting(), reason="interpreter sizes: on CUDA these chunks are below gemm_min_cols")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, opts, chunked", [
+    ((53, 33, 517), dict(softcap=3.0, label_smoothing=0.1, z_loss=1e-3, bias=True), True),
+    ((77, 40, 1000), {}, True), ((7, 16, 97), dict(bias=True), False)])
+def test_gemm_forward_runs_for_training_and_matches_float64(monkeypatch, dtype, shape, opts, chunked):
+    """With dC wanted, the forward's logits come from GEMM chunks in dC's bytes."""
+    _gemm_forward_case(monkeypatch, *shape, dtype, opts, chunked)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("opts", [{}, dict(softcap=30.0, bias=True)])
+def test_cuda_gemm_forward_in_chunks_matches_float64(monkeypatch, opts):
+    """The GEMM forward at a size where its chunks pass gemm_min_cols on the GPU (13 chunks of 1344 columns)."""
+    _gemm_forward_case(monkeypatch, 4096, 512, 16384, torch.bfloat16, opts, True)
 
 
 @needs_kernels
