@@ -13,21 +13,24 @@
 4. **Model decode**: a Llama-7B-shaped model (32 layers, 4096 / 11008, vocab 32000) with *random* ternary weights
    (speed does not depend on the values, so random weights are honest for it) against the same shape in bf16,
    batch 1 and 16, 128 cached tokens: ms per decode step as run eagerly (host included), the GPU busy time
-   (sum of the step's kernel durations, torch.profiler) and per new token of ``generate(..., cuda_graph=True)``
-   (each step one graph replay, capture included), tokens/s (from the graph figure when it ran), weight bytes;
-   KV-cache bytes at 32K context computed.
+   (sum of the step's kernel durations, torch.profiler), per new token of ``generate(..., cuda_graph=True)``
+   (each step one graph replay, the call's capture included) and per new token of a ``GraphedDecoder`` called
+   again (the graph captured once, replayed across calls); tokens/s from the reused-graph figure when it ran,
+   weight bytes; KV-cache bytes at 32K context computed.
 
 Writes ``benchmarks/results/bitnet_kernels_<device>.json`` + PNG; summary keys ``gemv_speedup_vs_bf16_b1_min``,
 ``gemv_speedup_vs_bf16_b16_min``, ``gemm_speedup_vs_bf16_t2048_min`` (7B shapes, GPU time, full layer incl.
-activation quantization), ``packed_weight_mem_ratio``, ``decode_tokens_per_s_ratio_vs_bf16_b1`` (graph-replayed
-``generate``; ``..._gpu_busy`` and ``..._eager`` beside it), ``kv3_ppl_delta_pct`` (copied from ``benchmarks/bitnet_kv.py``'s result). GPU box:
+activation quantization), ``packed_weight_mem_ratio``, ``decode_tokens_per_s_ratio_vs_bf16_b1`` (the reused
+graph; ``..._graph_one_shot``, ``..._gpu_busy`` and ``..._eager`` beside it), ``kv3_ppl_delta_pct`` (copied from
+``benchmarks/bitnet_kv.py``'s result). GPU box:
 
     THRIFTY_COMMIT=<sha> bash benchmarks/run_on_gpu.sh benchmarks/bitnet_kernels.py
 
 ``--smoke``: tiny shapes on the CPU (kernels under TRITON_INTERPRET=1), results to a temporary folder; measures
 nothing. ``--no-model`` / ``--no-sweep`` skip parts. ``--baseline-src OLD/src`` (``git archive OLD | tar -x -C
-/tmp/old``) also times the layer rows with another tree's kernels in the same run (rows tagged ``tree``, summary
-keys ``thrifty_speedup_vs_baseline_<shape>_t<tokens>``):
+/tmp/old``) also times the layer rows (and, without ``--no-model``, the model decode rows) with another tree's
+code in the same run (rows tagged ``tree``, summary keys ``thrifty_speedup_vs_baseline_<shape>_t<tokens>`` and
+``decode_<figure>_speedup_vs_baseline_<model>_b<batch>``):
 
     THRIFTY_COMMIT=<sha> THRIFTY_NO_INSTALL=1 bash benchmarks/run_on_gpu.sh benchmarks/bitnet_kernels.py \
         --no-model --tokens 1,4,16 --baseline-src /tmp/old/src
@@ -314,23 +317,37 @@ def decode_step_times(model, batch: int, args, device) -> dict:
 
 
 def graph_ms_per_token(model, ids, args, device) -> dict:
-    """ms per new token of ``generate(..., cuda_graph=True)`` (each decode step one CUDA-graph replay, what a
-    user calls): (time for n + 1 new tokens − time for 1) / n, n = ``--graph-tokens``; the capture (two warm-up
-    steps + the recording, once per call) is inside the first figure, so it is charged to the n tokens."""
-    from thrifty.models import generate
+    """ms per new token of graph-replayed decoding: (time for n + 1 new tokens − time for 1) / n, n =
+    ``--graph-tokens``. ``graph_ms``: ``generate(..., cuda_graph=True)``, one capture (two warm-up steps + the
+    recording) per call, charged to the n tokens. ``graph_reuse_ms``: a ``GraphedDecoder`` called again (the
+    graph captured once and replayed across calls, what a server runs); absent from trees without it."""
+    import thrifty.models as M
 
     if device.type != "cuda":
         return {"graph_ms": None}
     n = args.graph_tokens
+    out = {"graph_tokens": n}
     try:
         times = {}
         for new in (1, n + 1):
-            generate(model, ids, new, cuda_graph=new > 1)  # compiles and warms what the timed call runs
-            times[new] = time_fn(lambda: generate(model, ids, new, cuda_graph=new > 1), warmup=0, reps=3,
+            M.generate(model, ids, new, cuda_graph=new > 1)  # compiles and warms what the timed call runs
+            times[new] = time_fn(lambda: M.generate(model, ids, new, cuda_graph=new > 1), warmup=0, reps=3,
                                  device=device).median_ms
-        return {"graph_ms": (times[n + 1] - times[1]) / n, "graph_tokens": n}
+        out["graph_ms"] = (times[n + 1] - times[1]) / n
     except Exception as err:  # noqa: BLE001 - the eager and busy figures still stand
         return {"graph_ms": None, "graph_error": f"{type(err).__name__}: {err}"[:300]}
+    if hasattr(M, "GraphedDecoder"):
+        try:
+            decoder = M.GraphedDecoder(model, ids.shape[0], ids.shape[1] + n + 1)
+            times = {}
+            for new in (n + 1, 1):  # the first call captures; the timed ones replay
+                decoder.generate(ids, new)
+                times[new] = time_fn(lambda: decoder.generate(ids, new), warmup=0, reps=3, device=device).median_ms
+            out.update(graph_reuse_ms=(times[n + 1] - times[1]) / n, graph_reuse_captures=decoder.captures)
+            decoder.release()
+        except Exception as err:  # noqa: BLE001
+            out["graph_reuse_error"] = f"{type(err).__name__}: {err}"[:300]
+    return out
 
 
 def gpu_busy_ms(step, device, steps: int = 5) -> dict:
@@ -365,11 +382,14 @@ def model_rows(args, device) -> list[dict]:
         mem = weight_bytes(model)
         for batch in (1, 16):
             t = decode_step_times(model, batch, args, device)
-            ms = t["graph_ms"] or t["gpu_busy_ms"] or t["eager_ms"]
+            ms = t.get("graph_reuse_ms") or t["graph_ms"] or t["gpu_busy_ms"] or t["eager_ms"]
             busy = t["gpu_busy_ms"] or t["eager_ms"]
-            rows.append(dict(what="decode", model=name, batch=batch, **t, **mem,
-                             timed="graph" if t["graph_ms"] else ("gpu busy" if t["gpu_busy_ms"] else "eager"),
+            one_shot = t["graph_ms"] or busy
+            timed = ("graph reused" if t.get("graph_reuse_ms") else "graph" if t["graph_ms"] else
+                     "gpu busy" if t["gpu_busy_ms"] else "eager")
+            rows.append(dict(what="decode", model=name, batch=batch, **t, **mem, timed=timed,
                              tokens_per_s=batch / (ms / 1e3), tokens_per_s_gpu_busy=batch / (busy / 1e3),
+                             tokens_per_s_graph_one_shot=batch / (one_shot / 1e3),
                              tokens_per_s_eager=batch / (t["eager_ms"] / 1e3)))
             print(f"  decode {name} batch {batch}: {t}", flush=True)
     return rows
@@ -381,7 +401,8 @@ def baseline_rows(args) -> list[dict]:
     from thrifty.bench import rows_from_tree
 
     passed = ["--rows-only", "--tokens", ",".join(map(str, args.tokens)), "--warmup", str(args.warmup), "--reps",
-              str(args.reps), "--device", args.device] + ["--smoke"] * args.smoke
+              str(args.reps), "--device", args.device, "--graph-tokens", str(args.graph_tokens)] + \
+        ["--smoke"] * args.smoke + ["--with-model"] * (not args.no_model)
     return rows_from_tree(__file__, args.baseline_src, passed, ROWS_MARK)
 
 
@@ -417,7 +438,16 @@ def summarize(rows: list[dict]) -> dict:
                    ("gemm_speedup_vs_bf16_t2048_min", 2048)):
         s = speedups(m)
         out[key] = min(s) if s else None
-    dec = {(r["model"].split()[0], r["batch"]): r for r in rows if r.get("what") == "decode"}
+    for r in rows:  # this tree's decode step over the baseline tree's, per model and batch, same run
+        if r.get("tree") == "baseline" and r.get("what") == "decode":
+            new = next((t for t in rows if t.get("tree") != "baseline" and t.get("what") == "decode"
+                        and t["model"] == r["model"] and t["batch"] == r["batch"]), None)
+            tag = f"{r['model'].split()[0]}_b{r['batch']}"
+            for key in ("gpu_busy_ms", "graph_ms", "eager_ms"):
+                if new and r.get(key) and new.get(key):
+                    out[f"decode_{key}_speedup_vs_baseline_{tag}"] = r[key] / new[key]
+    dec = {(r["model"].split()[0], r["batch"]): r for r in rows
+           if r.get("what") == "decode" and r.get("tree") != "baseline"}
     if dec:
         fast = "stacked" if ("stacked", 1) in dec else "ternary"
         b, t = dec[("bf16", 1)], dec[(fast, 1)]
@@ -427,6 +457,8 @@ def summarize(rows: list[dict]) -> dict:
             dec[("bf16", 16)]["tokens_per_s"]
         out["decode_tokens_per_s_ratio_unstacked_vs_bf16_b1"] = dec[("ternary", 1)]["tokens_per_s"] / b["tokens_per_s"]
         out["decode_tokens_per_s_ratio_vs_bf16_b1_eager"] = t["tokens_per_s_eager"] / b["tokens_per_s_eager"]
+        out["decode_tokens_per_s_ratio_vs_bf16_b1_graph_one_shot"] = \
+            t["tokens_per_s_graph_one_shot"] / b["tokens_per_s_graph_one_shot"]
         out["decode_tokens_per_s_ratio_vs_bf16_b1_gpu_busy"] = t["tokens_per_s_gpu_busy"] / b["tokens_per_s_gpu_busy"]
         out["decode_timed_by"] = f"{b['timed']} / {t['timed']}"
     else:  # from the layer table: packed bytes over bf16 bytes of the same matrices
@@ -497,6 +529,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, results to a temporary folder")
     ap.add_argument("--baseline-src", default=None, help="src/ of another thrifty tree: its layer rows timed too")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # --baseline-src's subprocess
+    ap.add_argument("--with-model", action="store_true", help=argparse.SUPPRESS)  # ... with the model decode rows
     args = ap.parse_args(argv)
     if args.baseline_src is not None and not Path(args.baseline_src, "thrifty").is_dir():
         ap.error(f"--baseline-src: {args.baseline_src!r} holds no thrifty package (give the old tree's src/)")
@@ -524,7 +557,9 @@ def main(argv=None) -> int:
     hbm = hbm_bandwidth_gbs(device, args)
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s", flush=True)
     rows = layer_rows(args, device, hbm)
-    if args.rows_only:  # a --baseline-src subprocess: this tree's layer rows, nothing written
+    if args.rows_only:  # a --baseline-src subprocess: this tree's layer (and model) rows, nothing written
+        if args.with_model:
+            rows += model_rows(args, device)
         print(ROWS_MARK + json.dumps(rows), flush=True)
         return 0
     if args.baseline_src:

@@ -578,8 +578,25 @@ def _bitnet_packed():
                     num_warps=4, num_stages=1)  # literal in matmul_codes
 
 
+def _fused_layers():
+    """fused_layers.rms_norm / rope as the reference model's inference calls make them: every float dtype, the
+    widths of the presets and the 7B shape (rms_norm's BLOCK = next power of two of D), head_dim 64 and 128."""
+    from thrifty import fused_layers as FL
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for w_dtype in dict.fromkeys((dtype, torch.float32)):
+            out = PTR[torch.promote_types(dtype, w_dtype)]
+            for block in (512, 1024, 4096, 8192):
+                yield entry(FL._rms_norm_kernel, f"{NAME[dtype]} w={NAME[w_dtype]} BLOCK={block}", dict(BLOCK=block),
+                            {"X": PTR[dtype], "W": PTR[w_dtype], "Y": out}, fp32="eps", ones="",
+                            num_warps=4 if block <= 4096 else 8)
+        for half in (32, 64):
+            yield entry(FL._rope_kernel, f"{NAME[dtype]} Dh={2 * half}", dict(HALF=half, BLOCK=half),
+                        {"X Y": PTR[dtype], "COS SIN": "*fp32"}, num_warps=1)
+
+
 SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_optim_lomo(),
-                 *_bitnet(), *_bitnet_packed()])
+                 *_bitnet(), *_bitnet_packed(), *_fused_layers()])
 
 
 # --------------------------------------------------------------------------------------------- scanning

@@ -8,7 +8,7 @@ import torch
 from thrifty import bitnet
 from thrifty.attention import sage_seam
 from thrifty.kv import StaticKVCache
-from thrifty.models import KVCache, LlamaConfig, LlamaForCausalLM, generate
+from thrifty.models import GraphedDecoder, KVCache, LlamaConfig, LlamaForCausalLM, generate
 from thrifty.models.generate import _generate_static
 
 
@@ -100,11 +100,68 @@ def test_refusals_name_the_argument():
         StaticKVCache(0)
 
 
+def test_a_decoder_reused_across_calls_gives_eager_tokens_each_time():
+    """One GraphedDecoder (its recorded step run eagerly on the CPU), three prompts of different lengths: each
+    call's tokens are eager decoding's; the buffers are reused while the model stays, rebuilt once it changes."""
+    model = tiny()
+    decoder = GraphedDecoder(model, 2, 30, _capture=False)
+    first_cache = None
+    for t, n, seed in ((11, 9, 0), (4, 20, 1), (17, 6, 2)):
+        x = ids(t=t, seed=seed)
+        assert torch.equal(decoder.generate(x, n), generate(model, x, n)), (t, n)
+        if first_cache is None:
+            first_cache = decoder._state[1]
+        assert decoder._state[1] is first_cache  # same buffers, so a captured graph stays valid
+    model.to(torch.float64)  # every parameter moves: a graph over the old buffers would read freed memory
+    x = ids(seed=3)
+    assert torch.equal(decoder.generate(x, 5), generate(model, x, 5))
+    assert decoder._state[1] is not first_cache
+    decoder.release()
+    assert decoder._state is None
+
+
+def test_a_decoder_refuses_another_batch_or_too_long_a_call():
+    decoder = GraphedDecoder(tiny(), 2, 16, _capture=False)
+    with pytest.raises(ValueError, match="input_ids"):
+        decoder.generate(ids(b=3), 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate(ids(t=11), 6)
+    with pytest.raises(ValueError, match="capacity"):
+        GraphedDecoder(tiny(), 2, 0)
+
+
 def test_a_seam_without_the_mask_contract_is_refused():
     model = tiny()
     model.set_attention(lambda q, k, v, *, causal, scale: torch.nn.functional.scaled_dot_product_attention(q, k, v))
     with pytest.raises(ValueError, match="reads_key_mask"):
         generate(model, ids(), 4, cuda_graph=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["bf16", "stacked_a48"])
+def test_cuda_graphed_decoder_captures_once_across_calls(kind):
+    """Three calls of one decoder: one capture; each call's tokens are what the model ranks first (near-ties
+    aside); a model change (here: its dtype) captures again."""
+    if kind == "bf16":
+        model = tiny(dtype=torch.bfloat16).to("cuda")
+    else:
+        model = bitnet.pack(tiny(linear=bitnet.linear_factory("a4.8"), activation=bitnet.mlp_activation("a4.8")))
+        bitnet.stack_projections(model)
+        model = model.to("cuda")
+    decoder = GraphedDecoder(model, 2, 48)
+    for t, n, seed in ((11, 20, 0), (5, 30, 1), (20, 12, 2)):
+        x = ids(t=t, seed=seed).to("cuda")
+        out = decoder.generate(x, n)
+        assert out.shape == (2, t + n) and decoder.captures == 1
+        with torch.no_grad():
+            logits = model(out[:, :-1]).float()[:, t - 1:]
+        chosen = logits.gather(-1, out[:, t:, None]).squeeze(-1)
+        tol = 2e-2 * (logits.max() - logits.min()).item()
+        assert bool((chosen >= logits.max(-1).values - tol).all())
+    if kind == "bf16":
+        model.float()
+        decoder.generate(ids().to("cuda"), 4)
+        assert decoder.captures == 2
 
 
 @pytest.mark.cuda

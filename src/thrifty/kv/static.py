@@ -70,6 +70,13 @@ class StaticKVCache:
                              f"the cache's {tuple(keys.shape[:2])} and {keys.shape[3]}; use a new cache")
         return keys, values
 
+    def reset(self) -> None:
+        """Empties the cache for a new prompt, keeping its buffers (and so their addresses, which a captured
+        graph reads): every layer's length back to 0, eager mode."""
+        for i in self.lengths:
+            self.lengths[i] = 0
+        self.graph_mode = False
+
     def advance(self, n: int = 1) -> None:
         """Counts ``n`` more positions as written in every layer (after a graph replay wrote them)."""
         for i in self.lengths:

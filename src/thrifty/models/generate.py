@@ -82,42 +82,107 @@ def _check_graphable(model, input_ids, cache_factory) -> None:
 
 
 def _generate_static(model, input_ids, max_new_tokens, temperature, eos_token_id, generator, capture: bool):
-    """Eager prefill into a StaticKVCache, then the decode step over fixed buffers: ``tok`` and ``pos`` are read
-    by the step, ``logits`` written by it. ``capture``: record the step once as a CUDA graph and replay it (the
-    CPU tests run the same step eagerly, ``capture=False``)."""
-    from ..kv.static import StaticKVCache  # the KV family imports Triton: not with every `import thrifty.models`
+    """One call of a fresh :class:`GraphedDecoder` sized for it (``capture=False``: the CPU tests run the recorded
+    step eagerly)."""
+    decoder = GraphedDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, _capture=capture)
+    return decoder.generate(input_ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
+                            generator=generator)
 
-    B, T = input_ids.shape
-    cache = StaticKVCache(T + max_new_tokens)
-    logits = model(input_ids, cache=cache, logits_to_keep=1)
-    tok = _choose(logits[:, -1], temperature, generator)
-    new = [tok]
-    if max_new_tokens == 1 or _ended(new, eos_token_id):
-        return torch.cat([input_ids, *new], dim=1)
-    cache.graph_mode = True
-    tok_buf = tok.clone()
-    pos_buf = torch.full((1,), T, dtype=torch.long, device=input_ids.device)
-    step = lambda: model(tok_buf, positions=pos_buf, cache=cache)  # noqa: E731
-    if capture:
-        out = _capture(step)
-        replay = out[0].replay
-        logits_buf = out[1]
-    else:
-        logits_buf = None
-    for i in range(1, max_new_tokens):
-        if capture:
-            replay()
-            logits = logits_buf
-        else:
-            logits = step()
-        cache.advance(1)
+
+class GraphedDecoder:
+    """Decoding whose step is captured once as a CUDA graph and replayed across calls (one CUDA device).
+
+    ``generate(model, ids, n, cuda_graph=True)`` captures a graph per call: two warm-up steps and the recording,
+    ~35 µs of Python per kernel launch of the model, which a 64-token call pays again each time (bitnet NOTES,
+    "Decode of the whole 7B-shaped model"). A decoder keeps the graph, its :class:`~thrifty.kv.StaticKVCache`
+    (``batch_size`` x ``capacity`` positions per layer) and the token/position buffers the graph reads; each
+    :meth:`generate` prefills eagerly into the same buffers and replays. The first call, and the first after
+    the model changed (a parameter or buffer moved or was replaced, a module or an attention seam swapped), captures.
+    The buffers and the graph's memory stay held until :meth:`release` or until the decoder is dropped.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, batch_size: int, capacity: int, *, _capture: bool = True):
+        self.model = model
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.capacity = check_positive_int("capacity", capacity)
+        self._graphed = _capture
+        self.captures = 0  # graphs recorded so far (a test and a benchmark read it)
+        self._state = None  # (model fingerprint, cache, token buffer, position buffer, step or replay, logits)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 eos_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """As :func:`generate` with ``cuda_graph=True``; ``input_ids`` (batch_size, T) with T + max_new_tokens
+        within the capacity."""
+        check_tensor("input_ids", input_ids, ndim=2, integer=True)
+        check_positive_int("max_new_tokens", max_new_tokens)
+        check_range("temperature", temperature, 0.0, 100.0)
+        if eos_token_id is not None:
+            check_positive_int("eos_token_id", eos_token_id, allow_zero=True)
+        B, T = input_ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"input_ids: batch {B} does not match the decoder's batch_size {self.batch_size}")
+        if T + max_new_tokens > self.capacity:
+            raise ValueError(f"max_new_tokens: {T} prompt + {max_new_tokens} new tokens exceed the decoder's "
+                             f"capacity {self.capacity}; build a decoder with a larger capacity")
+        if self._graphed:
+            _check_graphable(self.model, input_ids, None)
+        cache, tok_buf, pos_buf = self._buffers(input_ids)
+        cache.reset()
+        logits = self.model(input_ids, cache=cache, logits_to_keep=1)
         tok = _choose(logits[:, -1], temperature, generator)
-        new.append(tok)
+        new = [tok]
+        if max_new_tokens == 1 or _ended(new, eos_token_id):
+            return torch.cat([input_ids, *new], dim=1)
+        cache.graph_mode = True
         tok_buf.copy_(tok)
-        pos_buf.add_(1)
-        if eos_token_id is not None and (i + 1) % EOS_CHECK_EVERY == 0 and _ended(new, eos_token_id):
-            break
-    return torch.cat([input_ids, *_until_all_ended(new, eos_token_id)], dim=1)
+        pos_buf.fill_(T)
+        step, logits_buf = self._step()
+        for i in range(1, max_new_tokens):
+            logits = step()
+            if logits is None:  # a replay: the graph wrote its logits buffer
+                logits = logits_buf
+            cache.advance(1)
+            tok = _choose(logits[:, -1], temperature, generator)
+            new.append(tok)
+            tok_buf.copy_(tok)
+            pos_buf.add_(1)
+            if eos_token_id is not None and (i + 1) % EOS_CHECK_EVERY == 0 and _ended(new, eos_token_id):
+                break
+        return torch.cat([input_ids, *_until_all_ended(new, eos_token_id)], dim=1)
+
+    def release(self) -> None:
+        """Frees the graph and the K/V buffers (the next call builds them again)."""
+        self._state = None
+
+    def _fingerprint(self):
+        tensors = (*self.model.parameters(), *self.model.buffers())
+        return (tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors), tuple(map(id, self.model.modules())),
+                tuple(id(layer.self_attn.attention) for layer in self.model.model.layers))
+
+    def _buffers(self, input_ids):
+        from ..kv.static import StaticKVCache  # the KV family imports Triton: not with every `import thrifty.models`
+
+        key = (self._fingerprint(), input_ids.device)
+        if self._state is None or self._state[0] != key:
+            self._state = [key, StaticKVCache(self.capacity), torch.zeros_like(input_ids[:, :1]),
+                           torch.zeros(1, dtype=torch.long, device=input_ids.device), None, None]
+        return self._state[1], self._state[2], self._state[3]
+
+    def _step(self):
+        """(callable running one decode step, its logits buffer): the graph's replay (returns None) once recorded,
+        or the eager step itself without capture."""
+        state = self._state
+        if state[4] is None:
+            cache, tok_buf, pos_buf = state[1], state[2], state[3]
+            step = lambda: self.model(tok_buf, positions=pos_buf, cache=cache)  # noqa: E731
+            if self._graphed:
+                graph, state[5] = _capture(step)
+                state[4] = lambda: graph.replay()
+                self.captures += 1
+            else:
+                state[4] = step
+        return state[4], state[5]
 
 
 def _capture(step):

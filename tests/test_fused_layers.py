@@ -1,0 +1,121 @@
+"""thrifty.fused_layers: one-launch RMSNorm and RoPE against the PyTorch forms they replace (layers.RMSNorm,
+models.llama.RotaryEmbedding) and float64, under the interpreter on the CPU and natively on CUDA; the reference
+model takes them exactly for inference calls on CUDA."""
+
+import pytest
+import torch
+
+from thrifty.layers import RMSNorm
+from thrifty.models.llama import LlamaConfig, LlamaForCausalLM, RotaryEmbedding
+from thrifty.triton_utils import interpreting
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not (interpreting() or torch.cuda.is_available()),
+                                   reason="needs CUDA or TRITON_INTERPRET=1")
+ULP = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def torch_rms_norm(x, weight, eps):
+    """layers.RMSNorm's PyTorch form (with gradients on it never takes the kernel)."""
+    norm = RMSNorm(x.shape[-1], eps).to(x.device)
+    norm.weight = torch.nn.Parameter(weight.clone())
+    with torch.enable_grad():
+        return norm(x).detach()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("rows, D", [(3, 37), (5, 576), (1, 130), (0, 64)])
+def test_rms_norm_matches_the_pytorch_form_and_float64(dtype, w_dtype, rows, D):
+    from thrifty.fused_layers import rms_norm
+
+    g = torch.Generator().manual_seed(rows * 1000 + D)
+    x = (torch.randn(2, rows, D, generator=g) * 3).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(w_dtype).to(DEVICE)
+    got = rms_norm(x, w, 1e-5)
+    want = torch_rms_norm(x, w, 1e-5)
+    assert got.dtype == want.dtype == torch.result_type(w, x) and got.shape == x.shape
+    if not rows:
+        return
+    x64 = x.double()
+    exact = w.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).double()
+    tol = ULP[dtype] * 2 * exact.abs().max().item()
+    assert (got.double() - want.double()).abs().max().item() <= tol
+    assert (got.double() - exact).abs().max().item() <= tol
+
+
+@needs_kernels
+def test_rms_norm_takes_strided_rows_and_refuses_a_wrong_weight():
+    from thrifty.fused_layers import rms_norm
+
+    x = torch.randn(6, 40, device=DEVICE)[::2]  # rows 2 apart: a row stride of 80
+    w = torch.rand(40, device=DEVICE) + 0.5
+    assert torch.allclose(rms_norm(x, w, 1e-6), torch_rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(39, device=DEVICE), 1e-6)
+
+
+def torch_rope(rotary, x, positions):
+    with torch.enable_grad():
+        return rotary(x, positions).detach()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, H, T, Dh, per_row", [(2, 3, 5, 64, False), (1, 4, 1, 6, False), (2, 2, 3, 16, True)])
+def test_rope_matches_the_pytorch_form_and_float64(dtype, B, H, T, Dh, per_row):
+    from thrifty.fused_layers import rope
+
+    g = torch.Generator().manual_seed(B * 100 + T * 10 + Dh)
+    rotary = RotaryEmbedding(Dh, 10000.0).to(DEVICE)
+    # (B, T, H, Dh) viewed as (B, H, T, Dh): the strides q and k have in the model
+    x = torch.randn(B, T, H, Dh, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
+    positions = (torch.randint(0, 5000, (B, T), generator=g) if per_row else torch.arange(7, 7 + T)).to(DEVICE)
+    cos, sin = rotary._cos_sin(positions)
+    got = rope(x, cos, sin)
+    want = torch_rope(rotary, x, positions)
+    assert got.dtype == dtype and got.shape == (B, H, T, Dh) and got.is_contiguous()
+    c, s = (cos[:, None] if cos.ndim == 3 else cos).double(), (sin[:, None] if sin.ndim == 3 else sin).double()
+    x64 = x.double()
+    exact = x64 * c + torch.cat((-x64[..., Dh // 2:], x64[..., : Dh // 2]), -1) * s
+    tol = ULP[dtype] * 2 * exact.abs().max().item()
+    assert (got.double() - want.double()).abs().max().item() <= tol
+    assert (got.double() - exact).abs().max().item() <= tol
+
+
+@needs_kernels
+def test_rope_refuses_tables_of_the_wrong_shape_or_dtype():
+    from thrifty.fused_layers import rope
+
+    x = torch.randn(1, 2, 3, 8, device=DEVICE)
+    cos = torch.ones(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="cos"):
+        rope(x, cos[:2], cos[:2])
+    with pytest.raises(ValueError, match="cos, sin"):
+        rope(x, cos.double(), cos.double())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_reference_model_inference_takes_the_fused_layers(monkeypatch, dtype):
+    """Under no_grad on CUDA every RMSNorm and RoPE of the reference model is one launch; with gradients on,
+    none is; the logits agree to the dtype's rounding."""
+    import thrifty.fused_layers as fused
+
+    calls = {"rms_norm": 0, "rope": 0}
+    for name in calls:
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, (lambda real, name: lambda *a, **k: (
+            calls.__setitem__(name, calls[name] + 1), real(*a, **k))[1])(real, name))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).to("cuda", dtype)
+    ids = torch.randint(0, 256, (2, 9), device="cuda")
+    with torch.no_grad():
+        fast = model(ids).float()
+    assert calls == {"rms_norm": 2 * 2 + 1, "rope": 2 * 2}
+    slow = model(ids).float().detach()
+    assert calls == {"rms_norm": 5, "rope": 4}
+    assert (fast - slow).abs().max().item() <= (1e-4 if dtype == torch.float32 else 0.1) * slow.abs().max().item()
