@@ -579,7 +579,7 @@ def _bitnet_packed():
 
 
 def _fused_layers():
-    """fused_layers.rms_norm / rope as the reference model's inference calls make them: every float dtype, the
+    """fused_layers.rms_norm / add_rms_norm / glu / rope as the reference model's inference calls make them: every float dtype, the
     widths of the presets and the 7B shape (rms_norm's BLOCK = next power of two of D), head_dim 64 and 128."""
     from thrifty import fused_layers as FL
 
@@ -590,6 +590,12 @@ def _fused_layers():
                 yield entry(FL._rms_norm_kernel, f"{NAME[dtype]} w={NAME[w_dtype]} BLOCK={block}", dict(BLOCK=block),
                             {"X": PTR[dtype], "W": PTR[w_dtype], "Y": out}, fp32="eps", ones="",
                             num_warps=4 if block <= 4096 else 8)
+                yield entry(FL._add_rms_norm_kernel, f"{NAME[dtype]} w={NAME[w_dtype]} BLOCK={block}",
+                            dict(BLOCK=block), {"X R S": PTR[dtype], "W": PTR[w_dtype], "Y": out}, fp32="eps",
+                            num_warps=4 if block <= 4096 else 8)
+        for relu2 in (False, True):
+            yield entry(FL._glu_kernel, f"{NAME[dtype]} relu2={relu2}", dict(RELU2=relu2, BLOCK=2048),
+                        {"G U Y": PTR[dtype]}, num_warps=4)
         for half in (32, 64):
             yield entry(FL._rope_kernel, f"{NAME[dtype]} Dh={2 * half}", dict(HALF=half, BLOCK=half),
                         {"X Y": PTR[dtype], "COS SIN": "*fp32"}, num_warps=1)

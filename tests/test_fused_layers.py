@@ -1,5 +1,5 @@
-"""thrifty.fused_layers: one-launch RMSNorm and RoPE against the PyTorch forms they replace (layers.RMSNorm,
-models.llama.RotaryEmbedding) and float64, under the interpreter on the CPU and natively on CUDA; the reference
+"""thrifty.fused_layers: one-launch RMSNorm (also after the residual add), GLU and RoPE against the PyTorch
+forms they replace (layers.RMSNorm, models.llama's MLP and RotaryEmbedding) and float64, under the interpreter on the CPU and natively on CUDA; the reference
 model takes them exactly for inference calls on CUDA."""
 
 import pytest
@@ -56,6 +56,55 @@ def test_rms_norm_takes_strided_rows_and_refuses_a_wrong_weight():
         rms_norm(x, torch.ones(39, device=DEVICE), 1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype, w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("rows, D", [(3, 37), (4, 576), (0, 8)])
+def test_add_rms_norm_is_the_sum_then_the_norm(dtype, w_dtype, rows, D):
+    from thrifty.fused_layers import add_rms_norm
+
+    g = torch.Generator().manual_seed(rows + D)
+    x = torch.randn(rows, D, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(rows, D, generator=g).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(w_dtype).to(DEVICE)
+    total, normed = add_rms_norm(x, r, w, 1e-5)
+    if DEVICE == "cuda":  # the sum is rounded once to nearest, as PyTorch's
+        assert torch.equal(total, x + r)
+    elif rows:  # the interpreter's fp32 -> 16-bit cast does not round to nearest: one unit in the last place
+        assert (total.double() - (x + r).double()).abs().max().item() <= ULP[dtype] * (x + r).abs().max().item()
+    want = torch_rms_norm(x + r, w, 1e-5)
+    assert normed.dtype == want.dtype
+    if rows:
+        tol = ULP[dtype] * 2 * want.abs().max().item()
+        assert (normed.double() - want.double()).abs().max().item() <= tol
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(x, r.float() if dtype != torch.float32 else r.half(), w, 1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["silu", "relu2"])
+@pytest.mark.parametrize("rows, F", [(3, 45), (2, 3000)])
+def test_glu_is_the_activation_then_the_product(dtype, kind, rows, F):
+    """On the halves of one stacked output (strided rows), as a stacked gate/up projection gives them."""
+    from thrifty.bitnet.recipes import relu_squared
+    from thrifty.fused_layers import glu
+    from thrifty.models.llama import glu_kind
+
+    act = torch.nn.functional.silu if kind == "silu" else relu_squared
+    assert glu_kind(act) == kind
+    g = torch.Generator().manual_seed(rows * F)
+    both = (torch.randn(rows, 2 * F, generator=g) * 3).to(dtype).to(DEVICE)
+    gate, up = both[:, :F], both[:, F:]
+    got = glu(gate, up, kind)
+    want = act(gate) * up
+    assert got.dtype == dtype and got.shape == gate.shape
+    tol = ULP[dtype] * 4 * want.abs().max().item() + (1e-6 if kind == "silu" else 0.0)
+    assert (got.double() - want.double()).abs().max().item() <= tol
+    with pytest.raises(ValueError, match="kind"):
+        glu(gate, up, "gelu")
+
+
 def torch_rope(rotary, x, positions):
     with torch.enable_grad():
         return rotary(x, positions).detach()
@@ -99,11 +148,11 @@ def test_rope_refuses_tables_of_the_wrong_shape_or_dtype():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_reference_model_inference_takes_the_fused_layers(monkeypatch, dtype):
-    """Under no_grad on CUDA every RMSNorm and RoPE of the reference model is one launch; with gradients on,
-    none is; the logits agree to the dtype's rounding."""
+    """Under no_grad on CUDA every RMSNorm (the residual add with it), GLU and RoPE of the reference model is
+    one launch; with gradients on, none is; the logits agree to the dtype's rounding."""
     import thrifty.fused_layers as fused
 
-    calls = {"rms_norm": 0, "rope": 0}
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "glu": 0, "rope": 0}
     for name in calls:
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, (lambda real, name: lambda *a, **k: (
@@ -115,7 +164,8 @@ def test_cuda_reference_model_inference_takes_the_fused_layers(monkeypatch, dtyp
     ids = torch.randint(0, 256, (2, 9), device="cuda")
     with torch.no_grad():
         fast = model(ids).float()
-    assert calls == {"rms_norm": 2 * 2 + 1, "rope": 2 * 2}
+    expected = {"rms_norm": 2 + 1, "add_rms_norm": 2, "glu": 2, "rope": 2 * 2}  # 2 layers + the final norm
+    assert calls == expected
     slow = model(ids).float().detach()
-    assert calls == {"rms_norm": 5, "rope": 4}
+    assert calls == expected
     assert (fast - slow).abs().max().item() <= (1e-4 if dtype == torch.float32 else 0.1) * slow.abs().max().item()

@@ -1,4 +1,5 @@
-"""One-launch RMSNorm and RoPE for the reference model's inference calls (no autograd).
+"""One-launch RMSNorm (alone or after the residual add), GLU activation and RoPE for the reference model's
+inference calls (no autograd).
 
 Why: written in plain PyTorch, an RMSNorm is ~8 kernels (cast, square, mean, add, rsqrt, two products, cast) and
 a RoPE ~8 (negate, concatenate, two casts, two products, add, cast). A decode step of a 32-layer model runs ~45
@@ -44,6 +45,85 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, D, rows.stride(0), out.stride(0), float(eps),
                                            BLOCK=block, num_warps=4 if block <= 4096 else 8)
     return out.view(*x.shape[:-1], D)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, S, Y, D, stride_x, stride_r, stride_s, stride_y, eps, BLOCK: tl.constexpr):
+    """One row: s = x + r (rounded to x's dtype, as the PyTorch sum), then y = rms_norm(s)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    x_in = tl.load(X + row * stride_x + cols, mask=inside, other=0.0)
+    r = tl.load(R + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
+    s_in = (x_in.to(tl.float32) + r).to(x_in.dtype)
+    tl.store(S + row * stride_s + cols, s_in, mask=inside)
+    x = s_in.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    normed = (x * rstd).to(x_in.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (w * normed).to(Y.dtype.element_ty), mask=inside)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + residual, rms_norm(x + residual, weight, eps)) in one launch; the sum in x's dtype."""
+    D = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual: expected {x.dtype} of shape {tuple(x.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    if weight.shape != (D,):
+        raise ValueError(f"weight: expected shape ({D},) for rows of {D}, got {tuple(weight.shape)}")
+    rows, res = x.reshape(-1, D), residual.reshape(-1, D)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    res = res if res.stride(-1) == 1 else res.contiguous()
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(D)
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, total, out, D, rows.stride(0), res.stride(0),
+                                               total.stride(0), out.stride(0), float(eps), BLOCK=block,
+                                               num_warps=4 if block <= 4096 else 8)
+    return total.view(x.shape), out.view(*x.shape[:-1], D)
+
+
+@triton.jit
+def _glu_kernel(G, U, Y, F, stride_g, stride_u, RELU2: tl.constexpr, BLOCK: tl.constexpr):
+    """act(gate) * up for one block of one row: the activation rounded to the dtype, then the product, as the
+    PyTorch form's two ops. RELU2: relu(g)^2 (BitNet's ReLU²GLU), else SiLU."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < F
+    g_in = tl.load(G + row * stride_g + cols, mask=inside, other=0.0)
+    g = g_in.to(tl.float32)
+    if RELU2:
+        r = tl.maximum(g, 0.0)
+        a = r * r
+    else:
+        a = g / (1.0 + tl.exp(-g))
+    a = a.to(g_in.dtype).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(Y + row * F + cols, (a * u).to(g_in.dtype), mask=inside)
+
+
+GLU_KINDS = ("silu", "relu2")
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """``act(gate) * up`` (kind "silu": F.silu; "relu2": relu(gate)**2) in one launch; rows may be strided
+    views (the halves of a stacked gate/up output)."""
+    if kind not in GLU_KINDS:
+        raise ValueError(f"kind: expected one of {GLU_KINDS}, got {kind!r}")
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"up: expected {gate.dtype} of shape {tuple(gate.shape)}, got {up.dtype} {tuple(up.shape)}")
+    F = gate.shape[-1]
+    g, u = gate.reshape(-1, F), up.reshape(-1, F)
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    if g.shape[0]:
+        block = min(triton.next_power_of_2(F), 2048)
+        _glu_kernel[(g.shape[0], triton.cdiv(F, block))](g, u, out, F, g.stride(0), u.stride(0),
+                                                          RELU2=kind == "relu2", BLOCK=block, num_warps=4)
+    return out.view(gate.shape)
 
 
 @triton.jit
@@ -93,4 +173,4 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["rms_norm", "rope"]
+__all__ = ["rms_norm", "add_rms_norm", "glu", "GLU_KINDS", "rope"]

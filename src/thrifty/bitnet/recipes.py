@@ -94,6 +94,9 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()
 
 
+relu_squared.glu_kind = "relu2"  # the reference model's inference path fuses relu(gate)**2 * up into one launch
+
+
 class RampedReLUSquared(nn.Module):
     """The GLU gate activation of a converted model: ``(1 − λ)·original(g) + λ·ReLU²(g)``; at λ = 1 exactly ReLU²."""
 

@@ -33,6 +33,7 @@ class StaticKVCache:
         self.values: dict[int, torch.Tensor] = {}
         self.lengths: dict[int, int] = {}
         self.graph_mode = False
+        self._mask = None  # (positions tensor, its (version, capturing), the mask): see _key_mask
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions, rope):
         k = rope(k, positions)
@@ -50,11 +51,23 @@ class StaticKVCache:
         if self.graph_mode:
             if T != 1:
                 raise ValueError(f"input_ids: graph_mode decodes one token per step, got {T}")
-            mask = torch.arange(self.capacity, device=keys.device) <= positions[-1]
-            setattr(keys, KEY_MASK_ATTR, mask.view(1, 1, 1, -1))
+            setattr(keys, KEY_MASK_ATTR, self._key_mask(positions, keys.device))
             return keys, values
         self.lengths[layer_idx] = start + T
         return keys[:, :, : start + T], values[:, :, : start + T]
+
+    def _key_mask(self, positions, device):
+        """The (1, 1, 1, capacity) mask of written slots, made once per step and shared by every layer (keyed on
+        the positions tensor, its in-place version and the capture state, as the model's RoPE reuses cos/sin)."""
+        try:
+            version = positions._version
+        except RuntimeError:  # an inference-mode tensor keeps no version: no reuse across steps then
+            version = object()
+        key = (version, torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+        if self._mask is None or self._mask[0] is not positions or self._mask[1] != key:
+            mask = (torch.arange(self.capacity, device=device) <= positions[-1]).view(1, 1, 1, -1)
+            self._mask = (positions, key, mask)
+        return self._mask[2]
 
     def _buffers(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         if layer_idx not in self.keys:

@@ -245,7 +245,21 @@ class MLP(nn.Module):
         self.down_proj = linear(f, d, name=f"layers.{layer_idx}.mlp.down_proj")
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        kind = glu_kind(self.act_fn)
+        if kind is not None and gate.is_cuda and not torch.is_grad_enabled():
+            from ..fused_layers import glu  # inference on the GPU: activation and product in one launch
+
+            return self.down_proj(glu(gate, up, kind))
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def glu_kind(activation) -> Optional[str]:
+    """The fused GLU kernel's name for an activation seam: "silu" for F.silu, a function's ``glu_kind`` attribute
+    (BitNet's ReLU² says "relu2"), else None (the seam runs as written)."""
+    if activation is F.silu:
+        return "silu"
+    return getattr(activation, "glu_kind", None)
 
 
 class DecoderLayer(nn.Module):
@@ -258,8 +272,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, layer_idx, linear, activation)
 
     def forward(self, x, positions, rope, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(self.input_layernorm(x), positions, rope, cache))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
