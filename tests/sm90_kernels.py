@@ -360,21 +360,20 @@ def _neuzip():
         return bits, dict(FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1)
 
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    # (dtype, mantissa bits (None: lossless), lane steps, legacy int16 lane lengths, small first-level table)
-    v3 = [(bf16, None, R.STEPS, False, False), (fp16, None, R.STEPS, False, False), (fp32, None, R.STEPS, False, False),
-          *[(bf16, m, R.STEPS, False, False) for m in R.LOSSY_MANTISSA_BITS if m != R.DTYPES[bf16][2]],
-          *[(bf16, None, s, False, False) for s in R.LANE_STEPS if s != R.STEPS],
-          (bf16, None, R.LEGACY_STEPS, True, False), (bf16, None, R.STEPS, False, True)]
-    for dtype, mbits, steps, legacy, small in v3:
+    # (dtype, mantissa bits (None: lossless), lane steps, small first-level table)
+    v3 = [(bf16, None, R.STEPS, False), (fp16, None, R.STEPS, False), (fp32, None, R.STEPS, False),
+          *[(bf16, m, R.STEPS, False) for m in R.LOSSY_MANTISSA_BITS if m != R.DTYPES[bf16][2]],
+          *[(bf16, None, s, False) for s in R.LANE_STEPS if s != R.STEPS],
+          (bf16, None, R.STEPS, True)]
+    for dtype, mbits, steps, small in v3:
         bits, fields = layout(dtype, mbits)
-        lane_mask, lane_shift = (0xFFFF, 0) if legacy else (0xFF, R.lane_unit(steps).bit_length() - 1)
         table_t = "*i16" if bits == 16 else "*i32"  # decompress's default table16 for 16-bit dtypes
-        label = f"{NAME[dtype]} m={mbits} steps={steps}" + " legacy" * legacy + " small" * small
+        label = f"{NAME[dtype]} m={mbits} steps={steps}" + " small" * small
         yield entry(DK._decode_kernel_v3, label,
                     dict(STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=4,  # literal in decode_into (v3)
                          **fields, ASM=True,
-                         TSIZE=bits // 8, SMALL=small, LANE_MASK=lane_mask, LANE_SHIFT=lane_shift),
-                    {"words_ptr": "*i32", "lane_bits_ptr": "*i16" if legacy else "*u8", "group_off_ptr": "*i64",
+                         TSIZE=bits // 8, SMALL=small, LANE_SHIFT=R.lane_unit(steps).bit_length() - 1),
+                    {"words_ptr": "*i32", "lane_bits_ptr": "*u8", "group_off_ptr": "*i64",
                      "raw_ptr": "*u8", "table_ptr small_ptr": table_t, "out_ptr": "*i16" if bits == 16 else "*i32"},
                     num_warps=warps, num_stages=3)  # literal in decode_into
     for kern in (DK._decode_kernel, DK._decode_kernel_pipelined):  # kernel="v1" / "v2"
@@ -383,7 +382,7 @@ def _neuzip():
             yield entry(kern, f"{NAME[dtype]} small={small}",
                         dict(STEPS=R.STEPS, GROUP=R.GROUP, GROUPS_PER_PROG=2,  # literal in decode_into (v1/v2)
                              **fields,
-                             TABLE_BITS=R.MAX_CODE_BITS, SMALL_TABLE=small, LANE_MASK=0xFF,
+                             TABLE_BITS=R.MAX_CODE_BITS, SMALL_TABLE=small,
                              LANE_SHIFT=R.lane_unit(R.STEPS).bit_length() - 1),
                         {"words_ptr table_ptr": "*i32", "lane_bits_ptr": "*u8", "group_off_ptr": "*i64",
                          "raw_ptr": "*u8", "small_ptr": "*i16" if small else "*i32",

@@ -150,6 +150,43 @@ def test_argument_errors_are_one_line(argv, says, capsys):
     assert "\n" not in err and err.startswith("thrifty") and says in err and "--help" in err, err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["pretrain", "--steps", "-3"], "argument --steps: expected an int >= 1, got -3"),
+    (["pretrain", "--lr", "0"], "argument --lr: expected a number in (0, 1], got 0"),
+    (["pretrain", "--seq-len", "0", "--preset", "tiny"], "argument --seq-len: expected an int >= 1, got 0"),
+    (["pretrain", "--recipe", "b2"], "argument --recipe: invalid choice: 'b2'"),
+    (["eval", "smollm2", "--batches", "0"], "argument --batches: expected an int >= 1, got 0"),
+    (["setup", "--max-mb", "-1"], "argument --max-mb: expected a number > 0, got -1"),
+])
+def test_bad_arguments_are_refused_before_any_work(argv, says, tmp_path, monkeypatch, capsys):
+    """A bad number or name is one line and exit status 2 before any corpus, model or checkpoint work: the data
+    folder stays untouched and none of the expensive steps is reached."""
+    import thrifty.cli.commands as commands
+    import thrifty.data.locate as locate
+    import thrifty.pretrained as pretrained
+
+    data = tmp_path / "data"
+    monkeypatch.setenv("THRIFTY_DATA", str(data))
+    reached = []
+    for module, name in ((commands, "_corpus"), (commands, "_device"), (locate, "corpus_path"),
+                         (pretrained, "ensure_converted")):
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: reached.append(_name))
+    _one_line_error(capsys, argv, says)
+    assert reached == [] and not data.exists()
+
+
+def test_spelled_out_cli_names_match_the_library():
+    from thrifty._checks import IMPLS
+    from thrifty.bitnet.recipes import RECIPES
+    from thrifty.cli import commands
+    from thrifty.loss.cce import EXTRA_IMPLS
+    from thrifty.models import PRESETS
+
+    assert commands.MODEL_PRESETS == tuple(PRESETS)
+    assert commands.BITNET_RECIPES == tuple(RECIPES)
+    assert set(commands.LOSS_IMPLS) == set(IMPLS + EXTRA_IMPLS)
+
+
 def test_missing_input_files_are_one_line(tmp_path, capsys):
     _one_line_error(capsys, ["decompress", str(tmp_path / "missing.nz"), str(tmp_path / "out.safetensors")],
                     "missing.nz")

@@ -161,13 +161,16 @@ def test_bitnet_auto_runs_the_reference_on_the_cpu():
     assert layer.last_path == "reference"
 
 
-def test_bitnet_checkpoint_records_impl_and_reads_the_old_fused_field():
+def test_bitnet_checkpoint_records_impl_and_refuses_the_old_fused_field():
     model = tiny_llama("b1.58", impl="reference")
     record = checkpoint_record(model)
     assert record["impl"] == "reference" and "fused" not in record
-    old = {**{k: v for k, v in record.items() if k != "impl"}, "fused": False}
-    rebuilt = from_checkpoint_record(tiny_llama(), old)
+    rebuilt = from_checkpoint_record(tiny_llama(), record)
     assert {m.impl for m in rebuilt.modules() if isinstance(m, BitLinear)} == {"reference"}
+    # `fused` (before it became `impl`) was never in a released file: an unknown field, refused by name
+    old = {**{k: v for k, v in record.items() if k != "impl"}, "fused": False}
+    with pytest.raises(ValueError, match=r"unknown fields \['fused'\].*'impl'"):
+        from_checkpoint_record(tiny_llama(), old)
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

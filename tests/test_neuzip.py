@@ -17,11 +17,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SMOLLM2 = os.path.join(os.path.dirname(__file__), "..", "data", "smollm2-135m", "model.safetensors")
 
 
-def legacy(x: torch.Tensor, steps: int, mantissa_bits=None) -> CompressedTensor:
-    """x in the format 1/2 layout (uint16 lane bit lengths, no padding), as read from an old file."""
-    return _from_streams(R.encode(x, mantissa_bits, steps, unit=1), x, mantissa_bits)
-
-
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
 
@@ -199,9 +194,7 @@ def test_triton_interpreter_lane_lengths():
         for gpp in (1, 2):
             assert_same_bits(c.decompress(impl="triton", groups_per_prog=gpp), x)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1, small=True), x)
-        old = legacy(x, steps)  # a tensor read from a format 1/2 file: uint16 lane bit lengths
-        for launch in ({"groups_per_prog": 1}, {"kernel": "v2"}):
-            assert_same_bits(old.decompress(impl="triton", **launch), x)
+        assert_same_bits(c.decompress(impl="triton", kernel="v2"), x)
         n = R.GROUP * steps * 2  # exact multiple: the last program is full but must still run masked
         c = compress(x[:n], steps=steps, pairs=False)
         assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x[:n])
@@ -217,18 +210,15 @@ def test_lane_lengths_round_trip(steps, trained_weights):
                 lanes = R.GROUP * -(-x.numel() // (R.GROUP * steps))
                 assert c.streams["lane_units"].dtype == torch.uint8 and c.streams["lane_units"].numel() == lanes
                 assert_same_bits(c.decompress(impl="reference"), x)
-                old = legacy(x, steps)
-                assert old.streams["lane_bits"].numel() == lanes and old.unit == 1
-                assert_same_bits(old.decompress(impl="reference"), x)
     x = (torch.randn(R.GROUP * 256 * 4) * 0.02).bfloat16()
-    c, old = compress(x, steps=steps, pairs=False), legacy(x, steps)
+    c = compress(x, steps=steps, pairs=False)
     lanes, groups, unit = x.numel() // steps, x.numel() // (R.GROUP * steps), R.lane_unit(steps)
     # metadata: 1 byte per lane, an int64 per group; lanes padded to whole units of steps / 16 bits
     exact = c.streams["lengths"].numpy().astype(np.int64)[R.split_symbols(R._uint_view(x), x.dtype)[0]].sum()
     padding = int(c._lane_bits().sum()) - exact
-    assert 0 <= padding <= (unit - 1) * lanes and c.symbol_bits * x.numel() == exact == old._lane_bits().sum()
+    assert 0 <= padding <= (unit - 1) * lanes and c.symbol_bits * x.numel() == exact
     assert c.nbytes == 4 * c.streams["words"].numel() + lanes + 8 * groups + x.numel() + 256
-    assert c.nbytes - old.nbytes <= -lanes + 4 * -(-(unit - 1) * lanes // 32)
+    assert 4 * c.streams["words"].numel() == 4 * (-(-(exact + padding) // 32) + R.WORD_PAD)
     assert (c._lane_bits() % unit == 0).all()
 
 
@@ -242,17 +232,15 @@ def test_worst_case_lane_lengths(steps):
     sym = np.full(n, 12, np.uint8)
     sym[R.GROUP * steps:] = g.choice([0, 11, 12], n - R.GROUP * steps)  # second group: mixed
     sym[-100:] = 0
-    for unit in (R.lane_unit(steps), 1):
-        words, lane_len, offs = R.encode_symbols(sym, lengths, steps, unit)
-        if unit > 1:
-            assert lane_len.dtype == np.uint8 and lane_len[:R.GROUP].tolist() == [192] * R.GROUP
-        assert (R.decode_symbols(words, lane_len, offs, lengths, n, steps, unit) == sym).all()
-        s = R.Streams(words, lane_len, offs, np.zeros(n, np.uint8), lengths, np.zeros(256, np.int64), steps, unit)
-        x = torch.from_numpy((sym.astype(np.int16) << 7)).view(torch.bfloat16)  # sign 0, mantissa 0
-        c = _from_streams(s, x, None)
-        assert_same_bits(c.decompress(impl="reference"), x)
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x)
+    words, lane_len, offs = R.encode_symbols(sym, lengths, steps)
+    assert lane_len.dtype == np.uint8 and lane_len[:R.GROUP].tolist() == [192] * R.GROUP
+    assert (R.decode_symbols(words, lane_len, offs, lengths, n, steps) == sym).all()
+    s = R.Streams(words, lane_len, offs, np.zeros(n, np.uint8), lengths, np.zeros(256, np.int64), steps)
+    x = torch.from_numpy((sym.astype(np.int16) << 7)).view(torch.bfloat16)  # sign 0, mantissa 0
+    c = _from_streams(s, x, None)
+    assert_same_bits(c.decompress(impl="reference"), x)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert_same_bits(c.decompress(impl="triton", groups_per_prog=1), x)
 
 
 def test_bad_input():
@@ -290,7 +278,8 @@ def test_bad_input():
 def saved(tmp_path, trained_weights):
     entries = {"w": compress(trained_weights.bfloat16()), "h": compress(trained_weights[:999].half(), steps=128),
                "lossy": compress(trained_weights.bfloat16(), 1), "old": compress(trained_weights.float(), steps=256),
-               "v2": legacy(trained_weights[:5000].bfloat16(), 128), "ids": torch.arange(7)}
+               "single128": compress(trained_weights[:5000].bfloat16(), steps=128, pairs=False),
+               "ids": torch.arange(7)}
     path = tmp_path / "m.nz"
     save(path, entries)
     return path, entries
@@ -366,52 +355,53 @@ def _edit_meta(h, name, **kw):
     h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(meta)
 
 
-def _as_version(h, version):
-    """Rewrites a header as an older version would have written it (no lane_unit)."""
-    h["__metadata__"]["thrifty.neuzip.format"] = version
-    meta = json.loads(h["__metadata__"]["thrifty.neuzip.tensors"])
-    for m in meta.values():
-        m.pop("lane_unit", None)
-    h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(meta)
+def test_file_older_versions_are_refused(saved):
+    """Format 4 is the only version thrifty writes and reads: versions 1-3 (the codec's development before the
+    first release, never written by a user) and later ones are refused with the file and the version named."""
+    path, entries = saved
+    for version in ("1", "2", "3", "5"):
+        _set_header(path, lambda h: h["__metadata__"].update({"thrifty.neuzip.format": version}))
+        with pytest.raises(ValueError, match=f"{path.name}: neuzip format version '{version}'.* version '4' only"):
+            load(path)
+    _set_header(path, lambda h: h["__metadata__"].update({"thrifty.neuzip.format": "4"}))
+    assert _same_entries(load(path), entries)
 
 
-def test_file_versions_1_2_and_lane_lengths(tmp_path, trained_weights):
-    """Version 1 (256-symbol lanes only) and 2 files (uint16 lane_bits) still load; other lane lengths need
-    version 2; uint8 lane units need version 3."""
+def test_file_lane_lengths_are_checked(tmp_path, trained_weights):
+    """Each tensor's lane length and lane unit (steps // 16) are stated and checked; a tensor without
+    ``lane_unit`` (the uint16 ``lane_bits`` layout of versions 1-2) or with another unit is refused."""
     x = trained_weights.bfloat16()
-    old = {"w": legacy(x, 256), "ids": torch.arange(3)}
-    path = tmp_path / "v1.nz"
-    save(path, old)
-    _set_header(path, lambda h: _as_version(h, "1"))
-    got = load(path)
-    assert _same_entries(got, old) and got["w"].unit == 1 and "lane_bits" in got["w"].streams
-    v2 = {"a": legacy(x, 64), "b": legacy(trained_weights[:999].half(), 128), "c": legacy(x, 256, 3)}
-    save(path, v2)
-    _set_header(path, lambda h: _as_version(h, "2"))
-    got = load(path)
-    assert _same_entries(got, v2)
-    save(path, got)  # re-saved as version 3, tensors keep their layout
-    assert _same_entries(load(path), v2)
-    save(path, {"w": legacy(x, 64)})
-    _set_header(path, lambda h: _as_version(h, "1"))
-    with pytest.raises(ValueError, match="steps"):
-        load(path)
-    for version in ("1", "2"):  # uint8 lane units in an old-version file
-        save(path, {"w": compress(x, steps=256, pairs=False)})  # (pairs in old versions: test_pair_files_are_checked)
-        _set_header(path, lambda h: _as_version(h, version))
-        with pytest.raises(ValueError, match="lane_bits"):
-            load(path)
-        _set_header(path, lambda h: _edit_meta(h, "w", lane_unit=16))
-        with pytest.raises(ValueError, match="lane_unit"):
-            load(path)
-
+    path = tmp_path / "w.nz"
+    for steps in R.LANE_STEPS:
+        save(path, {"w": compress(x, steps=steps)})
+        assert load(path)["w"].unit == steps // 16 == R.lane_unit(steps)
     # forged headers: the sizes, the checksum or the lane-unit check no longer fit
-    for edit in (dict(steps=128), dict(lane_unit=1), dict(lane_unit=8), dict(lane_unit=None), dict(lane_unit="4"),
-                 dict(lane_unit=True)):
+    for edit in (dict(steps=128), dict(steps=256), dict(steps=32), dict(lane_unit=1), dict(lane_unit=8),
+                 dict(lane_unit=None), dict(lane_unit="4"), dict(lane_unit=True)):
         save(path, {"w": compress(x, steps=64)})
         _set_header(path, lambda h: _edit_meta(h, "w", **edit))
         with pytest.raises(ValueError, match=str(path.name)):
             load(path)
+
+
+def test_checksum_formula_is_that_of_written_files():
+    """The checksum that format 4 files store (dtype, shape, mantissa bits, steps except 256, lane unit, pairs,
+    then the streams): fixed values, so that a change of the formula cannot pass unnoticed (files already
+    written would stop loading). The values are those of the code before issue #30 removed versions 1-3."""
+    def streams(pairs):
+        s = {"words": torch.arange(8, dtype=torch.int32) * 977, "lane_units": torch.arange(64, dtype=torch.uint8),
+             "group_offsets": torch.tensor([0], dtype=torch.int64), "raw": torch.arange(100, dtype=torch.uint8),
+             "lengths": torch.full((256,), 8, dtype=torch.uint8)}
+        if pairs:
+            s.update(pair_syms=torch.arange(3, dtype=torch.int16), lengths=torch.tensor([1, 2, 2], dtype=torch.uint8))
+        return s
+
+    got = [CompressedTensor(streams(pairs), dtype, (10, 10), k, steps=steps).crc32()
+           for steps in (64, 128, 256) for pairs in (False, True)
+           for dtype, k in ((torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, 3))]
+    assert got == [2470646995, 196668017, 1618847249, 3039063612, 2069815178, 2719257152, 1192265229, 2135998263,
+                   847846179, 4275320057, 3692583153, 2809149714, 1973057213, 3481540281, 1038707469, 3728545660,
+                   2355522442, 2647967512]
 
 
 def test_file_forged_lane_lengths(tmp_path, trained_weights, monkeypatch):
@@ -421,9 +411,9 @@ def test_file_forged_lane_lengths(tmp_path, trained_weights, monkeypatch):
     x = torch.cat([trained_weights, trained_weights[:5000]]).bfloat16()  # 2 groups at 64 steps
     path = tmp_path / "f.nz"
 
-    def forged(change, lane_key="lane_units", make=lambda: compress(x)):
-        c = make()
-        change(c.streams, lane_key)
+    def forged(change):
+        c = compress(x)
+        change(c.streams, "lane_units")
         save(path, {"w": c})  # the checksum is computed over the forged streams
         with pytest.raises(ValueError, match="inconsistent streams"):
             load(path)
@@ -438,12 +428,11 @@ def test_file_forged_lane_lengths(tmp_path, trained_weights, monkeypatch):
         s["group_offsets"][1] += 4
 
     def overlong(s, key):  # more than 12 bits per symbol, total kept by the last lane
-        s[key][:2] = s[key][:2] + 200 if key == "lane_units" else 768 + 1
+        s[key][:2] = s[key][:2] + 200
         s[key][-1] = 0
 
-    for lane_key, make in (("lane_units", lambda: compress(x)), ("lane_bits", lambda: legacy(x, 64))):
-        for change in (bump(0, 1), bump(-1, -40), offsets, overlong):
-            forged(change, lane_key, make)
+    for change in (bump(0, 1), bump(-1, -40), offsets, overlong):
+        forged(change)
 
 
 def test_cli_round_trip(tmp_path, capsys, trained_weights):
@@ -528,11 +517,12 @@ def test_pair_files_are_checked(tmp_path):
     assert c.pairs
     save(tmp_path / "a.safetensors", {"w": c})
     assert_same_bits(load(tmp_path / "a.safetensors")["w"].decompress(), x)
-    # the same file claiming version 3 (no pairs there), or with the pair list out of order: refused
+    # the same file claiming version 3 (an older version: refused as such), or with the pair list out of
+    # order: refused
     data = (tmp_path / "a.safetensors").read_bytes()
     (size,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8: 8 + size])
-    for version, swap in (("3", False), ("4", True)):
+    for version, swap, says in (("3", False, "version '3'"), ("4", True, "pair")):
         h = json.loads(json.dumps(header))
         h["__metadata__"]["thrifty.neuzip.format"] = version
         body = bytearray(data[8 + size:])
@@ -546,7 +536,7 @@ def test_pair_files_are_checked(tmp_path):
             h["__metadata__"]["thrifty.neuzip.tensors"] = json.dumps(tensors)
         raw = json.dumps(h).encode()
         (tmp_path / "b.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(body))
-        with pytest.raises(ValueError, match="pair"):
+        with pytest.raises(ValueError, match=says):
             load(tmp_path / "b.safetensors")
 
 

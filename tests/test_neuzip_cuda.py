@@ -77,24 +77,21 @@ def test_triton_gpu_large(dtype):
 
 
 @pytest.mark.parametrize("steps", R.LANE_STEPS)
-def test_triton_gpu_legacy_layout_and_worst_case(steps):
-    """Tensors of format 1/2 files (uint16 lane bit lengths), and lanes of only 12-bit codes (192 units)."""
+def test_triton_gpu_worst_case_lanes(steps):
+    """Lanes of only 12-bit codes (192 units, the most a uint8 lane length holds), then a mixed group."""
     from thrifty.neuzip.tensor import _from_streams
 
-    x = _data(R.GROUP * steps * 3 + 17, torch.bfloat16)
-    old = _from_streams(R.encode(x, None, steps, unit=1), x, None)
-    assert "lane_bits" in old.streams
-    _check_one(old, x, [{}, {"asm": False, "groups_per_prog": 1}, {"kernel": "v2"}, {"kernel": "v1"}])
     lengths = np.zeros(256, np.uint8)
     lengths[:13] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12]  # a complete prefix code
     n = R.GROUP * steps * 2 + 100
     sym = np.full(n, 12, np.uint8)
     sym[R.GROUP * steps:] = np.random.default_rng(steps).choice([0, 11, 12], n - R.GROUP * steps)
-    for unit in (R.lane_unit(steps), 1):
-        words, lane_len, offs = R.encode_symbols(sym, lengths, steps, unit)
-        s = R.Streams(words, lane_len, offs, np.zeros(n, np.uint8), lengths, np.zeros(256, np.int64), steps, unit)
-        y = torch.from_numpy(sym.astype(np.int16) << 7).view(torch.bfloat16)
-        _check_one(_from_streams(s, y, None), y, [{}, {"groups_per_prog": 1}, {"kernel": "v2"}])
+    words, lane_len, offs = R.encode_symbols(sym, lengths, steps)
+    assert lane_len[:R.GROUP].tolist() == [192] * R.GROUP
+    s = R.Streams(words, lane_len, offs, np.zeros(n, np.uint8), lengths, np.zeros(256, np.int64), steps)
+    y = torch.from_numpy(sym.astype(np.int16) << 7).view(torch.bfloat16)
+    _check_one(_from_streams(s, y, None), y, [{}, {"groups_per_prog": 1}, {"asm": False}, {"kernel": "v2"},
+                                              {"kernel": "v1"}])
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])

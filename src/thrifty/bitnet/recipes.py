@@ -258,13 +258,10 @@ def from_checkpoint_record(model: nn.Module, record) -> nn.Module:
     """Converts a freshly built full-precision ``model`` as :func:`checkpoint_record` described it."""
     if not isinstance(record, dict):
         raise ValueError(f"{CHECKPOINT_KEY}: expected an object of BitNetConfig fields, got {record!r}")
-    if "fused" in record and "impl" not in record:  # a file saved before `fused` became `impl`
-        fused = record["fused"]
-        record = {**{k: v for k, v in record.items() if k != "fused"},
-                  "impl": {True: "auto", False: "reference"}.get(fused, fused)}
-    unknown = set(record) - {f for f in BitNetConfig.__dataclass_fields__}
+    known = list(BitNetConfig.__dataclass_fields__)
+    unknown = set(record) - set(known)
     if unknown:
-        raise ValueError(f"{CHECKPOINT_KEY}: unknown fields {sorted(unknown)}")
+        raise ValueError(f"{CHECKPOINT_KEY}: unknown fields {sorted(unknown)}; a BitNet record holds {known}")
     return convert(model, BitNetConfig(**{**record, "exclude": tuple(record.get("exclude", ()))}))
 
 

@@ -4,13 +4,52 @@ imported when a verb runs, so that ``thrifty --help`` stays instant."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import time
 from pathlib import Path
 
-# thrifty.compose.PRESETS, spelled out so that `thrifty --help` imports no torch (a test keeps them equal)
-OPTIMIZE_PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small")
+# Names spelled out so that `thrifty --help` imports no torch (tests keep them equal to the library's):
+OPTIMIZE_PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small")  # thrifty.compose.PRESETS
+MODEL_PRESETS = ("tiny", "30m", "60m", "135m", "1b")  # thrifty.models.PRESETS
+BITNET_RECIPES = ("fp", "b1.58", "a4.8", "a4.8-fp4", "int4-all")  # thrifty.bitnet.RECIPES
+LOSS_IMPLS = ("torch", "auto", "triton", "reference")  # "torch": the model's own loss, else a thrifty.loss impl
 CORPUS_HELP = "a folder of text files to use instead of the Debian docs"
+
+
+# Argument types: a bad number is refused while the command line is parsed, i.e. before any corpus, model or
+# checkpoint work, as one line that names the option ("argument --steps: expected an int >= 1, got -3").
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    """A finite float in [lo, hi] ((lo, hi] with ``lo_open``; hi may be math.inf)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
+            wanted = f"a number {'>' if lo_open else '>='} {lo:g}" if math.isinf(hi) else \
+                f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
+        return value
+
+    return parse
+
+
+_POSITIVE, _NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
 
 
 def _device(name: str):
@@ -58,12 +97,13 @@ def cmd_optimize(args) -> int:
     from .. import pretrained
 
     config = thrifty.OptimizeConfig.preset(args.preset)
+    device = _device(args.device)  # a bad --device is refused before any model is converted or loaded
     path = args.model or pretrained.ensure_converted(progress=False)
     if not (Path(path) / "config.json").is_file():  # transformers would take it for a hub name
         raise FileNotFoundError(f"--model: {path} is not a transformers checkpoint folder (no config.json)")
     # lossy NeuZip codes bf16 weights; the other presets keep the checkpoint's fp32
     dtype = torch.bfloat16 if config.neuzip is not None and config.neuzip.kept_bits is not None else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(_device(args.device)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     thrifty.optimize(model, config)
     print(thrifty.describe(model))
     return 0
@@ -150,9 +190,6 @@ def cmd_eval(args) -> int:
     from ..evaluate import load_any_model, validation_perplexity
     from ..neuzip import compress_model
 
-    for flag, n in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
-        if n < 1:  # --batches 0 would print a perplexity of 1.0 over no tokens
-            raise ValueError(f"{flag}: expected an int >= 1, got {n}")
     device = _device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
     if dtype is None:
@@ -184,7 +221,8 @@ def _weights(model) -> str:
 def add_setup(verbs) -> None:
     s = verbs.add_parser("setup", help="fetch and prepare the real model and the corpus (idempotent)")
     s.add_argument("--corpus", default=None, help=CORPUS_HELP)
-    s.add_argument("--max-mb", type=float, default=None, help="cap the cleaned corpus (MB)")
+    s.add_argument("--max-mb", type=_float_in(0.0, math.inf, lo_open=True), default=None,
+                   help="cap the cleaned corpus (MB)")
     s.set_defaults(run=cmd_setup)
 
 
@@ -208,20 +246,21 @@ def add_optimize(verbs) -> None:
 
 def add_pretrain(verbs) -> None:
     t = verbs.add_parser("pretrain", help="pre-train a preset-sized model from scratch on the corpus")
-    t.add_argument("--preset", default="30m", help="model size (thrifty.models.PRESETS)")
+    t.add_argument("--preset", default="30m", choices=MODEL_PRESETS, help="model size (thrifty.models.PRESETS)")
     t.add_argument("--corpus", default=None, help=CORPUS_HELP)
     t.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--batch-size", type=int, default=32)
-    t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--eval-every", type=int, default=100)
-    t.add_argument("--loss", default="torch", help="torch (logits + F.cross_entropy) or a thrifty.loss impl")
+    t.add_argument("--steps", type=_POSITIVE, default=1000)
+    t.add_argument("--batch-size", type=_POSITIVE, default=32)
+    t.add_argument("--seq-len", type=_POSITIVE, default=512)
+    t.add_argument("--lr", type=_float_in(0.0, 1.0, lo_open=True), default=1e-3)
+    t.add_argument("--eval-every", type=_NON_NEGATIVE, default=100, help="0: only at the end")
+    t.add_argument("--loss", default="torch", choices=LOSS_IMPLS,
+                   help="torch (logits + F.cross_entropy) or a thrifty.loss impl")
     t.add_argument("--compile", action="store_true")
-    t.add_argument("--recipe", default="fp", help="fp, b1.58, a4.8, a4.8-fp4 or int4-all (thrifty.bitnet)")
-    t.add_argument("--stage1-share", type=float, default=0.95,
+    t.add_argument("--recipe", default="fp", choices=BITNET_RECIPES, help="BitNet recipe (thrifty.bitnet); fp: none")
+    t.add_argument("--stage1-share", type=_float_in(0.0, 1.0, lo_open=True), default=0.95,
                    help="BitNet: share of the steps in stage 1 (W1.58A8) before the recipe's own quantizers")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     t.add_argument("--out", default="runs/pretrain", help="folder for the checkpoint, history.json and loss.png")
     t.set_defaults(run=cmd_pretrain)
 
@@ -235,7 +274,7 @@ def add_eval(verbs) -> None:
                    help="weights of an uncompressed model (auto: bf16 on CUDA, fp32 on CPU)")
     e.add_argument("--neuzip", default=None, choices=("lossless", "0", "1", "3", "7"),
                    help="compress an uncompressed model first: lossless, or lossy k mantissa bits (bf16)")
-    e.add_argument("--batches", type=int, default=8)
-    e.add_argument("--batch-size", type=int, default=4)
-    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--batches", type=_POSITIVE, default=8)  # 0 would print a perplexity of 1.0 over no tokens
+    e.add_argument("--batch-size", type=_POSITIVE, default=4)
+    e.add_argument("--seq-len", type=_POSITIVE, default=256)
     e.set_defaults(run=cmd_eval)

@@ -148,10 +148,9 @@ class BlockPack:
         for t in tensors:
             if not isinstance(t, CompressedTensor):
                 raise TypeError(f"tensors: expected CompressedTensor entries, got {type(t).__name__}")
-            if (t.dtype, t.mantissa_bits, t.steps, t.lane_key) != (first.dtype, first.mantissa_bits, first.steps,
-                                                                    "lane_units"):  # pairs may mix
-                raise ValueError("tensors: a pack needs one dtype, one mantissa_bits, one lane length and the "
-                                 f"format 3 layout; got {t!r} beside {first!r}")
+            if (t.dtype, t.mantissa_bits, t.steps) != (first.dtype, first.mantissa_bits, first.steps):  # pairs may mix
+                raise ValueError("tensors: a pack needs one dtype, one mantissa_bits and one lane length; "
+                                 f"got {t!r} beside {first!r}")
             if t.device != first.device:
                 raise ValueError(f"tensors: all on one device, got {t.device} and {first.device}")
         self.dtype, self.mantissa_bits, self.steps = first.dtype, first.mantissa_bits, first.steps

@@ -24,14 +24,14 @@ from ..triton_utils import FastLauncher
 
 @triton.jit
 def _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
-                 LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
+                 LANE_SHIFT: tl.constexpr):
     """This program's lanes: (lane index, in range, bit length, first 32-bit word, bit offset in it)."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     pid = tl.program_id(0)
     lane = pid * LANES + tl.arange(0, LANES)
     lane_ok = lane < n_lanes
-    # lane lengths: uint8 units of 2^LANE_SHIFT bits (format 3) or uint16 bits (LANE_SHIFT 0, formats 1-2)
-    bits = (tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) & LANE_MASK) << LANE_SHIFT
+    # lane lengths: uint8 units of 2^LANE_SHIFT bits
+    bits = tl.load(lane_bits_ptr + lane, mask=lane_ok, other=0).to(tl.int32) << LANE_SHIFT
     base = tl.load(group_off_ptr + pid * GROUPS_PER_PROG)  # int64: first bit of this program's lanes
     start = base + (tl.cumsum(bits, axis=0) - bits).to(tl.int64)
     return lane, lane_ok, bits, (start >> 5).to(tl.int32), (start & 31).to(tl.int32)
@@ -42,9 +42,9 @@ def _decode_kernel(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_ptr, 
                    STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                    FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
                    SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr,
-                   LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
+                   LANE_SHIFT: tl.constexpr):
     lane, lane_ok, _bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
-                                                  LANE_MASK, LANE_SHIFT)
+                                                  LANE_SHIFT)
     w0 = tl.load(words_ptr + word, mask=lane_ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     w1 = tl.load(words_ptr + word + 1, mask=lane_ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     buf = ((w0 << 32) | w1) << off.to(tl.uint64)
@@ -149,13 +149,13 @@ def _decode_kernel_pipelined(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, t
                              STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                              FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
                              SIGN_SHIFT: tl.constexpr, TABLE_BITS: tl.constexpr, SMALL_TABLE: tl.constexpr,
-                             LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
+                             LANE_SHIFT: tl.constexpr):
     """v2: the same decode, with every memory latency taken off the per-step chain. Raw fields are loaded
     4 steps ahead (the loop body is unrolled by 4), the next word one step ahead, and each lane's whole word
     stream (~84 B) is pulled into L1 at the start (one wait instead of a miss every few steps)."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     lane, lane_ok, bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
-                                                  LANE_MASK, LANE_SHIFT)
+                                                  LANE_SHIFT)
     last_word = word + ((off + bits) >> 5) + 2
     # touch every 32-byte sector of the lane's stream now; `junk` is always 0 but the compiler cannot know
     junk = tl.zeros([LANES], dtype=tl.int32)
@@ -364,14 +364,14 @@ def _decode_kernel_v3(words_ptr, lane_bits_ptr, group_off_ptr, raw_ptr, table_pt
                       STEPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
                       FIELD_BITS: tl.constexpr, KEPT: tl.constexpr, SYM_SHIFT: tl.constexpr,
                       SIGN_SHIFT: tl.constexpr, ASM: tl.constexpr, TSIZE: tl.constexpr, SMALL: tl.constexpr,
-                      LANE_MASK: tl.constexpr, LANE_SHIFT: tl.constexpr):
+                      LANE_SHIFT: tl.constexpr):
     """v3: 32-bit word pair + funnel shift instead of a uint64 buffer, two symbols per refill check, a
     table entry that holds the symbol at its place in the output, and no masks outside the last program.
     Same bits as v1/v2 and the reference."""
     LANES: tl.constexpr = GROUP * GROUPS_PER_PROG
     pid = tl.program_id(0)
     lane, lane_ok, bits, word, off = _lane_starts(lane_bits_ptr, group_off_ptr, n_lanes, GROUP, GROUPS_PER_PROG,
-                                                  LANE_MASK, LANE_SHIFT)
+                                                  LANE_SHIFT)
     last_word = word + ((off + bits) >> 5) + 2
     # touch every 32-byte sector of the lane's stream now (one wait); `junk` is 0, the compiler cannot know
     junk = tl.zeros([LANES], dtype=tl.int32)
@@ -494,15 +494,15 @@ KERNELS = ("v3", "v2", "v1")
 
 
 def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: torch.Tensor, raw: torch.Tensor,
-                table: torch.Tensor, out: torch.Tensor, kept: int, steps: int = R.LEGACY_STEPS,
+                table: torch.Tensor, out: torch.Tensor, kept: int, steps: int = R.STEPS,
                 kernel: str = "v3", groups_per_prog: int | None = None, num_warps: int = 4,
                 small_table: torch.Tensor | None = None, v3_table: torch.Tensor | None = None,
                 v3_small: torch.Tensor | None = None, asm: bool | None = None,
                 pipelined: bool | None = None) -> torch.Tensor:
     """Launches the decoder; ``out`` (contiguous, dtype bf16/fp16/fp32) receives the tensor's elements.
 
-    words: int32 (the uint32 stream); lane_bits: each lane's length, uint8 units of ``steps // 16`` bits
-    (format 3) or int16 (the uint16 bit lengths of formats 1 and 2); group_offsets: int64; raw: uint8;
+    words: int32 (the uint32 stream); lane_bits: each lane's length, uint8 units of ``steps // 16`` bits (the
+    ``lane_units`` stream); group_offsets: int64; raw: uint8;
     table: int32[4096] from :func:`reference.decode_table`; steps: symbols per lane (the tensor's layout).
     kernel: "v3" (default), "v2" (pipelined uint64 buffer) or "v1" (plain loop); ``pipelined`` (old flag):
     True = v2, False = v1. v1/v2: small_table, an optional int16[256] from :func:`small_table`. v3:
@@ -521,12 +521,9 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
     if n == 0:
         return out
     bits, shift, _ = R.DTYPES[out.dtype]
-    if lane_bits.dtype == torch.uint8:
-        lane_mask, lane_shift = 0xFF, (R.lane_unit(steps)).bit_length() - 1
-    elif lane_bits.dtype == torch.int16:
-        lane_mask, lane_shift = 0xFFFF, 0
-    else:
-        raise TypeError(f"lane_bits: expected uint8 (units) or int16 (bits), got {lane_bits.dtype}")
+    if lane_bits.dtype != torch.uint8:
+        raise TypeError(f"lane_bits: expected uint8 (lengths in units of steps // 16 bits), got {lane_bits.dtype}")
+    lane_shift = R.lane_unit(steps).bit_length() - 1
     n_lanes = lane_bits.numel()
     n_groups = group_offsets.numel()
     if n_groups != R.n_groups(n, steps) or n_lanes != n_groups * R.GROUP:
@@ -549,7 +546,7 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
                    words.numel(), n_full, STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog,
                    FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1, ASM=asm,
                    TSIZE=v3_table.element_size(), SMALL=v3_small is not None,
-                   LANE_MASK=lane_mask, LANE_SHIFT=lane_shift, num_warps=num_warps, num_stages=3)
+                   LANE_SHIFT=lane_shift, num_warps=num_warps, num_stages=3)
         return out
     kern, extra = (_decode_kernel_pipelined, (words.numel(),)) if kernel == "v2" else (_decode_kernel, ())
     kern[grid](words, lane_bits, group_offsets, raw, table,
@@ -557,8 +554,8 @@ def decode_into(words: torch.Tensor, lane_bits: torch.Tensor, group_offsets: tor
                out_bits, n, n_lanes, *extra,
                STEPS=steps, GROUP=R.GROUP, GROUPS_PER_PROG=groups_per_prog,
                FIELD_BITS=kept + 1, KEPT=kept, SYM_SHIFT=shift, SIGN_SHIFT=bits - 1,
-               TABLE_BITS=R.MAX_CODE_BITS, SMALL_TABLE=small_table is not None, LANE_MASK=lane_mask,
-               LANE_SHIFT=lane_shift, num_warps=num_warps)
+               TABLE_BITS=R.MAX_CODE_BITS, SMALL_TABLE=small_table is not None, LANE_SHIFT=lane_shift,
+               num_warps=num_warps)
     return out
 
 

@@ -52,7 +52,7 @@ def _slots(symbol: torch.Tensor, n: int, groups: int, steps: int) -> tuple[torch
 
 
 def encode_lossless(x: torch.Tensor, steps: int = R.STEPS, chunk_elements: int = CHUNK_ELEMENTS) -> dict:
-    """Streams of ``x`` (bf16 / fp16 / fp32) in the format 3 layout, computed on ``x.device``.
+    """Streams of ``x`` (bf16 / fp16 / fp32) in the stored layout (uint8 lane units), computed on ``x.device``.
 
     Returns {"words": int32, "lane_units": uint8, "group_offsets": int64, "raw": uint8, "lengths": uint8[256]}
     (pair-coded: "pair_syms" + "lengths", :func:`tensor.code_streams`), bit-identical to

@@ -1,17 +1,18 @@
 """On-disk format: a safetensors file of uint8 streams + header metadata; checked before anything is used.
 
 Layout: for tensor NAME, the safetensors entries ``NAME::words``, ``::lane_units``, ``::group_offsets``,
-``::raw``, ``::lengths`` (NeuZip codec) or ``NAME::data`` (codec "plain": dtypes NeuZip does not code, e.g.
-int64), each stored as flat uint8 (little-endian bytes). The header's ``__metadata__`` holds
-``thrifty.neuzip.format`` = FORMAT_VERSION and ``thrifty.neuzip.tensors`` = JSON {NAME: {codec, dtype,
-shape, mantissa_bits, steps, crc32, ...}}. Version 2 added the lane length ``steps`` as a per-tensor
-parameter (64, 128 or 256). Version 3 stores each lane's length as ``lane_units`` (uint8, units of
-steps // 16 bits, lanes zero-padded to a whole unit; meta ``"lane_unit"``) instead of ``lane_bits``
-(uint16 bits); version 1 (always 256) and 2 files are still read, and their tensors keep ``lane_bits``
-(a version 3 file may hold such tensors too: meta ``"lane_unit": 1``). Version 4 adds pair-coded tensors
-(meta ``"pairs": true``, streams ``::pair_syms`` + ``::lengths`` per pair; reference.py). ``load`` parses the header, checks the version, every tensor's streams,
-sizes and CRC32, and only then returns tensors: a corrupted, truncated or foreign file raises ValueError
-naming the file (and the tensor). No pickle anywhere.
+``::raw``, ``::lengths`` (NeuZip codec; pair-coded tensors add ``::pair_syms``, meta ``"pairs": true``,
+reference.py) or ``NAME::data`` (codec "plain": dtypes NeuZip does not code, e.g. int64), each stored as flat
+uint8 (little-endian bytes). The header's ``__metadata__`` holds ``thrifty.neuzip.format`` = FORMAT_VERSION
+and ``thrifty.neuzip.tensors`` = JSON {NAME: {codec, dtype, shape, mantissa_bits, steps, lane_unit, crc32,
+...}}: ``steps`` is the lane length (64, 128 or 256), ``lane_unit`` = steps // 16, the bits per unit of
+``lane_units`` (uint8, each lane zero-padded to a whole unit).
+
+FORMAT_VERSION is the only version thrifty writes and reads (4: the numbering of the codec's development
+before the first release; no released thrifty wrote another); a file of any other version is refused by name.
+``load`` parses the header, checks the version, every tensor's streams, sizes and CRC32, and only then returns
+tensors: a corrupted, truncated or foreign file raises ValueError naming the file (and the tensor). No pickle
+anywhere.
 """
 
 from __future__ import annotations
@@ -31,22 +32,17 @@ from . import reference as R
 from .tensor import CompressedTensor
 
 FORMAT_VERSION = 4
-READABLE_VERSIONS = {"1": (R.LEGACY_STEPS,), "2": R.LANE_STEPS, "3": R.LANE_STEPS, "4": R.LANE_STEPS}
-UNIT_VERSIONS = ("3", "4")  # versions with uint8 lane units (else only uint16 lane_bits)
-PAIR_VERSIONS = ("4",)  # versions that may hold pair-coded tensors
 VERSION_KEY = "thrifty.neuzip.format"
 TENSORS_KEY = "thrifty.neuzip.tensors"
 STREAMS = {"words": torch.int32, "lane_units": torch.uint8, "group_offsets": torch.int64, "raw": torch.uint8,
            "lengths": torch.uint8}
-LEGACY_STREAMS = {"words": torch.int32, "lane_bits": torch.int16, "group_offsets": torch.int64,
-                  "raw": torch.uint8, "lengths": torch.uint8}
 PAIR_STREAMS = dict(STREAMS, pair_syms=torch.int16)
 
 
-def _streams_of(unit: int, pairs: bool = False) -> dict:
-    if pairs:
-        return PAIR_STREAMS
-    return LEGACY_STREAMS if unit == R.LEGACY_UNIT else STREAMS
+def _streams_of(pairs: bool) -> dict:
+    return PAIR_STREAMS if pairs else STREAMS
+
+
 def _plain_dtypes() -> tuple:
     """Every dtype safetensors can hold (stored raw by the "plain" codec, bit for bit)."""
     names = ("bfloat16", "float16", "float32", "float64", "int64", "int32", "int16", "int8", "uint64", "uint32",
@@ -98,7 +94,7 @@ def save(path, entries: dict) -> None:
         if "::" in name:
             raise ValueError(f"entries: tensor name {name!r} must not contain '::'")
         if isinstance(e, CompressedTensor):
-            for key in _streams_of(e.unit, e.pairs):
+            for key in _streams_of(e.pairs):
                 arrays[f"{name}::{key}"] = _bytes(e.streams[key])
             meta[name] = {"codec": "neuzip", "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
                           "mantissa_bits": e.mantissa_bits, "steps": e.steps, "lane_unit": e.unit, "group": R.GROUP,
@@ -173,9 +169,9 @@ def load(path, device="cpu") -> dict:
     version = meta.get(VERSION_KEY)
     if version is None:
         raise ValueError(f"{path}: not a thrifty neuzip file (no {VERSION_KEY!r} in the header)")
-    if version not in READABLE_VERSIONS:
-        raise ValueError(f"{path}: neuzip format version {version!r}, this thrifty reads versions "
-                         f"{sorted(READABLE_VERSIONS)}")
+    if version != str(FORMAT_VERSION):
+        raise ValueError(f"{path}: neuzip format version {version!r}; this thrifty reads version "
+                         f"{str(FORMAT_VERSION)!r} only (the one it writes)")
     try:
         tensors_meta = json.loads(meta.get(TENSORS_KEY) or "")
         arrays = st_load(data)
@@ -185,16 +181,15 @@ def load(path, device="cpu") -> dict:
         raise ValueError(f"{path}: corrupted tensor table in the header")
     out = {}
     for name, m in tensors_meta.items():  # check everything first, build tensors only when all are good
-        out[name] = _check_entry(path, name, m, arrays, READABLE_VERSIONS[version], version in UNIT_VERSIONS,
-                                 version in PAIR_VERSIONS)
+        out[name] = _check_entry(path, name, m, arrays)
     expected = {f"{n}::{k}" for n, e in out.items()
-                for k in (_streams_of(e.unit, e.pairs) if isinstance(e, CompressedTensor) else ("data",))}
+                for k in (_streams_of(e.pairs) if isinstance(e, CompressedTensor) else ("data",))}
     if set(arrays) != expected:
         raise ValueError(f"{path}: streams {sorted(set(arrays) ^ expected)[:4]} do not match the tensor table")
     return {k: (v.to(device) if device is not None else v) for k, v in out.items()}
 
 
-def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool, pair_version: bool) -> Entry:
+def _check_entry(path: Path, name: str, m, arrays: dict) -> Entry:
     where = f"{path}: tensor {name!r}"
     try:
         codec, dtype, shape = m["codec"], _DTYPE_NAMES[m["dtype"]], list(m["shape"])
@@ -221,26 +216,23 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
     if dtype not in R.DTYPES:
         raise ValueError(f"{where}: dtype {dtype} cannot be NeuZip-coded")
     steps = m.get("steps")
-    if type(steps) is not int or steps not in lane_steps:
-        raise ValueError(f"{where}: lane length steps={steps!r}, this file version allows {list(lane_steps)}")
-    # version 3 states each tensor's lane-length unit (1: the uint16 bit lengths of versions 1 and 2, which
-    # a re-saved old tensor keeps); versions 1 and 2 have unit 1 only
-    unit = m.get("lane_unit") if units else m.get("lane_unit", R.LEGACY_UNIT)
-    allowed = (R.LEGACY_UNIT, R.lane_unit(steps)) if units else (R.LEGACY_UNIT,)
-    if type(unit) is not int or unit not in allowed:
-        raise ValueError(f"{where}: lane_unit={unit!r}, steps={steps} allows {list(allowed)} in this file version")
+    if type(steps) is not int or steps not in R.LANE_STEPS:
+        raise ValueError(f"{where}: lane length steps={steps!r}, expected one of {list(R.LANE_STEPS)}")
+    unit = m.get("lane_unit")
+    if type(unit) is not int or unit != R.lane_unit(steps):
+        raise ValueError(f"{where}: lane_unit={unit!r}, steps={steps} needs lane_unit={R.lane_unit(steps)}")
     params = (m.get("group"), m.get("max_code_bits"))
     if params != (R.GROUP, R.MAX_CODE_BITS):
         raise ValueError(f"{where}: codec parameters (group, max_code_bits) = {params} differ from this "
                          f"version's {(R.GROUP, R.MAX_CODE_BITS)}")
     pairs = m.get("pairs", False)
-    if type(pairs) is not bool or (pairs and (not pair_version or unit == R.LEGACY_UNIT)):
-        raise ValueError(f"{where}: pairs={pairs!r} is not allowed here (format 4, uint8 lane units only)")
+    if type(pairs) is not bool:
+        raise ValueError(f"{where}: pairs={pairs!r}, expected true or false")
     k = m.get("mantissa_bits")
     if k is not None and (dtype != torch.bfloat16 or type(k) is not int or k not in (0, 1, 3)):
         raise ValueError(f"{where}: bad mantissa_bits {k!r}")
     streams = {}
-    for key, sdtype in _streams_of(unit, pairs).items():
+    for key, sdtype in _streams_of(pairs).items():
         a = arrays.get(f"{name}::{key}")
         size = torch.empty((), dtype=sdtype).element_size()
         if a is None or a.ndim != 1 or a.size % size:
@@ -249,8 +241,7 @@ def _check_entry(path: Path, name: str, m, arrays: dict, lane_steps, units: bool
     # sizes implied by the element count: a mismatch means truncation or a forged header
     groups = R.n_groups(numel, steps)
     kept, field_bits = R.field_layout(dtype, k)
-    lane_key = "lane_bits" if unit == R.LEGACY_UNIT else "lane_units"
-    want = {lane_key: groups * R.GROUP, "group_offsets": groups, "raw": -(-numel * field_bits // 8),
+    want = {"lane_units": groups * R.GROUP, "group_offsets": groups, "raw": -(-numel * field_bits // 8),
             "lengths": streams["pair_syms"].numel() if pairs else 256}
     for key, n in want.items():
         if streams[key].numel() != n:

@@ -12,8 +12,8 @@ Layout of one compressed tensor of N elements (bf16, fp16 or fp32, read as raw b
   the symbols that occur. The code is stored once as 256 code lengths.
 * **Lanes**: elements are cut into groups of ``GROUP * steps`` consecutive elements; lane j of a group
   decodes elements j, j + 64, j + 128, ... (``steps`` of them). The lane length ``steps`` is a per-tensor
-  codec parameter, a power of two in ``LANE_STEPS`` (64, 128 or 256; files of format version 1 always use
-  256); shorter lanes give a GPU decoder more, shorter dependency chains. So at every step the 64 lanes of a group
+  codec parameter, a power of two in ``LANE_STEPS`` (64, 128 or 256); shorter lanes give a GPU decoder more,
+  shorter dependency chains. So at every step the 64 lanes of a group
   read/write 64 *consecutive* elements (coalesced on a GPU) while each lane has its own bit stream. Lane
   streams are concatenated MSB-first into 32-bit words, each lane padded with zero bits to a multiple of
   its **unit** of ``steps // 16`` bits (4 / 8 / 16 for 64 / 128 / 256); ``lane_units`` (uint8) holds each
@@ -23,7 +23,7 @@ Layout of one compressed tensor of N elements (bf16, fp16 or fp32, read as raw b
   Metadata cost: 8 bits per lane + (unit - 1) / 2 padding bits on average (code lengths spread the lane
   ends evenly), i.e. (8 + 1.5) / 64 = 0.148, (8 + 3.5) / 128 = 0.090, (8 + 7.5) / 256 = 0.061 bits per
   weight for 64 / 128 / 256 (+ 64 bits per group of 64 * steps elements).
-* **Pair symbols** (format 4, chosen per tensor, :func:`choose_pair_code`): the coded symbol may instead be
+* **Pair symbols** (chosen per tensor, :func:`choose_pair_code`): the coded symbol may instead be
   the *pair* of the symbols of elements 2p and 2p + 1 (``(s[2p] << 8) | s[2p + 1]``; past an odd end the
   second is 0), coded with one canonical Huffman code over the pairs that occur (lengths <= 12, so at most
   4096 pairs; the code is stored as the sorted pair list ``pair_syms`` + their ``lengths``). The lanes are
@@ -31,8 +31,6 @@ Layout of one compressed tensor of N elements (bf16, fp16 or fp32, read as raw b
   i.e. elements 2j, 2j + 1, 2j + 128, 2j + 129, ...; a group still covers ``GROUP * steps`` elements, and
   the lane-length unit and metadata are unchanged. Why: one table lookup decodes two elements, and a lane
   writes two adjacent elements (one 32-bit store for bf16) per step (NOTES.md, "pair symbols").
-* Format versions 1 and 2 stored ``lane_bits`` (uint16, exact bit lengths, no padding: 16 / steps bits per
-  weight); such tensors still decode (``Streams.unit == 1``).
 
 The decoder below is the same lane-parallel algorithm as the Triton kernel (a Python loop over the
 ``steps`` steps, NumPy over all lanes), so both give the same bits by construction.
@@ -48,10 +46,8 @@ import torch
 
 MAX_CODE_BITS = 12  # one 4096-entry decode table; costs ~0.003 bits/symbol vs unlimited Huffman
 GROUP = 64  # lanes per group: 64 consecutive elements per step (128 B of bf16)
-LANE_STEPS = (64, 128, 256)  # allowed symbols per lane; 256 * 12 bits < 2^16, so a legacy uint16 length fits
+LANE_STEPS = (64, 128, 256)  # allowed symbols per lane
 STEPS = 64  # default lane length (GPU decode speed vs metadata, NOTES.md): 0.087 bits/weight more than 256
-LEGACY_STEPS = 256  # the only lane length of format version 1
-LEGACY_UNIT = 1  # format versions 1 and 2: lane lengths in bits (uint16)
 WORD_PAD = 4  # zero words after the stream so a decoder's look-ahead never reads past the end
 ALIGN_BYTES = 16  # each tensor's part of a block pack's stream starts at a multiple of this (block_decode)
 
@@ -323,15 +319,14 @@ def lane_order(n: int, steps: int = STEPS) -> np.ndarray:
 
 
 def lane_unit(steps: int) -> int:
-    """Bits per unit of a stored lane length (format 3): steps / 16, so that the longest lane (12 bits per
-    symbol) is 192 units and fits a uint8."""
+    """Bits per unit of a stored lane length: steps / 16, so that the longest lane (12 bits per symbol) is
+    192 units and fits a uint8."""
     return check_steps(steps) // 16
 
 
-def lane_bit_lengths(lane_len: np.ndarray, unit: int) -> np.ndarray:
-    """Each lane's (padded) length in bits, int64, from the stored lengths: uint8 units or (unit 1) uint16 bits."""
-    mask = 0xFF if unit > 1 else 0xFFFF
-    return (np.asarray(lane_len).astype(np.int64) & mask) * unit
+def lane_bit_lengths(lane_len: np.ndarray, steps: int) -> np.ndarray:
+    """Each lane's (padded) length in bits, int64, from the stored uint8 lengths in units of lane_unit(steps)."""
+    return np.asarray(lane_len, dtype=np.uint8).astype(np.int64) * lane_unit(steps)
 
 
 @dataclass
@@ -339,15 +334,19 @@ class Streams:
     """The encoded parts of one tensor (all NumPy, as stored on disk)."""
 
     words: np.ndarray  # uint32, MSB-first bit stream of all lanes, + WORD_PAD zero words
-    lane_len: np.ndarray  # per lane: uint8 units of ``unit`` bits (format 3) or uint16 bits (unit 1, formats 1-2)
+    lane_len: np.ndarray  # per lane: uint8, the padded length in units of ``unit`` bits
     group_offsets: np.ndarray  # int64 per group: first bit of the group's first lane
     raw: np.ndarray  # uint8: raw fields (1 or 3 bytes per element, or packed (k+1)-bit fields)
     lengths: np.ndarray  # uint8[256] code lengths
     counts: np.ndarray  # int64[256] symbol histogram (not stored; for reports)
-    steps: int = LEGACY_STEPS  # elements per lane
-    unit: int = LEGACY_UNIT  # bits per lane-length unit: lane_unit(steps), or 1 for uint16 bit lengths
-    pairs: bool = False  # pair symbols (format 4): ``lengths`` then has 65536 entries (one per pair symbol)
+    steps: int  # elements per lane
+    pairs: bool = False  # pair symbols: ``lengths`` then has 65536 entries (one per pair symbol)
     coded_bits: int = 0  # sum of the code lengths (set by encode; not stored)
+
+    @property
+    def unit(self) -> int:
+        """Bits per stored lane-length unit: :func:`lane_unit`."""
+        return lane_unit(self.steps)
 
     @property
     def lane_symbols(self) -> int:
@@ -360,16 +359,13 @@ def symbols_per_lane(steps: int, lengths: np.ndarray) -> int:
     return steps // 2 if len(lengths) == PAIR_SYMBOLS else steps
 
 
-def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS, unit: int | None = None
+def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Huffman-encodes symbols into (words, lane_len, group_offsets), lanes of ``steps`` elements: uint8
     symbols (``steps`` per lane), or pair symbols when ``lengths`` has 65536 entries (``steps // 2`` per lane).
-
-    unit: bits per stored lane-length unit; None = :func:`lane_unit` (uint8 units, lanes zero-padded to a
-    multiple of the unit); 1 = the format 1/2 layout (uint16 exact bit lengths)."""
-    unit = lane_unit(steps) if unit is None else unit
-    if unit not in (1, lane_unit(steps)):
-        raise ValueError(f"unit: expected 1 or {lane_unit(steps)} for steps={steps}, got {unit!r}")
+    Each lane is zero-padded to a multiple of :func:`lane_unit` bits; lane_len holds its length in units
+    (uint8)."""
+    unit = lane_unit(steps)
     steps = symbols_per_lane(steps, lengths)
     n = len(symbol)
     codes = canonical_codes(lengths).astype(np.uint64)
@@ -396,14 +392,15 @@ def encode_symbols(symbol: np.ndarray, lengths: np.ndarray, steps: int = STEPS, 
     words = words[:n_words].astype(np.uint64).astype(np.uint32)
     lane_start = np.cumsum(padded) - padded
     group_offsets = lane_start[::GROUP].astype(np.int64)
-    lane_len = (padded // unit).astype(np.uint16 if unit == 1 else np.uint8)
+    lane_len = (padded // unit).astype(np.uint8)
     return words, lane_len, group_offsets
 
 
 def decode_symbols(words: np.ndarray, lane_len: np.ndarray, group_offsets: np.ndarray, lengths: np.ndarray,
-                   n: int, steps: int = STEPS, unit: int = LEGACY_UNIT) -> np.ndarray:
+                   n: int, steps: int = STEPS) -> np.ndarray:
     """Lane-parallel decoder: one Python step per symbol position, NumPy across all lanes. ``n`` symbols in
     lanes of ``steps`` elements: uint8 symbols, or int64 pair symbols when ``lengths`` has 65536 entries."""
+    lane_bits = lane_bit_lengths(lane_len, steps)
     steps = symbols_per_lane(steps, lengths)
     lanes = len(lane_len)
     table = decode_table(lengths)
@@ -411,7 +408,6 @@ def decode_symbols(words: np.ndarray, lane_len: np.ndarray, group_offsets: np.nd
     # past the array (a lane reads at most 12 * steps bits from its start)
     w64 = np.concatenate([np.asarray(words, dtype=np.uint64),
                           np.zeros(MAX_CODE_BITS * steps // 32 + 2, np.uint64)])
-    lane_bits = lane_bit_lengths(lane_len, unit)
     within = np.cumsum(lane_bits.reshape(-1, GROUP), axis=1) - lane_bits.reshape(-1, GROUP)
     pos = (np.asarray(group_offsets, dtype=np.int64)[:, None] + within).reshape(-1)
     lane = np.arange(lanes, dtype=np.int64)
@@ -467,12 +463,10 @@ def field_layout(dtype: torch.dtype, mantissa_bits) -> tuple[int, int]:
     return kept, kept + 1
 
 
-def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, unit: int | None = None,
-           pairs: bool | None = None) -> Streams:
+def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, pairs: bool | None = None) -> Streams:
     """Encodes a bf16/fp16/fp32 tensor (lossless, or bf16 rounded to ``mantissa_bits``) in lanes of ``steps``
-    elements; unit: see :func:`encode_symbols` (None: the format 3 layout). pairs: None = pair symbols when
-    :func:`choose_pair_code` says so (units layout only), False = single symbols, True = pair symbols
-    (ValueError if more than 4096 pairs occur). No other validation here."""
+    elements. pairs: None = pair symbols when :func:`choose_pair_code` says so, False = single symbols, True =
+    pair symbols (ValueError if more than 4096 pairs occur). No other validation here."""
     if mantissa_bits is not None and mantissa_bits < 7:
         x = round_mantissa(x, mantissa_bits)
     elif mantissa_bits == 7:
@@ -484,10 +478,9 @@ def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, unit: int | 
     raw = ((raw >> full) << kept) | ((raw & ((1 << full) - 1)) >> (full - kept))  # keep the top `kept` bits
     counts = np.bincount(symbol, minlength=256).astype(np.int64)
     lengths = code_lengths(counts)
-    unit = lane_unit(steps) if unit is None else unit
     pair_lengths = None
     coded_bits = int((counts * lengths.astype(np.int64)).sum())
-    if pairs is not False and unit != LEGACY_UNIT:
+    if pairs is not False:
         pair = pair_symbols(symbol)
         pair_counts = np.bincount(pair, minlength=PAIR_SYMBOLS)
         if pairs:
@@ -497,12 +490,12 @@ def encode(x: torch.Tensor, mantissa_bits=None, steps: int = STEPS, unit: int | 
         else:
             pair_lengths = choose_pair_code(pair_counts, lengths, counts)
     if pair_lengths is None:
-        words, lane_len, group_offsets = encode_symbols(symbol, lengths, steps, unit)
+        words, lane_len, group_offsets = encode_symbols(symbol, lengths, steps)
     else:
-        words, lane_len, group_offsets = encode_symbols(pair, pair_lengths, steps, unit)
+        words, lane_len, group_offsets = encode_symbols(pair, pair_lengths, steps)
         lengths = pair_lengths
         coded_bits = int((pair_counts * lengths.astype(np.int64)).sum())
-    return Streams(words, lane_len, group_offsets, pack_fields(raw, field_bits), lengths, counts, steps, unit,
+    return Streams(words, lane_len, group_offsets, pack_fields(raw, field_bits), lengths, counts, steps,
                    pair_lengths is not None, coded_bits)
 
 
@@ -511,9 +504,9 @@ def decode(s: Streams, dtype: torch.dtype, shape, mantissa_bits=None) -> torch.T
     n = int(np.prod(shape, dtype=np.int64))
     kept, field_bits = field_layout(dtype, None if mantissa_bits == 7 else mantissa_bits)
     if s.pairs:
-        pair = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, -(-n // 2), s.steps, s.unit)
+        pair = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, -(-n // 2), s.steps)
         symbol = np.stack([pair >> 8, pair & 0xFF], axis=1).reshape(-1)[:n].astype(np.uint8)
     else:
-        symbol = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, n, s.steps, s.unit)
+        symbol = decode_symbols(s.words, s.lane_len, s.group_offsets, s.lengths, n, s.steps)
     raw = unpack_fields(s.raw, field_bits, n)
     return _from_uint(merge_symbols(symbol, raw, dtype, kept), dtype, shape)

@@ -34,15 +34,14 @@ class CompressedTensor:
     """A NeuZip-compressed float tensor: streams (torch tensors on one device) + metadata.
 
     Streams: ``words`` int32 (uint32 bit stream), ``lane_units`` uint8 (each lane's padded length in units of
-    ``steps // 16`` bits; tensors read from format 1/2 files have ``lane_bits`` int16 (uint16 bit lengths)
-    instead), ``group_offsets`` int64, ``raw`` uint8, ``lengths`` uint8[256] (the code). Pair-coded tensors
-    (format 4, :attr:`pairs`) hold ``pair_syms`` int16 (the uint16 pair symbols that occur, ascending) and
+    ``steps // 16`` bits), ``group_offsets`` int64, ``raw`` uint8, ``lengths`` uint8[256] (the code). Pair-coded
+    tensors (:attr:`pairs`) hold ``pair_syms`` int16 (the uint16 pair symbols that occur, ascending) and
     ``lengths`` uint8, one code length per entry of ``pair_syms``. ``steps``: elements per lane (the layout).
     ``decompress`` rebuilds the exact original bits (lossless) or the rounded tensor (``mantissa_bits`` = k).
     """
 
     def __init__(self, streams: dict, dtype: torch.dtype, shape, mantissa_bits: Optional[int] = None,
-                 symbol_entropy: Optional[float] = None, steps: int = R.LEGACY_STEPS):
+                 symbol_entropy: Optional[float] = None, steps: int = R.STEPS):
         self.streams = streams
         self.dtype = dtype
         self.shape = torch.Size(shape)
@@ -58,13 +57,8 @@ class CompressedTensor:
         return math.prod(self.shape)
 
     @property
-    def lane_key(self) -> str:
-        """The stream holding the lane lengths: "lane_units" (format 3) or "lane_bits" (formats 1 and 2)."""
-        return "lane_bits" if "lane_bits" in self.streams else "lane_units"
-
-    @property
     def pairs(self) -> bool:
-        """Coded in pair symbols (two elements per code, format 4)."""
+        """Coded in pair symbols (two elements per code)."""
         return "pair_syms" in self.streams
 
     def code_lengths(self) -> np.ndarray:
@@ -78,13 +72,12 @@ class CompressedTensor:
 
     @property
     def unit(self) -> int:
-        """Bits per stored lane-length unit (1 for the uint16 bit lengths of formats 1 and 2)."""
-        return R.LEGACY_UNIT if self.lane_key == "lane_bits" else R.lane_unit(self.steps)
+        """Bits per stored lane-length unit: ``steps // 16``."""
+        return R.lane_unit(self.steps)
 
     def _lane_bits(self) -> np.ndarray:
         """Each lane's (padded) bit length, int64."""
-        a = self.streams[self.lane_key].cpu().numpy()
-        return R.lane_bit_lengths(a.view(np.uint16) if self.unit == 1 else a, self.unit)
+        return R.lane_bit_lengths(self.streams["lane_units"].cpu().numpy(), self.steps)
 
     @property
     def device(self) -> torch.device:
@@ -107,18 +100,17 @@ class CompressedTensor:
     @property
     def symbol_bits(self) -> float:
         """Achieved bits per coded symbol (exponent), lane metadata excluded: exact for a tensor made by
-        :func:`compress`; for one read from a file, lanes padded to whole units (format 3) count their padding
-        (at most unit - 1 bits per lane: < 0.05 bits per symbol)."""
+        :func:`compress`; for one read from a file, lanes padded to whole units count their padding (at most
+        unit - 1 bits per lane: < 0.05 bits per symbol)."""
         total = self._coded_bits if self._coded_bits is not None else int(self._lane_bits().sum())
         return total / max(self.numel, 1)
 
     def crc32(self) -> int:
         """Checksum of every stream (in a fixed order) and the metadata that interprets them."""
         meta = (str(self.dtype), tuple(self.shape), self.mantissa_bits)
-        if self.steps != R.LEGACY_STEPS:  # so that the checksums of 256-step (version 1) files stay valid
+        if self.steps != 256:  # (written files leave 256 out: their checksums must stay valid)
             meta += (self.steps,)
-        if self.unit != R.LEGACY_UNIT:  # format 3 layout (uint8 units): a different meaning of the same bytes
-            meta += ("units", self.unit)
+        meta += ("units", self.unit)
         if self.pairs:
             meta += ("pairs",)
         crc = zlib.crc32(repr(meta).encode())
@@ -144,10 +136,8 @@ class CompressedTensor:
 
     def _numpy_streams(self) -> R.Streams:
         s = {k: v.cpu().numpy() for k, v in self.streams.items()}
-        lane = s[self.lane_key]
-        return R.Streams(s["words"].view(np.uint32), lane.view(np.uint16) if self.unit == 1 else lane,
-                         s["group_offsets"], s["raw"], self.code_lengths(), np.zeros(256, np.int64), self.steps,
-                         self.unit, self.pairs)
+        return R.Streams(s["words"].view(np.uint32), s["lane_units"], s["group_offsets"], s["raw"],
+                         self.code_lengths(), np.zeros(256, np.int64), self.steps, self.pairs)
 
     def decompress(self, out: Optional[torch.Tensor] = None, impl: str = "auto", **launch) -> torch.Tensor:
         """The decoded tensor, on ``self.device`` (or written into ``out``, any device, same dtype/numel).
@@ -193,7 +183,7 @@ class CompressedTensor:
             launch.setdefault("v3_table", src._table(target, "v3_16" if table16 else "v3"))
             if small:
                 launch.setdefault("v3_small", src._table(target, "v3_small16" if table16 else "v3_small"))
-        decode_into(s["words"], s[self.lane_key], s["group_offsets"], s["raw"], src._table(target), out,
+        decode_into(s["words"], s["lane_units"], s["group_offsets"], s["raw"], src._table(target), out,
                     self._kept(), steps=self.steps, **launch)
         return out
 
@@ -259,11 +249,10 @@ def code_streams(lengths: np.ndarray) -> dict:
 
 
 def _from_streams(s: "R.Streams", tensor: torch.Tensor, mantissa_bits) -> CompressedTensor:
-    """A CompressedTensor of ``tensor``'s encoded streams (unit 1: the format 1/2 layout, for tests)."""
-    lane = ("lane_bits", s.lane_len.view(np.int16)) if s.unit == R.LEGACY_UNIT else ("lane_units", s.lane_len)
+    """A CompressedTensor of ``tensor``'s encoded streams."""
     streams = {
         "words": torch.from_numpy(s.words.view(np.int32).copy()),
-        lane[0]: torch.from_numpy(lane[1].copy()),
+        "lane_units": torch.from_numpy(s.lane_len.astype(np.uint8)),
         "group_offsets": torch.from_numpy(s.group_offsets.astype(np.int64)),
         "raw": torch.from_numpy(s.raw.copy()),
         **code_streams(s.lengths),
