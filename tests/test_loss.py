@@ -251,10 +251,12 @@ def test_gemm_forward_runs_for_training_and_matches_float64(monkeypatch, dtype, 
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("opts", [{}, dict(softcap=30.0, bias=True)])
-def test_cuda_gemm_forward_in_chunks_matches_float64(monkeypatch, opts):
-    """The GEMM forward at a size where its chunks pass gemm_min_cols on the GPU (13 chunks of 1344 columns)."""
-    _gemm_forward_case(monkeypatch, 4096, 512, 16384, torch.bfloat16, opts, True)
+@pytest.mark.parametrize("dtype, opts", [(torch.bfloat16, {}), (torch.bfloat16, dict(softcap=30.0, bias=True)),
+                                         (torch.float16, {}), (torch.float32, dict(label_smoothing=0.1))])
+def test_cuda_gemm_forward_in_chunks_matches_float64(monkeypatch, dtype, opts):
+    """The GEMM forward at a size where its chunks pass gemm_min_cols on the GPU (16-bit: 13 chunks of 1344
+    columns; fp32: 7 of 2688), for each input dtype cuBLAS is asked for fp32 logits of."""
+    _gemm_forward_case(monkeypatch, 4096, 512, 16384, dtype, opts, True)
 
 
 @needs_kernels

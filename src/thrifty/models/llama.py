@@ -272,8 +272,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, layer_idx, linear, activation)
 
     def forward(self, x, positions, rope, cache=None):
-        x, h = self.post_attention_layernorm.add_and_norm(
-            x, self.self_attn(self.input_layernorm(x), positions, rope, cache))
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, cache)
+        norm = self.post_attention_layernorm
+        if isinstance(norm, RMSNorm):  # the add fused into the norm's launch where it can be
+            x, h = norm.add_and_norm(x, attn)
+        else:  # a norm swapped in by the user
+            x = x + attn
+            h = norm(x)
         return x + self.mlp(h)
 
 
