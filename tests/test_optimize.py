@@ -117,11 +117,12 @@ def test_every_preset_on_a_tiny_transformers_llama(name, hf_base, ids):
         assert f"  {technique}" in report
 
 
-@pytest.mark.parametrize("name", ["train-memory", "train-bitnet", "serve-long-context"])
+@pytest.mark.parametrize("name", PRESETS)
 def test_presets_on_the_reference_model(name, ids):
+    from thrifty.kv import QuantizedKVCache
     from thrifty.models import generate as ref_generate
 
-    base = tiny_reference()
+    base = model_for(name, tiny_reference())
     expected = base(ids)
     model = thrifty.optimize(copy.deepcopy(base), preset_config(name, kv_cache=ShadowKVConfig(
         rank=32, chunk_size=4, sparse_budget=400, outlier_chunks=2, local_chunks=2, min_prompt_len=20))
@@ -143,16 +144,88 @@ def test_presets_on_the_reference_model(name, ids):
         exact = logits_cross_entropy(model.model(ids, torch.arange(PROMPT_LEN)), model.lm_head.weight, labels)
         assert torch.allclose(model(ids, labels=labels), exact, atol=1e-5)
         assert model.loss_fn is not logits_cross_entropy
-    if config.kv_cache is not None:
+    if isinstance(config.kv_cache, ShadowKVConfig):
         ref_generate(model, ids, 3)
         assert not model._thrifty_last_cache.dense
+    elif config.kv_cache is not None:  # the int8 cache: the prompt and the 3 new tokens cached
+        ref_generate(model, ids, 3)
+        cache = model._thrifty_last_cache
+        assert type(cache) is QuantizedKVCache and cache.bits == 8 and len(cache) == PROMPT_LEN + 3
+    for technique in config.techniques:
+        assert f"  {technique}" in thrifty.describe(model)
+    if config.neuzip is not None and config.neuzip.kept_bits is not None:  # lossy: the dropped bits are gone
+        with pytest.raises(ValueError, match="lossy NeuZip .* cannot be restored"):
+            thrifty.undo(model)
+        return
     thrifty.undo(model)
     assert torch.equal(model(ids), expected)
 
 
-def test_the_int8_kv_cache_is_refused_on_the_reference_model():
-    with pytest.raises(TypeError, match="kv_cache: the int8 KV cache is a transformers Cache"):
-        thrifty.optimize(tiny_reference(), OptimizeConfig(kv_cache="int8"))
+# ------------------------------------------------------------------------ the int8 cache on the reference model
+INT8_FIRST_STEP_ATOL = 1e-2  # the prompt's logits, int8 K/V vs the plain cache (the pairs test's INT8_ATOL)
+
+
+def greedy_with_logits(model, ids, cache, n=4):
+    """thrifty.models.generate's greedy loop through ``cache``, keeping every step's logits."""
+    tokens, steps = [], []
+    with torch.no_grad():
+        logits = model(ids, cache=cache, logits_to_keep=1)
+        for _ in range(n):
+            steps.append(logits[:, -1].float())
+            tokens.append(steps[-1].argmax(-1, keepdim=True))
+            logits = model(tokens[-1], cache=cache)
+    return torch.cat(tokens, 1), torch.stack(steps)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_generate_on_the_reference_model_runs_through_the_low_bit_cache(bits, ids, monkeypatch):
+    from thrifty.compose import LowBitKVConfig
+    from thrifty.kv import QuantizedKVCache
+    from thrifty.models import generate as ref_generate
+    from thrifty.models.llama import KVCache
+
+    model = thrifty.optimize(tiny_reference(), OptimizeConfig(kv_cache=LowBitKVConfig(bits=bits)))
+    updates = []  # a spy on the quantized cache's update: the cache generate used, layer by layer
+    real_update = QuantizedKVCache.update
+    monkeypatch.setattr(QuantizedKVCache, "update",
+                        lambda self, i, *a: updates.append((type(self), self.bits, i)) or real_update(self, i, *a))
+    out = ref_generate(model, ids, 4)
+    assert out.shape == (2, PROMPT_LEN + 4)
+    assert set(updates) == {(QuantizedKVCache, bits, 0), (QuantizedKVCache, bits, 1)}
+    assert len(updates) == 2 * (1 + 4)  # per layer: the prompt, then each new token as generate feeds it back
+    assert "last generate cached" in thrifty.describe(model)
+    monkeypatch.undo()
+
+    quantized_tokens, quantized_steps = greedy_with_logits(model, ids, model.thrifty_cache_factory())
+    plain_tokens, plain_steps = greedy_with_logits(model, ids, KVCache())
+    assert torch.equal(out[:, PROMPT_LEN:], quantized_tokens)  # generate is this loop through the factory's cache
+    assert not torch.equal(quantized_steps[0], plain_steps[0])  # the prompt attended to its quantized K/V
+    if bits == 8:  # 8-bit K/V: the plain cache's logits up to the quantization, and its greedy tokens
+        torch.testing.assert_close(quantized_steps[0], plain_steps[0], atol=INT8_FIRST_STEP_ATOL, rtol=0)
+        assert torch.equal(quantized_tokens, plain_tokens)
+
+
+def test_undo_of_the_low_bit_cache_restores_the_reference_model_bit_for_bit(ids):
+    from thrifty.models import generate as ref_generate
+
+    model = tiny_reference()
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_logits, before_tokens = model(ids), ref_generate(model, ids, 3)
+    before_attention = [layer.self_attn.attention for layer in model.model.layers]
+    before_dict = set(model.__dict__)
+    config = OptimizeConfig(kv_cache="int8", attention=True)
+    thrifty.optimize(model, config)
+    ref_generate(model, ids, 3)
+    assert type(model._thrifty_last_cache).__name__ == "QuantizedKVCache" and model._thrifty_last_cache.reads_codes
+    thrifty.undo(model)
+    state = model.state_dict()
+    assert state.keys() == before_state.keys()
+    assert all(torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in before_state.items())
+    assert set(model.__dict__) == before_dict  # no cache factory, no last cache
+    assert [layer.self_attn.attention for layer in model.model.layers] == before_attention
+    assert torch.equal(model(ids), before_logits) and torch.equal(ref_generate(model, ids, 3), before_tokens)
+    assert thrifty.describe(model).startswith("thrifty: nothing applied")
+    thrifty.optimize(model, config)  # and it can be applied again
 
 
 # ---------------------------------------------------------------------------------------------- undo

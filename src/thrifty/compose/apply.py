@@ -134,9 +134,6 @@ def _check_against_model(config: OptimizeConfig, model, kind: str, n_layers: int
         raise ValueError("bitnet: the model already has BitLinear layers; change their recipe with "
                          "thrifty.bitnet.convert instead")
     kv = config.kv_cache
-    if isinstance(kv, LowBitKVConfig) and kind == "reference":
-        raise TypeError("kv_cache: the int8 KV cache is a transformers Cache; thrifty's reference model has no "
-                        "int8 cache (use ShadowKV there, or a transformers model)")
     if kv is not None and not isinstance(kv, LowBitKVConfig):
         from ..kvcache.cache import model_shape
 
@@ -253,7 +250,7 @@ def _install_dispatch(model):
 
 def _apply_kv_cache(model, config, kind, layers, impl):
     if kind == "reference":
-        return _apply_reference_kv_cache(model, config.kv_cache, impl, layers)
+        return _apply_reference_kv_cache(model, config, impl, layers)
     restore_dispatch = None
     if config.attention is None:  # the dispatcher is in place already when attention is on
         restore_dispatch = _install_dispatch(model)
@@ -291,15 +288,20 @@ def _forget_shadowkv_marks(model) -> None:
         m.__dict__.pop(PREVIOUS_ATTR, None)
 
 
-def _apply_reference_kv_cache(model, kv_config, impl, layers):
+def _apply_reference_kv_cache(model, config, impl, layers):
     """thrifty.models.generate builds the model's ``thrifty_cache_factory`` when given no cache_factory."""
     from ..models.generate import CACHE_FACTORY_ATTR
+
+    kv_config = config.kv_cache
+    # the sage seams of quantized attention read the int8 codes in decode; a skipped layer's exact attention
+    # could not (it needs the dequantized K/V of every position), so then every layer gets those
+    reads_codes = config.attention is not None and not config.skip_layers
 
     # a ShadowKV cache wraps each layer's attention function in its dispatch when built: taken off with the rest
     previous = [layer.self_attn.attention for layer in layers]
 
     def factory():
-        model.__dict__[CACHE_ATTR] = _new_cache(kv_config, impl, model)
+        model.__dict__[CACHE_ATTR] = _new_cache(kv_config, impl, model, reference_reads_codes=reads_codes)
         return model.__dict__[CACHE_ATTR]
 
     model.__dict__[CACHE_FACTORY_ATTR] = factory
@@ -312,14 +314,27 @@ def _apply_reference_kv_cache(model, kv_config, impl, layers):
     return take_off
 
 
-def _new_cache(kv_config, impl, model):
+def _new_cache(kv_config, impl, model, reference_reads_codes=None):
+    """``reference_reads_codes``: None for a transformers model, else whether the reference model's attention
+    seams read the low-bit cache's codes."""
     if isinstance(kv_config, LowBitKVConfig):
-        from ..kv import thrifty_kv_cache
-
-        return thrifty_kv_cache(model, bits=kv_config.bits)
+        return _new_low_bit_cache(kv_config, model, reference_reads_codes)
     from ..kvcache import ShadowKVCache
 
     return ShadowKVCache(model, kv_config, impl=impl)
+
+
+def _new_low_bit_cache(kv_config, model, reference_reads_codes):
+    """The same quantized K/V per layer (:class:`~thrifty.kv.QuantizedKV`) behind each model's own cache seam: a
+    transformers Cache for transformers' generate, the reference model's ``update(layer_idx, k, v, positions,
+    rope)`` cache for thrifty.models.generate."""
+    if reference_reads_codes is not None:
+        from ..kv import QuantizedKVCache
+
+        return QuantizedKVCache(bits=kv_config.bits, reads_codes=reference_reads_codes)
+    from ..kv import thrifty_kv_cache
+
+    return thrifty_kv_cache(model, bits=kv_config.bits)
 
 
 _APPLY = {"bitnet": _apply_bitnet, "neuzip": _apply_neuzip, "cce": _apply_cce, "attention": _apply_attention,
@@ -372,7 +387,7 @@ def _describe_kv_cache(model, config) -> str:
     cache = model.__dict__.get(CACHE_ATTR)
     if isinstance(kv, LowBitKVConfig):
         text = f"int{kv.bits} KV cache in generate (half the bytes of bf16 K/V)"
-        return text + ("" if cache is None else f"; last generate cached {cache.get_seq_length()} tokens")
+        return text + ("" if cache is None else f"; last generate cached {_cached_tokens(cache)} tokens")
     text = (f"ShadowKV in generate (rank {kv.rank}, budget {kv.sparse_budget} tokens, prompts >= "
             f"{kv.min_prompt_len} compressed)")
     if cache is not None:
@@ -380,6 +395,12 @@ def _describe_kv_cache(model, config) -> str:
             f"compressed, {_mb(cache.host_bytes_per_sequence())} of values on the host per sequence"
         text += f"; last generate: {state}, steps {cache.engine.stats}"
     return text
+
+
+def _cached_tokens(cache) -> int:
+    # a transformers Cache counts with get_seq_length, the reference model's QuantizedKVCache with len
+    get_seq_length = getattr(cache, "get_seq_length", None)
+    return get_seq_length() if get_seq_length is not None else len(cache)
 
 
 _DESCRIBE = {"bitnet": _describe_bitnet, "neuzip": _describe_neuzip, "cce": _describe_cce,

@@ -74,7 +74,8 @@ class CCEConfig:
 @dataclass(frozen=True)
 class LowBitKVConfig:
     """The int8 KV cache of ``generate`` (half the bytes of bf16); read by the decode kernel under quantized
-    attention."""
+    attention. A transformers Cache on a transformers model, a :class:`thrifty.kv.QuantizedKVCache` (the model's
+    ``thrifty_cache_factory``) on thrifty's reference model."""
 
     bits: int = 8
 
