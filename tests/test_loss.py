@@ -223,13 +223,14 @@ class _Spy:
 def _gemm_forward_case(monkeypatch, N, D, V, dtype, opts, chunked):
     """Loss and gradients of a training call against float64 and against the fused forward's loss; the GEMM
     forward must have run (the chunk rule of thrifty.loss.forward), in several chunks when ``chunked``."""
-    from thrifty.loss.forward import gemm_chunk_cols, gemm_min_cols
+    from thrifty.loss.forward import gemm_chunk_cols, gemm_min_cols, gemm_min_d
 
     opts = dict(opts)
     spy = _Spy(monkeypatch)
     e, c, b, t = make(N, D, V, dtype=dtype, bias=opts.pop("bias", False), device=DEVICE, ignore_every=4)
     cols = gemm_chunk_cols(V * D * e.element_size(), int((t != -100).sum()), V)
     assert (cols < V) == chunked and (cols == V or cols >= gemm_min_cols(interpreting()))
+    assert D >= gemm_min_d(interpreting())
     got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", reduction="none", **opts)
     assert spy.calls == {"fused": 0, "gemm": 1}
     assert_close(got, oracle(e, c, b, t, reduction="none", **opts), 1e-4 if dtype == torch.float32 else 2e-3,
@@ -254,9 +255,18 @@ def test_gemm_forward_runs_for_training_and_matches_float64(monkeypatch, dtype, 
 @pytest.mark.parametrize("dtype, opts", [(torch.bfloat16, {}), (torch.bfloat16, dict(softcap=30.0, bias=True)),
                                          (torch.float16, {}), (torch.float32, dict(label_smoothing=0.1))])
 def test_cuda_gemm_forward_in_chunks_matches_float64(monkeypatch, dtype, opts):
-    """The GEMM forward at a size where its chunks pass gemm_min_cols on the GPU (16-bit: 13 chunks of 1344
-    columns; fp32: 7 of 2688), for each input dtype cuBLAS is asked for fp32 logits of."""
-    _gemm_forward_case(monkeypatch, 4096, 512, 16384, dtype, opts, True)
+    """The GEMM forward at a size where it runs on the GPU (D >= gemm_min_d; 16-bit: 4 chunks of 10880 columns,
+    fp32: 2 of 21824), for each input dtype cuBLAS is asked for fp32 logits of."""
+    _gemm_forward_case(monkeypatch, 4096, 2048, 32768, dtype, opts, True)
+
+
+@pytest.mark.cuda
+def test_cuda_small_hidden_sizes_keep_the_fused_forward(monkeypatch):
+    """Below gemm_min_d the fused forward runs even for training calls (the GEMM path measured slower there)."""
+    spy = _Spy(monkeypatch)
+    e, c, b, t = make(8192, 576, 49152, dtype=torch.bfloat16, device=DEVICE)
+    linear_cross_entropy(e, c, t, impl="triton").backward()
+    assert spy.calls == {"fused": 1, "gemm": 0} and c.grad is not None
 
 
 @needs_kernels

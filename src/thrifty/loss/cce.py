@@ -50,12 +50,13 @@ class _TritonLinearCE(torch.autograd.Function):
 
 
 def _gemm_forward_scratch(c, nv):
-    """The dC buffer (uninitialised, c's shape) when the GEMM forward fits its chunks in it, else None."""
-    from .forward import gemm_chunk_cols, gemm_min_cols
+    """The dC buffer (uninitialised, c's shape) when the GEMM forward pays at this hidden size and fits its
+    chunks in it, else None."""
+    from .forward import gemm_chunk_cols, gemm_min_cols, gemm_min_d
 
-    V = c.shape[0]
+    V, D = c.shape
     cols = gemm_chunk_cols(c.numel() * c.element_size(), nv, V)
-    if nv == 0 or not (cols == V or cols >= gemm_min_cols(interpreting())):
+    if nv == 0 or D < gemm_min_d(interpreting()) or not (cols == V or cols >= gemm_min_cols(interpreting())):
         return None
     return torch.empty_like(c, memory_format=torch.contiguous_format)
 

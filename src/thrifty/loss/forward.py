@@ -135,9 +135,17 @@ GEMM_ALIGN = 64  # chunk widths in columns: fp32 rows start 256-byte aligned
 
 
 def gemm_min_cols(interp: bool) -> int:
-    """Narrowest chunk the GEMM forward takes; below it the fused kernel is used (small GEMMs lose their tensor-
-    core efficiency). The interpreter takes any width, so the CPU tests reach the multi-chunk path."""
-    return GEMM_ALIGN if interp else 1024
+    """Narrowest chunk the GEMM forward takes; below it the fused kernel is used (narrow chunks mean many small
+    GEMMs and launches). The interpreter takes any width, so the CPU tests reach the multi-chunk path."""
+    return GEMM_ALIGN if interp else 4096
+
+
+def gemm_min_d(interp: bool) -> int:
+    """Smallest hidden size the GEMM forward takes. Per logit the GEMM path adds an fp32 write and read (8 bytes,
+    ~1.7 ps at 4.8 TB/s) and saves the fused kernel's tensor-core shortfall (~0.5 * 2D / 800 TFLOP/s): it pays
+    from D ~ 1300 on, and measured (H200, 275b4a0, loss+grad against the fused forward in one run): 0.71-0.99x at
+    D = 576, 0.95-0.98x at 896, 0.98-1.03x at 2048, 1.04-1.07x at 2304 and 4096."""
+    return 1 if interp else 2048
 
 
 def gemm_chunk_cols(scratch_bytes: int, nv: int, V: int) -> int:
