@@ -110,12 +110,12 @@ def test_a_decoder_reused_across_calls_gives_eager_tokens_each_time():
         x = ids(t=t, seed=seed)
         assert torch.equal(decoder.generate(x, n), generate(model, x, n)), (t, n)
         if first_cache is None:
-            first_cache = decoder._state[1]
-        assert decoder._state[1] is first_cache  # same buffers, so a captured graph stays valid
+            first_cache = decoder._state.cache
+        assert decoder._state.cache is first_cache  # same buffers, so a captured graph stays valid
     model.to(torch.float64)  # every parameter moves: a graph over the old buffers would read freed memory
     x = ids(seed=3)
     assert torch.equal(decoder.generate(x, 5), generate(model, x, 5))
-    assert decoder._state[1] is not first_cache
+    assert decoder._state.cache is not first_cache
     decoder.release()
     assert decoder._state is None
 

@@ -16,34 +16,52 @@ import triton
 import triton.language as tl
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as (rows, last dim) with a unit column stride (a view where it can be): what the kernels index."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _check_norm_weight(weight: torch.Tensor, D: int) -> None:
+    if weight.shape != (D,):
+        raise ValueError(f"weight: expected shape ({D},) for rows of {D}, got {tuple(weight.shape)}")
+
+
+def _norm_launch(D: int) -> dict:
+    block = triton.next_power_of_2(D)  # one program holds a whole row
+    return dict(BLOCK=block, num_warps=4 if block <= 4096 else 8)
+
+
 @triton.jit
-def _rms_norm_kernel(X, W, Y, D, stride_x, stride_y, eps, BLOCK: tl.constexpr):
-    """One row: y = w * cast(x * rsqrt(mean(x^2) + eps)) in fp32, the cast to x's dtype as the PyTorch form."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < D
-    x_in = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=inside, other=0.0)
+def _store_rms_norm(x_in, W, Y_row, cols, inside, D, eps):
+    """y = w * cast(x * rsqrt(mean(x^2) + eps)) of one loaded row ``x_in``, in fp32, the cast to x's dtype as the
+    PyTorch form."""
     x = x_in.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     normed = (x * rstd).to(x_in.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * stride_y + cols, (w * normed).to(Y.dtype.element_ty), mask=inside)
+    tl.store(Y_row + cols, (w * normed).to(Y_row.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, D, stride_x, stride_y, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    x_in = tl.load(X + row * stride_x + cols, mask=inside, other=0.0)
+    _store_rms_norm(x_in, W, Y + row * stride_y, cols, inside, D, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)`` over the last dimension, in
     the dtype PyTorch's product would give (``torch.result_type(weight, x)``)."""
     D = x.shape[-1]
-    if weight.shape != (D,):
-        raise ValueError(f"weight: expected shape ({D},) for rows of {D}, got {tuple(weight.shape)}")
-    rows = x.reshape(-1, D)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    _check_norm_weight(weight, D)
+    rows = _rows(x)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
     if rows.shape[0]:
-        block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, D, rows.stride(0), out.stride(0), float(eps),
-                                           BLOCK=block, num_warps=4 if block <= 4096 else 8)
+                                           **_norm_launch(D))
     return out.view(*x.shape[:-1], D)
 
 
@@ -57,11 +75,7 @@ def _add_rms_norm_kernel(X, R, W, S, Y, D, stride_x, stride_r, stride_s, stride_
     r = tl.load(R + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
     s_in = (x_in.to(tl.float32) + r).to(x_in.dtype)
     tl.store(S + row * stride_s + cols, s_in, mask=inside)
-    x = s_in.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    normed = (x * rstd).to(x_in.dtype).to(tl.float32)
-    w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (w * normed).to(Y.dtype.element_ty), mask=inside)
+    _store_rms_norm(s_in, W, Y + row * stride_y, cols, inside, D, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -70,18 +84,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual: expected {x.dtype} of shape {tuple(x.shape)}, got {residual.dtype} "
                          f"{tuple(residual.shape)}")
-    if weight.shape != (D,):
-        raise ValueError(f"weight: expected shape ({D},) for rows of {D}, got {tuple(weight.shape)}")
-    rows, res = x.reshape(-1, D), residual.reshape(-1, D)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    res = res if res.stride(-1) == 1 else res.contiguous()
+    _check_norm_weight(weight, D)
+    rows, res = _rows(x), _rows(residual)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
     if rows.shape[0]:
-        block = triton.next_power_of_2(D)
         _add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, total, out, D, rows.stride(0), res.stride(0),
-                                               total.stride(0), out.stride(0), float(eps), BLOCK=block,
-                                               num_warps=4 if block <= 4096 else 8)
+                                               total.stride(0), out.stride(0), float(eps), **_norm_launch(D))
     return total.view(x.shape), out.view(*x.shape[:-1], D)
 
 
@@ -115,9 +124,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"up: expected {gate.dtype} of shape {tuple(gate.shape)}, got {up.dtype} {tuple(up.shape)}")
     F = gate.shape[-1]
-    g, u = gate.reshape(-1, F), up.reshape(-1, F)
-    g = g if g.stride(-1) == 1 else g.contiguous()
-    u = u if u.stride(-1) == 1 else u.contiguous()
+    g, u = _rows(gate), _rows(up)
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     if g.shape[0]:
         block = min(triton.next_power_of_2(F), 2048)

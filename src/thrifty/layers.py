@@ -13,6 +13,12 @@ import torch.nn as nn
 KEY_MASK_ATTR = "_thrifty_key_mask"
 
 
+def fused_inference(x: torch.Tensor) -> bool:
+    """Where the reference model's layers take ``thrifty.fused_layers``: inference (no autograd: the kernels have
+    no backward) on the GPU. The PyTorch forms stay the spec, the CPU path and the training path."""
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -21,7 +27,7 @@ class RMSNorm(nn.Module):
 
     def _fused(self, x) -> bool:
         """Inference on the GPU with a plain weight: one Triton launch instead of ~8 PyTorch ops (no autograd)."""
-        return x.is_cuda and not torch.is_grad_enabled() and type(self.weight.data) is torch.Tensor
+        return fused_inference(x) and type(self.weight.data) is torch.Tensor
 
     def add_and_norm(self, x, residual):
         """(x + residual, this norm of it): the residual add and the norm in one launch where ``_fused``."""

@@ -201,7 +201,8 @@ def _logits_into(x, e_valid, c_chunk):
 
 def lse_forward_gemm(e2d, c, bias, rows, targets, softcap, scratch: torch.Tensor):
     """lse_forward's result through GEMM chunks whose fp32 logits live in ``scratch`` (contiguous, any dtype;
-    its bytes are overwritten). The caller checks gemm_chunk_cols(scratch bytes, ...) >= gemm_min_cols first."""
+    its bytes are overwritten). The caller checks gemm_min_d and gemm_chunk_cols(scratch bytes, ...) >= gemm_min_cols
+    first."""
     nv, V = rows.numel(), c.shape[0]
     flat = scratch.view(-1).view(torch.uint8)
     cols = gemm_chunk_cols(flat.numel(), nv, V)

@@ -3,6 +3,7 @@ as one CUDA graph (``cuda_graph=True``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -82,11 +83,21 @@ def _check_graphable(model, input_ids, cache_factory) -> None:
 
 
 def _generate_static(model, input_ids, max_new_tokens, temperature, eos_token_id, generator, capture: bool):
-    """One call of a fresh :class:`GraphedDecoder` sized for it (``capture=False``: the CPU tests run the recorded
-    step eagerly)."""
+    """One call of a fresh :class:`GraphedDecoder` sized for it, the arguments already checked by
+    :func:`generate` (``capture=False``: the CPU tests run the recorded step eagerly)."""
     decoder = GraphedDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, _capture=capture)
-    return decoder.generate(input_ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id,
-                            generator=generator)
+    return decoder._decode(input_ids, max_new_tokens, temperature, eos_token_id, generator)
+
+
+@dataclass
+class _DecodeState:
+    """What a captured step reads and writes, kept across calls while the model stays the same."""
+    model_key: tuple  # the model's fingerprint and the device: a change means a new state and a new capture
+    cache: object  # the StaticKVCache
+    tok: torch.Tensor  # the token fed to the step (B, 1)
+    pos: torch.Tensor  # its position (1,)
+    step: Optional[Callable] = None  # runs one decode step: the graph's replay (returns None) or the eager step
+    logits: Optional[torch.Tensor] = None  # the graph's logits buffer (None without capture)
 
 
 class GraphedDecoder:
@@ -107,9 +118,8 @@ class GraphedDecoder:
         self.capacity = check_positive_int("capacity", capacity)
         self._graphed = _capture
         self.captures = 0  # graphs recorded so far (a test and a benchmark read it)
-        self._state = None  # (model fingerprint, cache, token buffer, position buffer, step or replay, logits)
+        self._state: Optional[_DecodeState] = None
 
-    @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                  eos_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """As :func:`generate` with ``cuda_graph=True``; ``input_ids`` (batch_size, T) with T + max_new_tokens
@@ -127,26 +137,30 @@ class GraphedDecoder:
                              f"capacity {self.capacity}; build a decoder with a larger capacity")
         if self._graphed:
             _check_graphable(self.model, input_ids, None)
-        cache, tok_buf, pos_buf = self._buffers(input_ids)
-        cache.reset()
-        logits = self.model(input_ids, cache=cache, logits_to_keep=1)
+        return self._decode(input_ids, max_new_tokens, temperature, eos_token_id, generator)
+
+    @torch.no_grad()
+    def _decode(self, input_ids, max_new_tokens, temperature, eos_token_id, generator) -> torch.Tensor:
+        state = self._state_for(input_ids)
+        state.cache.reset()
+        logits = self.model(input_ids, cache=state.cache, logits_to_keep=1)
         tok = _choose(logits[:, -1], temperature, generator)
         new = [tok]
         if max_new_tokens == 1 or _ended(new, eos_token_id):
             return torch.cat([input_ids, *new], dim=1)
-        cache.graph_mode = True
-        tok_buf.copy_(tok)
-        pos_buf.fill_(T)
-        step, logits_buf = self._step()
+        state.cache.graph_mode = True
+        state.tok.copy_(tok)
+        state.pos.fill_(input_ids.shape[1])
+        step = self._recorded_step(state)
         for i in range(1, max_new_tokens):
             logits = step()
             if logits is None:  # a replay: the graph wrote its logits buffer
-                logits = logits_buf
-            cache.advance(1)
+                logits = state.logits
+            state.cache.advance(1)
             tok = _choose(logits[:, -1], temperature, generator)
             new.append(tok)
-            tok_buf.copy_(tok)
-            pos_buf.add_(1)
+            state.tok.copy_(tok)
+            state.pos.add_(1)
             if eos_token_id is not None and (i + 1) % EOS_CHECK_EVERY == 0 and _ended(new, eos_token_id):
                 break
         return torch.cat([input_ids, *_until_all_ended(new, eos_token_id)], dim=1)
@@ -160,29 +174,27 @@ class GraphedDecoder:
         return (tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors), tuple(map(id, self.model.modules())),
                 tuple(id(layer.self_attn.attention) for layer in self.model.model.layers))
 
-    def _buffers(self, input_ids):
+    def _state_for(self, input_ids) -> _DecodeState:
         from ..kv.static import StaticKVCache  # the KV family imports Triton: not with every `import thrifty.models`
 
         key = (self._fingerprint(), input_ids.device)
-        if self._state is None or self._state[0] != key:
-            self._state = [key, StaticKVCache(self.capacity), torch.zeros_like(input_ids[:, :1]),
-                           torch.zeros(1, dtype=torch.long, device=input_ids.device), None, None]
-        return self._state[1], self._state[2], self._state[3]
+        if self._state is None or self._state.model_key != key:
+            self._state = _DecodeState(key, StaticKVCache(self.capacity), torch.zeros_like(input_ids[:, :1]),
+                                       torch.zeros(1, dtype=torch.long, device=input_ids.device))
+        return self._state
 
-    def _step(self):
-        """(callable running one decode step, its logits buffer): the graph's replay (returns None) once recorded,
-        or the eager step itself without capture."""
-        state = self._state
-        if state[4] is None:
-            cache, tok_buf, pos_buf = state[1], state[2], state[3]
-            step = lambda: self.model(tok_buf, positions=pos_buf, cache=cache)  # noqa: E731
+    def _recorded_step(self, state: _DecodeState) -> Callable:
+        """The state's decode step: recorded once as a graph (its replay returns None) or, without capture, the
+        eager step itself."""
+        if state.step is None:
+            step = lambda: self.model(state.tok, positions=state.pos, cache=state.cache)  # noqa: E731
             if self._graphed:
-                graph, state[5] = _capture(step)
-                state[4] = lambda: graph.replay()
+                graph, state.logits = _capture(step)
+                state.step = lambda: graph.replay()
                 self.captures += 1
             else:
-                state[4] = step
-        return state[4], state[5]
+                state.step = step
+        return state.step
 
 
 def _capture(step):

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import check_bool, check_positive_int, check_range, check_tensor, check_token_ids
-from ..layers import KEY_MASK_ATTR, RMSNorm  # noqa: F401 (RMSNorm importable from here too)
+from ..layers import KEY_MASK_ATTR, RMSNorm, fused_inference  # noqa: F401 (RMSNorm importable from here too)
 
 
 @dataclass
@@ -198,7 +198,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x, positions):
         """Rotates x: (B, H, T, Dh) at integer positions (T,) or (B, T)."""
         cos, sin = self._cos_sin(positions)
-        if x.is_cuda and not torch.is_grad_enabled():
+        if fused_inference(x):
             from ..fused_layers import rope  # inference on the GPU: one launch instead of ~8 (no autograd)
 
             return rope(x, cos, sin)
@@ -247,7 +247,7 @@ class MLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
         kind = glu_kind(self.act_fn)
-        if kind is not None and gate.is_cuda and not torch.is_grad_enabled():
+        if kind is not None and fused_inference(gate):
             from ..fused_layers import glu  # inference on the GPU: activation and product in one launch
 
             return self.down_proj(glu(gate, up, kind))
