@@ -259,3 +259,42 @@ def test_kernel_nan_rows_are_exactly_the_rule_without_a_host_guard(monkeypatch, 
         assert torch.equal(out[~bad], ref_out[~bad])
         if return_lse:
             assert torch.equal(lse.isnan(), bad) and torch.equal(lse[~bad], want[1][~bad])
+
+
+def test_prefill_goes_to_gluon_only_where_measured_faster():
+    from thrifty.attention.routing import GLUON_MIN_QUERIES, prefill_goes_to_gluon
+
+    assert prefill_goes_to_gluon(128, GLUON_MIN_QUERIES, (9, 0))
+    assert prefill_goes_to_gluon(128, 4 * GLUON_MIN_QUERIES, (9, 0))
+    assert not prefill_goes_to_gluon(128, GLUON_MIN_QUERIES - 1, (9, 0))  # the Triton kernel wins at 2K
+    assert not prefill_goes_to_gluon(64, 4 * GLUON_MIN_QUERIES, (9, 0))  # and at head_dim 64 everywhere
+    assert not prefill_goes_to_gluon(128, 4 * GLUON_MIN_QUERIES, (8, 0))  # no Hopper, no Gluon kernel
+    assert not prefill_goes_to_gluon(128, 4 * GLUON_MIN_QUERIES, (10, 0))
+
+
+@pytest.mark.cuda
+def test_cuda_auto_prefill_runs_gluon_at_head_dim_128(monkeypatch):
+    """impl="auto" on sm_90: a long head_dim-128 prefill runs the Gluon kernel (and matches the Triton kernel); a
+    short one and head_dim 64 run the Triton kernel."""
+    from thrifty.attention import attn_kernel, gluon_kernel
+    from thrifty.attention.routing import GLUON_MIN_QUERIES
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is sm_90 only")
+    calls = []
+    real_gluon, real_triton = gluon_kernel.sage_forward_gluon, attn_kernel.sage_forward_triton
+    monkeypatch.setattr(gluon_kernel, "sage_forward_gluon", lambda *a, **kw: calls.append("gluon") or real_gluon(*a, **kw))
+    monkeypatch.setattr(attn_kernel, "sage_forward_triton", lambda *a, **kw: calls.append("triton") or real_triton(*a, **kw))
+    torch.manual_seed(0)
+    S = GLUON_MIN_QUERIES + 37  # odd length
+    q = torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = sage_attention(q, k, v, causal=True)
+    assert calls == ["gluon"]
+    ref = sage_attention(q, k, v, causal=True, impl="triton")
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
+    assert cos > 0.99999
+    calls.clear()
+    sage_attention(q[:, :, :2048], k[:, :, :2048], v[:, :, :2048], causal=True)
+    sage_attention(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), causal=True)
+    assert calls == ["triton", "triton"]

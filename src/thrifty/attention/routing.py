@@ -26,3 +26,19 @@ def training_goes_to_sdpa(impl: str, needs_grad: bool) -> bool:
     A backward that reuses the quantized forward's output and LSE would only pay where that forward beats
     SDPA's (causal S ≥ 32K at head_dim 128 today). An explicit ``impl`` keeps the quantized forward."""
     return impl == "auto" and needs_grad
+
+
+# Prefill calls at head_dim 128 from this many query rows on go to the Gluon kernel on sm_90 (``impl="auto"``).
+# Measured end to end (pre-pass included) against cuDNN, B=2 H=32 bf16, Gluon ws2 / Triton kernel (H200, e18fe69,
+# attention_gluon_h200.json): S=2K 0.52 / 0.69 full, 0.58 / 0.64 causal (Triton wins); S=8K 1.03 / 0.91,
+# 0.96 / 0.87; S=32K 1.29 / 1.16, 1.27 / 1.17 (Gluon wins). At head_dim 64 the Triton kernel wins everywhere
+# (0.92-1.09 against 0.68-0.84).
+GLUON_HEAD_DIMS = (128,)
+GLUON_MIN_QUERIES = 8192
+
+
+def prefill_goes_to_gluon(head_dim: int, q_len: int, compute_capability: tuple) -> bool:
+    """True when an ``impl="auto"`` prefill call runs the Gluon (Hopper) kernel instead of the Triton kernel:
+    sm_90, a head_dim where it was measured faster, and at least ``GLUON_MIN_QUERIES`` query rows. What the
+    Gluon kernel does not implement (pv="fp16", Q smoothing) still runs on the Triton kernel."""
+    return tuple(compute_capability) == (9, 0) and head_dim in GLUON_HEAD_DIMS and q_len >= GLUON_MIN_QUERIES

@@ -14,7 +14,7 @@ from .._checks import check_choice, check_impl, check_range, check_tensor
 from ..kv.reference import causal_mask, nonfinite_rows
 from ..triton_utils import kernels_available
 from .reference import empty_attention, sage_attention_reference
-from .routing import short_query_goes_to_sdpa, training_goes_to_sdpa
+from .routing import prefill_goes_to_gluon, short_query_goes_to_sdpa, training_goes_to_sdpa
 
 # qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per block of SMOOTH_Q_BLOCK queries (one CTA
 # tile of the GPU kernel) with ΔS = mean(q_block)·γ(K)ᵀ added back in fp32, K smoothed and quantized per KV
@@ -61,7 +61,7 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
 def _choose_impl(impl, q):
     if impl == "reference":
         return "reference"
-    if impl == "gluon":  # issue #28: opt-in until measured; CUDA (sm_90) only, no interpreter for Gluon
+    if impl == "gluon":  # CUDA (sm_90) only, no interpreter for Gluon; "auto" picks it where measured faster
         if not q.is_cuda:
             raise ValueError(f"impl='gluon': needs CUDA tensors on a Hopper GPU, got {q.device}")
         return "gluon"
@@ -69,8 +69,20 @@ def _choose_impl(impl, q):
         if not kernels_available(q.device):
             raise ValueError(f"impl='triton': needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {q.device}")
         return "triton"
-    # auto: the kernel on CUDA (the interpreter is for tests, never chosen implicitly); else the reference
-    return "triton" if q.is_cuda and kernels_available(q.device) else "reference"
+    # auto: a kernel on CUDA (the interpreter is for tests, never chosen implicitly); else the reference
+    if not (q.is_cuda and kernels_available(q.device)):
+        return "reference"
+    return "gluon" if prefill_goes_to_gluon(q.shape[-1], q.shape[2], _capability(q.device)) else "triton"
+
+
+_CAPABILITY: dict = {}  # CUDA device index -> (major, minor)
+
+
+def _capability(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
 
 
 def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse):
@@ -194,8 +206,9 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     Queries of 1–16 rows with ``impl="auto"`` go to exact SDPA (see ``routing.py``; the prefill kernel
     would be slower there), and so do their gradients.
     ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "gluon" (the
-    Hopper Gluon kernel of issue #28, opt-in and unmeasured; what it does not implement runs on "triton"), "reference"
-    (readable PyTorch, any device and head_dim), "auto" (triton on CUDA, else reference).
+    Hopper Gluon kernel; what it does not implement runs on "triton"), "reference" (readable PyTorch, any device
+    and head_dim), "auto" (on CUDA "gluon" where it was measured faster, ``routing.prefill_goes_to_gluon``: sm_90,
+    head_dim 128, ≥ 8192 query rows; else "triton"; the reference off CUDA).
     ``return_lse``: also return the fp32 log-sum-exp of the scaled scores per query, (B, H, Sq).
     NaN/±inf in q, k or v: every output row that depends on one (its own query row, or a key/value row it
     attends to) is NaN, LSE too; the other rows are computed as if those elements were zero (so one bad key
