@@ -4,6 +4,8 @@
     python benchmarks/cce.py --stage            # CPU, once: real SmolLM2 E and C into .stage/cce (carried)
     python benchmarks/cce.py --stage-trained data/trained-30m   # CPU: a model trained here -> .stage/cce_trained
     python benchmarks/cce.py --shapes 576x49152,2304x256000 --regimes random,realistic --out DIR
+    python benchmarks/cce.py --train-step 1b --out DIR   # GPU: Llama-3.2-1B training step, stock/thrifty/Liger loss
+    python benchmarks/cce.py --smoke --out DIR           # the same at a tiny shape, CPU OK (tests/)
 
 Regimes: "random" = near-uniform logits (apple's best case); "realistic" = real SmolLM2-135M final hidden
 states and lm_head on real text (D=576, V=49152), the 30m model trained in this project (`thrifty pretrain`,
@@ -18,8 +20,10 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -419,6 +423,364 @@ def train_compare(steps, preset_name, out, batch=16, seq=512):
     print("summary:", json.dumps(summary, indent=1), "->", path)
 
 
+# ------------------------------------------------------------------------------------------- train step (model)
+# issue #32: one training step of a transformers Llama-3.2-1B shape with the stock loss, thrifty's and Liger's.
+# The real model's config, less its llama3 RoPE scaling (a few multiplies on the frequencies, no effect on the
+# step's cost); random bf16 weights made on the device.
+TRAIN_STEP_SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+}
+TRAIN_STEP_SECTION = "train_step"
+# the losses of the three arms on the same batch and weights must agree to bf16 rounding (eps 2^-8, relative)
+TRAIN_STEP_LOSS_RTOL = 2.0 ** -8
+
+
+def build_llama(shape: str, device: str, dtype=torch.bfloat16):
+    """transformers LlamaForCausalLM of a TRAIN_STEP_SHAPES shape, random weights made in ``dtype`` on ``device``."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**TRAIN_STEP_SHAPES[shape], max_position_embeddings=131072,
+                                   attn_implementation="sdpa")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("lm_head and embed_tokens are not tied, unlike the real Llama-3.2-1B")
+    return model.train()
+
+
+class LossArm:
+    """One loss of the comparison, put on the model for a round (``on``) and taken off after (``off``); the model,
+    its weights, the optimizer and the batch are shared by all arms."""
+
+    def __init__(self, name, on=lambda m: None, off=lambda m: None, path=""):
+        self.name, self.on, self.off, self.path = name, on, off, path
+
+
+def stock_arm():
+    return LossArm("stock", path="transformers LlamaForCausalLM.forward: lm_head logits, then ForCausalLMLoss "
+                                 "(fp32 upcast + F.cross_entropy)")
+
+
+def thrifty_arm():
+    import thrifty
+
+    return LossArm("thrifty", on=lambda m: thrifty.optimize(m, thrifty.OptimizeConfig(cce=True, training=True)),
+                   off=thrifty.undo, path="thrifty.optimize(model, OptimizeConfig(cce=True, training=True)) -> "
+                                          "thrifty.loss.hf.patch_causal_lm (no logits in training)")
+
+
+def liger_arms():
+    """Liger's fused linear CE alone (its RoPE, RMSNorm, SwiGLU and plain CE off): first its own transformers patch
+    of this instance's forward, then, should that fail on this transformers, a forward that runs the decoder and
+    calls LigerFusedLinearCrossEntropyLoss on the hidden states. Raises ImportError without liger_kernel."""
+    import liger_kernel
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss, apply_liger_kernel_to_llama
+
+    version = getattr(liger_kernel, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("liger-kernel")
+
+    def patch(m):
+        apply_liger_kernel_to_llama(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=False,
+                                    swiglu=False, model=m)
+
+    def wrap(m):
+        loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="mean")
+
+        def forward(self, input_ids=None, labels=None, use_cache=None, **kwargs):
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            hidden = self.model(input_ids=input_ids, use_cache=use_cache, **kwargs).last_hidden_state
+            targets = F.pad(labels, (0, 1), value=-100)[:, 1:]  # the HF shift: position t predicts t+1
+            loss = loss_fn(self.lm_head.weight, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
+            return CausalLMOutputWithPast(loss=loss, logits=None)
+
+        m.forward = types.MethodType(forward, m)
+
+    off = lambda m: m.__dict__.pop("forward", None)  # noqa: E731 (both put a bound forward on the instance)
+    return [LossArm("liger", patch, off, f"liger-kernel {version}: apply_liger_kernel_to_llama("
+                                         "fused_linear_cross_entropy=True, rope/rms_norm/swiglu/cross_entropy=False, "
+                                         "model=model) -> liger's lce_forward on this instance"),
+            LossArm("liger", wrap, off, f"liger-kernel {version}: LigerFusedLinearCrossEntropyLoss on the decoder's "
+                                        "hidden states in a wrapper forward (fallback)")]
+
+
+def _grads(model):
+    return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def _grad_cos(model, ref):
+    """Cosine over all parameters of model's gradients against ``ref`` (one flat vector), and of the tied
+    embedding / classifier weight alone (where the loss's gradient enters)."""
+    dot = na = nb = 0.0
+    for p, r in zip(model.parameters(), ref):
+        if p.grad is None or r is None:
+            continue
+        a, b = p.grad.double(), r.double()
+        dot, na, nb = dot + float((a * b).sum()), na + float((a * a).sum()), nb + float((b * b).sum())
+    emb = model.model.embed_tokens.weight
+    idx = next(i for i, p in enumerate(model.parameters()) if p is emb)
+    return dot / math.sqrt(na * nb), cos(emb.grad, ref[idx])
+
+
+def train_step_compare(args):
+    """Stock vs thrifty vs Liger loss in a transformers Llama training step, alternating rounds; rows and summary
+    keys merged into cce_<device>.json (its kernel rows and other summary keys kept)."""
+    from thrifty.bench import detect_device, env_info, peak_memory, time_fn
+
+    shape = "tiny" if args.smoke else args.train_step
+    if shape not in TRAIN_STEP_SHAPES:
+        raise SystemExit(f"--train-step: expected one of {sorted(TRAIN_STEP_SHAPES)}, got {shape!r}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        args.train_seq, args.train_rounds, args.train_reps = min(args.train_seq, 64), 2, 1
+    B, S, sfx = args.train_batch, args.train_seq, shape
+    t0 = time.time()
+    torch.manual_seed(0)
+    model = build_llama(shape, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (B, S), generator=g, device=device)
+    if args.train_optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.train_lr, fused=device == "cuda")
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.train_lr)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    print(f"== train step {shape}: {n_params / 1e6:.1f} M params (bf16, tied classifier), batch {B} x {S} tokens, "
+          f"{args.train_optimizer}; model made in {time.time() - t0:.1f} s", flush=True)
+
+    def forward_backward():
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return out
+
+    def step_fb():
+        forward_backward()
+        model.zero_grad(set_to_none=True)
+
+    def step_full():
+        forward_backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+
+    rows, notes = [], {}
+    arms = [stock_arm(), thrifty_arm()]
+    try:
+        candidates = liger_arms()
+    except ImportError as err:
+        candidates = []
+        rows.append(dict(section=TRAIN_STEP_SECTION, shape=shape, impl="liger",
+                         skipped=f"liger_kernel not installed ({err}); the GPU box installs it from .whl/"))
+        print("liger: skipped,", rows[-1]["skipped"], flush=True)
+
+    # 1. the same batch on the same weights (no optimizer step yet): losses and gradients against the stock loss;
+    #    also every arm's warm-up (Triton compiles)
+    checked, ref = {}, None
+
+    def check(arm):
+        arm.on(model)
+        try:
+            out = forward_backward()
+            sync()
+            loss = float(out.loss.detach())
+            row = dict(section=TRAIN_STEP_SECTION, what="check", shape=shape, impl=arm.name, path=arm.path,
+                       loss=loss, logits_materialized=out.logits is not None)
+            if ref is not None:
+                row["grad_cos_vs_stock"], row["embed_grad_cos_vs_stock"] = _grad_cos(model, ref[1])
+                row["loss_rel_diff_vs_stock"] = abs(loss - ref[0]) / abs(ref[0])
+            return row
+        finally:
+            arm.off(model)
+
+    for arm in arms:
+        row = check(arm)
+        if arm.name == "stock":
+            ref = (row["loss"], _grads(model))
+        model.zero_grad(set_to_none=True)
+        rows.append(row)
+        checked[arm.name] = row
+    for arm in candidates:  # liger: its patch, else the wrapper
+        try:
+            row = check(arm)
+        except Exception as err:  # noqa: BLE001 - recorded; the next candidate (or none) runs
+            model.zero_grad(set_to_none=True)
+            notes.setdefault("liger_errors", []).append(f"{arm.path}: {type(err).__name__}: {err}"[:600])
+            print("liger:", notes["liger_errors"][-1], flush=True)
+            continue
+        model.zero_grad(set_to_none=True)
+        rows.append(row)
+        checked[arm.name] = row
+        arms.append(arm)
+        break
+    else:
+        if candidates:
+            rows.append(dict(section=TRAIN_STEP_SECTION, shape=shape, impl="liger",
+                             error="; ".join(notes.get("liger_errors", []))[:900]))
+    del ref
+    for name, row in checked.items():
+        print(f"  check {name:8s} loss {row['loss']:.6f}", {k: row[k] for k in row if k.endswith("_vs_stock")},
+              f"logits materialized: {row['logits_materialized']}", flush=True)
+        if name != "stock":
+            if not row["loss_rel_diff_vs_stock"] <= TRAIN_STEP_LOSS_RTOL:
+                raise AssertionError(f"{name}: loss {row['loss']} vs stock {checked['stock']['loss']} differs by "
+                                     f"{row['loss_rel_diff_vs_stock']:.2e} relative (> bf16's {TRAIN_STEP_LOSS_RTOL})")
+            if row["logits_materialized"]:
+                raise AssertionError(f"{name}: the training forward returned logits; the fused loss was not used")
+
+    # 2. one full step per arm (the optimizer's state is made here), then the peak memory of each kind of step over
+    #    what lives between steps (weights + optimizer state; no gradients)
+    peaks = {}
+    for arm in arms:
+        arm.on(model)
+        try:
+            step_full()
+            for mode, fn in (("fwd+bwd", step_fb), ("fwd+bwd+opt", step_full)):
+                peak = peak_memory(fn)
+                peaks[arm.name, mode] = None if peak is None else peak / 2**20
+        finally:
+            arm.off(model)
+    state_mib = None
+    if device == "cuda":
+        sync()
+        state_mib = torch.cuda.memory_allocated() / 2**20
+
+    # 3. alternating rounds: in each, every arm (order rotated) times fwd+bwd and fwd+bwd+opt steps
+    times = {(arm.name, mode): [] for arm in arms for mode in ("fwd+bwd", "fwd+bwd+opt")}
+    rounds = range(args.train_rounds)
+    try:
+        from tqdm import tqdm
+
+        rounds = tqdm(rounds, desc="train-step rounds", file=sys.stdout, disable=args.smoke)
+    except ImportError:
+        pass
+    for r in rounds:
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            arm.on(model)
+            try:
+                for mode, fn in (("fwd+bwd", step_fb), ("fwd+bwd+opt", step_full)):
+                    t = time_fn(fn, warmup=1, reps=args.train_reps, min_reps=1, device=device)
+                    times[arm.name, mode].append(t.median_ms)
+            finally:
+                arm.off(model)
+
+    summary = {}
+    for (name, mode), per_round in times.items():
+        med = statistics.median(per_round)
+        rows.append(dict(section=TRAIN_STEP_SECTION, what=mode, shape=shape, impl=name, batch=B, seq=S,
+                         optimizer=args.train_optimizer if mode.endswith("opt") else None, ms=med,
+                         spread_pct=100.0 * (max(per_round) - min(per_round)) / med, round_ms=per_round,
+                         peak_mib=peaks.get((name, mode))))
+    ms = {k: statistics.median(v) for k, v in times.items()}
+
+    def ratio(other, mode):
+        return ms[other, mode] / ms["thrifty", mode] if (other, mode) in ms else None
+
+    summary[f"train_step_ratio_vs_stock_{sfx}"] = ratio("stock", "fwd+bwd+opt")
+    summary[f"train_step_ratio_vs_liger_{sfx}"] = ratio("liger", "fwd+bwd+opt")
+    summary[f"train_step_fwd_bwd_ratio_vs_stock_{sfx}"] = ratio("stock", "fwd+bwd")
+    summary[f"train_step_fwd_bwd_ratio_vs_liger_{sfx}"] = ratio("liger", "fwd+bwd")
+    for name in ("stock", "thrifty", "liger"):
+        summary[f"train_step_ms_{name}_{sfx}"] = ms.get((name, "fwd+bwd+opt"))
+        summary[f"train_step_peak_mib_{name}_{sfx}"] = peaks.get((name, "fwd+bwd+opt"))
+    dev = detect_device()
+    settings = dict(shape=shape, config=TRAIN_STEP_SHAPES[shape], params=n_params, batch=B, seq=S,
+                    dtype="bfloat16 weights, gradients and optimizer state (no autocast, no master copy)",
+                    optimizer=f"{args.train_optimizer} lr={args.train_lr}"
+                              + (" fused" if args.train_optimizer == "adamw" and device == "cuda" else ""),
+                    attention="sdpa", rounds=args.train_rounds, timed_steps_per_round=args.train_reps,
+                    state_mib=state_mib, smoke=args.smoke, arms={a.name: a.path for a in arms},
+                    timing="per round and arm: 1 untimed step, then train_reps timed steps (CUDA events), their "
+                           "median; ms = median over rounds, spread = (max - min) / median over rounds; arms in "
+                           "rotated order each round",
+                    peak="max_memory_allocated during one step minus what was allocated before it (weights + "
+                         "optimizer state); includes the gradients", meta=env_info(dev), wall_s=time.time() - t0,
+                    **notes)
+    path = merge_train_step(rows, summary, settings, dev, args)
+    plot_train_step(rows, Path(args.out) / f"cce_train_step_{dev}.png", f"{shape} train step, batch {B}x{S} ({dev})")
+    from thrifty.bench import print_table
+
+    print_table([r for r in rows if r.get("what") in ("fwd+bwd", "fwd+bwd+opt")],
+                ["what", "impl", "ms", "spread_pct", "peak_mib"])
+    print("summary:", json.dumps(summary, indent=1), "->", path)
+
+
+def previous_cce_result(dev, explicit=""):
+    """The cce_<device>.json whose kernel rows a train-step run keeps (and whose train-step rows a kernel run keeps):
+    ``explicit`` when given, else the one committed under benchmarks/results."""
+    path = Path(explicit) if explicit else ROOT / "benchmarks" / "results" / f"cce_{dev}.json"
+    return path if path.is_file() else None
+
+
+def merge_train_step(rows, summary, settings, dev, args):
+    """Writes cce_<device>.json under --out: the earlier file's rows of other sections, its summary and extra, with
+    this run's train-step rows, keys and settings in their place. meta becomes this run's; the earlier meta
+    (the kernel rows' run) is kept in extra.kernel_rows_meta."""
+    from thrifty.bench import read_result, write_result
+
+    previous = previous_cce_result(dev, args.merge_into) if not (args.smoke and not args.merge_into) else None
+    extra = {}
+    if previous is not None:
+        old = read_result(previous)
+        rows = [r for r in old["rows"] if r.get("section") != TRAIN_STEP_SECTION] + rows
+        summary = {**old["summary"], **summary}
+        extra = dict(old.get("extra", {}))
+        extra.setdefault("kernel_rows_meta", old["meta"])
+        print(f"merged into {previous} ({len(old['rows'])} rows there)", flush=True)
+    else:
+        print("no earlier cce result to merge into: the file holds the train-step rows only", flush=True)
+    extra["train_step"] = settings
+    return write_result("cce", rows, summary, device=dev, results_dir=args.out, extra=extra)
+
+
+def plot_train_step(rows, path, title):
+    """Two panels of bars: ms per step and peak MiB, per step kind and loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.get("what") in ("fwd+bwd", "fwd+bwd+opt")]
+    if not timed:
+        return None
+    modes = list(dict.fromkeys(r["what"] for r in timed))
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=120)
+    for ax, key, label in ((axes[0], "ms", "ms per step (median of rounds)"),
+                           (axes[1], "peak_mib", "peak MiB over weights + optimizer state")):
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            vals = [next((r.get(key) for r in timed if r["what"] == m and r["impl"] == impl), None) for m in modes]
+            pos = [j + (i - (len(impls) - 1) / 2) * width for j in range(len(modes))]
+            bars = ax.bar(pos, [v or 0 for v in vals], width, label=impl)
+            ax.bar_label(bars, labels=["" if v is None else f"{v:.0f}" for v in vals], fontsize=7, padding=2)
+        ax.set_xticks(range(len(modes)), modes)
+        ax.set_ylabel(label)
+        if all(r.get(key) is None for r in timed):
+            ax.text(0.5, 0.5, "not measured here (CUDA allocator statistics only)", ha="center",
+                    transform=ax.transAxes, fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.15)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", action="store_true")
@@ -437,11 +799,27 @@ def main():
     ap.add_argument("--tokens", default=str(N_TOKENS),
                     help="token counts for the synthetic and random inputs (the staged real ones have 8192)")
     ap.add_argument("--profile", default="", help="e.g. 2304x256000:realistic,2304x256000:random")
+    ts = ap.add_argument_group("train step", "--train-step 1b: a transformers Llama-3.2-1B-shaped training step "
+                               "with the stock loss, thrifty's and Liger's; merged into cce_<device>.json")
+    ts.add_argument("--train-step", default="", help=f"shape: {' or '.join(TRAIN_STEP_SHAPES)}")
+    ts.add_argument("--train-batch", type=int, default=1)
+    ts.add_argument("--train-seq", type=int, default=4096)
+    ts.add_argument("--train-rounds", type=int, default=6, help="alternating rounds (every arm once per round)")
+    ts.add_argument("--train-reps", type=int, default=3, help="timed steps per arm, step kind and round")
+    ts.add_argument("--train-optimizer", choices=("adamw", "sgd"), default="adamw")
+    ts.add_argument("--train-lr", type=float, default=1e-5)
+    ts.add_argument("--merge-into", default="", help="the cce_<device>.json to keep the other rows and keys of "
+                    "(default: the committed benchmarks/results/cce_<device>.json); also read by a kernel run, "
+                    "which keeps its train-step rows and keys")
+    ts.add_argument("--smoke", action="store_true", help="with --train-step: the tiny shape, 64 tokens, 2 rounds "
+                    "(CPU OK); merges only into --merge-into")
     args = ap.parse_args()
     if args.stage:
         return stage()
     if args.stage_trained:
         return stage_trained(args.stage_trained)
+    if args.train_step or args.smoke:
+        return train_step_compare(args)
 
     torch.manual_seed(0)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -519,7 +897,7 @@ def main():
 
 def finalize(rows, rate, args):
     """Result file (thrifty.bench schema) + a bar chart of the realistic regime, both under --out."""
-    from thrifty.bench import detect_device, plot_rows, write_result
+    from thrifty.bench import detect_device, plot_rows, read_result, write_result
 
     def get(shape, regime, impl, key, tokens=N_TOKENS):
         for r in rows:
@@ -587,15 +965,23 @@ def finalize(rows, rate, args):
         time_ratio_vs_compile_max=over_cases(time_ratio("thrifty", "torch.compile"), max),
         time_ratio_vs_quack_max=over_cases(time_ratio("thrifty", "quack"), max),
         mem_over_lb_mib_max=over_cases(mem_over_lb, max),
-        train_step_ratio_vs_stock_1b=None,  # not measured by this script
+        train_step_ratio_vs_stock_1b=None,  # measured by --train-step 1b; kept from the earlier file below
     )
     dev = detect_device()
-    path = write_result("cce", rows, summary, device=dev, results_dir=args.out,
-                        extra=dict(n_tokens=N_TOKENS, dtype="bfloat16",
-                                   regimes="random: N(0,1) logits, uniform targets; realistic: real SmolLM2-135M "
-                                           "hidden states/lm_head on Python docs text (D=576), the 30m model "
-                                           "trained here on corpus validation text (D=384), else synthetic "
-                                           "Zipf bias + Gaussian noise fitted to entropy/top-1, targets sampled"))
+    extra = dict(n_tokens=N_TOKENS, dtype="bfloat16",
+                 regimes="random: N(0,1) logits, uniform targets; realistic: real SmolLM2-135M "
+                         "hidden states/lm_head on Python docs text (D=576), the 30m model "
+                         "trained here on corpus validation text (D=384), else synthetic "
+                         "Zipf bias + Gaussian noise fitted to entropy/top-1, targets sampled")
+    carried_rows = []
+    previous = previous_cce_result(dev, args.merge_into)
+    if previous is not None:  # the train step's rows, keys and settings (its own meta inside) stay
+        old = read_result(previous)
+        carried_rows = [r for r in old["rows"] if r.get("section") == TRAIN_STEP_SECTION]
+        summary.update({k: v for k, v in old["summary"].items() if k.startswith("train_step_")})
+        if "train_step" in old.get("extra", {}):
+            extra["train_step"] = old["extra"]["train_step"]
+    path = write_result("cce", rows + carried_rows, summary, device=dev, results_dir=args.out, extra=extra)
     plotted = [dict(r, case=f"{r['shape']} N={r.get('tokens', N_TOKENS)}") for r in rows
                if r["regime"] == "realistic" and "loss_grad_ms" in r]
     if plotted:  # a random-only run has nothing for this chart
