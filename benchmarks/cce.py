@@ -215,6 +215,12 @@ def impls():
         out["liger"] = lambda e, c, t: liger(e, c, t)
     except Exception as err:  # noqa: BLE001
         print("liger unavailable:", err)
+    try:  # QuACK (CuTe DSL; nvidia-cutlass-dsl + libs-core/base/cu13 wheels, staged: README "Staging" / NOTES)
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy as quack
+
+        out["quack"] = lambda e, c, t: quack(e, c, t)
+    except Exception as err:  # noqa: BLE001
+        print("quack unavailable:", err)
     variants = {
         # defaults: exact (no filter); gradient tiles + fp32 dE accumulator in dC's free rows, 8 MiB tail buffer
         "thrifty": {},
