@@ -215,7 +215,12 @@ def impls():
         out["liger"] = lambda e, c, t: liger(e, c, t)
     except Exception as err:  # noqa: BLE001
         print("liger unavailable:", err)
-    try:  # QuACK (CuTe DSL; nvidia-cutlass-dsl + libs-core/base/cu13 wheels, staged: README "Staging" / NOTES)
+    # QuACK (CuTe DSL): quack-kernels + nvidia-cutlass-dsl with its libs-core (the cutlass Python package),
+    # libs-base and libs-cu13 wheels, apache-tvm-ffi, torch-c-dlpack-ext. Installed with pip --target, the
+    # folder's path must contain "/site-packages/" (QuACK fingerprints only non-installed code; elsewhere it walks
+    # into cutlass's internals and refuses a ContextVar) and nvidia_cutlass_dsl/dsl_packages must be on
+    # PYTHONPATH (the wheel's .pth is not read from a --target folder). loss NOTES, "QuACK".
+    try:
         from quack.linear_cross_entropy import chunked_linear_cross_entropy as quack
 
         out["quack"] = lambda e, c, t: quack(e, c, t)
