@@ -223,7 +223,9 @@ def impls():
     try:
         from quack.linear_cross_entropy import chunked_linear_cross_entropy as quack
 
-        out["quack"] = lambda e, c, t: quack(e, c, t)
+        # QuACK 0.6.5 refuses chunk_size == D ("m == n makes row/col inference ambiguous"): at D = 4096 its
+        # token chunks are 2048 instead of its default 4096
+        out["quack"] = lambda e, c, t: quack(e, c, t, chunk_size=2048 if e.shape[-1] == 4096 else 4096)
     except Exception as err:  # noqa: BLE001
         print("quack unavailable:", err)
     variants = {
