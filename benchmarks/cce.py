@@ -197,7 +197,7 @@ def random_inputs(D, V, seed=0, device="cuda", n=N_TOKENS):
 
 # ------------------------------------------------------------------------------------------- implementations
 def impls():
-    from thrifty.loss import linear_cross_entropy as thrifty_lce
+    from thrifty.loss import CCEKernelConfig, linear_cross_entropy as thrifty_lce
 
     out = {}
     out["torch"] = lambda e, c, t: F.cross_entropy((e @ c.T).float(), t)
@@ -231,10 +231,10 @@ def impls():
     variants = {
         # defaults: exact (no filter); gradient tiles + fp32 dE accumulator in dC's free rows, 8 MiB tail buffer
         "thrifty": {},
-        "thrifty_filter": dict(filter_eps="auto"),  # apple's eps/32 filter + vocabulary sorting (separate buffer)
-        "thrifty_bf16acc": dict(e_grad_fp32=False),  # in place, dE accumulated in bf16 from the start
+        # apple's eps/32 filter + vocabulary sorting (separate buffer)
+        "thrifty_filter": dict(config=CCEKernelConfig(filter_eps="auto")),
         # the previous default (v5): separate 64 MiB gradient-tile buffer + separate fp32 dE scratch
-        "thrifty_sep64": dict(scratch_in_dc=False, chunk_bytes=64 << 20),
+        "thrifty_sep64": dict(config=CCEKernelConfig(scratch_in_dc=False)),
     }
     for name, kw in variants.items():
         out[name] = (lambda kw: lambda e, c, t: thrifty_lce(e, c, t, impl="triton", **kw))(kw)
@@ -368,7 +368,7 @@ def train_compare(steps, preset_name, out, batch=16, seq=512):
     """The end effect: the reference model (thrifty.models) pre-trained from scratch on real tokens with the
     plain loss (logits + F.cross_entropy) and with thrifty's, same seed and data: loss curves, step time, memory."""
     from thrifty.bench import detect_device, write_result
-    from thrifty.loss import lm_loss
+    from thrifty.loss import CCEKernelConfig, lm_loss
     from thrifty.models.llama import LlamaForCausalLM, logits_cross_entropy
     from thrifty.models.presets import preset
 
@@ -384,7 +384,7 @@ def train_compare(steps, preset_name, out, batch=16, seq=512):
 
     rows, summary = [], {}
     arms = (("torch", logits_cross_entropy), ("thrifty", lm_loss),
-            ("thrifty_filter", lambda h, w, y: lm_loss(h, w, y, filter_eps="auto")))
+            ("thrifty_filter", lambda h, w, y: lm_loss(h, w, y, config=CCEKernelConfig(filter_eps="auto"))))
     for name, loss_fn in arms:
         torch.manual_seed(0)
         model = LlamaForCausalLM(preset(preset_name), loss=loss_fn).init_weights(seed=0).cuda()

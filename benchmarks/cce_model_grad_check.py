@@ -17,7 +17,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from thrifty.loss import lm_loss
+from thrifty.loss import CCEKernelConfig, lm_loss
 from thrifty.models import LlamaForCausalLM, preset
 from thrifty.models.llama import logits_cross_entropy
 
@@ -36,9 +36,8 @@ def compare(model, x, y):
     ref_loss, ref = grads(model, functools.partial(lm_loss, impl="reference"), x, y, autocast=False)
     out = {"fp32_reference_loss": ref_loss}
     variants = (("plain", logits_cross_entropy), ("thrifty", functools.partial(lm_loss, impl="triton")),
-                ("thrifty_fp32_scratch", functools.partial(lm_loss, impl="triton", scratch_in_dc=False,
-                                                           chunk_bytes=64 << 20)),
-                ("thrifty_bf16_de", functools.partial(lm_loss, impl="triton", e_grad_fp32=False)))
+                ("thrifty_fp32_scratch", functools.partial(lm_loss, impl="triton",
+                                                           config=CCEKernelConfig(scratch_in_dc=False))))
     ref_all = torch.cat([r.flatten() for r in ref.values()])
     for name, fn in variants:
         loss, g = grads(model, fn, x, y, autocast=True)

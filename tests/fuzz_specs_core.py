@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fuzz_registry import (FLOAT_DTYPES, ArgSpec, FileSpec, NumericSpec, assert_matches, raw_bits, same_bits,
                            special_values, tensors)
 from thrifty.attention import exact_attention, load_plan, sage_attention, sage_seam
-from thrifty.loss import LinearCrossEntropy, linear_cross_entropy
+from thrifty.loss import CCEKernelConfig, LinearCrossEntropy, linear_cross_entropy
 from thrifty.models import LlamaForCausalLM, generate
 from thrifty.models.llama import LlamaConfig
 from thrifty.neuzip import CompressedTensor, compress, load, save
@@ -133,11 +133,14 @@ LOSS_ARGS = ArgSpec(
     bad={"label_smoothing": [NAN, INF, -0.1, 1.5], "z_loss": [NAN, INF, -1.0], "softcap": [NAN, INF, 0.0, -1.0],
          "reduction": ["avg"], "ignore_index": [1.5, True], "impl": ["gpu"], "shift": ["yes"],
          "e": [torch.randn(4, 9), torch.zeros(4, 8, dtype=torch.int32)], "c": [torch.randn(16, 8).double()],
-         "targets": [torch.randint(0, 16, (5,)), torch.full((4,), 99)]})
+         "targets": [torch.randint(0, 16, (5,)), torch.full((4,), 99)], "config": [{"filter_eps": "auto"}, "auto"]})
 LOSS_MODULE_ARGS = ArgSpec(
     "loss.LinearCrossEntropy", LinearCrossEntropy, valid=dict,
     bad={"label_smoothing": [NAN, 2.0], "z_loss": [NAN, -1.0], "softcap": [NAN, 0.0], "reduction": ["avg"],
-         "impl": ["gpu"], "ignore_index": [0.5]})
+         "impl": ["gpu"], "ignore_index": [0.5], "config": [{}]})
+LOSS_CONFIG_ARGS = ArgSpec(
+    "loss.CCEKernelConfig", CCEKernelConfig, valid=dict,
+    bad={"filter_eps": ["x", True, 0.0, -1e-3, NAN, INF], "scratch_in_dc": [1, None, "yes"]})
 
 
 @st.composite
@@ -423,7 +426,8 @@ PRETRAINED = FileSpec("models.from_pretrained", st.integers(0, 3), _pretrained_w
                       targets=lambda path: [path / "model.safetensors"])
 
 
-SPECS = [SEAM_ARGS, PLAN_ARGS, MODEL_POSITION_ARGS, ATTENTION_ARGS, ATTENTION_REFERENCE, ATTENTION_KERNEL, LOSS_ARGS, LOSS_MODULE_ARGS, LOSS, NEUZIP_ARGS,
+SPECS = [SEAM_ARGS, PLAN_ARGS, MODEL_POSITION_ARGS, ATTENTION_ARGS, ATTENTION_REFERENCE, ATTENTION_KERNEL, LOSS_ARGS,
+         LOSS_MODULE_ARGS, LOSS_CONFIG_ARGS, LOSS, NEUZIP_ARGS,
          NEUZIP_SAVE_ARGS, NEUZIP_ROUND_TRIP, NEUZIP_KERNEL, NEUZIP_LOSSY, NEUZIP_FILE, NEUZIP_CLI,
          LLAMA_CONFIG_ARGS, TRAIN_CONFIG_ARGS, MODEL_ARGS, GENERATE_ARGS, CHECKPOINT, PRETRAINED]
 if not (interpreting() or torch.cuda.is_available()):

@@ -48,7 +48,8 @@ VP_ARGS = ArgSpec(
          "ignore_index": [1.5, True], "impl": ["cuda"], "shift": ["yes"],
          "e": [torch.randn(4, 9), torch.zeros(4, 8, dtype=torch.int32), [[1.0]]],
          "c": [torch.randn(16, 9), torch.randn(16, 8).double()],
-         "targets": [torch.randint(0, 16, (5,)), torch.full((4,), 99), torch.zeros(4)]},
+         "targets": [torch.randint(0, 16, (5,)), torch.full((4,), 99), torch.zeros(4)],
+         "config": [{"filter_eps": "auto"}]},
     mention={"c": "c", "vocab_size": "vocab"})
 
 

@@ -322,10 +322,10 @@ def _loss():
         bn, bv, split = cfg["BLOCK_N"], cfg["BLOCK_V"], cfg["SPLIT"]
         g_t = "*fp32" if dtype == torch.float32 else "*bf16"  # the gradient tiles' dtype (fp16 inputs: bf16)
         lists_needed = g_t != t  # cuBLAS cannot take the tiles: the sparse GEMMs run, with work lists
-        # (filter, sorted vocabulary, bias (+ dbias), softcap): exact default; filter_eps="auto" with everything on;
-        # filter without sorting, bias whose dbias this chunk does not need
+        # (filter, sorted vocabulary, bias (+ dbias), softcap): exact default; filtering (always sorted) with
+        # everything on; exact with a bias whose dbias this chunk does not need (the "dc" chunks of the two-pass end)
         variants = ((False, False, False, False, False), (True, True, True, True, True),
-                    (True, False, True, False, False))
+                    (False, False, True, False, False))
         for filt, order, bias, dbias, softcap in variants if dtype == torch.bfloat16 else variants[:2]:
             yield entry(B._grad_tile_kernel, f"{NAME[dtype]} filter={filt} order={order} bias={bias}/{dbias} "
                         f"softcap={softcap}",
@@ -339,10 +339,10 @@ def _loss():
             yield entry(B._dc_kernel, f"{NAME[dtype]} order={order}",
                         dict(HAS_ORDER=order, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=cfg["BLOCK_D_DC"]),
                         {"G": g_t, "CNT_DC LIST_DC": "*i32", "E DC": t, "ROWS ORDER": "*i64"}, **options)
-            for acc in dict.fromkeys(("*fp32", t)):  # dE accumulated in fp32 (default) or in e's dtype
-                yield entry(B._de_kernel, f"{NAME[dtype]} order={order} dE={acc[1:]}",
-                            dict(HAS_ORDER=order, DE_BY_ROW=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=cfg["BLOCK_D_DE"]),
-                            {"G": g_t, "CNT_DE LIST_DE": "*i32", "C": t, "ORDER ROWS": "*i64", "DE": acc}, **options)
+            # dE is always accumulated in fp32 (16-bit inputs: an fp32 accumulator; fp32 inputs: in place)
+            yield entry(B._de_kernel, f"{NAME[dtype]} order={order} dE=fp32",
+                        dict(HAS_ORDER=order, DE_BY_ROW=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=cfg["BLOCK_D_DE"]),
+                        {"G": g_t, "CNT_DE LIST_DE": "*i32", "C": t, "ORDER ROWS": "*i64", "DE": "*fp32"}, **options)
 
 
 # --------------------------------------------------------------------------------------------- NeuZip

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from thrifty.loss import LinearCrossEntropy, linear_cross_entropy, lm_loss
+from thrifty.loss import CCEKernelConfig, LinearCrossEntropy, linear_cross_entropy, lm_loss
 from thrifty.loss.reference import naive_linear_cross_entropy
 from thrifty.triton_utils import interpreting
 
@@ -271,33 +271,51 @@ def test_cuda_small_hidden_sizes_keep_the_fused_forward(monkeypatch):
 
 @needs_kernels
 def test_fused_forward_when_the_classifier_gets_no_gradient(monkeypatch):
-    """A frozen classifier (no dC to lend its bytes) or an explicit forward kernel config keeps the fused
-    forward, whose extra memory is a few partials per row."""
+    """A frozen classifier (no dC to lend its bytes) keeps the fused forward, whose extra memory is a few
+    partials per row. With a classifier gradient but no GEMM scratch (forced here as benchmarks/cce.py's
+    thrifty_fused_fwd does), the fused forward runs and the backward allocates dC itself."""
+    from thrifty.loss import cce
+
     spy = _Spy(monkeypatch)
     e, c, b, t = make(30, 24, 200, dtype=torch.bfloat16, device=DEVICE)
     c.requires_grad_(False)
     linear_cross_entropy(e, c, t, impl="triton").backward()
     assert spy.calls == {"fused": 1, "gemm": 0} and e.grad is not None
     c.requires_grad_(True)
-    cfg = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, num_warps=4, num_stages=1)
-    linear_cross_entropy(e, c, t, impl="triton", kernel_config=dict(forward=cfg)).backward()
-    assert spy.calls == {"fused": 2, "gemm": 0} and c.grad is not None
+    monkeypatch.setattr(cce, "_gemm_forward_scratch", lambda c_, nv: None)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+    assert spy.calls == {"fused": 2, "gemm": 0}
+    assert_close(got, oracle(e, c, b, t), 1e-4 if DEVICE == "cpu" else 2e-3, GRAD_TOL[torch.bfloat16])
+
+
+def _force_backward(monkeypatch, tile_bytes=None, dense_above=None):
+    """Backward paths at test sizes, through thrifty.loss.backward's constants: ``tile_bytes`` for every
+    gradient-tile buffer outside dC (so that several vocabulary chunks run), ``dense_above`` 0.0 (cuBLAS GEMMs
+    for every chunk) or 2.0 (the sparse Triton GEMMs)."""
+    from thrifty.loss import backward
+
+    if tile_bytes is not None:
+        for name in ("TAIL_BYTES", "SMALL_TAIL_BYTES", "SEPARATE_BYTES"):
+            monkeypatch.setattr(backward, name, tile_bytes)
+    if dense_above is not None:
+        monkeypatch.setattr(backward, "DENSE_ABOVE", dense_above)
 
 
 @needs_kernels
 @pytest.mark.parametrize("filter_eps", [None, "auto", 1e-3])
-@pytest.mark.parametrize("sort_vocab", [False, True])
 @pytest.mark.parametrize("dense_above", [0.0, 2.0])  # cuBLAS GEMMs for every chunk / the sparse Triton ones
-@pytest.mark.parametrize("e_grad_fp32, ignore_every", [(True, 4), (False, 0), (False, 4)])
-def test_kernels_filtering_sorting_and_chunking(filter_eps, sort_vocab, e_grad_fp32, dense_above, ignore_every):
-    if not e_grad_fp32 and (filter_eps != "auto" or not sort_vocab):
-        pytest.skip("low-memory dE accumulation: checked once per path")
+@pytest.mark.parametrize("dtype, ignore_every", [(torch.bfloat16, 4), (torch.float32, 0), (torch.float32, 4)])
+def test_kernels_filtering_sorting_and_chunking(monkeypatch, filter_eps, dtype, dense_above, ignore_every):
+    """Exact and filtered (vocabulary sorted) backward over several chunks; fp32 inputs accumulate dE in place
+    (checked once per GEMM path, with a threshold that filters)."""
+    if dtype == torch.float32 and filter_eps != 1e-3:
+        pytest.skip("in-place dE accumulation: checked once per path")
     # peaky logits (scale 3) so that filtering really skips tiles; tiny chunks so several vocabulary chunks run
-    e, c, b, t = make(45, 24, 333, dtype=torch.bfloat16, scale=3.0, bias=True, device=DEVICE, seed=3,
+    e, c, b, t = make(45, 24, 333, dtype=dtype, scale=3.0, bias=True, device=DEVICE, seed=3,
                       ignore_every=ignore_every)
-    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", filter_eps=filter_eps,
-                         sort_vocab=sort_vocab, chunk_bytes=45 * 64 * 2, e_grad_fp32=e_grad_fp32,
-                         kernel_config=dict(dense_above=dense_above))
+    _force_backward(monkeypatch, tile_bytes=45 * 64 * 2, dense_above=dense_above)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton",
+                         config=CCEKernelConfig(filter_eps=filter_eps))
     assert_close(got, oracle(e, c, b, t), 1e-4, 3e-2 if filter_eps == 1e-3 else 2e-2)
 
 
@@ -346,25 +364,25 @@ def test_in_place_plan_keeps_scratch_in_free_rows_of_dc(nv, D, V, buf, acc):
 
 
 @needs_kernels
-@pytest.mark.parametrize("N, D, V, ignore_every, filter_eps, e_grad_fp32", [
-    (45, 24, 333, 0, None, True),  # fp32 dE accumulator in dC, flushed, then in place; tail buffer; odd V
-    (45, 24, 333, 4, 1e-3, True),  # ignored tokens (compact dE spread at the end) + filtering, unsorted
-    (8, 40, 301, 0, None, False),  # bf16 in place throughout; one chunk spans most of V
-    (45, 24, 7, 3, None, True),  # V smaller than one chunk: no room in dC, the separate buffer only
+@pytest.mark.parametrize("N, D, V, ignore_every, dtype, dense_above", [
+    (45, 24, 333, 0, torch.bfloat16, 0.0),  # fp32 dE accumulator in dC, flushed, then in place; tail buffer; odd V
+    (45, 24, 333, 4, torch.bfloat16, 2.0),  # ignored tokens (compact dE spread at the end) + the sparse GEMMs
+    (8, 40, 301, 0, torch.float32, 0.0),  # fp32 in place throughout; one chunk spans most of V
+    (45, 24, 7, 3, torch.bfloat16, 0.0),  # V smaller than one chunk: no room in dC, the separate buffer only
 ])
-def test_kernels_scratch_in_dc(N, D, V, ignore_every, filter_eps, e_grad_fp32):
-    e, c, b, t = make(N, D, V, dtype=torch.bfloat16, scale=3.0, device=DEVICE, seed=5, ignore_every=ignore_every)
-    kw = dict(impl="triton", filter_eps=filter_eps, sort_vocab=False, e_grad_fp32=e_grad_fp32,
-              chunk_bytes=N * 64 * 2, kernel_config=dict(dense_above=0.0 if filter_eps is None else 2.0))
-    got = loss_and_grads(linear_cross_entropy, e, c, b, t, **kw)
-    assert_close(got, oracle(e, c, b, t), 1e-4, 3e-2 if filter_eps else 2e-2)
-    sep = loss_and_grads(linear_cross_entropy, e, c, b, t, **dict(kw, scratch_in_dc=False))
+def test_kernels_scratch_in_dc(monkeypatch, N, D, V, ignore_every, dtype, dense_above):
+    e, c, b, t = make(N, D, V, dtype=dtype, scale=3.0, device=DEVICE, seed=5, ignore_every=ignore_every)
+    _force_backward(monkeypatch, tile_bytes=N * 64 * 2, dense_above=dense_above)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+    assert_close(got, oracle(e, c, b, t), 1e-4, 2e-2)
+    sep = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton",
+                         config=CCEKernelConfig(scratch_in_dc=False))
     assert_close(got, sep, 1e-6, 1e-2)  # same maths; only the dE rounding schedule differs
 
 
 @needs_kernels
 @pytest.mark.parametrize("ignore_every, bias, dense_above", [(0, True, 0.0), (5, False, 0.0), (0, False, 2.0)])
-def test_kernels_two_pass_ending_sums_all_of_de_in_fp32(ignore_every, bias, dense_above):
+def test_kernels_two_pass_ending_sums_all_of_de_in_fp32(monkeypatch, ignore_every, bias, dense_above):
     """Where dC's free rows run out before the accumulator's, the rest of the vocabulary is done as dE only,
     then (after the flush) recomputed for dC only: dE is the fp32 sum over the whole vocabulary, as with a
     separate fp32 scratch (only the summation order differs, so at most one bf16 step apart), and dC and the
@@ -378,9 +396,10 @@ def test_kernels_two_pass_ending_sums_all_of_de_in_fp32(ignore_every, bias, dens
     step = cfg["BLOCK_V"] * cfg["SPLIT"]
     plan, acc_off = plan_chunks(V, D, nv, step, 32, 2 * nv * D)
     assert acc_off is not None and 0 < recomputed_fraction(plan, V) <= 0.25  # this case takes the two passes
-    kw = dict(impl="triton", chunk_bytes=nv * 32 * 2, kernel_config=dict(dense_above=dense_above))
-    got = loss_and_grads(linear_cross_entropy, e, c, b, t, **kw)
-    sep = loss_and_grads(linear_cross_entropy, e, c, b, t, **dict(kw, scratch_in_dc=False))
+    _force_backward(monkeypatch, tile_bytes=nv * 32 * 2, dense_above=dense_above)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+    sep = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton",
+                         config=CCEKernelConfig(scratch_in_dc=False))
     assert_close(got, oracle(e, c, b, t), 1e-4, 2e-2)
     (_, (de, dc, db)), (_, (de_s, dc_s, db_s)) = got, sep
     assert ((de - de_s).abs() <= de_s.abs() * 2 ** -7 + 1e-12).all()  # one bf16 rounding of the same fp32 sum

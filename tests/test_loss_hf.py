@@ -9,7 +9,7 @@ from thrifty.triton_utils import interpreting
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from thrifty.loss import linear_cross_entropy  # noqa: E402
+from thrifty.loss import CCEKernelConfig, linear_cross_entropy  # noqa: E402
 from thrifty.loss.hf import patch_causal_lm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,6 +78,18 @@ def test_patching_twice_replaces_the_options_and_keeps_the_logits_path():
     torch.testing.assert_close(skipped.loss, stock(input_ids=ids, labels=ids).loss.float(), rtol=1e-5, atol=1e-6)
 
 
+def test_patch_takes_a_kernel_config_and_refuses_loose_kernel_options():
+    stock, patched = tiny_llama(), tiny_llama()
+    with pytest.raises(TypeError, match="filter_eps.*CCEKernelConfig"):
+        patch_causal_lm(patched, filter_eps="auto")
+    with pytest.raises(TypeError, match="config"):  # at patch time, not at the first training step
+        patch_causal_lm(patched, config={"scratch_in_dc": False})
+    patch_causal_lm(patched, impl=IMPLS[-1], config=CCEKernelConfig(scratch_in_dc=False))
+    ids = torch.randint(0, 301, (2, 9)).to(DEVICE)
+    torch.testing.assert_close(patched(input_ids=ids, labels=ids).loss,
+                               stock(input_ids=ids, labels=ids).loss.float(), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- real model, real text
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -106,18 +118,24 @@ def smollm2_hidden():
 
 
 @pytest.mark.skipif(not (interpreting() or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1")
-def test_filtered_kernels_on_real_smollm2_hidden_states(smollm2_hidden):
+def test_filtered_kernels_on_real_smollm2_hidden_states(smollm2_hidden, monkeypatch):
     h, w, ids = smollm2_hidden
     e = h.bfloat16().to(DEVICE).requires_grad_()
     c = w.bfloat16().to(DEVICE).requires_grad_()
     t = ids.to(DEVICE)
-    # big blocks under the interpreter: its cost is per block operation, not per element
-    cfg = None if torch.cuda.is_available() else dict(
-        forward=dict(BLOCK_N=128, BLOCK_V=1024, BLOCK_D=64, num_warps=4, num_stages=1),
-        backward=dict(BLOCK_N=128, BLOCK_V=512, BLOCK_D_TILE=64, BLOCK_D_DC=64, BLOCK_D_DE=64, num_warps=4,
-                      num_stages=1),
-        dense_above=0.0)  # filtered tiles are zeros in the cuBLAS path too; the sparse GEMMs: test_loss.py
-    loss = linear_cross_entropy(e, c, t, shift=True, impl="triton", filter_eps="auto", kernel_config=cfg)
+    if not torch.cuda.is_available():
+        # big blocks under the interpreter, whose cost is per block operation, not per element: the fused
+        # forward with 128 x 1024 tiles, the backward with 128 x 512, cuBLAS GEMMs for every chunk (filtered
+        # tiles are zeros there too; the sparse GEMMs: test_loss.py)
+        from thrifty.loss import backward, cce, forward
+
+        monkeypatch.setattr(cce, "_gemm_forward_scratch", lambda c_, nv: None)
+        monkeypatch.setattr(forward, "forward_config", lambda interp: dict(
+            BLOCK_N=128, BLOCK_V=1024, BLOCK_D=64, num_warps=4, num_stages=1))
+        monkeypatch.setattr(backward, "backward_config", lambda interp: dict(
+            BLOCK_N=128, BLOCK_V=512, BLOCK_D_TILE=64, BLOCK_D_DC=64, BLOCK_D_DE=64, num_warps=4, num_stages=1))
+        monkeypatch.setattr(backward, "DENSE_ABOVE", 0.0)
+    loss = linear_cross_entropy(e, c, t, shift=True, impl="triton", config=CCEKernelConfig(filter_eps="auto"))
     loss.backward()
     e64 = e.detach().double().requires_grad_()
     c64 = c.detach().double().requires_grad_()

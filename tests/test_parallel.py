@@ -439,6 +439,36 @@ def test_vocab_parallel_cce_fused_kernels_per_rank(two_ranks):
     torch.testing.assert_close(dc, c.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (a CPU gloo group)")
+@pytest.mark.parametrize("config", [dict(filter_eps="auto"), dict(filter_eps=1e-3, scratch_in_dc=False)])
+def test_vocab_parallel_cce_takes_the_kernel_config(config):
+    """One rank holding the whole vocabulary: the kernels under a CCEKernelConfig give what linear_cross_entropy
+    gives with the same config (the filter's "auto" threshold resolved for the input dtype)."""
+    from thrifty.loss import CCEKernelConfig
+    from thrifty.parallel import vocab_parallel_cross_entropy
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    cfg = CCEKernelConfig(**config)
+    e, c, t = vp_inputs()
+    e1, c1 = e.float().requires_grad_(), c.float().requires_grad_()
+    e2, c2 = e.float().requires_grad_(), c.float().requires_grad_()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        got = vocab_parallel_cross_entropy(e1, c1, t, vocab_start=0, vocab_size=V_VP, impl="triton", config=cfg,
+                                           **VP_KW)
+        got.backward()
+    finally:
+        dist.destroy_process_group()
+    want = linear_cross_entropy(e2, c2, t, impl="triton", config=cfg, **VP_KW)
+    want.backward()
+    assert abs(got.item() - want.item()) <= 1e-5 * want.item()
+    torch.testing.assert_close(e1.grad, e2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(c1.grad, c2.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(TypeError, match="config"):
+        vocab_parallel_cross_entropy(e1, c1, t, vocab_start=0, vocab_size=V_VP, config={"filter_eps": "auto"})
+
+
 def test_bad_arguments_get_clear_errors():
     from thrifty.parallel import RankData, shard_model, vocab_parallel_cross_entropy
 

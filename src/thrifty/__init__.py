@@ -20,6 +20,7 @@ _LAZY = {
     "CCEConfig": ("thrifty.compose", "CCEConfig"),
     "LowBitKVConfig": ("thrifty.compose", "LowBitKVConfig"),
     "linear_cross_entropy": ("thrifty.loss", "linear_cross_entropy"),
+    "CCEKernelConfig": ("thrifty.loss", "CCEKernelConfig"),
     "sage_attention": ("thrifty.attention", "sage_attention"),
     "compress": ("thrifty.neuzip", "compress"),
     "LlamaForCausalLM": ("thrifty.models", "LlamaForCausalLM"),

@@ -55,7 +55,10 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class CCEConfig:
-    """Cut cross-entropy in the model's loss: the logits of a training step with labels are never materialised."""
+    """Cut cross-entropy in the model's loss: the logits of a training step with labels are never materialised.
+    The fields are :func:`thrifty.loss.linear_cross_entropy`'s arguments of the same names; its kernels run with
+    their defaults (exact gradients, scratch in dC's free rows). A :class:`thrifty.loss.CCEKernelConfig` goes to
+    ``linear_cross_entropy(config=...)`` or ``thrifty.loss.hf.patch_causal_lm(model, config=...)`` directly."""
 
     z_loss: float = 0.0
     label_smoothing: float = 0.0

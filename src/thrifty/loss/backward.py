@@ -13,12 +13,11 @@ Here the vocabulary (in sorted order) is processed in chunks of ``vc`` entries:
    lists (atomics; only when the sparse GEMMs may run).
 2. dC[chunk] = g^T @ E and dE += g @ C[chunk]: when most tiles of the chunk are kept, cuBLAS on the whole
    chunk (filtered tiles are zeros); otherwise ``_dc_kernel`` / ``_de_kernel``, Triton GEMMs that loop over the
-   work lists only. Each vocabulary row lives in one chunk, so dC is written once, never accumulated; dE is
-   accumulated in fp32 (in dC's free rows while they hold it, then rounded once into dE and accumulated there;
-   or throughout in place, ``e_grad_fp32=False``).
+   work lists only. Each vocabulary row lives in one chunk, so dC is written once, never accumulated; dE of
+   16-bit inputs is summed in fp32 (in dC's free rows, or a separate scratch), fp32 dE in place.
 
-Sorting the vocabulary by mean logit (exactly C @ mean(E) + bias, one GEMV, no atomics) puts the tokens that
-ever get probability mass into the first chunks, so whole tiles and chunks elsewhere fall under the filter.
+With filtering, the vocabulary is first sorted by mean logit (exactly C @ mean(E) + bias, one GEMV, no atomics):
+the tokens that ever get probability mass come first, so whole tiles and chunks elsewhere fall under the filter.
 """
 
 from __future__ import annotations
@@ -221,6 +220,9 @@ def _dense_de_update(de_acc, g, c_chunk):
 TAIL_BYTES = 8 << 20
 SMALL_TAIL_BYTES = 12 << 20
 SEPARATE_BYTES = 64 << 20  # gradient-tile buffer when dC cannot host it (sorted vocabulary, or no dC wanted)
+# kept-tile fraction of a chunk above which its dE/dC GEMMs go to cuBLAS over the whole chunk (filtered tiles are
+# zeros there), below it to the sparse Triton GEMMs over the kept tiles (v2, NOTES.md)
+DENSE_ABOVE = 0.3
 ALIGN = 64  # elements: scratch views in dC start 128-byte aligned (bf16) for cuBLAS
 
 
@@ -297,25 +299,26 @@ MAX_RECOMPUTED = 0.25
 
 
 def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional[float], label_smoothing: float,
-                       z_loss: float, filter_eps: Optional[float], sort_vocab: bool, chunk_bytes: Optional[int],
-                       need_e: bool = True, need_c: bool = True, e_grad_fp32: bool = True, dense_above: float = 0.3,
-                       scratch_in_dc: bool = True, config=None, dc: Optional[torch.Tensor] = None):
+                       z_loss: float, filter_eps: Optional[float], need_e: bool = True, need_c: bool = True,
+                       scratch_in_dc: bool = True, dc: Optional[torch.Tensor] = None):
     """Returns (dE shaped like e2d or None, dC or None, dbias or None). ``w``: fp32 upstream grad per valid row.
+    ``filter_eps``: None (exact) or the tile-skip threshold; filtering sorts the vocabulary (vocab_order).
 
     Per vocabulary chunk, after the gradient-tile kernel, the fraction of kept tiles picks the GEMMs: above
-    ``dense_above`` cuBLAS on the whole chunk (fast when most tiles matter), else the Triton kernels that
-    visit kept tiles only (filtering only; the count is read without a sync, see _KeptTiles).
+    DENSE_ABOVE cuBLAS on the whole chunk (fast when most tiles matter), else the Triton kernels that visit
+    kept tiles only (filtering only; the count is read without a sync, see _KeptTiles).
 
     Memory (``scratch_in_dc``, the default; not with a sorted vocabulary): the gradient tiles and the fp32 dE
     accumulator live in dC's not-yet-written rows (plan_chunks), so the extra memory is one small buffer
-    (``chunk_bytes``, default TAIL_BYTES) for the last chunks. dE is accumulated in compact valid-row order in
-    dE's own first nv rows and spread to the token rows at the end when tokens are ignored. ``dc``: the dC
-    buffer when the forward allocated it already (c's shape, contiguous; its contents are overwritten).
+    (TAIL_BYTES, or SMALL_TAIL_BYTES for small shapes) for the last chunks; otherwise a SEPARATE_BYTES tile
+    buffer. dE is accumulated in compact valid-row order in dE's own first nv rows and spread to the token rows
+    at the end when tokens are ignored. ``dc``: the dC buffer when the forward allocated it already (c's shape,
+    contiguous; its contents are overwritten).
     """
     N, D = e2d.shape
     V = c.shape[0]
     nv = rows.numel()
-    cfg = dict(config or backward_config(interpreting()))
+    cfg = dict(backward_config(interpreting()))
     if e2d.dtype == torch.float32 and not interpreting():
         cfg.update(FP32_TILES)
     bn, bv, split = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_V"), cfg.pop("SPLIT", 1)
@@ -331,7 +334,7 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
         return de, (dc.zero_() if need_c else None), (db.to(bias.dtype) if need_b else None)
     # label smoothing puts -ls/V on every element: filtering would drop it systematically, so it is off then
     filtering = filter_eps is not None and label_smoothing == 0.0
-    order = vocab_order(e2d, c, bias, rows) if (sort_vocab and filtering) else None  # sorting only helps filtering
+    order = vocab_order(e2d, c, bias, rows) if filtering else None  # sorting only helps filtering
     # fp16 gradients scaled by 1/N would underflow: fp16 inputs get a bf16 buffer (same size, fp32's range)
     g_dtype = {torch.float32: torch.float32}.get(e2d.dtype, torch.bfloat16)
     elem = torch.finfo(g_dtype).bits // 8
@@ -339,14 +342,14 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     # dC's free rows can hold the tiles only if dC is written in vocabulary order (no sorting) and has the
     # tiles' element size (always: fp32 -> fp32, bf16/fp16 -> bf16)
     in_dc = scratch_in_dc and need_c and order is None and c.element_size() == elem and dc.is_contiguous()
-    if chunk_bytes is None and in_dc:
+    if in_dc:
         bound = (N + V) * D * e2d.element_size()  # dE + dC: what must be allocated anyway
-        chunk_bytes = TAIL_BYTES if bound // 100 >= TAIL_BYTES + (1 << 20) else SMALL_TAIL_BYTES
-    elif chunk_bytes is None:
-        chunk_bytes = SEPARATE_BYTES
-    buf_cols = min(max(step, (chunk_bytes // max(nv * elem, 1)) // step * step), triton.cdiv(V, step) * step)
+        tile_bytes = TAIL_BYTES if bound // 100 >= TAIL_BYTES + (1 << 20) else SMALL_TAIL_BYTES
+    else:
+        tile_bytes = SEPARATE_BYTES
+    buf_cols = min(max(step, (tile_bytes // max(nv * elem, 1)) // step * step), triton.cdiv(V, step) * step)
     # fp32 dE accumulation (16-bit inputs): in dC's free rows (in_dc) or a separate nv x D fp32 scratch
-    fp32_acc = need_e and e_grad_fp32 and e2d.dtype != torch.float32
+    fp32_acc = need_e and e2d.dtype != torch.float32
     if in_dc:
         plan, acc_off = plan_chunks(V, D, nv, step, buf_cols, 2 * nv * D if fp32_acc else 0)
         if fp32_acc and (acc_off is None or recomputed_fraction(plan, V) > MAX_RECOMPUTED):
@@ -367,11 +370,11 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
         de_acc.zero_()
     elif fp32_acc:  # a separate fp32 accumulator: no dC, a sorted vocabulary, or dC too small to host it
         de_acc = torch.zeros(nv, D, dtype=torch.float32, device=e2d.device)
-    else:  # e_grad_fp32=False: in place in e's dtype (one rounding per chunk; biased when chunks are many)
+    else:  # fp32 inputs: in place (None when no dE is wanted)
         de_acc = de_c
     order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
     # work lists only for the sparse GEMMs: with filtering, or when cuBLAS cannot take the tiles (fp16 inputs)
-    lists = filtering or g_dtype != e2d.dtype or dense_above >= 1.0
+    lists = filtering or g_dtype != e2d.dtype or DENSE_ABOVE >= 1.0
     dc_flat = dc.view(-1).view(g_dtype) if in_dc else None  # per-chunk views: one as_strided (launch-bound shapes)
     cnt_dc = cnt_de = cnt_all = counts  # placeholders when no lists are kept
     e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)
@@ -409,7 +412,7 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
                 else:
                     dc.index_fill_(0, vocab_chunk, 0)
             continue
-        if kept > dense_above * n_tiles and g_dtype == e2d.dtype:
+        if kept > DENSE_ABOVE * n_tiles and g_dtype == e2d.dtype:
             g = g_buf
             if do_c:
                 if e_valid is None:

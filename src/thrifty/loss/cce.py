@@ -1,38 +1,101 @@
-"""Public entry points: ``linear_cross_entropy`` (dispatch), the Triton autograd function, an ``nn.Module`` and
-the model's loss seam ``lm_loss(hidden, weight, labels)``."""
+"""Public entry points: ``linear_cross_entropy`` (dispatch) and its ``CCEKernelConfig``, the Triton autograd
+function, an ``nn.Module`` and the model's loss seam ``lm_loss(hidden, weight, labels)``."""
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
-from .._checks import check_impl
+from .._checks import check_bool, check_impl
 from ..triton_utils import interpreting, kernels_available
 from . import _spec, reference
 
 EXTRA_IMPLS = ("torch",)  # beyond the library's IMPLS: the naive PyTorch loss (all logits), a test oracle
 
 
+@dataclass(frozen=True)
+class CCEKernelConfig:
+    """What the Triton kernels may trade for speed (``impl="triton"``, or ``"auto"`` on CUDA); the defaults are
+    exact gradients near the memory bound dE + dC. The reference and torch paths ignore it: they are exact and
+    keep their own chunking. Figures: loss+grad, bf16, 8192 tokens, H100 (NOTES.md, v6 and v7 tables).
+
+    filter_eps: None (default): exact gradients. "auto": gradient tiles whose every |element| is below
+        eps(dtype)/32 (apple CCE's threshold) are skipped, after sorting the vocabulary by mean logit so that
+        the skipped tiles cluster; a positive number: that threshold instead. Faster where softmaxes are flat
+        (random 256k logits: 54.9 vs 74.5 ms), slower where they are peaky (realistic 256k: 78.4 vs 73.5 ms, every
+        tile kept), and it drops the small push-down gradient of rarely-seen tokens: pre-training a 30M model
+        from scratch was 0.085-0.13 nats worse over the first 50 steps. The sorted vocabulary needs a separate
+        64 MiB tile buffer (peak +156-173 MiB over the bound at 256k). Off under label smoothing (it puts -ls/V
+        on every element).
+    scratch_in_dc: True (default): the gradient tiles and the fp32 dE accumulator live in the rows of dC not
+        yet written, so the backward needs one 8-12 MiB extra buffer (up to ~V/8 tokens per call; beyond, the
+        accumulator is a separate Nv x D fp32 buffer: +256 MiB at 16384 tokens, D=4096, V=128k, H200). False: a
+        separate 64 MiB tile buffer and an Nv x D fp32 dE accumulator (peak over the bound +136 MiB at 256k,
+        +82 MiB at D=576 V=49152), for fewer, larger vocabulary chunks: 4.47 vs 5.37 ms at SmolLM2's D=576
+        V=49152, 61.6 vs 65.6 ms at 128k, 71.8 vs 73.5 ms at 256k. For small vocabularies when memory does not
+        matter.
+    """
+
+    filter_eps: Union[float, str, None] = None
+    scratch_in_dc: bool = True
+
+    def __post_init__(self):
+        eps = self.filter_eps
+        if isinstance(eps, str):
+            if eps != "auto":
+                raise ValueError(f"filter_eps: expected None, 'auto' or a positive number, got {eps!r}")
+        elif eps is not None:
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+                raise TypeError(f"filter_eps: expected None, 'auto' or a positive number, got {type(eps).__name__}")
+            if not (math.isfinite(eps) and eps > 0):
+                raise ValueError(f"filter_eps: expected None, 'auto' or a positive finite number, got {eps}")
+        check_bool("scratch_in_dc", self.scratch_in_dc)
+
+    def filter_threshold(self, dtype: torch.dtype) -> Optional[float]:
+        """The tile-skip threshold for inputs of ``dtype`` (None: exact)."""
+        if self.filter_eps == "auto":
+            from .backward import default_filter_eps
+
+            return default_filter_eps(dtype)
+        return None if self.filter_eps is None else float(self.filter_eps)
+
+
+DEFAULT_CONFIG = CCEKernelConfig()
+
+
+def check_config(config) -> CCEKernelConfig:
+    """``config`` or the defaults; a TypeError naming ``config`` for anything else."""
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, CCEKernelConfig):
+        hint = ""
+        if type(config).__name__ == "CCEConfig":  # thrifty.CCEConfig is optimize()'s
+            hint = ("; thrifty.CCEConfig is optimize()'s, its z_loss, label_smoothing and softcap are arguments "
+                    "of linear_cross_entropy")
+        raise TypeError(f"config: expected a thrifty.loss.CCEKernelConfig or None, got {type(config).__name__}{hint}")
+    return config
+
+
 class _TritonLinearCE(torch.autograd.Function):
-    """Per-token fp32 losses of the valid rows; backward runs the filtered, vocabulary-sorted kernels."""
+    """Per-token fp32 losses of the valid rows; backward runs the chunked gradient-tile kernels."""
 
     @staticmethod
-    def forward(ctx, e2d, c, bias, rows, targets, softcap, label_smoothing, z_loss, opts):
+    def forward(ctx, e2d, c, bias, rows, targets, softcap, label_smoothing, z_loss, config, grad_enabled):
         from .forward import lse_forward, lse_forward_gemm
 
-        opts = dict(opts)
-        forward_config = opts.pop("forward_config")
         # needs_input_grad says requires_grad even under torch.no_grad(); the dispatch recorded the grad mode
-        need_c = opts.pop("grad_enabled") and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        need_c = grad_enabled and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         # dC is allocated here when the GEMM forward can use its bytes as scratch, and handed to the backward
-        ctx.dc = _gemm_forward_scratch(c, rows.numel()) if need_c and forward_config is None else None
+        ctx.dc = _gemm_forward_scratch(c, rows.numel()) if need_c else None
         if ctx.dc is not None:
             lse, z_t, z_sum = lse_forward_gemm(e2d, c, bias, rows, targets, softcap, ctx.dc)
         else:
-            lse, z_t, z_sum = lse_forward(e2d, c, bias, rows, targets, softcap, config=forward_config)
+            lse, z_t, z_sum = lse_forward(e2d, c, bias, rows, targets, softcap)
         ctx.save_for_backward(e2d, c, bias, rows, targets, lse)
-        ctx.opts = (softcap, label_smoothing, z_loss, opts)
+        ctx.opts = (softcap, label_smoothing, z_loss, config)
         return _spec.token_loss(lse, z_t, z_sum, c.shape[0], label_smoothing, z_loss)
 
     @staticmethod
@@ -40,15 +103,14 @@ class _TritonLinearCE(torch.autograd.Function):
         from .backward import linear_ce_backward
 
         e2d, c, bias, rows, targets, lse = ctx.saved_tensors
-        softcap, ls, z_loss, opts = ctx.opts
+        softcap, ls, z_loss, config = ctx.opts
         dc_buffer, ctx.dc = ctx.dc, None
         de, dc, db = linear_ce_backward(
             e2d, c, bias, rows, targets, lse, grad_losses.float().contiguous(), softcap=softcap,
-            label_smoothing=ls, z_loss=z_loss, need_e=ctx.needs_input_grad[0],
-            need_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2], dc=dc_buffer, **opts)
-        return de, (dc if ctx.needs_input_grad[1] else None), db, None, None, None, None, None, None
-
-
+            label_smoothing=ls, z_loss=z_loss, filter_eps=config.filter_threshold(e2d.dtype),
+            scratch_in_dc=config.scratch_in_dc, need_e=ctx.needs_input_grad[0],
+            need_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2], dc=dc_buffer)
+        return de, (dc if ctx.needs_input_grad[1] else None), db, None, None, None, None, None, None, None
 def _gemm_forward_scratch(c, nv):
     """The dC buffer (uninitialised, c's shape) when the GEMM forward pays at this hidden size and fits its
     chunks in it, else None."""
@@ -81,48 +143,36 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     impl: str = "auto",
-    filter_eps=None,
-    sort_vocab: bool = True,
-    chunk_bytes: Optional[int] = None,
-    e_grad_fp32: bool = True,
-    scratch_in_dc: bool = True,
-    kernel_config: Optional[dict] = None,
+    config: Optional[CCEKernelConfig] = None,
 ) -> torch.Tensor:
     """Cross-entropy of the logits ``e @ c.T (+ bias)`` against ``targets``, never holding all the logits.
 
     Arguments follow ``torch.nn.functional.linear_cross_entropy(input, linear_weight, target)`` positionally;
     ``bias`` is its ``linear_bias``. e: (..., D) float; c: (V, D), same dtype; targets: (...) int in [0, V) or
     ``ignore_index``. ``shift=True``: e[..., t] predicts targets[..., t+1] (causal LM; no copy of e).
-    ``softcap``: logits become softcap*tanh(logits/softcap). ``z_loss``: adds z_loss*lse**2 per token.
+    ``softcap``: logits become softcap*tanh(logits/softcap). ``label_smoothing`` as torch's cross_entropy.
+    ``z_loss``: adds z_loss*lse**2 per token.
     Under autocast, e, c and bias are cast to the autocast dtype first (fp32 master weights work).
     Returns fp32: the mean over valid tokens (0 if there are none, unlike torch's NaN), the sum, or
     (reduction="none") e's leading shape with 0 at ignored positions. NaN in e propagates to a NaN loss.
 
     impl: "auto" (Triton kernels on CUDA, the chunked reference elsewhere), "triton" (CUDA, or the CPU only
     under TRITON_INTERPRET=1), "reference" (chunked PyTorch), "torch" (naive, all logits).
-    Kernel options: ``filter_eps`` (None, the default: exact gradients; "auto" = eps(dtype)/32 as apple CCE, or a
-    number: gradient tiles whose every |element| is below it are skipped -- faster on flat softmaxes, but it
-    drops the small push-down gradient of rarely-seen tokens; pre-training a 30M model from scratch with "auto"
-    was 0.09-0.13 nats worse over the first 50 steps, NOTES.md; ignored with label smoothing),
-    ``sort_vocab`` (with filtering: cluster the tokens that matter), ``scratch_in_dc`` (default True: the
-    gradient tiles and the fp32 dE accumulator live in the rows of dC not yet written, so the backward needs
-    only one small extra buffer; not with a sorted vocabulary), ``chunk_bytes`` (that extra gradient-tile
-    buffer: default 8 MiB with ``scratch_in_dc`` -- 12 MiB where dE + dC < ~0.9 GiB --, else 64 MiB), ``e_grad_fp32`` (accumulate dE in fp32 -- in
-    dC's free rows while they hold it, then in place; a separate Nv x D fp32 scratch without ``scratch_in_dc``;
-    False accumulates in e's dtype throughout),
-    ``kernel_config`` ({"forward": {...}, "backward": {...}} block sizes, see forward_config/backward_config;
-    "dense_above": kept-tile fraction above which a vocabulary chunk's dE/dC GEMMs go to cuBLAS, default 0.3).
+    config: a :class:`CCEKernelConfig` for the Triton kernels (default: exact gradients, minimal memory):
+    ``CCEKernelConfig(filter_eps="auto")`` skips negligible gradient tiles (faster on flat softmaxes, worse
+    early in pre-training), ``CCEKernelConfig(scratch_in_dc=False)`` trades ~64 MiB + Nv x D x 4 bytes for
+    speed at small vocabularies.
     """
     check_impl(impl, EXTRA_IMPLS)
+    config = check_config(config)
     e, c, bias = _spec.autocast_inputs(e, c, bias)
     _spec.validate(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
     with torch.autocast(e.device.type, enabled=False):  # fp32 statistics stay fp32 inside
         return _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss,
-                         impl, filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config)
+                         impl, config)
 
 
-def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss, impl,
-              filter_eps, sort_vocab, chunk_bytes, e_grad_fp32, scratch_in_dc, kernel_config):
+def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss, impl, config):
     if impl == "auto":
         impl = "triton" if e.device.type == "cuda" and kernels_available(e.device) else "reference"
     if impl == "reference":
@@ -138,20 +188,9 @@ def _dispatch(e, c, targets, bias, ignore_index, reduction, softcap, shift, labe
         raise TypeError("e: impl='triton' supports float16, bfloat16 and float32; use impl='reference' for float64")
     prep = _spec.prepare(e, c, targets, ignore_index, shift)
     e2d = prep.e2d if prep.e2d.stride(1) == 1 else prep.e2d.contiguous()
-    if filter_eps == "auto":
-        from .backward import default_filter_eps
-
-        filter_eps = default_filter_eps(e.dtype)
-    kernel_config = kernel_config or {}
-    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
-        raise ValueError(f"chunk_bytes: expected a positive int or None, got {chunk_bytes!r}")
-    opts = dict(filter_eps=filter_eps, sort_vocab=sort_vocab, chunk_bytes=chunk_bytes, e_grad_fp32=e_grad_fp32,
-                scratch_in_dc=bool(scratch_in_dc),
-                config=kernel_config.get("backward"), forward_config=kernel_config.get("forward"),
-                dense_above=kernel_config.get("dense_above", 0.3), grad_enabled=torch.is_grad_enabled())
     losses = _TritonLinearCE.apply(
         e2d, c.contiguous(), None if bias is None else bias.contiguous(), prep.rows, prep.targets, softcap,
-        float(label_smoothing), float(z_loss), opts)
+        float(label_smoothing), float(z_loss), config, torch.is_grad_enabled())
     return _spec.reduce(losses, prep, reduction, torch.float32)
 
 
@@ -159,12 +198,14 @@ class LinearCrossEntropy(torch.nn.Module):
     """Module form: ``LinearCrossEntropy(reduction=..., ...)(e, c, targets, bias=None)``."""
 
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean", softcap: Optional[float] = None,
-                 shift: bool = False, label_smoothing: float = 0.0, z_loss: float = 0.0, impl: str = "auto", **kernel_opts):
+                 shift: bool = False, label_smoothing: float = 0.0, z_loss: float = 0.0, impl: str = "auto",
+                 config: Optional[CCEKernelConfig] = None):
         super().__init__()
         _spec.validate_options(ignore_index, reduction, softcap, shift, label_smoothing, z_loss)
         check_impl(impl, EXTRA_IMPLS)
+        check_config(config)
         self.kw = dict(ignore_index=ignore_index, reduction=reduction, softcap=softcap, shift=shift,
-                       label_smoothing=label_smoothing, z_loss=z_loss, impl=impl, **kernel_opts)
+                       label_smoothing=label_smoothing, z_loss=z_loss, impl=impl, config=config)
 
     def forward(self, e, c, targets, bias=None):
         return linear_cross_entropy(e, c, targets, bias=bias, **self.kw)
@@ -180,4 +221,4 @@ def lm_loss(hidden_states: torch.Tensor, classifier_weight: torch.Tensor, labels
     return linear_cross_entropy(hidden_states, classifier_weight, labels, **kw)
 
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropy", "lm_loss", "interpreting"]
+__all__ = ["linear_cross_entropy", "CCEKernelConfig", "LinearCrossEntropy", "lm_loss", "interpreting"]

@@ -17,10 +17,9 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import _spec
-from .cce import linear_cross_entropy
+from .cce import check_config, linear_cross_entropy
 
-_LOSS_OPTIONS = {"ignore_index", "softcap", "label_smoothing", "z_loss", "impl", "filter_eps", "sort_vocab",
-                 "chunk_bytes", "e_grad_fp32", "scratch_in_dc", "kernel_config"}  # (shift, reduction: set here)
+_LOSS_OPTIONS = {"ignore_index", "softcap", "label_smoothing", "z_loss", "impl", "config"}  # shift, reduction: set here
 
 
 def _classifier_loss(head, hidden, targets, **kw):
@@ -42,18 +41,21 @@ def patch_causal_lm(model, **loss_kwargs):
     given), ``num_items_in_batch`` (loss = sum / num_items_in_batch, as the HF Trainer expects for gradient
     accumulation) and ``shift_labels`` (already shifted labels). With logits skipped it returns
     ``logits=None``; otherwise it behaves like the stock forward. ``loss_kwargs`` go to
-    :func:`thrifty.loss.linear_cross_entropy` (e.g. ``impl``, ``z_loss``). Patching an already patched model
+    :func:`thrifty.loss.linear_cross_entropy`: ``ignore_index``, ``softcap``, ``label_smoothing``, ``z_loss``,
+    ``impl`` and ``config`` (a :class:`thrifty.loss.CCEKernelConfig`). Patching an already patched model
     replaces the options.
     """
     if not (hasattr(model, "model") and hasattr(model, "lm_head")):
         raise TypeError(f"model: expected a *ForCausalLM with .model and .lm_head, got {type(model).__name__}")
     unknown = sorted(set(loss_kwargs) - _LOSS_OPTIONS)
     if unknown:
-        raise TypeError(f"loss_kwargs: unknown linear_cross_entropy option(s) {unknown}")
+        raise TypeError(f"loss_kwargs: unknown linear_cross_entropy option(s) {unknown}; expected some of "
+                        f"{sorted(_LOSS_OPTIONS)} (kernel options go in config=thrifty.loss.CCEKernelConfig(...))")
     opts = {"ignore_index": -100, "reduction": "mean", "softcap": None, "shift": True, "label_smoothing": 0.0,
             "z_loss": 0.0}
     opts.update({k: v for k, v in loss_kwargs.items() if k in opts})
     _spec.validate_options(**opts)  # checked now, not at the first training step
+    check_config(loss_kwargs.get("config"))
     # Patching again replaces the options; the stock forward stays the one from before the first patch (else
     # the logits path would call the previous patch, which skips the logits when training with labels).
     stock_forward = model.__dict__.get("_thrifty_stock_forward") or model.forward

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .._checks import check_impl
 from ..loss import _spec
+from ..loss.cce import CCEKernelConfig, check_config
 from ..loss.reference import accumulate_grads
 from ..triton_utils import kernels_available
 
@@ -64,7 +65,7 @@ class _VocabParallelCE(torch.autograd.Function):
         if impl == "triton":
             from ..loss.forward import lse_forward
 
-            lse_r, z_r, _ = lse_forward(e2d, c, bias, rows, tgt, softcap, config=opts.get("forward_config"))
+            lse_r, z_r, _ = lse_forward(e2d, c, bias, rows, tgt, softcap)
         else:
             lse_r, z_r = _reference_stats(e2d, c, bias, rows, tgt, softcap, opts["chunk"])
         lse, z_t = _gather_stats(lse_r, z_r, group)
@@ -82,9 +83,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
             de, dc, db = linear_ce_backward(
                 e2d, c, bias, rows, tgt, lse.float(), grad_losses.float().contiguous(), softcap=softcap,
-                label_smoothing=0.0, z_loss=z_loss, filter_eps=opts.get("filter_eps"), sort_vocab=True,
-                chunk_bytes=None, need_e=need_e, need_c=need_c or need_b, config=opts.get("backward_config"),
-                dense_above=opts.get("dense_above", 0.3))
+                label_smoothing=0.0, z_loss=z_loss, filter_eps=opts["config"].filter_threshold(e2d.dtype),
+                scratch_in_dc=opts["config"].scratch_in_dc, need_e=need_e, need_c=need_c or need_b)
         else:
             de, dc, db = accumulate_grads(e2d, c, bias, rows, tgt, lse, grad_losses, softcap=softcap,
                                           label_smoothing=0.0, z_loss=z_loss, chunk_size=opts["chunk"],
@@ -129,8 +129,7 @@ def vocab_parallel_cross_entropy(
     z_loss: float = 0.0,
     reduce_e_grad: bool = True,
     impl: str = "auto",
-    filter_eps=None,
-    kernel_config: Optional[dict] = None,
+    config: Optional[CCEKernelConfig] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``e @ C.T`` where this rank holds rows ``[vocab_start, vocab_start + c.shape[0])`` of
     the full classifier C (V = ``vocab_size`` rows over the ranks of ``group``, default the world).
@@ -141,9 +140,11 @@ def vocab_parallel_cross_entropy(
     Every rank returns the same loss (fp32). Conventions (shift, ignore_index, reduction, softcap, z_loss) as
     :func:`thrifty.loss.linear_cross_entropy`; label smoothing is not offered here. ``impl``: "triton" (the
     CCE kernels; CUDA, or CPU under TRITON_INTERPRET=1), "reference" (chunked torch), "auto" (triton on CUDA).
-    ``filter_eps``/``kernel_config`` as in linear_cross_entropy (filtering is local to each slice).
+    ``config``: a :class:`thrifty.loss.CCEKernelConfig` for the Triton kernels, as in linear_cross_entropy
+    (filtering and the vocabulary sort are local to each slice).
     """
     check_impl(impl)
+    config = check_config(config)
     if not dist.is_initialized():
         raise RuntimeError("vocab_parallel_cross_entropy: no process group (torch.distributed.init_process_group)")
     c_local, start, size_from_c, group = _slice_of(c, vocab_start, group)
@@ -172,10 +173,7 @@ def vocab_parallel_cross_entropy(
     prep = _spec.prepare(e, c_local, targets, ignore_index, shift, vocab_size=vocab_size)
     local_t = prep.targets - start
     local_t = torch.where((local_t >= 0) & (local_t < c_local.shape[0]), local_t, torch.full_like(local_t, -1))
-    kernel_config = kernel_config or {}
-    opts = dict(chunk=max(1, (1 << 22) // max(c_local.shape[0], 1)), filter_eps=filter_eps,
-                forward_config=kernel_config.get("forward"), backward_config=kernel_config.get("backward"),
-                dense_above=kernel_config.get("dense_above", 0.3))
+    opts = dict(chunk=max(1, (1 << 22) // max(c_local.shape[0], 1)), config=config)
     e2d = prep.e2d if prep.e2d.stride(-1) == 1 else prep.e2d.contiguous()
     with torch.autocast(e.device.type, enabled=False):
         losses = _VocabParallelCE.apply(e2d, c_local.contiguous(), None if bias is None else bias.contiguous(),
