@@ -53,9 +53,10 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
     "thrifty8_gluon_1wg": dict(ws=False, consumers=1),  # one consumer warpgroup that issues its own TMA loads
     "thrifty8_gluon_ws1": dict(ws=True, consumers=1),  # + a producer warp
     "thrifty8_gluon_ws2": dict(ws=True, consumers=2),  # two consumer warpgroups + a producer warp (FA3 layout)
+    "thrifty8_gluon_ws2_vperm": dict(ws=True, consumers=2, v_perm16=True),  # + P̃ from the accumulator as it lies
 }
-# ws2 with bigger consumer tiles, head_dim 64 only (gluon_kernel.D64_STRUCTURES: 128 query rows per consumer
-# warpgroup, 128-key tiles, both): thrifty8_gluon_ws2_m128, _n128, _m128n128
+# ws2_vperm with bigger consumer tiles, head_dim 64 only (gluon_kernel.D64_STRUCTURES: 128 query rows per
+# consumer warpgroup, 128-key tiles, both): thrifty8_gluon_ws2_m128, _n128, _m128n128
 GLUON_D64_VARIANTS = {f"thrifty8_gluon_ws2_{k}": dict(ws=True, consumers=2, **v) for k, v in D64_STRUCTURES.items()}
 
 
@@ -197,7 +198,7 @@ def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H, back
         try:
             cfg = dict(G.gluon_config(D), **over)
             kv = quantize_kv(k, v, qmax=127.0, block_n=cfg["scale_block"], smooth_k=True, fp8_v=True,
-                             smooth_v=False)
+                             smooth_v=False, v_perm16=cfg["v_perm16"])
             prep = dict(q=q, qmax=127.0, sm_scale=D ** -0.5, smooth_v=False, **kv)
             o = torch.empty_like(q)
             run = lambda: G.launch(prep, o, None, causal=causal, H=H, H_kv=H, Sq=S, Sk=S, config=over)

@@ -12,7 +12,8 @@ from thrifty.attention.gluon_kernel import D64_STRUCTURES
 from thrifty.bench import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
+VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2),
+            dict(v_perm16=True)]
 D64_VARIANTS = list(D64_STRUCTURES.values())  # 128-row / 128-key consumer tiles: head_dim 64 only
 
 
@@ -45,8 +46,26 @@ def _cos(a, b):
     return accuracy_metrics(a.float(), b.float())["cos_sim"]
 
 
+def test_v_perm16_prepass_matches_the_kernels_relabelling():
+    """The pre-pass's Vᵀ token order (quant_kernel.v_slot, v_perm16) is the one the Gluon kernel's P̃ relabelling
+    (reshape [.., 2, 4, 2], permute (0, 1, 3, 2, 4), reshape back) gives its columns: Vᵀ column s must hold the
+    token whose score lands in P̃ column s. CPU: the pre-pass runs in the interpreter."""
+    from thrifty.attention.quant_kernel import quantize_kv
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 2, 77, 64, generator=g) for _ in range(2))
+    plain, perm = (quantize_kv(k, v, qmax=127.0, block_n=64, smooth_k=True, fp8_v=True, smooth_v=False, v_perm16=p)
+                   for p in (False, True))
+    S_pad = plain["vt"].shape[-1]
+    token_at = torch.arange(S_pad).reshape(S_pad // 16, 2, 4, 2).permute(0, 2, 1, 3).reshape(S_pad)
+    assert torch.equal(perm["vt"].float(), plain["vt"][..., token_at].float())
+    for key in ("k8", "k_scale", "stats", "first_bad"):
+        assert torch.equal(perm[key], plain[key])
+    assert perm["v_perm16"] and not plain["v_perm16"]
+
+
 def test_gluon_launch_checks_the_k_scale_blocks():
-    """A tile of 1 or 2 K-scale blocks, as many scales as the pre-pass wrote (checked before any launch)."""
+    """A tile of 1 or 2 K-scale blocks, as many scales as the pre-pass wrote, and Vᵀ in the token order the
+    kernel reads (checked before any launch)."""
     from thrifty.attention.gluon_kernel import launch
     q = torch.zeros(1, 1, 64, 64)
     prepared = dict(q=q, k8=torch.zeros(1, 192, 64, dtype=torch.int8), k_scale=torch.ones(1, 3),
@@ -54,6 +73,9 @@ def test_gluon_launch_checks_the_k_scale_blocks():
     for config in (dict(block_n=256), dict(block_n=32), dict(scale_block=128, block_n=128)):
         with pytest.raises(ValueError, match="K-scale blocks"):
             launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192, config=config)
+    with pytest.raises(ValueError, match="v_perm16"):  # the kernel must read Vᵀ in the order the pre-pass wrote
+        launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192,
+               config=dict(v_perm16=True))
 
 
 ONE_WARPGROUP_NAN = pytest.mark.xfail(strict=True, reason="ws=False wrote NaN rows at D=64, B=2, H=32, S=2048 on "

@@ -25,6 +25,10 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
   over twice the scores, 128 keys also the per-row ones (max and sum shuffles, α, the exponent's bias) and
   halve acc·α per score. The arithmetic per score is unchanged; with 128-key tiles each fresh P̃·V fragment
   sums 128 products in the tensor core's accumulator before the fp32 add (as at D=128) instead of 64.
+* ``v_perm16``: the pre-pass stores Vᵀ's tokens in the order in which a thread's Q·Kᵀ accumulator columns
+  line up with the k slots of the P̃·V ``wgmma``'s register operand (``quant_kernel.v_slot``, SageAttention2's
+  V layout), and the kernel relabels P̃'s columns to match (reshape/permute: no data movement), instead of
+  moving P̃ between the 4 lanes of each quad (SEL + SHFL + PRMT: 0.75 instructions per score).
 
 Not here yet (NOTES.md "The Gluon kernel"): two consumer warpgroups ping-ponging (FA3), the FMA-pipe exp2
 polynomial (FA4), conditional rescaling, a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with
@@ -132,7 +136,7 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
            STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr,
-           LOG2_P_SCALE: gl.constexpr):
+           LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr):
     """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles. A tile
     holds ``KSPLIT`` = BLOCK_N / KS_BLOCK blocks of the pre-pass's K scales (1, or 2 with BLOCK_N 128 at D=64:
     the per-row max, sum, α and the per-tile waits then cover 128 keys at the pre-pass's 64-key scales)."""
@@ -187,7 +191,11 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
         alpha = _ex2(m_i - m_new)
         if not SUM_UNDER_PV:
             l_i = l_i * alpha + gl.sum(p, axis=1)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        p8 = p.to(gl.float8e4nv)
+        if V_PERM16:  # Vᵀ's tokens are in quant_kernel.v_slot order: relabel the columns, registers stay put
+            p8 = gl.reshape(gl.permute(gl.reshape(p8, [BLOCK_M, BLOCK_N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)),
+                            [BLOCK_M, BLOCK_N])
+        p8 = gl.convert_layout(p8, p_layout, assert_trivial=V_PERM16)  # else shuffles between the 4 lanes
         mbarrier.wait(v_ready.index(slot), phase)
         pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         # under the P̃·V wgmma: the row sum (where p fits beside it) and the rescale of the running output
@@ -224,7 +232,7 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr,
               RETURN_LSE: gl.constexpr, WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-              MAX_SPLIT: gl.constexpr):
+              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr):
     """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts BLOCK_M-row blocks): Q's
     quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
     that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
@@ -265,11 +273,11 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                            k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0,
                            Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK, HEAD_DIM,
-                           STAGES, False, CAUSAL, WS, LOG2_P_SCALE)
+                           STAGES, False, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                            k_empty, v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile, n_tiles, k_row0,
                            v_row0, Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE)
+                           HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
     if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
         for j in range(hi_tile, n_tiles):
             slot = j % STAGES
@@ -321,7 +329,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
                            WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                           MAX_SPLIT: gl.constexpr):
+                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr):
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -355,7 +363,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [1], [PRODUCER_REGS])
@@ -365,12 +373,12 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)),
                 (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
                            v_ready, k_empty, v_empty, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -383,7 +391,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                   k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                   stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
                   Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK, STAGES, CAUSAL,
-                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)
+                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)
 
 
 # ------------------------------------------------------------------------------------------------- host side
@@ -392,24 +400,26 @@ def gluon_config(head_dim: int) -> dict:
     kernel's BLOCK_N (``attn_kernel.kernel_config``), so both kernels quantize K alike; ``block_n`` (keys per
     tile) is ``scale_block`` or twice it (D=64: 128-key tiles with two K scales each). ``block_m``: query rows
     per consumer warpgroup, 64 (one m64 wgmma) or 128 (two m64 wgmma per warpgroup: the per-tile waits,
-    barriers and loop overhead cover twice the rows). Design values: 64 rows (the SA2 CUDA CTA), 3 stages
-    (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
+    barriers and loop overhead cover twice the rows; D=128 spills at 128 rows, 4.7 KB). ``v_perm16``: Vᵀ in
+    ``quant_kernel.v_slot`` token order, P̃ fed to the P̃·V wgmma without shuffles. Design values: 64 rows
+    (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
     block_n = 64 if head_dim <= 64 else 128
     # Default: two consumer warpgroups + a producer warp (the FA3 layout). On the H200 (attention_gluon_h200.json,
     # e18fe69) it was the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x
     # cuDNN at 32K). The one-warpgroup structure (ws=False) wrote NaN rows at D=64 (B=2, H=32, S >= 2K) and once
     # at D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
     return dict(block_m=64, block_n=block_n, scale_block=block_n, stages=3, num_warps=4, ws=True, consumers=2,
-                producer_regs=24, consumer_regs=240, reverse=True)
+                producer_regs=24, consumer_regs=240, reverse=True, v_perm16=False)
 
 
 GLUON_HEAD_DIMS = (64, 128)
 # D=64 structures past ws2 (gluon_config overrides; the benchmark and tests use these names): 128 query rows per
-# consumer warpgroup, 128-key tiles (two K-scale blocks), and both. Not the default until measured on the GPU.
+# consumer warpgroup, 128-key tiles (two K-scale blocks), and both; all with P̃ taken from the accumulator's
+# registers as they are (v_perm16, which any head dim can use). Not the default until measured on the GPU.
 D64_STRUCTURES = {
-    "m128": dict(block_m=128),
-    "n128": dict(block_n=128),
-    "m128n128": dict(block_m=128, block_n=128),
+    "m128": dict(block_m=128, v_perm16=True),
+    "n128": dict(block_n=128, v_perm16=True),
+    "m128n128": dict(block_m=128, block_n=128, v_perm16=True),
 }
 
 
@@ -439,6 +449,9 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         raise ValueError(f"gluon launch: block_n {cfg['block_n']} must be 1 or 2 K-scale blocks of "
                          f"{cfg['scale_block']} keys, as the pre-pass wrote them ({S_pad} keys, "
                          f"{p['k_scale'].shape[1]} scales)")
+    if p.get("v_perm16", False) != cfg["v_perm16"]:
+        raise ValueError(f"gluon launch: config v_perm16={cfg['v_perm16']} but the pre-pass wrote Vᵀ with "
+                         f"v_perm16={p.get('v_perm16', False)}")
     k_layout, v_layout = shared_layouts(D, cfg["block_n"])
     k2 = k8.view(BH_kv * S_pad, D)
     v2 = vt.view(BH_kv * D, S_pad)
@@ -454,7 +467,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
-        num_warps=cfg["num_warps"])
+        V_PERM16=cfg["v_perm16"], num_warps=cfg["num_warps"])
 
 
 def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
@@ -470,7 +483,7 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
     cfg = dict(gluon_config(D), **(config or {}))
     qmax = 127.0 if qk_bits == 8 else 7.0
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["scale_block"], smooth_k=smooth_k, fp8_v=True,
-                     smooth_v=smooth_v)
+                     smooth_v=smooth_v, v_perm16=cfg["v_perm16"])
     prepared = dict(q=q, qmax=qmax, sm_scale=sm_scale, smooth_v=smooth_v, **kv)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
