@@ -52,12 +52,12 @@ def test_v_perm16_prepass_matches_the_kernels_relabelling():
     token whose score lands in P̃ column s. CPU: the pre-pass runs in the interpreter."""
     from thrifty.attention.quant_kernel import quantize_kv
     g = torch.Generator().manual_seed(3)
-    k, v = (torch.randn(1, 2, 77, 64, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 77, 64, generator=g).to(DEVICE) for _ in range(2))
     plain, perm = (quantize_kv(k, v, qmax=127.0, block_n=64, smooth_k=True, fp8_v=True, smooth_v=False, v_perm16=p)
                    for p in (False, True))
     S_pad = plain["vt"].shape[-1]
     token_at = torch.arange(S_pad).reshape(S_pad // 16, 2, 4, 2).permute(0, 2, 1, 3).reshape(S_pad)
-    assert torch.equal(perm["vt"].float(), plain["vt"][..., token_at].float())
+    assert torch.equal(perm["vt"].float(), plain["vt"][..., token_at.to(DEVICE)].float())
     for key in ("k8", "k_scale", "stats", "first_bad"):
         assert torch.equal(perm[key], plain[key])
     assert perm["v_perm16"] and not plain["v_perm16"]
