@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from thrifty import bench
 from thrifty.attention import accuracy_metrics, exact_attention, sage_attention
 from thrifty.attention.attn_kernel import kernel_config, launch, quantize_inputs, sage_forward_triton
+from thrifty.attention.gluon_kernel import D64_STRUCTURES
 
 BF16 = torch.bfloat16
 QKV_FILE = Path(__file__).resolve().parents[1] / "build" / "attn_qkv" / "smollm2_qkv.safetensors"
@@ -52,18 +53,28 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
     "thrifty8_gluon_1wg": dict(ws=False, consumers=1),  # one consumer warpgroup that issues its own TMA loads
     "thrifty8_gluon_ws1": dict(ws=True, consumers=1),  # + a producer warp
     "thrifty8_gluon_ws2": dict(ws=True, consumers=2),  # two consumer warpgroups + a producer warp (FA3 layout)
+    "thrifty8_gluon_ws2_vperm": dict(ws=True, consumers=2, v_perm16=True),  # + P̃ from the accumulator as it lies
 }
+# ws2_vperm with bigger consumer tiles, head_dim 64 only (gluon_kernel.D64_STRUCTURES: 128 query rows per
+# consumer warpgroup, 128-key tiles, both): thrifty8_gluon_ws2_m128, _n128, _m128n128
+GLUON_D64_VARIANTS = {f"thrifty8_gluon_ws2_{k}": dict(ws=True, consumers=2, **v) for k, v in D64_STRUCTURES.items()}
 
 
-def gluon_variants():
+def gluon_structures(D):
+    """{backend name: gluon_config override} of the Gluon variants that run at head_dim D."""
+    return {**GLUON_VARIANTS, **(GLUON_D64_VARIANTS if D == 64 else {})}
+
+
+def gluon_variants(D):
     from thrifty.attention.gluon_kernel import sage_forward_gluon
 
     return [(name, None, lambda q, k, v, causal, over=over: sage_forward_gluon(
-        q, k, v, causal=causal, sm_scale=q.shape[-1] ** -0.5, config=over)) for name, over in GLUON_VARIANTS.items()]
+        q, k, v, causal=causal, sm_scale=q.shape[-1] ** -0.5, config=over))
+        for name, over in gluon_structures(D).items()]
 
 
-def variants(cfg_by_d, gluon=False, backends=None):
-    out = _variants(cfg_by_d) + (gluon_variants() if gluon else [])
+def variants(cfg_by_d, D, gluon=False, backends=None):
+    out = _variants(cfg_by_d) + (gluon_variants(D) if gluon else [])
     return [v for v in out if not backends or v[0] in backends]
 
 
@@ -127,7 +138,7 @@ def speed(dev, D, seqs, cfg_by_d, budget_s, B=2, H=32, gluon=False, backends=Non
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
             q0, k0, v0 = sets[0]  # fp32 reference for 256 query rows (non-causal: rows are independent)
             ref = None if causal else exact_attention(q0[:, :, idx], k0, v0, dtype=torch.float32)
-            for name, ctx, fn in variants(cfg_by_d, gluon, backends):
+            for name, ctx, fn in variants(cfg_by_d, D, gluon, backends):
                 base = dict(group="speed", backend=name, D=D, S=S, causal=causal,
                             config=f"D{D} {S // 1024}k {'causal' if causal else 'full'}")
                 vsets = [(q, k.clone(), v) for q, k, v in sets] if name.startswith("sageattention") else sets
@@ -167,27 +178,30 @@ def speed(dev, D, seqs, cfg_by_d, budget_s, B=2, H=32, gluon=False, backends=Non
             except Exception as e:
                 print(f"  kernel-only D={D} S={S}: {e!r}"[:300])
             if gluon:  # the Gluon kernel alone on its own pre-pass output, and its agreement with the Triton kernel
-                rows += gluon_kernel_only(sets[0], D, S, causal, flops, cfg_by_d, budget_s, dev, H)
+                rows += gluon_kernel_only(sets[0], D, S, causal, flops, cfg_by_d, budget_s, dev, H, backends)
         del sets
         torch.cuda.empty_cache()
     return rows
 
 
-def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H):
-    """Per Gluon variant: the attention launch alone (pre-pass excluded) and cos against the Triton kernel's
-    output on the same inputs (both full rows: any S, causal or not)."""
+def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H, backends=None):
+    """Per Gluon variant (those named in ``backends`` if given): the attention launch alone (pre-pass excluded)
+    and cos against the Triton kernel's output on the same inputs (both full rows: any S, causal or not)."""
     from thrifty.attention import gluon_kernel as G
     from thrifty.attention.quant_kernel import quantize_kv
 
     q, k, v = qkv
     ref = sage_forward_triton(q, k, v, causal=causal, sm_scale=D ** -0.5, config=cfg_by_d[D]).float()
     rows = []
-    for name, over in GLUON_VARIANTS.items():
+    for name, over in gluon_structures(D).items():
+        if backends and name not in backends:
+            continue
         base = dict(group="speed", backend=f"{name}_kernel_only", D=D, S=S, causal=causal,
                     config=f"D{D} {S // 1024}k {'causal' if causal else 'full'}")
         try:
             cfg = dict(G.gluon_config(D), **over)
-            kv = quantize_kv(k, v, qmax=127.0, block_n=cfg["block_n"], smooth_k=True, fp8_v=True, smooth_v=False)
+            kv = quantize_kv(k, v, qmax=127.0, block_n=cfg["scale_block"], smooth_k=True, fp8_v=True,
+                             smooth_v=False, v_perm16=cfg["v_perm16"])
             prep = dict(q=q, qmax=127.0, sm_scale=D ** -0.5, smooth_v=False, **kv)
             o = torch.empty_like(q)
             run = lambda: G.launch(prep, o, None, causal=causal, H=H, H_kv=H, Sq=S, Sk=S, config=over)

@@ -124,12 +124,7 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
                 dict(D=D, BLOCK_S=sc["block_s"], SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v),
                 {"k_ptr v_ptr": t, "part_ptr": "*fp32", "bad_ptr": "*i32"}, ones="k_sd v_sd",
                 num_warps=sc["num_warps"], num_stages=3)  # literal in quantize_kv
-    yield entry(Q._quantize_kv_kernel, label,
-                dict(QMAX=qmax, V_QMAX=Q.FP8_MAX, D=D, BLOCK=cfg["block_n"], SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-                     V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET),
-                {"k_ptr v_ptr": t, "part_ptr stats_ptr k_scale_ptr": "*fp32", "k_out_ptr": "*i8",
-                 "v_out_ptr": "*fp8e4nv" if fp8_v else t}, ones="k_sd v_sd",
-                num_warps=4, num_stages=3)  # literal in quantize_kv
+    yield _quantize_entry(label, D, dtype, cfg["block_n"], qmax, smooth_k, smooth_v, fp8_v, has_stats)
     fold = cfg["fold"] and cfg["fast_cvt"] and fp8_v and not smooth_q
     yield entry(A._sage_fwd_kernel, label,
                 dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], QMAX=qmax, CAUSAL=causal,
@@ -143,6 +138,19 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
                 fp32="qk_scale", ones="stride_qd stride_od stride_kd", num_warps=cfg["num_warps"],
                 num_stages=min(cfg["num_stages"], A.FP32_V_MAX_STAGES) if t == "*fp32" and not fp8_v
                 else cfg["num_stages"])
+
+
+def _quantize_entry(label, D, dtype, block, qmax, smooth_k, smooth_v, fp8_v, has_stats, v_perm16=False):
+    """quant_kernel._quantize_kv_kernel as quantize_kv launches it."""
+    from thrifty.attention import quant_kernel as Q
+
+    t = PTR[dtype]
+    return entry(Q._quantize_kv_kernel, label + " v_perm16" * v_perm16,
+                 dict(QMAX=qmax, V_QMAX=Q.FP8_MAX, D=D, BLOCK=block, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
+                      V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET, V_PERM16=v_perm16),
+                 {"k_ptr v_ptr": t, "part_ptr stats_ptr k_scale_ptr": "*fp32", "k_out_ptr": "*i8",
+                  "v_out_ptr": "*fp8e4nv" if fp8_v else t}, ones="k_sd v_sd",
+                 num_warps=4, num_stages=3)  # literal in quantize_kv
 
 
 def _attention():
@@ -165,29 +173,51 @@ def _attention():
 def _attention_gluon():
     """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
     each structure (one consumer warpgroup loading for itself; + a producer warp; two consumer warpgroups + a
-    producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out."""
-    from thrifty.attention import gluon_kernel as G, quant_kernel as Q
+    producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out; P̃ from the accumulator
+    registers (v_perm16) and its pre-pass; at D=64 the 128-row consumer tiles and the 128-key tiles
+    (``gluon_kernel.D64_STRUCTURES``) the same ways."""
+    from thrifty.attention import gluon_kernel as G
 
     bf16 = torch.bfloat16
     variants = [dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
     calls = [(D, causal, bf16, False, False, v) for D in G.GLUON_HEAD_DIMS for causal in (False, True)
              for v in variants]
     calls += [(D, True, dtype, True, True, {}) for D in G.GLUON_HEAD_DIMS for dtype in (torch.float16, torch.float32)]
-    for D, causal, dtype, lse, smooth_v, variant in calls:
-        cfg = dict(G.gluon_config(D), **variant)
-        k_layout, v_layout = G.shared_layouts(D, cfg["block_n"])
-        t = PTR[dtype]
-        label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"
-                 + " lse" * lse + " smooth_v" * smooth_v)
-        yield entry(G._sage_fwd_gluon_kernel, label,
-                    dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], QMAX=127.0,
-                         CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse, REVERSE=causal and cfg["reverse"],
-                         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
-                         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT),
-                    {"Q Out": t, "Ks Stats": "*fp32", "FirstBad": "*i32", "Lse": "*fp32" if lse else t,
-                     "k_desc": f"tensordesc<i8[{cfg['block_n']}, {D}],{k_layout!r}>",
-                     "v_desc": f"tensordesc<fp8e4nv[{D}, {cfg['block_n']}],{v_layout!r}>"},
-                    fp32="qk_scale", ones="stride_qd stride_od", num_warps=cfg["num_warps"])
+    calls += [(D, causal, bf16, False, False, dict(v_perm16=True)) for D in G.GLUON_HEAD_DIMS
+              for causal in (False, True)]
+    for v in G.D64_STRUCTURES.values():
+        calls += [(64, causal, bf16, False, False, v) for causal in (False, True)]
+        calls += [(64, True, dtype, True, True, v) for dtype in (torch.float16, torch.float32)]
+    for call in calls:
+        yield gluon_entry(*call)
+    # the pre-pass with Vᵀ in v_slot order (the Triton path's entries cover the rest of the Gluon pre-pass)
+    for D in G.GLUON_HEAD_DIMS:
+        for dtype, smooth_v in ((bf16, False), (torch.float16, True), (torch.float32, True)):
+            block = G.gluon_config(D)["scale_block"]
+            yield _quantize_entry(f"D{D} {NAME[dtype]} gluon" + " smooth_v" * smooth_v, D, dtype, block, 127.0,
+                                  True, smooth_v, True, True, v_perm16=True)
+
+
+def gluon_entry(D, causal, dtype, lse, smooth_v, variant) -> Spec:
+    """One launch of the Gluon kernel (``variant``: a gluon_config override), as gluon_kernel.launch makes it."""
+    from thrifty.attention import gluon_kernel as G, quant_kernel as Q
+
+    cfg = dict(G.gluon_config(D), **variant)
+    k_layout, v_layout = G.shared_layouts(D, cfg["block_n"])
+    t = PTR[dtype]
+    label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"
+             f" block_m={cfg['block_m']} block_n={cfg['block_n']}" + " v_perm16" * cfg["v_perm16"] + " lse" * lse
+             + " smooth_v" * smooth_v)
+    return entry(G._sage_fwd_gluon_kernel, label,
+                 dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
+                      STAGES=cfg["stages"], QMAX=127.0, CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse,
+                      REVERSE=causal and cfg["reverse"], WS=cfg["ws"], CONSUMERS=cfg["consumers"],
+                      PRODUCER_REGS=cfg["producer_regs"], CONSUMER_REGS=cfg["consumer_regs"],
+                      LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT, V_PERM16=cfg["v_perm16"]),
+                 {"Q Out": t, "Ks Stats": "*fp32", "FirstBad": "*i32", "Lse": "*fp32" if lse else t,
+                  "k_desc": f"tensordesc<i8[{cfg['block_n']}, {D}],{k_layout!r}>",
+                  "v_desc": f"tensordesc<fp8e4nv[{D}, {cfg['block_n']}],{v_layout!r}>"},
+                 fp32="qk_scale", ones="stride_qd stride_od", num_warps=cfg["num_warps"])
 
 
 def _attention_decode():
@@ -680,16 +710,42 @@ def unlisted(kernels: dict, specs) -> list:
 
 
 # --------------------------------------------------------------------------------------------- compiling
-def compile_spec(spec: Spec) -> dict:
-    """Compiles one entry for sm_90 (pointers 16-byte aligned, as fresh PyTorch allocations are)."""
+def compile_kernel(spec: Spec):
+    """triton.compile of one entry for sm_90 (pointers 16-byte aligned, as fresh PyTorch allocations are)."""
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(spec.signature.values()) if t.startswith("*")}
+    source = GluonASTSource if spec.kernel.is_gluon() else ASTSource  # Gluon kernels are TTGIR already
+    return triton.compile(source(spec.kernel, spec.signature, spec.constexprs, attrs), target=SM90,
+                          options=spec.options)
+
+
+def cuda_tool(name: str) -> str:
+    """Path of one of Triton's bundled CUDA tools (ptxas, cuobjdump, nvdisasm)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread at launch and stack-frame bytes (spills and local arrays) of a cubin, as
+    ``cuobjdump -res-usage`` reads them (a warp-specialized kernel's partitions then resize by setmaxnreg)."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return dict(regs=int(m.group(1)), stack=int(m.group(2))) if m else {}
+
+
+def compile_spec(spec: Spec) -> dict:
+    """Compiles one entry for sm_90; the report's row (shared memory, registers, stack bytes, or the error)."""
     t0 = time.perf_counter()
     out = dict(kernel=spec.name, label=spec.label, options=spec.options)
     try:
-        source = GluonASTSource if spec.kernel.is_gluon() else ASTSource  # Gluon kernels are TTGIR already
-        k = triton.compile(source(spec.kernel, spec.signature, spec.constexprs, attrs), target=SM90,
-                           options=spec.options)
-        out.update(ok=True, shared=k.metadata.shared, num_warps=k.metadata.num_warps)
+        k = compile_kernel(spec)
+        out.update(ok=True, shared=k.metadata.shared, num_warps=k.metadata.num_warps, **resources(k.asm["cubin"]))
     except Exception as e:  # noqa: BLE001 - the compiler's message is the report
         out.update(ok=False, error=f"{type(e).__name__}: {e}"[-3000:])
     out["seconds"] = round(time.perf_counter() - t0, 2)

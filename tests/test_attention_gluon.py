@@ -8,10 +8,22 @@ import pytest
 import torch
 
 from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.attention.gluon_kernel import D64_STRUCTURES
 from thrifty.bench import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
+VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2),
+            dict(v_perm16=True)]
+D64_VARIANTS = list(D64_STRUCTURES.values())  # 128-row / 128-key consumer tiles: head_dim 64 only
+
+
+def _vid(variant):
+    return "-".join(f"{k}{variant[k]}" for k in variant) or "default"
+
+
+def _by_dim(variants_by_d):
+    """pytest params (variant, D) for {D: [variants]}."""
+    return [pytest.param(v, D, id=f"{_vid(v)}-D{D}") for D, vs in variants_by_d.items() for v in vs]
 
 
 def _inputs(B, H, Hkv, Sq, Sk, D, dtype=torch.bfloat16, seed=0, k_bias=4.0):
@@ -34,30 +46,63 @@ def _cos(a, b):
     return accuracy_metrics(a.float(), b.float())["cos_sim"]
 
 
+def test_v_perm16_prepass_matches_the_kernels_relabelling():
+    """The pre-pass's Vᵀ token order (quant_kernel.v_slot, v_perm16) is the one the Gluon kernel's P̃ relabelling
+    (reshape [.., 2, 4, 2], permute (0, 1, 3, 2, 4), reshape back) gives its columns: Vᵀ column s must hold the
+    token whose score lands in P̃ column s. CPU: the pre-pass runs in the interpreter."""
+    from thrifty.attention.quant_kernel import quantize_kv
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 2, 77, 64, generator=g).to(DEVICE) for _ in range(2))
+    plain, perm = (quantize_kv(k, v, qmax=127.0, block_n=64, smooth_k=True, fp8_v=True, smooth_v=False, v_perm16=p)
+                   for p in (False, True))
+    S_pad = plain["vt"].shape[-1]
+    token_at = torch.arange(S_pad).reshape(S_pad // 16, 2, 4, 2).permute(0, 2, 1, 3).reshape(S_pad)
+    assert torch.equal(perm["vt"].float(), plain["vt"][..., token_at.to(DEVICE)].float())
+    for key in ("k8", "k_scale", "stats", "first_bad"):
+        assert torch.equal(perm[key], plain[key])
+    assert perm["v_perm16"] and not plain["v_perm16"]
+
+
+def test_gluon_launch_checks_the_k_scale_blocks():
+    """A tile of 1 or 2 K-scale blocks, as many scales as the pre-pass wrote, and Vᵀ in the token order the
+    kernel reads (checked before any launch)."""
+    from thrifty.attention.gluon_kernel import launch
+    q = torch.zeros(1, 1, 64, 64)
+    prepared = dict(q=q, k8=torch.zeros(1, 192, 64, dtype=torch.int8), k_scale=torch.ones(1, 3),
+                    vt=torch.zeros(1, 64, 192, dtype=torch.float8_e4m3fn))
+    for config in (dict(block_n=256), dict(block_n=32), dict(scale_block=128, block_n=128)):
+        with pytest.raises(ValueError, match="K-scale blocks"):
+            launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192, config=config)
+    with pytest.raises(ValueError, match="v_perm16"):  # the kernel must read Vᵀ in the order the pre-pass wrote
+        launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192,
+               config=dict(v_perm16=True))
+
+
 ONE_WARPGROUP_NAN = pytest.mark.xfail(strict=True, reason="ws=False wrote NaN rows at D=64, B=2, H=32, S=2048 on "
                                       "the H200 (attention_gluon_h200.json at e18fe69); not understood yet")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", [dict(), dict(ws=True, consumers=1), dict(ws=True, consumers=2),
-                                     pytest.param(dict(ws=False, consumers=1), marks=ONE_WARPGROUP_NAN)],
-                         ids=lambda v: "-".join(f"{k}{v[k]}" for k in v) or "default")
-def test_cuda_gluon_at_the_benchmark_shape(variant):
-    """The shape where the benchmark's kernel-only rows found NaN output (B=2, H=32, S=2048, D=64, non-causal):
-    every row finite and equal to the Triton kernel's."""
+@pytest.mark.parametrize("variant,causal", [
+    *(pytest.param(v, False, id=_vid(v)) for v in (dict(), dict(ws=True, consumers=1), dict(ws=True, consumers=2))),
+    pytest.param(dict(ws=False, consumers=1), False, marks=ONE_WARPGROUP_NAN, id="wsFalse-consumers1"),
+    *(pytest.param(v, causal, id=f"{_vid(v)}-{'causal' if causal else 'full'}") for v in D64_VARIANTS
+      for causal in (False, True))])
+def test_cuda_gluon_at_the_benchmark_shape(variant, causal):
+    """The shape where the benchmark's kernel-only rows found NaN output (B=2, H=32, S=2048, D=64): every row
+    finite and equal to the Triton kernel's (the D=64 tile structures causal too)."""
     from thrifty.attention.attn_kernel import sage_forward_triton
     from thrifty.attention.gluon_kernel import sage_forward_gluon
     q, k, v = _inputs(2, 32, 32, 2048, 2048, 64, k_bias=0.0)
-    ref = sage_forward_triton(q, k, v, causal=False, sm_scale=0.125)
+    ref = sage_forward_triton(q, k, v, causal=causal, sm_scale=0.125)
     for _ in range(3):
-        out = sage_forward_gluon(q, k, v, causal=False, sm_scale=0.125, config=variant)
+        out = sage_forward_gluon(q, k, v, causal=causal, sm_scale=0.125, config=variant)
         assert torch.isfinite(out).all()
         assert _cos(out, ref) > 0.99999
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v) or "default")
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("variant,D", _by_dim({64: VARIANTS + D64_VARIANTS, 128: VARIANTS}))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 4, 4, 1000, 1000), (2, 8, 2, 333, 1111), (1, 6, 3, 130, 130),
                                    (1, 2, 1, 1, 77), (1, 4, 1, 257, 4096)])
@@ -88,7 +133,7 @@ def test_cuda_gluon_matches_reference_and_fp32(D, causal):
     q, k, v = _inputs(1, 8, 2, 1333, 1333, D)
     cfg = kernel_config(D, torch.device("cuda"))
     ref = sage_attention_reference(q, k, v, causal=causal, block_m=cfg["block_m"], block_n=cfg["block_n"])
-    for variant in VARIANTS:
+    for variant in VARIANTS + (D64_VARIANTS if D == 64 else []):
         if variant:
             out = sage_forward_gluon(q, k, v, causal=causal, sm_scale=D ** -0.5, config=variant)
         else:  # the public API's route
@@ -98,14 +143,14 @@ def test_cuda_gluon_matches_reference_and_fp32(D, causal):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v) or "default")
-def test_cuda_gluon_nan_rule(variant):
+@pytest.mark.parametrize("variant,D", _by_dim({128: VARIANTS, 64: D64_VARIANTS}))
+def test_cuda_gluon_nan_rule(variant, D):
     """NaN in → NaN out exactly for the rows that use the bad element (as the Triton kernel, reference.nonfinite_rows)."""
     from thrifty.attention.attn_kernel import sage_forward_triton
     from thrifty.attention.gluon_kernel import sage_forward_gluon
     from thrifty.kv.reference import nonfinite_rows
     for causal in (False, True):
-        q, k, v = _inputs(1, 4, 2, 300, 300, 128)
+        q, k, v = _inputs(1, 4, 2, 300, 300, D)
         q[0, 1, 7, 3] = float("nan")
         k[0, 0, 150, 5] = float("inf")
         v[0, 1, 280, 0] = float("nan")
@@ -138,7 +183,8 @@ def test_cuda_gluon_path_ran_when_selected(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_gluon_bshd_fp16_fp32_smooth_v():
+@pytest.mark.parametrize("variant", [dict()] + D64_VARIANTS, ids=_vid)
+def test_cuda_gluon_bshd_fp16_fp32_smooth_v(variant):
     """Strided (bshd) views, fp16 and fp32 inputs, V smoothing: as the Triton kernel."""
     from thrifty.attention.attn_kernel import sage_forward_triton
     from thrifty.attention.gluon_kernel import sage_forward_gluon
@@ -146,15 +192,16 @@ def test_cuda_gluon_bshd_fp16_fp32_smooth_v():
         q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _inputs(2, 4, 2, 517, 517, 64, dtype))
         for smooth_v in (False, True):
             ref = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125, smooth_v=smooth_v)
-            out = sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125, smooth_v=smooth_v)
+            out = sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125, smooth_v=smooth_v, config=variant)
             assert out.stride() == ref.stride() and _cos(out, ref) > 0.99999, (dtype, smooth_v)
 
 
 @pytest.mark.cuda
-def test_cuda_gluon_graph_capture():
+@pytest.mark.parametrize("variant,D", _by_dim({128: [dict()], 64: D64_VARIANTS}))
+def test_cuda_gluon_graph_capture(variant, D):
     from thrifty.attention.gluon_kernel import sage_forward_gluon
-    q, k, v = _inputs(1, 4, 2, 1024, 1024, 128)
-    run = lambda: sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125)
+    q, k, v = _inputs(1, 4, 2, 1024, 1024, D)
+    run = lambda: sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125, config=variant)
     ref = run()
     graph, out = capture_graph(run, warmup=1)  # warm up (compile) outside the capture
     graph.replay()

@@ -66,6 +66,15 @@ def test_every_entry_compiles_for_sm90(report):
     assert not bad, f"{len(bad)} of {len(report['results'])} compile entries fail on sm_90:\n\n" + "\n\n".join(bad)
 
 
+def test_gluon_kernel_does_not_spill(report):
+    """Every launch variant of the Gluon attention kernel fits its registers (a stack frame is spilled
+    registers: 128-row, 128-key tiles at D=64 run at the 240 registers setmaxnreg gives each consumer)."""
+    rows = [r for r in report["results"] if r["kernel"].endswith("gluon_kernel:_sage_fwd_gluon_kernel") and r["ok"]]
+    assert rows
+    spilled = [f"[{r['label']}]: {r['stack']} B of stack" for r in rows if r["stack"]]
+    assert not spilled, "\n".join(spilled)
+
+
 def test_scanner_flags_a_kernel_without_an_entry(tmp_path):
     """A module with an entry kernel, the device helper it calls and an unlisted kernel: the same scanner
     the real test uses must name exactly the unlisted one. And the compile step fails where the GPU would, on

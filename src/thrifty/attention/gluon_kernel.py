@@ -1,7 +1,7 @@
 """The Gluon (``triton.experimental.gluon``) Hopper forward of SageAttention2 (8-bit): issue #28 item 1, first step.
 
 Same inputs and semantics as ``attn_kernel._sage_fwd_kernel`` on its GPU path (``fold``, ``fast_cvt``, ``ftz``):
-the K/V pre-pass of ``quant_kernel.quantize_kv`` (int8 K [B·Hkv·S_pad, D] with one scale per BLOCK_N keys, e4m3
+the K/V pre-pass of ``quant_kernel.quantize_kv`` (int8 K [B·Hkv·S_pad, D] with one scale per KS_BLOCK keys, e4m3
 Vᵀ [B·Hkv·D, S_pad] with per-channel scales, the statistics and ``first_bad``), Q quantized per token inside
 the kernel (sm_scale·log2e folded into its scale), INT8 ``wgmma`` for Q·Kᵀ into int32, the folded exponent
 p̃ = 448·2^(s·c − m) from one FFMA on the magic-number float, ``ex2.approx.ftz``, P̃ in e4m3 from registers,
@@ -18,6 +18,17 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
   partition; the producer asks for ``PRODUCER_REGS`` registers (setmaxnreg).
 * Inside the consumer, the P̃·V ``wgmma`` is issued asynchronously and the accumulator rescale (acc·α) and the
   row sum run while it executes.
+* Tile shapes (``gluon_config``): ``block_m`` query rows per consumer warpgroup (64: one m64 ``wgmma``; 128:
+  two, over the same 4 warps) and ``block_n`` keys per tile, one or two of the pre-pass's K-scale blocks
+  (D=64: 128-key tiles at 64-key scales). D=64 is bound by instruction issue, not by the tensor cores: 128
+  rows spread the per-tile costs (mbarrier waits, warpgroup barriers, wgmma issue and waits, loop overhead)
+  over twice the scores, 128 keys also the per-row ones (max and sum shuffles, α, the exponent's bias) and
+  halve acc·α per score. The arithmetic per score is unchanged; with 128-key tiles each fresh P̃·V fragment
+  sums 128 products in the tensor core's accumulator before the fp32 add (as at D=128) instead of 64.
+* ``v_perm16``: the pre-pass stores Vᵀ's tokens in the order in which a thread's Q·Kᵀ accumulator columns
+  line up with the k slots of the P̃·V ``wgmma``'s register operand (``quant_kernel.v_slot``, SageAttention2's
+  V layout), and the kernel relabels P̃'s columns to match (reshape/permute: no data movement), instead of
+  moving P̃ between the 4 lanes of each quad (SEL + SHFL + PRMT: 0.75 instructions per score).
 
 Not here yet (NOTES.md "The Gluon kernel"): two consumer warpgroups ping-ponging (FA3), the FMA-pipe exp2
 polynomial (FA4), conditional rescaling, a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with
@@ -86,14 +97,60 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
+def _halves(first, a, b, KSPLIT: gl.constexpr):
+    """Per score: ``a`` (a per-row value) in the tile's first K-scale block, ``b`` in the second. ``first`` is
+    a column predicate that is a compile-time constant per register (in the wgmma layout a thread's columns are
+    8g + 2·(lane % 4) + {0, 1}, and the split is at a multiple of 8), so the select folds away."""
+    if KSPLIT == 1:
+        r = a[:, None]
+    else:
+        r = gl.where(first, a[:, None], b[:, None])
+    return r
+
+
+@gluon.jit
+def _cols_below(offs_n, bound):
+    """offs_n[None, :] < bound, written as (offs_n & ~6) < bound − (offs_n & 6) (the same for any integers). In
+    the wgmma layout a thread's columns are 8g + 2·(lane % 4) + {0, 1}: ``offs_n & 6`` is then one value per
+    thread and ``offs_n & ~6`` a constant per register, so each score costs one compare with an immediate and
+    no column index stays live in a register (128×128 tiles spilled holding them)."""
+    return (offs_n & ~6)[None, :] < bound - (offs_n & 6)[None, :]
+
+
+@gluon.jit
+def _scaled_row_max(v, first, c0, c1, lowest, KSPLIT: gl.constexpr):
+    """max over a row of v·c, c > 0 per K-scale block (the max commutes with the scale, so it is taken on v:
+    the int32 scores of unmasked tiles, the masked fp32 scores of the others; ``lowest``: v's −∞)."""
+    if KSPLIT == 1:
+        m = gl.max(v, axis=1).to(gl.float32) * c0
+    else:  # two K-scale blocks per tile: one max per block, scaled, then the larger
+        m0 = gl.max(gl.where(first, v, lowest), axis=1).to(gl.float32) * c0
+        m1 = gl.max(gl.where(first, lowest, v), axis=1).to(gl.float32) * c1
+        m = gl.maximum(m0, m1)
+    return m
+
+
+@gluon.jit
 def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-           ks_base, offs_m, j_lo, j_hi, n_tiles, k_row0, v_row0, Sk, causal_offset,
+           ks_base, n_ks, offs_m, j_lo, j_hi, n_tiles, k_row0, v_row0, Sk, causal_offset,
            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-           MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr, LOG2_P_SCALE: gl.constexpr):
-    """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles."""
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+           STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr,
+           LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr):
+    """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles. A tile
+    holds ``KSPLIT`` = BLOCK_N / KS_BLOCK blocks of the pre-pass's K scales (1, or 2 with BLOCK_N 128 at D=64:
+    the per-row max, sum, α and the per-tile waits then cover 128 keys at the pre-pass's 64-key scales)."""
+    KSPLIT: gl.constexpr = BLOCK_N // KS_BLOCK
+    gl.static_assert(KSPLIT * KS_BLOCK == BLOCK_N and KSPLIT <= 2, "BLOCK_N: one or two K-scale blocks")
+    # Registers per thread live while the P̃·V wgmma runs if the row sum waits for it: p (fp32), P̃ (e4m3), the
+    # fresh P̃·V fragment and acc. 128×128 tiles at D=64 need 288 of the 240 setmaxnreg gives (ptxas: 200 B
+    # spilled); summing first frees p before the wgmma (no spills). The other shapes need ≤ 208: sum under it.
+    SUM_UNDER_PV: gl.constexpr = (BLOCK_M * BLOCK_N * 5 // 4 + 2 * BLOCK_M * HEAD_DIM) // 128 <= 208
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    first = (offs_n < KS_BLOCK)[None, :]
+    if CAUSAL:  # per row: the end of the keys it sees (Sq ≤ Sk aligned to the end)
+        key_end = gl.minimum(offs_m + (causal_offset + 1), Sk)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for j in range(j_lo, j_hi):
@@ -102,7 +159,12 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
         if not WS:  # this warpgroup is its own producer: tile j + STAGES − 1 into the slot tile j − 1 freed
             _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j + STAGES - 1, n_tiles, k_row0, v_row0,
                         BLOCK_N, STAGES)
-        c = q_scale * gl.load(ks_base + j)  # per row: dequantization · sm_scale · log2e
+        # per row and K-scale block: dequantization · sm_scale · log2e. The second block of a ragged last tile
+        # can lie past the head's scales (S padded to KS_BLOCK only): its keys are masked, any scale > 0 does.
+        c0 = q_scale * gl.load(ks_base + j * KSPLIT)
+        c1 = c0
+        if KSPLIT == 2:
+            c1 = q_scale * gl.load(ks_base + gl.minimum(j * 2 + 1, n_ks - 1))
         mbarrier.wait(k_ready.index(slot), phase)
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -110,26 +172,35 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
             mbarrier.arrive(k_empty.index(slot), count=1)
         # int32 → fp32 without I2F: the bit pattern of 1.5·2^23 + s is that float exactly (|s| ≤ D·127² < 2^22)
         f = (s_i + 0x4B400000).to(gl.float32, bitcast=True)
-        if MASKED:
-            cols = j * BLOCK_N + offs_n
-            keep = cols[None, :] < Sk
+        c = _halves(first, c0, c1, KSPLIT)
+        if MASKED:  # keys past the end or (causal) past the row's diagonal: one compare per score
             if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
+                keep = _cols_below(offs_n, (key_end - j * BLOCK_N)[:, None])
+            else:
+                keep = _cols_below(offs_n, Sk - j * BLOCK_N)
             t = gl.where(keep, f - 12582912.0, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(t, axis=1) * c)
+            m_new = gl.maximum(m_i, _scaled_row_max(t, first, c0, c1, float("-inf"), KSPLIT))
             m_new = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-            x = gl.fma(t, c[:, None], -(m_new - LOG2_P_SCALE)[:, None])
+            x = gl.fma(t, c, -(m_new - LOG2_P_SCALE)[:, None])
         else:
-            m_new = gl.maximum(m_i, gl.max(s_i, axis=1).to(gl.float32) * c)  # c > 0: max commutes with ·c
-            # p̃ = 448·2^(s·c − m) in ONE FFMA on f: bias 1.5·2^23·c + m − log2 448 per row
-            x = gl.fma(f, c[:, None], -(c * 12582912.0 + (m_new - LOG2_P_SCALE))[:, None])
+            m_new = gl.maximum(m_i, _scaled_row_max(s_i, first, c0, c1, -2147483648, KSPLIT))
+            # p̃ = 448·2^(s·c − m) in ONE FFMA on f: bias 1.5·2^23·c + m − log2 448 per row (and K-scale block)
+            x = gl.fma(f, c, -_halves(first, c0 * 12582912.0 + (m_new - LOG2_P_SCALE),
+                                      c1 * 12582912.0 + (m_new - LOG2_P_SCALE), KSPLIT))
         p = _ex2(x)
         alpha = _ex2(m_i - m_new)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        if not SUM_UNDER_PV:
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+        p8 = p.to(gl.float8e4nv)
+        if V_PERM16:  # Vᵀ's tokens are in quant_kernel.v_slot order: relabel the columns, registers stay put
+            p8 = gl.reshape(gl.permute(gl.reshape(p8, [BLOCK_M, BLOCK_N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)),
+                            [BLOCK_M, BLOCK_N])
+        p8 = gl.convert_layout(p8, p_layout, assert_trivial=V_PERM16)  # else shuffles between the 4 lanes
         mbarrier.wait(v_ready.index(slot), phase)
         pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        # under the P̃·V wgmma: the row sum and the rescale of the running output
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        # under the P̃·V wgmma: the row sum (where p fits beside it) and the rescale of the running output
+        if SUM_UNDER_PV:
+            l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, o_row)[:, None]
         pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
         if WS:
@@ -159,9 +230,10 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               H, BH_KV, Sq, Sk, Sk_pad, causal_offset,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr,
-              WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr, MAX_SPLIT: gl.constexpr):
-    """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts 64-row blocks): Q's
+              KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr,
+              RETURN_LSE: gl.constexpr, WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
+              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr):
+    """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts BLOCK_M-row blocks): Q's
     quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
     that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
     full_end_tile, hi_tile = _bounds(pid_m, Sk, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -193,18 +265,19 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
     c_scale = gl.convert_layout(q_scale, s_row)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=s_row)
-    ks_base = Ks + bh_kv * (Sk_pad // BLOCK_N)
+    n_ks = Sk_pad // KS_BLOCK  # K scales per head
+    ks_base = Ks + bh_kv * n_ks
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_row)
     l_i = gl.zeros([BLOCK_M], gl.float32, s_row)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                           k_empty, v_empty, ks_base, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0, Sk,
-                           causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, False,
-                           CAUSAL, WS, LOG2_P_SCALE)
+                           k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0,
+                           Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK, HEAD_DIM,
+                           STAGES, False, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                           k_empty, v_empty, ks_base, offs_m, full_end_tile, hi_tile, n_tiles, k_row0, v_row0, Sk,
-                           causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, True,
-                           CAUSAL, WS, LOG2_P_SCALE)
+                           k_empty, v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile, n_tiles, k_row0,
+                           v_row0, Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
+                           HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
     if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
         for j in range(hi_tile, n_tiles):
             slot = j % STAGES
@@ -252,11 +325,11 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
                            H, H_KV, BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, QMAX: gl.constexpr, CAUSAL: gl.constexpr,
+                           KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, QMAX: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
                            WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                           MAX_SPLIT: gl.constexpr):
+                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr):
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -289,8 +362,8 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                 (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
-                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [1], [PRODUCER_REGS])
@@ -299,13 +372,13 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                 (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
                            v_ready, k_empty, v_empty, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
-                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)),
                 (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
                            v_ready, k_empty, v_empty, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
-                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                           CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)),
+                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -317,25 +390,37 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
         _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                   k_empty, v_empty, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                   stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
-                  Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_VMEAN,
-                  RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT)
+                  Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK, STAGES, CAUSAL,
+                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)
 
 
 # ------------------------------------------------------------------------------------------------- host side
 def gluon_config(head_dim: int) -> dict:
-    """Tile sizes and launch options. BLOCK_N equals the Triton kernel's (``attn_kernel.kernel_config``): the
-    pre-pass writes one K scale per BLOCK_N keys. Design values, not swept yet (no GPU when written):
-    64 query rows per consumer warpgroup (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
+    """Tile sizes and launch options. ``scale_block`` (keys per K scale, the pre-pass's block) equals the Triton
+    kernel's BLOCK_N (``attn_kernel.kernel_config``), so both kernels quantize K alike; ``block_n`` (keys per
+    tile) is ``scale_block`` or twice it (D=64: 128-key tiles with two K scales each). ``block_m``: query rows
+    per consumer warpgroup, 64 (one m64 wgmma) or 128 (two m64 wgmma per warpgroup: the per-tile waits,
+    barriers and loop overhead cover twice the rows; D=128 spills at 128 rows, 4.7 KB). ``v_perm16``: Vᵀ in
+    ``quant_kernel.v_slot`` token order, P̃ fed to the P̃·V wgmma without shuffles. Design values: 64 rows
+    (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
     block_n = 64 if head_dim <= 64 else 128
     # Default: two consumer warpgroups + a producer warp (the FA3 layout). On the H200 (attention_gluon_h200.json,
     # e18fe69) it was the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x
     # cuDNN at 32K). The one-warpgroup structure (ws=False) wrote NaN rows at D=64 (B=2, H=32, S >= 2K) and once
     # at D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
-    return dict(block_m=64, block_n=block_n, stages=3, num_warps=4, ws=True, consumers=2, producer_regs=24,
-                consumer_regs=240, reverse=True)
+    return dict(block_m=64, block_n=block_n, scale_block=block_n, stages=3, num_warps=4, ws=True, consumers=2,
+                producer_regs=24, consumer_regs=240, reverse=True, v_perm16=False)
 
 
 GLUON_HEAD_DIMS = (64, 128)
+# D=64 structures past ws2 (gluon_config overrides; the benchmark and tests use these names): 128 query rows per
+# consumer warpgroup, 128-key tiles (two K-scale blocks), and both; all with P̃ taken from the accumulator's
+# registers as they are (v_perm16, which any head dim can use). Not the default until measured on the GPU.
+D64_STRUCTURES = {
+    "m128": dict(block_m=128, v_perm16=True),
+    "n128": dict(block_n=128, v_perm16=True),
+    "m128n128": dict(block_m=128, block_n=128, v_perm16=True),
+}
 
 
 def supports(*, head_dim: int, qk_bits: int, pv: str, smooth_q: bool) -> bool:
@@ -359,6 +444,14 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     cfg = dict(gluon_config(D), **(config or {}))
     k8, vt = p["k8"], p["vt"]
     BH_kv, S_pad = k8.shape[0], k8.shape[1]
+    if p["k_scale"].shape[1] * cfg["scale_block"] != S_pad or cfg["block_n"] not in (cfg["scale_block"],
+                                                                                  2 * cfg["scale_block"]):
+        raise ValueError(f"gluon launch: block_n {cfg['block_n']} must be 1 or 2 K-scale blocks of "
+                         f"{cfg['scale_block']} keys, as the pre-pass wrote them ({S_pad} keys, "
+                         f"{p['k_scale'].shape[1]} scales)")
+    if p.get("v_perm16", False) != cfg["v_perm16"]:
+        raise ValueError(f"gluon launch: config v_perm16={cfg['v_perm16']} but the pre-pass wrote Vᵀ with "
+                         f"v_perm16={p.get('v_perm16', False)}")
     k_layout, v_layout = shared_layouts(D, cfg["block_n"])
     k2 = k8.view(BH_kv * S_pad, D)
     v2 = vt.view(BH_kv * D, S_pad)
@@ -369,11 +462,12 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         q, k_desc, v_desc, p["k_scale"], p["stats"], p["first_bad"], p["first_bad"].shape[1], out,
         lse if lse is not None else out, *q.stride(), *out.stride(), H, H_kv, BH_kv, Sq, Sk, S_pad, Sk - Sq,
         p["sm_scale"] * LOG2E,
-        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"], QMAX=p["qmax"],
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
+        STAGES=cfg["stages"], QMAX=p["qmax"],
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
-        num_warps=cfg["num_warps"])
+        V_PERM16=cfg["v_perm16"], num_warps=cfg["num_warps"])
 
 
 def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
@@ -388,7 +482,8 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
     H_kv, Sk = k.shape[1], k.shape[2]
     cfg = dict(gluon_config(D), **(config or {}))
     qmax = 127.0 if qk_bits == 8 else 7.0
-    kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=True, smooth_v=smooth_v)
+    kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["scale_block"], smooth_k=smooth_k, fp8_v=True,
+                     smooth_v=smooth_v, v_perm16=cfg["v_perm16"])
     prepared = dict(q=q, qmax=qmax, sm_scale=sm_scale, smooth_v=smooth_v, **kv)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None

@@ -8,6 +8,8 @@ kernel reads without masks or transposes.
   KV tile in the kernel).
 * V → optional mean subtracted, FP8 e4m3 with one scale per channel (or 16-bit, scale 1), stored
   transposed [B·Hkv, D, S_pad]: on Hopper an 8-bit MMA needs its B operand K-major, i.e. tokens contiguous.
+  For the Gluon kernel (``v_perm16``) the tokens of each group of 16 are stored in the order the P̃·V
+  ``wgmma`` reads P̃ from the Q·Kᵀ accumulator's registers (:func:`v_slot`, SageAttention2's V layout).
 
 Padding rows are written as zeros, so padded keys score 0 before the kernel masks them.
 Inputs may be any strided view (B, H, S, D): the (B, S, H, D) layout is a transposed view, never a copy.
@@ -38,6 +40,17 @@ def to_e4m3(x, PRE_ROUND: tl.constexpr):
         xi = (xi + 0x7FFFF + ((xi >> 20) & 1)) & -1048576  # -1048576 == 0xFFF00000: keep 3 mantissa bits
         x = xi.to(tl.float32, bitcast=True)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def v_slot(r):
+    """Column of token r in a ``v_perm16`` Vᵀ: within each 16 tokens, r = 8h + 2q + b goes to 4q + 2h + b.
+
+    A thread holds the Q·Kᵀ accumulator's columns 8h + 2q + {0, 1} (q = lane % 4, per 8 columns), while an
+    8-bit wgmma A operand in registers holds k = 4q + {0..3} (per 16): the Gluon kernel reads its e4m3 P̃ tile
+    with those columns relabelled (reshape [.., 2, 4, 2] → permute → reshape, no data movement), so V's
+    token r must sit in row (column of Vᵀ) 4q + 2h + b for the products to pair up."""
+    return (r & -16) + ((r >> 1) & 3) * 4 + ((r >> 3) & 1) * 2 + (r & 1)
 
 
 @triton.jit
@@ -108,7 +121,7 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
                         H, S, S_pad, n_split, plane, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                         QMAX: tl.constexpr, V_QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                         SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_FP8: tl.constexpr,
-                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr):
+                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr, V_PERM16: tl.constexpr):
     """One program: BLOCK keys of one (b, h). Adds up the partial statistics (a few KB, from L2), then K
     smoothed and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed
     [D, S_pad]. Program 0 of each head also writes stats[3, B·H, D] = K mean, V scale, V mean for the
@@ -160,7 +173,8 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
         v = tl.where(ok, v - center[None, :], 0.0)
     if V_FP8:
         v = to_e4m3(v / v_scale[None, :], PRE_ROUND)
-    tl.store(v_out_ptr + (pid_bh * D + cols[None, :]) * S_pad + rows[:, None], v.to(v_out_ptr.dtype.element_ty))
+    v_rows = v_slot(rows) if V_PERM16 else rows  # a permutation inside each 16 tokens (BLOCK is a multiple)
+    tl.store(v_out_ptr + (pid_bh * D + cols[None, :]) * S_pad + v_rows[:, None], v.to(v_out_ptr.dtype.element_ty))
 
 
 _STATS_LAUNCH = FastLauncher(_kv_partial_stats_kernel)
@@ -186,12 +200,15 @@ def _pad(n: int, block: int) -> int:
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, smooth_k: bool, fp8_v: bool,
-                smooth_v: bool, sig=None) -> dict:
+                smooth_v: bool, sig=None, v_perm16: bool = False) -> dict:
     """(B, Hkv, S, D) K and V → dict(k8 [B·Hkv, S_pad, D] int8, k_scale [B·Hkv, S_pad/block_n],
     stats [3, B·Hkv, D] fp32 (K mean, V scale, V mean; zeros/ones where unused), vt [B·Hkv, D, S_pad] e4m3
-    (or v's dtype), first_bad [B·Hkv, n_split] int32: per token chunk, the first key whose K or V row holds
-    a NaN/±inf, else S; the attention kernel takes their minimum). Two launches: partial statistics over
-    token chunks (always run: it also finds the non-finite keys), then quantization."""
+    (or v's dtype; ``v_perm16``: tokens in :func:`v_slot` order within each 16), first_bad [B·Hkv, n_split]
+    int32: per token chunk, the first key whose K or V row holds a NaN/±inf, else S; the attention kernel
+    takes their minimum; v_perm16). Two launches: partial statistics over token chunks (always run: it also
+    finds the non-finite keys), then quantization."""
+    if v_perm16 and block_n % 16:
+        raise ValueError(f"quantize_kv: v_perm16 permutes tokens within 16, block_n {block_n} is not a multiple")
     B, H, S, D = k.shape
     BH = B * H
     S_pad = _pad(S, block_n)
@@ -209,11 +226,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
     k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats), (S_pad // block_n, BH),
+    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats, v_perm16), (S_pad // block_n, BH),
         k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
-        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, num_warps=4, num_stages=3)
-    return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, first_bad=first_bad)
+        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, V_PERM16=v_perm16, num_warps=4, num_stages=3)
+    return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, first_bad=first_bad, v_perm16=v_perm16)
 
 
 def unsmoothed_lse(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
