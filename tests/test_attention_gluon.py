@@ -46,6 +46,27 @@ def _cos(a, b):
     return accuracy_metrics(a.float(), b.float())["cos_sim"]
 
 
+def _wide_pv(variant, D):
+    """True for the D=64 structures with 128-key tiles: each P̃·V wgmma sums 128 fp8 products before its fp32 add
+    (the Triton kernel at D=64 sums 64; at D=128 it sums 128 too), so they are not the same arithmetic as the
+    Triton kernel at D=64 (cos 0.99997-0.999987 against it on the H200, ad1a33c)."""
+    return D == 64 and variant.get("block_n") == 128
+
+
+def _assert_agrees(out, ref, variant, D, q=None, k=None, v=None, causal=False):
+    """Same arithmetic: cos > 0.99999 against the Triton kernel's ``ref``. A wider P̃·V accumulation instead: cos >
+    0.9999 against it, and (given the inputs) no larger an error against float64 attention than the Triton
+    kernel's own, within 10%."""
+    if not _wide_pv(variant, D):
+        assert _cos(out, ref) > 0.99999
+        return
+    assert _cos(out, ref) > 0.9999
+    if q is not None:
+        exact = exact_attention(q.double(), k.double(), v.double(), causal=causal).float()
+        err = lambda x: ((x.float() - exact).norm() / exact.norm()).item()
+        assert err(out) <= 1.1 * err(ref), (err(out), err(ref))
+
+
 def test_v_perm16_prepass_matches_the_kernels_relabelling():
     """The pre-pass's Vᵀ token order (quant_kernel.v_slot, v_perm16) is the one the Gluon kernel's P̃ relabelling
     (reshape [.., 2, 4, 2], permute (0, 1, 3, 2, 4), reshape back) gives its columns: Vᵀ column s must hold the
@@ -98,7 +119,9 @@ def test_cuda_gluon_at_the_benchmark_shape(variant, causal):
     for _ in range(3):
         out = sage_forward_gluon(q, k, v, causal=causal, sm_scale=0.125, config=variant)
         assert torch.isfinite(out).all()
-        assert _cos(out, ref) > 0.99999
+        _assert_agrees(out, ref, variant, 64)
+    if _wide_pv(variant, 64):  # against float64 on 4 of the 32 heads (all of them: 2 GB of float64 scores)
+        _assert_agrees(out[:, :4], ref[:, :4], variant, 64, q[:, :4], k[:, :4], v[:, :4], causal)
 
 
 @pytest.mark.cuda
@@ -116,7 +139,7 @@ def test_cuda_gluon_matches_triton_kernel(variant, D, causal, shape):
     sm = D ** -0.5
     ref, ref_lse = sage_forward_triton(q, k, v, causal=causal, sm_scale=sm, return_lse=True)
     out, lse = sage_forward_gluon(q, k, v, causal=causal, sm_scale=sm, return_lse=True, config=variant)
-    assert _cos(out, ref) > 0.99999
+    _assert_agrees(out, ref, variant, D, q, k, v, causal)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
@@ -138,7 +161,11 @@ def test_cuda_gluon_matches_reference_and_fp32(D, causal):
             out = sage_forward_gluon(q, k, v, causal=causal, sm_scale=D ** -0.5, config=variant)
         else:  # the public API's route
             out = sage_attention(q, k, v, causal=causal, impl="gluon")
-        assert _cos(out, ref) > 0.99999, variant
+        if _wide_pv(variant, D):  # not the reference's 64-key P̃·V blocks: against the Triton kernel and float64
+            triton_out = sage_attention(q, k, v, causal=causal, impl="triton")
+            _assert_agrees(out, triton_out, variant, D, q, k, v, causal)
+        else:
+            assert _cos(out, ref) > 0.99999, variant
         assert _cos(out, exact_attention(q.double(), k.double(), v.double(), causal=causal)) > 0.999, variant
 
 
@@ -163,7 +190,7 @@ def test_cuda_gluon_nan_rule(variant, D):
             continue
         assert (~bad).any()
         ref = sage_forward_triton(q, k, v, causal=causal, sm_scale=0.125)
-        assert _cos(out[~bad], ref[~bad]) > 0.99999
+        _assert_agrees(out[~bad], ref[~bad], variant, D)  # the accuracy of wide P̃·V: the tests above
 
 
 @pytest.mark.cuda
@@ -193,7 +220,8 @@ def test_cuda_gluon_bshd_fp16_fp32_smooth_v(variant):
         for smooth_v in (False, True):
             ref = sage_forward_triton(q, k, v, causal=True, sm_scale=0.125, smooth_v=smooth_v)
             out = sage_forward_gluon(q, k, v, causal=True, sm_scale=0.125, smooth_v=smooth_v, config=variant)
-            assert out.stride() == ref.stride() and _cos(out, ref) > 0.99999, (dtype, smooth_v)
+            assert out.stride() == ref.stride(), (dtype, smooth_v)
+            _assert_agrees(out, ref, variant, 64, *((q, k, v, True) if _wide_pv(variant, 64) else ()))
 
 
 @pytest.mark.cuda
