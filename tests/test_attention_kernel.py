@@ -262,14 +262,16 @@ def test_kernel_nan_rows_are_exactly_the_rule_without_a_host_guard(monkeypatch, 
 
 
 def test_prefill_goes_to_gluon_only_where_measured_faster():
-    from thrifty.attention.routing import GLUON_MIN_QUERIES, prefill_goes_to_gluon
+    from thrifty.attention.routing import GLUON_MIN_QUERIES, GLUON_MIN_QUERIES_CAUSAL, prefill_goes_to_gluon
 
-    assert prefill_goes_to_gluon(128, GLUON_MIN_QUERIES, (9, 0))
-    assert prefill_goes_to_gluon(128, 4 * GLUON_MIN_QUERIES, (9, 0))
-    assert not prefill_goes_to_gluon(128, GLUON_MIN_QUERIES - 1, (9, 0))  # the Triton kernel wins at 2K
-    assert not prefill_goes_to_gluon(64, 4 * GLUON_MIN_QUERIES, (9, 0))  # and at head_dim 64 everywhere
-    assert not prefill_goes_to_gluon(128, 4 * GLUON_MIN_QUERIES, (8, 0))  # no Hopper, no Gluon kernel
-    assert not prefill_goes_to_gluon(128, 4 * GLUON_MIN_QUERIES, (10, 0))
+    for causal, least in ((False, GLUON_MIN_QUERIES), (True, GLUON_MIN_QUERIES_CAUSAL)):
+        assert prefill_goes_to_gluon(128, least, causal, (9, 0))
+        assert prefill_goes_to_gluon(128, 4 * least, causal, (9, 0))
+        assert not prefill_goes_to_gluon(128, least - 1, causal, (9, 0))  # the Triton kernel wins at 2K-4K
+        assert not prefill_goes_to_gluon(64, 4 * least, causal, (9, 0))  # and at head_dim 64 everywhere
+        assert not prefill_goes_to_gluon(128, 4 * least, causal, (8, 0))  # no Hopper, no Gluon kernel
+        assert not prefill_goes_to_gluon(128, 4 * least, causal, (10, 0))
+    assert GLUON_MIN_QUERIES_CAUSAL > GLUON_MIN_QUERIES  # causal: the kernel alone ties at 8K
 
 
 @pytest.mark.cuda
@@ -277,7 +279,7 @@ def test_cuda_auto_prefill_runs_gluon_at_head_dim_128(monkeypatch):
     """impl="auto" on sm_90: a long head_dim-128 prefill runs the Gluon kernel (and matches the Triton kernel); a
     short one and head_dim 64 run the Triton kernel."""
     from thrifty.attention import attn_kernel, gluon_kernel
-    from thrifty.attention.routing import GLUON_MIN_QUERIES
+    from thrifty.attention.routing import GLUON_MIN_QUERIES_CAUSAL
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel is sm_90 only")
@@ -286,7 +288,7 @@ def test_cuda_auto_prefill_runs_gluon_at_head_dim_128(monkeypatch):
     monkeypatch.setattr(gluon_kernel, "sage_forward_gluon", lambda *a, **kw: calls.append("gluon") or real_gluon(*a, **kw))
     monkeypatch.setattr(attn_kernel, "sage_forward_triton", lambda *a, **kw: calls.append("triton") or real_triton(*a, **kw))
     torch.manual_seed(0)
-    S = GLUON_MIN_QUERIES + 37  # odd length
+    S = GLUON_MIN_QUERIES_CAUSAL + 37  # odd length
     q = torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = sage_attention(q, k, v, causal=True)

@@ -28,17 +28,20 @@ def training_goes_to_sdpa(impl: str, needs_grad: bool) -> bool:
     return impl == "auto" and needs_grad
 
 
-# Prefill calls at head_dim 128 from this many query rows on go to the Gluon kernel on sm_90 (``impl="auto"``).
-# Measured end to end (pre-pass included) against cuDNN, B=2 H=32 bf16, Gluon ws2 / Triton kernel (H200, e18fe69,
-# attention_gluon_h200.json): S=2K 0.52 / 0.69 full, 0.58 / 0.64 causal (Triton wins); S=8K 1.03 / 0.91,
-# 0.96 / 0.87; S=32K 1.29 / 1.16, 1.27 / 1.17 (Gluon wins). At head_dim 64 the Triton kernel wins everywhere
-# (0.92-1.09 against 0.68-0.84).
+# Prefill calls at head_dim 128 go to the Gluon kernel on sm_90 (``impl="auto"``) from these query lengths, where
+# it was measured faster than the Triton kernel (H200, B=2 H=32 bf16, attention_gluon_h200-routing.json, 0020bc9):
+# end to end (pre-pass included) it wins from 8K on full attention (707 vs 636 TFLOP/s at 8K, 796 vs 712 at 32K)
+# and loses at 2K-4K; causal, the attention kernel alone is 0.99x the Triton kernel's at 8K and 1.09-1.10x from
+# 16K, so causal calls switch from 16K. At head_dim 64 the Triton kernel wins everywhere (ws2 0.68-0.84x cuDNN).
 GLUON_HEAD_DIMS = (128,)
 GLUON_MIN_QUERIES = 8192
+GLUON_MIN_QUERIES_CAUSAL = 16384
 
 
-def prefill_goes_to_gluon(head_dim: int, q_len: int, compute_capability: tuple) -> bool:
+def prefill_goes_to_gluon(head_dim: int, q_len: int, causal: bool, compute_capability: tuple) -> bool:
     """True when an ``impl="auto"`` prefill call runs the Gluon (Hopper) kernel instead of the Triton kernel:
-    sm_90, a head_dim where it was measured faster, and at least ``GLUON_MIN_QUERIES`` query rows. What the
-    Gluon kernel does not implement (pv="fp16", Q smoothing) still runs on the Triton kernel."""
-    return tuple(compute_capability) == (9, 0) and head_dim in GLUON_HEAD_DIMS and q_len >= GLUON_MIN_QUERIES
+    sm_90, a head_dim where it was measured faster, and at least ``GLUON_MIN_QUERIES`` query rows
+    (``GLUON_MIN_QUERIES_CAUSAL`` causal). What the Gluon kernel does not implement (pv="fp16", Q smoothing) still
+    runs on the Triton kernel."""
+    least = GLUON_MIN_QUERIES_CAUSAL if causal else GLUON_MIN_QUERIES
+    return tuple(compute_capability) == (9, 0) and head_dim in GLUON_HEAD_DIMS and q_len >= least

@@ -58,7 +58,7 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
     return q, k, v
 
 
-def _choose_impl(impl, q):
+def _choose_impl(impl, q, causal):
     if impl == "reference":
         return "reference"
     if impl == "gluon":  # CUDA (sm_90) only, no interpreter for Gluon; "auto" picks it where measured faster
@@ -72,7 +72,7 @@ def _choose_impl(impl, q):
     # auto: a kernel on CUDA (the interpreter is for tests, never chosen implicitly); else the reference
     if not (q.is_cuda and kernels_available(q.device)):
         return "reference"
-    return "gluon" if prefill_goes_to_gluon(q.shape[-1], q.shape[2], _capability(q.device)) else "triton"
+    return "gluon" if prefill_goes_to_gluon(q.shape[-1], q.shape[2], causal, _capability(q.device)) else "triton"
 
 
 _CAPABILITY: dict = {}  # CUDA device index -> (major, minor)
@@ -208,7 +208,7 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "gluon" (the
     Hopper Gluon kernel; what it does not implement runs on "triton"), "reference" (readable PyTorch, any device
     and head_dim), "auto" (on CUDA "gluon" where it was measured faster, ``routing.prefill_goes_to_gluon``: sm_90,
-    head_dim 128, ≥ 8192 query rows; else "triton"; the reference off CUDA).
+    head_dim 128, ≥ 8192 query rows, ≥ 16384 causal; else "triton"; the reference off CUDA).
     ``return_lse``: also return the fp32 log-sum-exp of the scaled scores per query, (B, H, Sq).
     NaN/±inf in q, k or v: every output row that depends on one (its own query row, or a key/value row it
     attends to) is NaN, LSE too; the other rows are computed as if those elements were zero (so one bad key
@@ -223,7 +223,7 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     smooth_q = (qk_bits == 4) if smooth_q is None else bool(smooth_q)
     opts = dict(causal=bool(causal), sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
-                smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q),
+                smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q, bool(causal)),
                 return_lse=return_lse)
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:  # no batch, queries or keys: the documented empty result
         result = empty_attention(q, k, bool(causal), return_lse)
