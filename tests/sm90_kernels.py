@@ -526,12 +526,16 @@ def _bitnet_packed():
                     dict(KIND=PK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=block, EPS_=EPS),
                     {"x_ptr w_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
                     fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
-    plans, decode = set(), set()
-    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912)):
+    plans, decode, v3 = set(), set(), set()
+    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912),
+                 (12288, 4096), (22016, 4096), (1024, 2560), (64, 1100)):  # + the stacked 7B q/k/v, gate/up
         for m in (1, 2, 3, 4, 16, 32, 64, 128, 256, 2048):  # every tile class of plan()
             cfg = PK.plan(m, n, k)
             if cfg["kernel"] == "decode":
-                for version in (1, 2):  # v2 (decode_plan's default) and v1, timed beside it by the benchmark
+                if m == 1:  # v3, decode_plan's default at 1 token (on ready codes)
+                    cfg = PK.decode_plan(m, n, k, version=3)
+                    v3.add((cfg["BLOCK_N"], cfg["KW"], cfg["num_warps"], cfg["num_stages"]))
+                for version in (1, 2):  # v1 (2–4 tokens) and v2, timed beside v3 by the benchmark
                     cfg = PK.decode_plan(m, n, k, version=version)
                     decode.add((version, cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["KW"], cfg["SB"], cfg["num_warps"],
                                 cfg["num_stages"]))
@@ -552,6 +556,13 @@ def _bitnet_packed():
                         {"x_ptr": PTR[dtype] if fused else "*i32", "nw_ptr": "*fp32", "codes_ptr sum_ptr": "*i32",
                          "scale_ptr alpha_ptr bias_ptr": "*fp32", "w_ptr": "*i32", "out_ptr": PTR[dtype]},
                         fp32="beta_scale norm_eps", num_warps=warps, num_stages=stages)
+    # decode GEMV v3 at every 1-token plan: bf16 and fp32 outputs, with and without bias
+    for bn, kw, warps, stages in sorted(v3):
+        for dtype, bias in ((bf16, False), (fp32, True)):
+            yield entry(PK._decode_gemv_v3_kernel, f"decode v3 {bn}x1 KW={kw} stages={stages} {NAME[dtype]} "
+                        f"bias={bias}", dict(BLOCK_N=bn, KW=kw, STAGES=stages, HAS_BIAS=bias, USE_ASM=PK.USE_ASM),
+                        {"codes_ptr sum_ptr w_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
+                         "out_ptr": PTR[dtype]}, num_warps=warps, num_stages=stages)
     for kernel, bn, bm, split, warps, stages in sorted(plans):
         # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel, 2 fused epilogue (sweep)
         for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split)), (bf16, False, 2)):
