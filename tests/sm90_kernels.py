@@ -581,6 +581,18 @@ def _bitnet_packed():
                                                          USE_ASM=False, **extra),
                     {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
                      "out_ptr": PTR[bf16]}, num_warps=4, num_stages=4)
+    # the norm in front of a stacked INT8 projection writing its codes (stacked.CodesRMSNorm via norm_codes): the
+    # fused RMSNorm's launch shape (fused_layers._norm_launch) at the 7B / 2B widths and a tiny one (zero tail)
+    from thrifty.fused_layers import _norm_launch
+
+    for D, dtype, add, kind in ((4096, bf16, False, 0), (4096, bf16, True, 0), (2560, fp32, True, 0),
+                                (4096, bf16, True, 1), (64, bf16, False, 0)):
+        launch, kp = _norm_launch(D), padded_k(D)
+        tail = triton.next_power_of_2(kp - launch["BLOCK"]) if kp > launch["BLOCK"] else 0
+        yield entry(PK._norm_codes_kernel, f"norm codes D={D} {NAME[dtype]} add={add} kind={kind}",
+                    dict(ADD=add, KIND=kind, BLOCK=launch["BLOCK"], TAIL=tail, EPS_=EPS),
+                    {"X R W S Y": PTR[dtype], "codes_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32"},
+                    fp32="eps beta_scale", num_warps=launch["num_warps"], num_stages=1)
     bn, bm = PK.EPILOGUE_TILE
     for dtype, bias in ((bf16, False), (fp32, True)):
         yield entry(PK._splitk_epilogue_kernel, f"{NAME[dtype]} bias={bias}", dict(BLOCK_N=bn, BLOCK_M=bm, HAS_BIAS=bias),

@@ -597,3 +597,52 @@ def test_decode_v3_on_cuda_equals_the_torch_path(n, k):
     assert PK.plan(1, n, k, PK._sm_count(x.device))["version"] == 3
     got, want = _kernel_vs_torch(bl, x)
     assert torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("D,dtype,add", [(64, torch.float32, False), (300, torch.bfloat16, True),
+                                         (1024, torch.bfloat16, False)])
+def test_norm_codes_are_the_fused_norm_then_the_codes_kernel(kind, D, dtype, add):
+    """packed_kernel.norm_codes (the norm in front of a stacked projection writing its codes): y and the residual
+    sum are fused_layers' bit for bit, the codes the codes kernel's on y (zero-padded to whole groups, also past a
+    short row's block); INT4's mean is summed in another order: a code may move by one at an exact half."""
+    from thrifty import fused_layers as FL
+    from thrifty.bitnet import packed_kernel as PK
+
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(3, D, generator=g) * 2).to(dtype)
+    r = torch.randn(3, D, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    x[1] = 0  # an all-zero row (no residual): zero codes, scale 0
+    if add:
+        total, y, codes = PK.norm_codes(x, w, 1e-5, kind, beta_scale=2.0, residual=r)
+        want_total, want_y = FL.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(total, want_total)
+    else:
+        y, codes = PK.norm_codes(x, w, 1e-5, kind, beta_scale=2.0)
+        want_y = FL.rms_norm(x, w, 1e-5)
+    assert torch.equal(y, want_y) and codes[0].shape == (3, -(-D // 256) * 256)
+    want = PK.quantize_codes(want_y, kind, beta_scale=2.0)
+    if kind == "int8":
+        assert all(torch.equal(a, b) for a, b in zip(codes, want))
+    else:
+        assert (codes[0].int() - want[0].int()).abs().max() <= 1 and torch.allclose(codes[1], want[1], rtol=1e-6)
+    assert not codes[0][:, D:].any()
+
+
+@pytest.mark.cuda
+def test_norm_codes_on_cuda_are_the_fused_norm_then_the_codes_kernel():
+    """The compiled norm + codes launch at the 7B width: y, the sum and the INT8 codes bit for bit."""
+    from thrifty import fused_layers as FL
+    from thrifty.bitnet import packed_kernel as PK
+
+    x, r = (torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    total, y, codes = PK.norm_codes(x, w, 1e-5, "int8", residual=r)
+    want_total, want_y = FL.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, want_total) and torch.equal(y, want_y)
+    assert all(torch.equal(a, b) for a, b in zip(codes, PK.quantize_codes(want_y, "int8")))
+    y1, codes1 = PK.norm_codes(x, w, 1e-5, "int8")
+    assert torch.equal(y1, FL.rms_norm(x, w, 1e-5))
+    assert all(torch.equal(a, b) for a, b in zip(codes1, PK.quantize_codes(y1, "int8")))

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fused_layers import _check_norm_weight, _check_residual, _norm_launch, _rows, _store_add, _store_rms_norm
 from ..triton_utils import FastLauncher, interpreting
 from ..triton_utils import sm_count as _sm_count  # PK._sm_count: the benchmarks' name (older trees have it)
 from .pack import GROUP, SLICE, padded_k
@@ -70,6 +71,15 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
     if HAS_NORM:  # BitLinear's sub-norm, as quant_kernel computes it (the same helpers)
         rstd = subnorm_rstd(tl.sum(x * x, axis=0), D, norm_eps)
         x = subnorm(x, x_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
+    _store_codes(x, cols, inside, D, KP, codes_ptr + row * stride_c, scale_ptr + row, sum_ptr + row, k_keep,
+                 beta_scale, KIND, KEY_SHIFT, KEY_BITS, EPS_)
+
+
+@triton.jit
+def _store_codes(x, cols, inside, D, KP, codes_row, scale_at, sum_at, k_keep, beta_scale, KIND: tl.constexpr,
+                 KEY_SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, EPS_: tl.constexpr):
+    """The quantizer ``KIND`` on one fp32 row ``x`` (zero where not ``inside``): int8 codes (zero up to ``KP``),
+    the scale (NaN for a row holding NaN or ±inf, whose codes are zero) and Σ codes."""
     bits = tl.where(inside, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
     top = tl.max(bits, axis=0)
     if KIND == 1:  # INT4 range, absmean
@@ -82,9 +92,33 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
     q = quant_round(x, multiplier, KIND)
     bad = top >= NAN_BITS
     codes = tl.where(inside & (top < NAN_BITS), q, 0.0).to(tl.int32)
-    tl.store(codes_ptr + row * stride_c + cols, codes.to(tl.int8), mask=cols < KP)
-    tl.store(scale_ptr + row, tl.where(bad, float("nan"), scale))
-    tl.store(sum_ptr + row, tl.sum(codes, axis=0))
+    tl.store(codes_row + cols, codes.to(tl.int8), mask=cols < KP)
+    tl.store(scale_at, tl.where(bad, float("nan"), scale))
+    tl.store(sum_at, tl.sum(codes, axis=0))
+
+
+@triton.jit
+def _norm_codes_kernel(X, R, W, S, Y, codes_ptr, scale_ptr, sum_ptr, D, KP, stride_x, stride_r, stride_s, stride_y,
+                       stride_c, eps, beta_scale, ADD: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                       TAIL: tl.constexpr, EPS_: tl.constexpr):
+    """One row of the reference model's RMSNorm (``ADD``: after the residual add) with ``fused_layers``' row code
+    and launch shape, so y is that kernel's bit for bit, then the activation codes of y for the packed layer
+    reading it (INT8 / INT4 range, ``_act_codes_kernel``'s quantizer): one launch where there were two.
+    ``TAIL``: a power of two ≥ KP − BLOCK, the zero codes of the padding past a short row's block."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    if ADD:
+        x_in = _store_add(X + row * stride_x, R + row * stride_r, S + row * stride_s, cols, inside)
+    else:
+        x_in = tl.load(X + row * stride_x + cols, mask=inside, other=0.0)
+    y = _store_rms_norm(x_in, W, Y + row * stride_y, cols, inside, D, eps).to(tl.float32)
+    codes_row = codes_ptr + row * stride_c
+    _store_codes(y, cols, inside, D, KP, codes_row, scale_ptr + row, sum_ptr + row, 0, beta_scale, KIND, 0, 1,
+                 EPS_)
+    if TAIL > 0:
+        pad = BLOCK + tl.arange(0, TAIL)
+        tl.store(codes_row + pad, tl.zeros([TAIL], dtype=tl.int8), mask=pad < KP)
 
 
 @triton.jit
@@ -601,6 +635,7 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
 # --------------------------------------------------------------------------------------------- launchers
 
 _ACT_LAUNCH = FastLauncher(_act_codes_kernel)
+_NORM_CODES_LAUNCH = FastLauncher(_norm_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
 _DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
 _DECODE_V1_LAUNCH = FastLauncher(_decode_gemv_v1_kernel)
@@ -751,6 +786,42 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
                     KIND=KINDS[kind], HAS_NORM=norm_weight is not None, KEY_SHIFT=shift, KEY_BITS=key_bits,
                     BLOCK_D=block, EPS_=EPS, num_warps=max(1, min(16, block // 512)), num_stages=3)
     return codes, scale, sums
+
+
+def norm_codes(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, *, beta_scale: float = 1.0,
+               residual: torch.Tensor | None = None):
+    """The reference model's RMSNorm of rows ``x`` (of ``x + residual`` when given) and the activation codes of its
+    output for a packed layer quantizing with ``kind`` (INT8 / INT4 range), in one launch: ``(y, codes)``, or
+    ``(x + residual, y, codes)``; ``codes`` = (int8 codes (M, padded_k(D)), fp32 scales, int32 Σ codes). y and the
+    sum are ``fused_layers.rms_norm`` / ``add_rms_norm``'s bit for bit (their row code and launch shape), the codes
+    :func:`quantize_codes`' of y (INT8 bit for bit; INT4's mean is summed in another order)."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"kind: expected one of {list(FUSED_KINDS)}, got {kind!r}")
+    D = x.shape[-1]
+    _check_norm_weight(weight, D)
+    if D > MAX_ROW[kind]:
+        raise ValueError(f"x: rows of {D} features exceed the kernel's {MAX_ROW[kind]} for {kind}")
+    rows = _rows(x)
+    add = residual is not None
+    if add:
+        _check_residual(x, residual)
+    res = _rows(residual) if add else rows
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if add else out
+    m, kp = rows.shape[0], padded_k(D)
+    codes = torch.empty((m, kp), dtype=torch.int8, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, dtype=torch.int32, device=x.device)
+    if m:
+        launch = _norm_launch(D)
+        block = launch["BLOCK"]
+        _NORM_CODES_LAUNCH((m,), rows, res, weight, total, out, codes, scale, sums, D, kp, rows.stride(0),
+                           res.stride(0), total.stride(0), out.stride(0), codes.stride(0), float(eps),
+                           float(beta_scale), ADD=add, KIND=FUSED_KINDS[kind], BLOCK=block,
+                           TAIL=_pow2(kp - block) if kp > block else 0, EPS_=EPS, num_warps=launch["num_warps"],
+                           num_stages=1)
+    y = out.view(*x.shape[:-1], D)
+    return (total.view(x.shape), y, (codes, scale, sums)) if add else (y, (codes, scale, sums))
 
 
 def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int, k: int,
