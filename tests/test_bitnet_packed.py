@@ -482,7 +482,8 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
 
 @needs_kernels
 def test_forward_of_a_decode_step_is_one_launch(monkeypatch):
-    """PackedBitLinear's kernel path at 1–4 rows of an INT8 layer never runs the separate codes kernel."""
+    """PackedBitLinear's kernel path at 2–4 rows of an INT8 layer never runs the separate codes kernel (1 row: v3 on
+    codes made once per input, test_one_token_runs_v3_on_codes_made_once_per_input)."""
     from thrifty.bitnet import packed_kernel as PK
 
     p = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="triton")

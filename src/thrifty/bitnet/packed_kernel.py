@@ -723,7 +723,8 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Kernel, tile, K split and launch options for an (m tokens) × (n, k) product, from the shape alone.
 
-    1–4 tokens: :func:`decode_plan` (one launch, no split). Beyond, the tensor-core GEMM with the tile a sweep
+    1–4 tokens: :func:`decode_plan` (no split; 1 token: v3 on ready codes, 2–4: one launch quantizing its
+    input). Beyond, the tensor-core GEMM with the tile a sweep
     of 60 tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
     ≤ 32 tokens 64 × 16 tiles, ≤ 128 tokens 64 × 64, beyond 128 × 64 with 8 warps; 3 stages. The K loop is split
     only for long K (≥ 24 groups: 6912, 11008) at ≤ 128 tokens, until 1.5 programs per SM or 4 groups per
