@@ -58,7 +58,8 @@ from thrifty.bitnet import packed_kernel as PK
 from thrifty.bitnet.bitlinear import SharedInput
 from thrifty.bitnet.pack import pack_ternary
 
-SHAPES = {"7B": [(4096, 4096), (11008, 4096), (4096, 11008)], "2B": [(2560, 2560), (6912, 2560), (2560, 6912)]}
+SHAPES = {"7B": [(4096, 4096), (11008, 4096), (4096, 11008)], "2B": [(2560, 2560), (6912, 2560), (2560, 6912)],
+          "7B stacked": [(12288, 4096), (22016, 4096)]}  # q/k/v and gate/up of the stacked 7B model (MHA)
 TOKENS = (1, 4, 16, 128, 2048)
 INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows
 ROWS_MARK = "BITNET_KERNEL_ROWS "  # the line a --rows-only run prints its rows on (for --baseline-src)
@@ -173,12 +174,15 @@ def a48_rows(args, device) -> list[dict]:
 
 
 def sweep_rows(args, device) -> list[dict]:
-    """Other tiles and K splits at 1 and 16 tokens: is plan()'s choice the fastest?"""
+    """Other tiles and K splits at 1 and 16 tokens (the stacked 7B shapes at 1 token): is plan()'s choice the
+    fastest?"""
     rows = []
-    for n, k in args.shapes[next(iter(args.shapes))]:
+    shapes = [(shape, (1, 16)) for shape in args.shapes[next(iter(args.shapes))]]
+    shapes += [(shape, (1,)) for shape in args.shapes.get("7B stacked", [])]
+    for (n, k), tokens in shapes:
         layer = random_packed(n, k, "int8", device)
         groups = layer.packed.shape[1] // 64
-        for m in (1, 16):
+        for m in tokens:
             codes, scale, sums = PK.quantize_codes(torch.randn(m, k, device=device, dtype=torch.bfloat16), "int8")
             rs = layer.row_scale()
             planned = PK.plan(m, n, k, PK._sm_count(device))
@@ -212,32 +216,49 @@ def sweep_rows(args, device) -> list[dict]:
 
 
 def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
-    """The one-launch decode GEMV (quantizing its own input): v1's planned tile (``decode_plan(version=1)``, the
-    kernel v2 replaced, timed in the same run), v2 at other rows per program and K chunks than decode_plan's, and
-    the split-K GEMV before both (on ready codes, + its epilogue launch) for reference."""
+    """The decode GEMVs side by side in one process: v3 (decode_plan's default at 1 token, on ready codes) at its
+    plan and at other rows per program, warps (K chunk = 128 int32 words per warp) and pipeline stages; the layer
+    as planned (codes kernel + v3); the self-quantizing v2 and v1 (one launch each: the kernels v3 replaced at 1
+    token); and the split-K GEMV before them (on ready codes, + its epilogue launch) for reference. Every row is
+    checked against the planned layer's output bit for bit."""
     n, k = layer.out_features, layer.in_features
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    want = PK.fused_linear(x, layer)
+    want = PK.packed_linear(x, layer)
+    codes, scale, sums = PK.quantize_codes(x, "int8")
+    rs = layer.row_scale()
     sms = PK._sm_count(device)
-    configs = [PK.decode_plan(m, n, k, sms, version=1)]
-    for rpp in sorted({planned["rows_per_program"], *(-(-n // (p * sms)) for p in (1, 2, 3, 4, 6, 8))}):
-        if rpp * planned["BLOCK_M"] > 32:  # v2 at 32 rows × 1 token: 254 registers, 1 program per SM
-            continue
-        for kw in sorted({planned["KW"], 64, 128, 256}):  # the planned tile always among them
-            configs.append(dict(planned, BLOCK_N=PK._pow2(rpp), rows_per_program=rpp, KW=kw,
-                                num_warps=max(1, min(8, kw // 32))))
     rows = []
-    for cfg in configs:
-        row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=f"decode v{cfg['version']} (fused)",
-                   BLOCK_N=cfg["BLOCK_N"], rows_per_program=cfg["rows_per_program"], KW=cfg["KW"], split=1,
-                   planned=cfg == planned)
+
+    def timed(kernel: str, cfg: dict, fn, planned_row: bool) -> None:
+        row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=kernel, BLOCK_N=cfg["BLOCK_N"],
+                   rows_per_program=cfg.get("rows_per_program"), KW=cfg.get("KW"), num_warps=cfg["num_warps"],
+                   num_stages=cfg["num_stages"], split=cfg["split"], planned=planned_row)
         try:
-            row["match"] = bool(torch.equal(PK.fused_linear(x, layer, cfg), want))
-            row["gpu_ms"] = _timed(lambda: PK.fused_linear(x, layer, cfg), args, device)
+            row["match"] = bool(torch.equal(fn(), want))
+            row["gpu_ms"] = _timed(fn, args, device)
         except Exception as err:  # noqa: BLE001
             row["error"] = f"{type(err).__name__}: {err}"[:300]
         rows.append(row)
-    codes, scale, sums = PK.quantize_codes(x, "int8")
+
+    for version in (1, 2):
+        cfg = PK.decode_plan(m, n, k, sms, version=version)
+        timed(f"decode v{version} (fused)", cfg, lambda cfg=cfg: PK.fused_linear(x, layer, cfg),
+              planned["version"] == version)
+    if planned["version"] == 3:
+        timed("decode v3 + codes kernel (layer)", planned, lambda: PK.packed_linear(x, layer), False)
+        words = layer.packed.shape[1] // 4
+        configs = [planned]
+        for rpp in (4, 8, 16):
+            for warps in (1, 2):
+                chunks = -(-words // (128 * warps))
+                for stages in ((1,) if chunks == 1 else (2, 3)):
+                    cfg = dict(planned, BLOCK_N=rpp, rows_per_program=rpp, KW=128 * warps, num_warps=warps,
+                               num_stages=stages)
+                    if cfg != planned:
+                        configs.append(cfg)
+        for cfg in configs:
+            timed("decode v3 (ready codes)", cfg, lambda cfg=cfg: PK.matmul_codes(
+                codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg), cfg == planned)
     old = dict(PK.plan(5, n, k, sms), kernel="gemv", BLOCK_N=32, BLOCK_M=PK._pow2(m), num_warps=4, num_stages=4)
     groups = layer.packed.shape[1] // 64
     split = 1
@@ -245,7 +266,6 @@ def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
         split *= 2
     per = -(-groups // split)
     old.update(split=-(-groups // per), groups_per_split=per, fused_epilogue=False)
-    rs = layer.row_scale()
     rows.append(dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel="gemv split-K (old plan, ready codes)",
                      BLOCK_N=32, split=old["split"], planned=False,
                      gpu_ms=_timed(lambda: PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16,
@@ -428,12 +448,20 @@ def summarize(rows: list[dict]) -> dict:
             if new:
                 out[f"thrifty_speedup_vs_baseline_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new["gpu_ms"]
                 out[f"baseline_speedup_vs_bf16_{r['shape']}_t{r['tokens']}"] = r.get("speedup_vs_bf16")
-    for r in rows:  # the sweep's v1 decode tile over decode_plan's (v2), same process: v2's speed-up over v1
-        if r.get("what") == "sweep" and r.get("kernel", "").startswith("decode v1") and "gpu_ms" in r:
-            new = next((t for t in rows if t.get("what") == "sweep" and t.get("planned") and t.get("shape") ==
-                        r["shape"] and t.get("tokens") == r["tokens"] and "gpu_ms" in t), None)
-            if new:
-                out[f"decode_v2_speedup_vs_v1_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new["gpu_ms"]
+    def sweep_ms(r, kernel):  # the sweep's row of ``kernel`` at r's shape and tokens (the planned tile for v3)
+        return next((t["gpu_ms"] for t in rows if t.get("what") == "sweep" and t.get("kernel") == kernel and
+                     t.get("shape") == r["shape"] and t.get("tokens") == r["tokens"] and "gpu_ms" in t and
+                     (t.get("planned") or kernel != "decode v3 (ready codes)")), None)
+
+    for r in rows:  # same process: v3 (the layer: codes kernel + v3; and the GEMV alone) over the fused v2 and v1
+        if r.get("what") == "sweep" and r.get("kernel") == "decode v2 (fused)" and "gpu_ms" in r:
+            for tag, kernel in (("", "decode v3 + codes kernel (layer)"), ("_gemv", "decode v3 (ready codes)")):
+                new = sweep_ms(r, kernel)
+                if new:
+                    out[f"decode_v3{tag}_speedup_vs_v2_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new
+            v1 = sweep_ms(r, "decode v1 (fused)")
+            if v1:
+                out[f"decode_v2_speedup_vs_v1_{r['shape']}_t{r['tokens']}"] = v1 / r["gpu_ms"]
     for key, m in (("gemv_speedup_vs_bf16_b1_min", 1), ("gemv_speedup_vs_bf16_b16_min", 16),
                    ("gemm_speedup_vs_bf16_t2048_min", 2048)):
         s = speedups(m)

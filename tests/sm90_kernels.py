@@ -556,12 +556,16 @@ def _bitnet_packed():
                     dict(KIND=PK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=block, EPS_=EPS),
                     {"x_ptr w_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
                     fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
-    plans, decode = set(), set()
-    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912)):
+    plans, decode, v3 = set(), set(), set()
+    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912),
+                 (12288, 4096), (22016, 4096), (1024, 2560), (64, 1100)):  # + the stacked 7B q/k/v, gate/up
         for m in (1, 2, 3, 4, 16, 32, 64, 128, 256, 2048):  # every tile class of plan()
             cfg = PK.plan(m, n, k)
             if cfg["kernel"] == "decode":
-                for version in (1, 2):  # v2 (decode_plan's default) and v1, timed beside it by the benchmark
+                if m == 1:  # v3, decode_plan's default at 1 token (on ready codes)
+                    cfg = PK.decode_plan(m, n, k, version=3)
+                    v3.add((cfg["BLOCK_N"], cfg["KW"], cfg["num_warps"], cfg["num_stages"]))
+                for version in (1, 2):  # v1 (2–4 tokens) and v2, timed beside v3 by the benchmark
                     cfg = PK.decode_plan(m, n, k, version=version)
                     decode.add((version, cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["KW"], cfg["SB"], cfg["num_warps"],
                                 cfg["num_stages"]))
@@ -582,6 +586,13 @@ def _bitnet_packed():
                         {"x_ptr": PTR[dtype] if fused else "*i32", "nw_ptr": "*fp32", "codes_ptr sum_ptr": "*i32",
                          "scale_ptr alpha_ptr bias_ptr": "*fp32", "w_ptr": "*i32", "out_ptr": PTR[dtype]},
                         fp32="beta_scale norm_eps", num_warps=warps, num_stages=stages)
+    # decode GEMV v3 at every 1-token plan: bf16 and fp32 outputs, with and without bias
+    for bn, kw, warps, stages in sorted(v3):
+        for dtype, bias in ((bf16, False), (fp32, True)):
+            yield entry(PK._decode_gemv_v3_kernel, f"decode v3 {bn}x1 KW={kw} stages={stages} {NAME[dtype]} "
+                        f"bias={bias}", dict(BLOCK_N=bn, KW=kw, STAGES=stages, HAS_BIAS=bias, USE_ASM=PK.USE_ASM),
+                        {"codes_ptr sum_ptr w_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
+                         "out_ptr": PTR[dtype]}, num_warps=warps, num_stages=stages)
     for kernel, bn, bm, split, warps, stages in sorted(plans):
         # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel, 2 fused epilogue (sweep)
         for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split)), (bf16, False, 2)):
@@ -600,6 +611,18 @@ def _bitnet_packed():
                                                          USE_ASM=False, **extra),
                     {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
                      "out_ptr": PTR[bf16]}, num_warps=4, num_stages=4)
+    # the norm in front of a stacked INT8 projection writing its codes (stacked.CodesRMSNorm via norm_codes): the
+    # fused RMSNorm's launch shape (fused_layers._norm_launch) at the 7B / 2B widths and a tiny one (zero tail)
+    from thrifty.fused_layers import _norm_launch
+
+    for D, dtype, add, kind in ((4096, bf16, False, 0), (4096, bf16, True, 0), (2560, fp32, True, 0),
+                                (4096, bf16, True, 1), (64, bf16, False, 0)):
+        launch, kp = _norm_launch(D), padded_k(D)
+        tail = triton.next_power_of_2(kp - launch["BLOCK"]) if kp > launch["BLOCK"] else 0
+        yield entry(PK._norm_codes_kernel, f"norm codes D={D} {NAME[dtype]} add={add} kind={kind}",
+                    dict(ADD=add, KIND=kind, BLOCK=launch["BLOCK"], TAIL=tail, EPS_=EPS),
+                    {"X R W S Y": PTR[dtype], "codes_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32"},
+                    fp32="eps beta_scale", num_warps=launch["num_warps"], num_stages=1)
     bn, bm = PK.EPILOGUE_TILE
     for dtype, bias in ((bf16, False), (fp32, True)):
         yield entry(PK._splitk_epilogue_kernel, f"{NAME[dtype]} bias={bias}", dict(BLOCK_N=bn, BLOCK_M=bm, HAS_BIAS=bias),

@@ -446,16 +446,24 @@ def test_decode_gemv_tiles_chunks_and_masked_rows(fused, version):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
-def test_decode_plan_7b_shapes_take_the_v2_tile():
-    """decode_plan's default at 1 token is the v2 GEMV at the 7B shapes: ≤ 16 rows per program, rows spread evenly
-    over p·SMs programs, 1 KB K chunks (256 B where a shape gives ≥ 4 programs per SM), 8 warps; 2–4 tokens take
-    v1 (measured faster there); version= picks either."""
+def test_decode_plan_7b_shapes_take_the_v3_tile():
+    """decode_plan's default at 1 token is the v3 GEMV on ready codes (8 rows per program, 2 warps, K chunks of 256
+    int32 words: one chunk at K = 4096 with plain loads, three at 11008 pipelined in 3 stages); version=2 gives the
+    v2 tile (≤ 16 rows per program, rows spread evenly over p·SMs programs, 1 KB K chunks, 256 B where a shape
+    gives ≥ 4 programs per SM, 8 warps); 2–4 tokens take v1 (measured faster there); version= picks any."""
     from thrifty.bitnet import packed_kernel as PK
 
-    want = {(4096, 4096): (16, 256), (11008, 4096): (14, 64), (4096, 11008): (16, 256)}
-    for (n, k), (rows, kw) in want.items():
+    v3 = {(4096, 4096): 1, (12288, 4096): 1, (22016, 4096): 1, (4096, 11008): 3, (11008, 4096): 1}
+    for (n, k), stages in v3.items():
         cfg = PK.plan(1, n, k, 132)
         assert cfg == PK.decode_plan(1, n, k, 132)
+        assert (cfg["kernel"], cfg["version"], cfg["rows_per_program"], cfg["BLOCK_N"], cfg["KW"], cfg["num_warps"],
+                cfg["num_stages"]) == ("decode", 3, 8, 8, 256, 2, stages), (n, k, cfg)
+    assert PK.decode_plan(1, 1024, 2560, 132)["rows_per_program"] == 4  # 8 rows: < 2 programs per SM
+    assert PK.decode_plan(1, 64, 1100, 132)["KW"] == 128  # < 256 words per row: 1 warp
+    want = {(4096, 4096): (16, 256), (11008, 4096): (14, 64), (4096, 11008): (16, 256)}
+    for (n, k), (rows, kw) in want.items():
+        cfg = PK.decode_plan(1, n, k, 132, version=2)
         assert (cfg["kernel"], cfg["version"], cfg["rows_per_program"], cfg["BLOCK_N"], cfg["KW"],
                 cfg["num_warps"]) == ("decode", 2, rows, 16, kw, 8 if kw == 256 else 2), (n, k, cfg)
         p = -(-n // (rows * 132))  # programs per SM
@@ -467,17 +475,175 @@ def test_decode_plan_7b_shapes_take_the_v2_tile():
             assert PK.decode_plan(m, n, k, 132, version=2)["rows_per_program"] <= 8
         assert PK.decode_plan(1, n, k, 132, version=1)["version"] == 1
     with pytest.raises(ValueError, match="version"):
-        PK.decode_plan(1, 64, 64, version=3)
+        PK.decode_plan(1, 64, 64, version=4)
     with pytest.raises(ValueError, match="1–4 tokens"):
         PK.decode_plan(5, 64, 64)
 
 
 @needs_kernels
 def test_forward_of_a_decode_step_is_one_launch(monkeypatch):
-    """PackedBitLinear's kernel path at 1–4 rows of an INT8 layer never runs the separate codes kernel."""
+    """PackedBitLinear's kernel path at 2–4 rows of an INT8 layer never runs the separate codes kernel (1 row: v3 on
+    codes made once per input, test_one_token_runs_v3_on_codes_made_once_per_input)."""
     from thrifty.bitnet import packed_kernel as PK
 
     p = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="triton")
     monkeypatch.setattr(PK, "quantize_codes", lambda *a, **k: pytest.fail("codes kernel launched"))
     want = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="reference")(tokens(2, 64))
     assert torch.equal(p(tokens(2, 64)), want) and p.last_path == "triton"
+
+
+# ------------------------------------------------------------------------------------------- decode GEMV v3
+
+def _float64_output(codes, scale, packed_layer):
+    """((Σ codes·t) · s) · α (+ b) in float64 from the integer codes: what the fp32 epilogue rounds."""
+    acc = integer_matmul(codes.long(), packed_layer.ternary()).double()
+    y = acc * scale.double()[:, None] * packed_layer.row_scale().double()[None, :]
+    return y + packed_layer.bias.double() if packed_layer.bias is not None else y
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k,n,sub_norm,bias", [(300, 37, False, False), (1100, 45, True, True),
+                                              (5000, 19, False, True), (4100, 70, True, False)])
+def test_decode_v3_on_ready_codes(kind, k, n, sub_norm, bias):
+    """v3 (1 token, odd K and N: one chunk of 128 words, one of 256 partly masked, two pipelined chunks of 256)
+    on the codes kernel's codes: bit for bit the split-K GEMV's result on the same codes (the integer dot is
+    exact, the epilogue the same), the float64 value of those codes within fp32 rounding, and the PyTorch path's
+    output (bit for bit for INT8 / TopK without a sub-norm; else a code may move at an exact half, as the codes
+    kernel's sums are added in another order)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    bl = layer(k, n, kind, sub_norm=sub_norm, bias=bias, seed=k)
+    p = PackedBitLinear.from_bitlinear(bl, impl="reference")
+    x = tokens(1, k, seed=n)
+    cfg = PK.decode_plan(1, n, k)
+    assert cfg["version"] == 3
+    codes = PK.layer_codes(x, p)
+    got = PK.matmul_codes(*codes, p.packed, p.row_scale(), p.bias, x.dtype, n, k, cfg)
+    gemv = dict(kernel="gemv", BLOCK_N=32, BLOCK_M=1, split=1, groups_per_split=10 ** 6, num_warps=4, num_stages=1,
+                fused_epilogue=False)
+    assert torch.equal(got, PK.matmul_codes(*codes, p.packed, p.row_scale(), p.bias, x.dtype, n, k, gemv))
+    exact = _float64_output(codes[0][:, :k], codes[1], p)
+    assert ((got.double() - exact).abs() <= 4 * torch.finfo(torch.float32).eps * exact.abs().amax()).all()
+    want = p(x)
+    if kind != "int4" and not sub_norm:
+        assert torch.equal(got, want)
+    else:
+        assert ((got - want).abs() <= 2e-6 * want.abs().amax() + 1e-6).all()
+    assert torch.equal(PK.packed_linear(x, p), got)  # the planned layer path: codes kernel + v3
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,block_n,kw,warps,stages", [(6, 8, 128, 1, 2), (3, 4, 256, 2, 3), (16, 16, 128, 1, 1)])
+def test_decode_v3_tiles_tokens_and_bad_rows(rows, block_n, kw, warps, stages):
+    """Other v3 tiles than the plan's (rows_per_program not a power of two, 1–2 warps, several chunks with a
+    partial last one) and several tokens (one per program column): a NaN token stays NaN, an all-zero token
+    gives the bias, bf16 output, every other output the PyTorch path's bit for bit (INT8)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    bl = layer(2100, 45, "int8", bias=True)  # 144 int32 words per row: 2 chunks of 128, the second mostly masked
+    p = PackedBitLinear.from_bitlinear(bl, impl="reference")
+    x = tokens(3, 2100, seed=3).to(torch.bfloat16)
+    x[1, 7] = float("nan")
+    cfg = dict(kernel="decode", version=3, BLOCK_N=block_n, BLOCK_M=1, rows_per_program=rows, KW=kw, SB=0, split=1,
+               num_warps=warps, num_stages=stages)
+    got = PK.packed_linear(x, p, cfg)
+    want = p(x)
+    assert got.dtype == torch.bfloat16 and torch.isnan(got[1]).all()
+    assert torch.equal(got[[0, 2]], want[[0, 2]]) and torch.equal(got[2], p.bias.to(torch.bfloat16))
+
+
+@needs_kernels
+def test_one_token_runs_v3_on_codes_made_once_per_input(monkeypatch):
+    """PackedBitLinear's kernel path at 1 row: the codes kernel once per input (siblings sharing an input reuse
+    it), then the v3 decode GEMV — never v1 or v2 — with the PyTorch path's output; at 2 rows still one launch
+    of the self-quantizing v1 (no codes kernel)."""
+    from thrifty.bitnet import packed_kernel as PK
+    from thrifty.bitnet.bitlinear import SharedInput
+
+    ran = []
+    for name in ("_ACT_LAUNCH", "_DECODE_V3_LAUNCH", "_DECODE_LAUNCH", "_DECODE_V1_LAUNCH"):
+        launcher = getattr(PK, name)
+        monkeypatch.setattr(PK, name, lambda *a, _l=launcher, _n=name, **kw: ran.append(_n) or _l(*a, **kw))
+    shared = SharedInput(3)
+    siblings = []
+    for n in (24, 8, 8):
+        p = PackedBitLinear.from_bitlinear(layer(64, n, "int8", seed=n), impl="triton")
+        p.shared_input = shared
+        siblings.append(p)
+    x = tokens(1, 64)
+    got = [p(x) for p in siblings]
+    assert ran == ["_ACT_LAUNCH"] + ["_DECODE_V3_LAUNCH"] * 3
+    for p, y in zip(siblings, got):
+        p.impl = "reference"
+        assert torch.equal(y, p(x)) and y.shape == (1, p.out_features)
+    ran.clear()
+    p = siblings[0]
+    p.impl, p.shared_input = "triton", None
+    p(tokens(2, 64))
+    assert ran == ["_DECODE_V1_LAUNCH"]
+    with pytest.raises(ValueError, match="ready codes"):
+        PK.fused_linear(x, p, PK.decode_plan(1, 24, 64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(4096, 4096), (12288, 4096), (4096, 11008), (2560, 6912), (333, 1100)])
+def test_decode_v3_on_cuda_equals_the_torch_path(n, k):
+    """The compiled v3 (16-byte loads, cp.async pipeline at 11008 / 6912, inline dp4a) at the 7B / 2B plans."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bl = layer(k, n, "int8", bias=True, seed=n).cuda()
+    x = tokens(1, k, seed=k).cuda().to(torch.bfloat16)
+    assert PK.plan(1, n, k, PK._sm_count(x.device))["version"] == 3
+    got, want = _kernel_vs_torch(bl, x)
+    assert torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("D,dtype,add", [(64, torch.float32, False), (300, torch.bfloat16, True),
+                                         (1024, torch.bfloat16, False)])
+def test_norm_codes_are_the_fused_norm_then_the_codes_kernel(kind, D, dtype, add):
+    """packed_kernel.norm_codes (the norm in front of a stacked projection writing its codes): y and the residual
+    sum are fused_layers' bit for bit, the codes the codes kernel's on y (zero-padded to whole groups, also past a
+    short row's block); INT4's mean is summed in another order: a code may move by one at an exact half."""
+    from thrifty import fused_layers as FL
+    from thrifty.bitnet import packed_kernel as PK
+
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(3, D, generator=g) * 2).to(dtype)
+    r = torch.randn(3, D, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    x[1] = 0  # an all-zero row (no residual): zero codes, scale 0
+    if add:
+        total, y, codes = PK.norm_codes(x, w, 1e-5, kind, beta_scale=2.0, residual=r)
+        want_total, want_y = FL.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(total, want_total)
+    else:
+        y, codes = PK.norm_codes(x, w, 1e-5, kind, beta_scale=2.0)
+        want_y = FL.rms_norm(x, w, 1e-5)
+    assert torch.equal(y, want_y) and codes[0].shape == (3, -(-D // 256) * 256)
+    want = PK.quantize_codes(want_y, kind, beta_scale=2.0)
+    if kind == "int8":
+        assert all(torch.equal(a, b) for a, b in zip(codes, want))
+    else:
+        assert (codes[0].int() - want[0].int()).abs().max() <= 1 and torch.allclose(codes[1], want[1], rtol=1e-6)
+    assert not codes[0][:, D:].any()
+
+
+@pytest.mark.cuda
+def test_norm_codes_on_cuda_are_the_fused_norm_then_the_codes_kernel():
+    """The compiled norm + codes launch at the 7B width: y, the sum and the INT8 codes bit for bit."""
+    from thrifty import fused_layers as FL
+    from thrifty.bitnet import packed_kernel as PK
+
+    x, r = (torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+    total, y, codes = PK.norm_codes(x, w, 1e-5, "int8", residual=r)
+    want_total, want_y = FL.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, want_total) and torch.equal(y, want_y)
+    assert all(torch.equal(a, b) for a, b in zip(codes, PK.quantize_codes(want_y, "int8")))
+    y1, codes1 = PK.norm_codes(x, w, 1e-5, "int8")
+    assert torch.equal(y1, FL.rms_norm(x, w, 1e-5))
+    assert all(torch.equal(a, b) for a, b in zip(codes1, PK.quantize_codes(y1, "int8")))

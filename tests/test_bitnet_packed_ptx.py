@@ -9,6 +9,9 @@ unit, never contracts a product into an FMA).
 * the v2 decode GEMV at its planned 1-token tile (NOTES.md "Decode GEMV v2"): no spills, ≤ 128 registers (two
   256-thread programs per SM), and one dp4a per weight word, field and token per thread (v1's 3-D activation
   tile made the compiler replicate every weight word on 4 threads: 4× the dp4a, 255 registers, a spill stack).
+* the v3 decode GEMV at its 1-token plans (NOTES.md "Decode GEMV v3"): no spills, ≤ 128 registers (≥ 8 programs
+  of 64 threads per SM), one dp4a per word and field, weights in 16-byte vectors — all of a one-chunk row's issued
+  as plain loads, a longer row's through 16-byte cp.async two chunks ahead — and no FMA in the bias epilogue.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ SCRIPT = textwrap.dedent("""
                   dict(FUSED=True, KIND=kind, HAS_NORM=True, BLOCK_N=32, BLOCK_M=1, KW=256, SB=4096, HAS_BIAS=True,
                        USE_ASM=True, EPS_=EPS), dict(num_warps=8, num_stages=1))
         out[f"decode_{kind}_fma"] = sum("fma" in l for l in dec.splitlines())
-    cfg = PK.decode_plan(1, 4096, 4096)  # the v2 tile of a 7B layer at 1 token
+    cfg = PK.decode_plan(1, 4096, 4096, version=2)  # the v2 tile of a 7B layer at 1 token
     ptrs = {"x_ptr": "*bf16", "nw_ptr": "*fp32", "codes_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
             "w_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16", "beta_scale": "fp32",
             "norm_eps": "fp32"}
@@ -86,6 +89,20 @@ SCRIPT = textwrap.dedent("""
                   dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     out["v2"] = dict(resources(v2), dp4a=v2.asm["ptx"].count("dp4a"), threads=32 * cfg["num_warps"],
                      words=cfg["BLOCK_N"] * cfg["KW"])
+    for k in (4096, 11008):  # v3: one chunk per row (plain loads) and three (cp.async pipeline)
+        cfg = PK.decode_plan(1, 4096, k)
+        v3 = compiled(PK._decode_gemv_v3_kernel, {"codes_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
+                      "w_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"},
+                      dict(BLOCK_N=cfg["BLOCK_N"], KW=cfg["KW"], STAGES=cfg["num_stages"], HAS_BIAS=True,
+                           USE_ASM=True), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        lines = v3.asm["ptx"].splitlines()
+        count = lambda text: sum(text in l for l in lines)
+        out[f"v3_k{k}"] = dict(resources(v3), rows=cfg["BLOCK_N"], stages=cfg["num_stages"], dp4a=count("dp4a"),
+                               weight_v4=count("ld.global.L1::evict_first.L2::cache_hint.v4.b32"),
+                               weight_scalar=count("ld.global.L1::evict_first.L2::cache_hint.b32"),
+                               codes_v4=count("ld.global.v4.b32"), cp_async=count("cp.async.cg.shared.global"),
+                               cp_async_16=sum("cp.async.cg.shared.global" in l and "0x10" in l for l in lines),
+                               fma=count("fma"))
     print(json.dumps(out))
 """)
 
@@ -119,3 +136,16 @@ def test_decode_v2_tile_fits_two_programs_per_sm_without_replication(report):
     assert v2["stack"] == 0 and v2["reg"] * v2["threads"] * 2 <= 65536, v2  # no spill; 2 programs per SM
     per_thread = v2["words"] // v2["threads"]  # weight words a thread holds per chunk
     assert v2["dp4a"] == 4 * per_thread + 4, v2  # 4 fields per word + Σ codes: no word on two threads
+
+
+def test_decode_v3_loads_16_byte_vectors_without_spills_or_replication(report):
+    for k in (4096, 11008):
+        v3 = report[f"v3_k{k}"]
+        assert "error" not in v3, v3
+        assert v3["stack"] == 0 and v3["reg"] <= 128, v3  # no spill; >= 8 two-warp programs per SM
+        assert v3["dp4a"] == 16 * v3["rows"], v3  # per thread: 4 words per row, 4 fields, nothing replicated
+        assert v3["fma"] == 0 and v3["weight_scalar"] == 0, v3
+        if v3["stages"] == 1:  # one chunk: every row's 16-byte vector and the 4 field vectors, plain loads
+            assert v3["weight_v4"] == v3["rows"] and v3["codes_v4"] == 4 and v3["cp_async"] == 0, v3
+        else:  # pipelined: 16-byte cp.async only, the first two chunks issued before the loop
+            assert v3["weight_v4"] == 0 and v3["cp_async"] == v3["cp_async_16"] >= 2 * (v3["rows"] + 4), v3

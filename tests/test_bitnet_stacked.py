@@ -74,3 +74,63 @@ def test_refusals():
     layer = model.model.layers[0]
     with pytest.raises(ValueError, match="layers"):  # o_proj has a sub-norm and another input width
         bitnet.stacked.stack_layers([layer.self_attn.q_proj, layer.mlp.down_proj])
+
+
+def test_norms_write_the_codes_of_stacked_int8_projections(monkeypatch):
+    """b1.58 (INT8): the norms in front of the stacked q/k/v and gate/up write the projections' codes in their own
+    launch (packed_kernel.norm_codes), so at 1 token the codes kernel runs only for o and down (their sub-norms)
+    and the v3 decode GEMV reads them; prefill (the GEMM) takes them too; the logits stay the unstacked model's bit
+    for bit. The fused norms run under the interpreter here, as they do on CUDA; a4.8's INT4 projections keep
+    plain norms."""
+    from thrifty import layers
+    from thrifty.bitnet import packed_kernel as PK
+    from thrifty.bitnet.stacked import CodesRMSNorm
+
+    monkeypatch.setattr(layers, "fused_inference", lambda x: not torch.is_grad_enabled())
+    base = packed_model("b1.58", "triton")  # the CPU runs the kernels under TRITON_INTERPRET=1 (conftest)
+    stacked = copy.deepcopy(base)
+    stack_projections(stacked)
+    block = stacked.model.layers[0]
+    assert isinstance(block.input_layernorm, CodesRMSNorm) and isinstance(block.post_attention_layernorm, CodesRMSNorm)
+    assert block.self_attn.qkv_proj.shared_input is block.input_layernorm.slot
+    for name in ("input_layernorm", "post_attention_layernorm"):  # the norm's parameter, under its name
+        key = f"model.layers.0.{name}.weight"
+        assert torch.equal(stacked.state_dict()[key], base.state_dict()[key])
+    ran = []
+    for name in ("_ACT_LAUNCH", "_NORM_CODES_LAUNCH", "_DECODE_V3_LAUNCH"):
+        launcher = getattr(PK, name)
+        monkeypatch.setattr(PK, name, lambda *a, _l=launcher, _n=name, **kw: ran.append(_n) or _l(*a, **kw))
+    ids = torch.randint(0, 64, (1, 6), device=DEVICE)
+    with torch.no_grad():
+        for tokens in (6, 1):
+            want = base(ids[:, :tokens])
+            ran.clear()
+            got = stacked(ids[:, :tokens])
+            assert torch.equal(got, want), tokens
+            assert ran.count("_NORM_CODES_LAUNCH") == 2 and ran.count("_ACT_LAUNCH") == 2, (tokens, ran)
+        assert ran.count("_DECODE_V3_LAUNCH") == 4
+    a48 = packed_model("a4.8", "reference")
+    stack_projections(a48)
+    assert type(a48.model.layers[0].input_layernorm) is layers.RMSNorm
+
+
+@pytest.mark.cuda
+def test_graphed_decoder_replays_the_norm_codes_and_v3():
+    """b1.58 stacked, batch 1 on CUDA: the captured decode step (the norms writing the q/k/v and gate/up codes, the
+    v3 GEMVs reading them) is captured once across calls and picks what the model ranks first (near-ties aside)."""
+    from thrifty.bitnet.stacked import CodesRMSNorm
+    from thrifty.models import GraphedDecoder
+
+    model = packed_model("b1.58", "triton")
+    stack_projections(model)
+    assert isinstance(model.model.layers[0].input_layernorm, CodesRMSNorm)
+    decoder = GraphedDecoder(model, 1, 40)
+    for t, n, seed in ((7, 12, 0), (3, 20, 1)):
+        x = torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        out = decoder.generate(x, n)
+        assert out.shape == (1, t + n) and decoder.captures == 1
+        with torch.no_grad():
+            logits = model(out[:, :-1]).float()[:, t - 1:]
+        chosen = logits.gather(-1, out[:, t:, None]).squeeze(-1)
+        tol = 2e-2 * (logits.max() - logits.min()).item()
+        assert bool((chosen >= logits.max(-1).values - tol).all())

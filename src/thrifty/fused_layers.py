@@ -35,12 +35,14 @@ def _norm_launch(D: int) -> dict:
 @triton.jit
 def _store_rms_norm(x_in, W, Y_row, cols, inside, D, eps):
     """y = w * cast(x * rsqrt(mean(x^2) + eps)) of one loaded row ``x_in``, in fp32, the cast to x's dtype as the
-    PyTorch form."""
+    PyTorch form; returns the stored row (the packed BitNet layers quantize it in the same launch)."""
     x = x_in.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     normed = (x * rstd).to(x_in.dtype).to(tl.float32)
     w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(Y_row + cols, (w * normed).to(Y_row.dtype.element_ty), mask=inside)
+    y = (w * normed).to(Y_row.dtype.element_ty)
+    tl.store(Y_row + cols, y, mask=inside)
+    return y
 
 
 @triton.jit
@@ -66,24 +68,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _store_add(X_row, R_row, S_row, cols, inside):
+    """s = x + r of one row, rounded to x's dtype (as the PyTorch sum), stored and returned."""
+    x_in = tl.load(X_row + cols, mask=inside, other=0.0)
+    r = tl.load(R_row + cols, mask=inside, other=0.0).to(tl.float32)
+    s_in = (x_in.to(tl.float32) + r).to(x_in.dtype)
+    tl.store(S_row + cols, s_in, mask=inside)
+    return s_in
+
+
+@triton.jit
 def _add_rms_norm_kernel(X, R, W, S, Y, D, stride_x, stride_r, stride_s, stride_y, eps, BLOCK: tl.constexpr):
     """One row: s = x + r (rounded to x's dtype, as the PyTorch sum), then y = rms_norm(s)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < D
-    x_in = tl.load(X + row * stride_x + cols, mask=inside, other=0.0)
-    r = tl.load(R + row * stride_r + cols, mask=inside, other=0.0).to(tl.float32)
-    s_in = (x_in.to(tl.float32) + r).to(x_in.dtype)
-    tl.store(S + row * stride_s + cols, s_in, mask=inside)
+    s_in = _store_add(X + row * stride_x, R + row * stride_r, S + row * stride_s, cols, inside)
     _store_rms_norm(s_in, W, Y + row * stride_y, cols, inside, D, eps)
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual: expected {x.dtype} of shape {tuple(x.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(x + residual, rms_norm(x + residual, weight, eps)) in one launch; the sum in x's dtype."""
     D = x.shape[-1]
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual: expected {x.dtype} of shape {tuple(x.shape)}, got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
+    _check_residual(x, residual)
     _check_norm_weight(weight, D)
     rows, res = _rows(x), _rows(residual)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)

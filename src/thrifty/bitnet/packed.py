@@ -182,7 +182,7 @@ class PackedBitLinear(nn.Module):
 
             self.last_path = "triton"
             rows = x.reshape(-1, self.in_features)
-            if packed_kernel.fuses(self, rows.shape[0]):  # decode: one launch quantizes and multiplies
+            if packed_kernel.fuses(self, rows.shape[0]):  # 2–4 rows: one launch quantizes and multiplies
                 y = packed_kernel.fused_linear(rows, self)
             else:
                 y = packed_kernel.packed_linear(rows, self, codes=self._input_codes(x, kernels))
@@ -191,11 +191,16 @@ class PackedBitLinear(nn.Module):
         y = self._forward_torch(x, self._input_codes(x, kernels))
         return y.view(*x.shape[:-1], self.out_features)
 
+    def codes_key(self, kernels: bool) -> tuple:
+        """What quantized input this layer can reuse from ``shared_input``: the path's codes, its quantizer settings."""
+        return ("packed", kernels, self.activation, self.beta_scale, self.topk_ratio)
+
     def _input_codes(self, x: torch.Tensor, kernels: bool):
         """The quantized input, computed once for sibling projections reading the same tensor (q/k/v, gate/up:
-        ``shared_input``, set by :func:`thrifty.bitnet.pack` / ``packed_factory``): fewer launches per layer."""
+        ``shared_input``, set by :func:`thrifty.bitnet.pack` / ``packed_factory``; or written by the norm in front
+        of a stacked projection, ``stacked.CodesRMSNorm``): fewer launches per layer."""
         shared = self.shared_input
-        key = ("packed", kernels, self.activation, self.beta_scale, self.topk_ratio)
+        key = self.codes_key(kernels)
         hit = shared.lookup(x, key) if shared is not None else None
         if hit is not None:
             return hit[0]

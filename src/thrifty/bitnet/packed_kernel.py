@@ -1,10 +1,12 @@
 """Triton kernels of :class:`~thrifty.bitnet.packed.PackedBitLinear` (sm_90 target; the CPU interpreter in tests).
 
-Decode (1–4 tokens of an INT8 / INT4-range layer) is **one launch**, ``_decode_gemv_kernel``: every program
-quantizes the (short) activation rows itself in its prologue and owns whole output rows (no K split, no second
-pass); see NOTES.md "Decode GEMV v2" (the v1 kernel, ``_decode_gemv_v1_kernel``, stays selectable by
-``decode_plan(..., version=1)`` until the GPU has timed both). Otherwise a forward is two launches (one more when
-K is split):
+Decode at 1 token is ``_decode_gemv_v3_kernel`` on codes made once per input (NOTES.md "Decode GEMV v3": the
+codes kernel below, shared by sibling projections): programs of 8 whole output rows, 16-byte weight loads all in
+flight (cp.async pipelined when a row is longer than one 1 KB chunk), the dp4a on masked fields, no layout change
+before the final reduction. 2–4 tokens of an INT8 / INT4-range layer are **one launch** of a GEMV that quantizes
+the short activation rows itself in its prologue (``_decode_gemv_v1_kernel``; ``_decode_gemv_kernel``, v2, was the
+1-token path before v3 and stays selectable by ``decode_plan(..., version=2)`` until the GPU has timed both).
+Otherwise a forward is two launches (one more when K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
    INT4-range absmean, TopK+INT8) with the arithmetic of ``quant_kernel._quantize_rows_kernel`` (its helpers),
@@ -33,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fused_layers import _check_norm_weight, _check_residual, _norm_launch, _rows, _store_add, _store_rms_norm
 from ..triton_utils import FastLauncher, interpreting
 from ..triton_utils import sm_count as _sm_count  # PK._sm_count: the benchmarks' name (older trees have it)
 from .pack import GROUP, SLICE, padded_k
@@ -52,6 +55,7 @@ NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±i
 GROUP_ = tl.constexpr(GROUP)  # weights per packed group (kernels read constexprs, never plain module globals)
 SLICE_ = tl.constexpr(SLICE)  # weights per 2-bit field of a group = bytes per row and group
 WORDS_ = tl.constexpr(SLICE // 4)  # int32 words per row and group
+HIGH_FIELD = tl.constexpr(0xC0C0C0C0 - (1 << 32))  # bits 6-7 of every byte, as an int32 (Triton's literals are)
 
 
 @triton.jit
@@ -67,6 +71,15 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
     if HAS_NORM:  # BitLinear's sub-norm, as quant_kernel computes it (the same helpers)
         rstd = subnorm_rstd(tl.sum(x * x, axis=0), D, norm_eps)
         x = subnorm(x, x_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
+    _store_codes(x, cols, inside, D, KP, codes_ptr + row * stride_c, scale_ptr + row, sum_ptr + row, k_keep,
+                 beta_scale, KIND, KEY_SHIFT, KEY_BITS, EPS_)
+
+
+@triton.jit
+def _store_codes(x, cols, inside, D, KP, codes_row, scale_at, sum_at, k_keep, beta_scale, KIND: tl.constexpr,
+                 KEY_SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, EPS_: tl.constexpr):
+    """The quantizer ``KIND`` on one fp32 row ``x`` (zero where not ``inside``): int8 codes (zero up to ``KP``),
+    the scale (NaN for a row holding NaN or ±inf, whose codes are zero) and Σ codes."""
     bits = tl.where(inside, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
     top = tl.max(bits, axis=0)
     if KIND == 1:  # INT4 range, absmean
@@ -79,9 +92,33 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
     q = quant_round(x, multiplier, KIND)
     bad = top >= NAN_BITS
     codes = tl.where(inside & (top < NAN_BITS), q, 0.0).to(tl.int32)
-    tl.store(codes_ptr + row * stride_c + cols, codes.to(tl.int8), mask=cols < KP)
-    tl.store(scale_ptr + row, tl.where(bad, float("nan"), scale))
-    tl.store(sum_ptr + row, tl.sum(codes, axis=0))
+    tl.store(codes_row + cols, codes.to(tl.int8), mask=cols < KP)
+    tl.store(scale_at, tl.where(bad, float("nan"), scale))
+    tl.store(sum_at, tl.sum(codes, axis=0))
+
+
+@triton.jit
+def _norm_codes_kernel(X, R, W, S, Y, codes_ptr, scale_ptr, sum_ptr, D, KP, stride_x, stride_r, stride_s, stride_y,
+                       stride_c, eps, beta_scale, ADD: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                       TAIL: tl.constexpr, EPS_: tl.constexpr):
+    """One row of the reference model's RMSNorm (``ADD``: after the residual add) with ``fused_layers``' row code
+    and launch shape, so y is that kernel's bit for bit, then the activation codes of y for the packed layer
+    reading it (INT8 / INT4 range, ``_act_codes_kernel``'s quantizer): one launch where there were two.
+    ``TAIL``: a power of two ≥ KP − BLOCK, the zero codes of the padding past a short row's block."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    if ADD:
+        x_in = _store_add(X + row * stride_x, R + row * stride_r, S + row * stride_s, cols, inside)
+    else:
+        x_in = tl.load(X + row * stride_x + cols, mask=inside, other=0.0)
+    y = _store_rms_norm(x_in, W, Y + row * stride_y, cols, inside, D, eps).to(tl.float32)
+    codes_row = codes_ptr + row * stride_c
+    _store_codes(y, cols, inside, D, KP, codes_row, scale_ptr + row, sum_ptr + row, 0, beta_scale, KIND, 0, 1,
+                 EPS_)
+    if TAIL > 0:
+        pad = BLOCK + tl.arange(0, TAIL)
+        tl.store(codes_row + pad, tl.zeros([TAIL], dtype=tl.int8), mask=pad < KP)
 
 
 @triton.jit
@@ -394,6 +431,108 @@ def _decode_gemv_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, alp
 
 
 @triton.jit
+def _dp4a_fields(w, x0, x1, x2, x3, acc64, acc16, USE_ASM: tl.constexpr):
+    """The 4 fields of the packed word ``w`` dotted with their activation words ``x0..x3``, with masks instead of
+    shifts: ``w & 0xC0C0C0C0`` is field 3 × 64 per byte, ``w & 0x30303030`` field 2 × 16, and of ``s = w << 4``
+    (one shift for both) ``s & 0xC0C0C0C0`` field 1 × 64, ``s & 0x30303030`` field 0 × 16. So fields 1 and 3 go
+    into ``acc64`` (64·Σ), 0 and 2 into ``acc16`` (16·Σ), and the caller divides once (exact: every term is a
+    multiple). 9 instructions per word (1 shift, 4 and, 4 dp4a) against 11 with a shift per field
+    (``_dp4a_field``), on two pipes (ALU: shift/and; FMA: dp4a)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 s, t, a, b;\n\t"
+            "shl.b32 s, $2, 4;\n\t"
+            "and.b32 t, $2, 0xC0C0C0C0; dp4a.u32.s32 a, t, $6, $7;\n\t"
+            "and.b32 t, s, 0xC0C0C0C0; dp4a.u32.s32 a, t, $4, a;\n\t"
+            "and.b32 t, $2, 0x30303030; dp4a.u32.s32 b, t, $5, $8;\n\t"
+            "and.b32 t, s, 0x30303030; dp4a.u32.s32 b, t, $3, b;\n\t"
+            "mov.b32 $0, a; mov.b32 $1, b; }",
+            "=r,=r,r,r,r,r,r,r,r", [w, x0, x1, x2, x3, acc64, acc16], dtype=(tl.int32, tl.int32), is_pure=True,
+            pack=1)
+    else:
+        s = w << 4
+        acc64 = _dp4a(w & HIGH_FIELD, x3, acc64, False)
+        acc64 = _dp4a(s & HIGH_FIELD, x1, acc64, False)
+        acc16 = _dp4a(w & 0x30303030, x2, acc16, False)
+        acc16 = _dp4a(s & 0x30303030, x0, acc16, False)
+        return acc64, acc16
+
+
+@triton.jit
+def _vector_words(t, ROWS: tl.constexpr, KW: tl.constexpr):
+    """The 4 words of every 16-byte vector of a [ROWS, KW] int32 tile, as 4 [ROWS, KW // 4] tiles (the same split
+    of every tile: word j of a vector pairs with word j). A thread holds whole vectors (the tiles are loaded 16
+    bytes per thread), so the splits move no data; they let the dot chain a vector's 4 words into one accumulator
+    pair instead of keeping 2·KW accumulators per row."""
+    lo, hi = tl.split(tl.reshape(t, [ROWS, KW // 4, 2, 2]))
+    a, b = tl.split(lo)
+    c, d = tl.split(hi)
+    return a, b, c, d
+
+
+@triton.jit
+def _field_words(x_row, word, inside, FIELD: tl.constexpr):
+    """[1, KW] int32 words of the activation codes that field ``FIELD`` of the packed words ``word`` multiplies:
+    codes 256·g + 64·FIELD + 4·(j % 16) + 0..3 of word j (group g = j // 16), i.e. word 64·g + 16·FIELD + j % 16
+    of the code row. Runs of 16 consecutive words starting at multiples of 16 (the hints let the load be 16-byte
+    vectors in the weight tile's own layout: the weights are never moved)."""
+    idx = tl.max_contiguous(tl.multiple_of((word // WORDS_) * (GROUP_ // 4) + FIELD * WORDS_ + word % WORDS_,
+                                           WORDS_), WORDS_)
+    return tl.load(x_row + idx[None, :], mask=inside[None, :], other=0)
+
+
+@triton.jit
+def _dot_chunk(w, x_row, word, inside, acc64, acc16, ROWS: tl.constexpr, KW: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc64, acc16 + the [ROWS, KW] packed weight words ``w`` (words ``word`` of each row) dotted with the codes."""
+    w0, w1, w2, w3 = _vector_words(w, ROWS, KW)
+    f0 = _vector_words(_field_words(x_row, word, inside, 0), 1, KW)
+    f1 = _vector_words(_field_words(x_row, word, inside, 1), 1, KW)
+    f2 = _vector_words(_field_words(x_row, word, inside, 2), 1, KW)
+    f3 = _vector_words(_field_words(x_row, word, inside, 3), 1, KW)
+    acc64, acc16 = _dp4a_fields(w0, f0[0], f1[0], f2[0], f3[0], acc64, acc16, USE_ASM)
+    acc64, acc16 = _dp4a_fields(w1, f0[1], f1[1], f2[1], f3[1], acc64, acc16, USE_ASM)
+    acc64, acc16 = _dp4a_fields(w2, f0[2], f1[2], f2[2], f3[2], acc64, acc16, USE_ASM)
+    acc64, acc16 = _dp4a_fields(w3, f0[3], f1[3], f2[3], f3[3], acc64, acc16, USE_ASM)
+    return acc64, acc16
+
+
+@triton.jit
+def _decode_gemv_v3_kernel(codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
+                           rows_per_program, x_row16, w_row16, stride_out, BLOCK_N: tl.constexpr, KW: tl.constexpr,
+                           STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Decode GEMV v3 (NOTES.md "Decode GEMV v3"): one token (``program_id(1)``) on ready codes (int32 words of
+    ``codes_ptr``, its scale and Σ codes), ``rows_per_program`` whole rows per program (a ``BLOCK_N`` tile, the
+    rest masked), K in chunks of ``KW`` = 128 × warps int32 words per row: every thread loads one 16-byte vector
+    per row and chunk, every warp 512 contiguous bytes of a row, and the activation words of its 4 columns per
+    field in the same layout (16-byte vectors, L2/L1 hits), so nothing changes layout until the final reduction.
+    ``STAGES`` > 1: ``tl.range`` software-pipelines the chunks (cp.async into shared memory, STAGES − 1 chunks in
+    flight ahead); 1 chunk per row: plain 16-byte loads, all issued before the first dot."""
+    pid = tl.program_id(0)
+    tok = tl.program_id(1)
+    local = tl.arange(0, BLOCK_N)
+    rows = pid * rows_per_program + local
+    row_ok = (local < rows_per_program) & (rows < N)
+    cols = tl.arange(0, KW)
+    # int32 offsets (the launcher checks N·row words < 2^31); row strides in units of 16 words: 64-byte rows
+    w_offs = rows[:, None] * (w_row16 * 16) + cols[None, :]
+    x_row = codes_ptr + tok.to(tl.int64) * (x_row16 * 16)
+    n_words = n_groups * WORDS_  # a multiple of 16 the compiler sees: the masks keep 16-byte vectors whole
+    acc64 = tl.zeros([BLOCK_N, KW // 4], dtype=tl.int32)
+    acc16 = tl.zeros([BLOCK_N, KW // 4], dtype=tl.int32)
+    for c in tl.range(0, tl.cdiv(n_words, KW), num_stages=STAGES):
+        word = c * KW + cols
+        inside = word < n_words
+        w = tl.load(w_ptr + c * KW + w_offs, mask=row_ok[:, None] & inside[None, :], other=0,
+                    eviction_policy="evict_first")
+        acc64, acc16 = _dot_chunk(w, x_row, word, inside, acc64, acc16, BLOCK_N, KW, USE_ASM)
+    # every dp4a term of acc64 (acc16) is a multiple of 64 (16): the shifts are exact per lane, one reduction
+    total = tl.sum((acc64 >> 6) + (acc16 >> 4), axis=1)
+    toks = tok + tl.arange(0, 1)
+    _store_out(total[:, None], tl.load(sum_ptr + toks), tl.load(scale_ptr + toks), rows, row_ok, toks, N, M,
+               alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+
+
+@triton.jit
 def _decode_gemv_v1_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, D,
                         n_words, rows_per_program, stride_x, x_row16, w_row16, stride_out, beta_scale, norm_eps,
                         FUSED: tl.constexpr, KIND: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -496,9 +635,11 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
 # --------------------------------------------------------------------------------------------- launchers
 
 _ACT_LAUNCH = FastLauncher(_act_codes_kernel)
+_NORM_CODES_LAUNCH = FastLauncher(_norm_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
 _DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
 _DECODE_V1_LAUNCH = FastLauncher(_decode_gemv_v1_kernel)
+_DECODE_V3_LAUNCH = FastLauncher(_decode_gemv_v3_kernel)
 _GEMM_LAUNCH = FastLauncher(_gemm_kernel)
 _EPILOGUE_LAUNCH = FastLauncher(_splitk_epilogue_kernel)
 EPILOGUE_TILE = (64, 16)  # (BLOCK_N, BLOCK_M) of the split-K epilogue
@@ -514,7 +655,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-DECODE_VERSION = 2  # decode_plan's default at 1 token: 2 = _decode_gemv_kernel, 1 = _decode_gemv_v1_kernel
+DECODE_VERSION = 3  # decode_plan's default at 1 token: 3 = _decode_gemv_v3_kernel (on ready codes)
+# v2 (_decode_gemv_kernel, quantizing its own input) stays selectable (version=2) until the GPU has timed v3 beside
+# it; fused_linear's default at 1 token. Before v3:
 # H200, 4ca92a6 (bitnet_kernels.py, v1 tree timed in the same run): v2 wins at 1 token at every 7B shape (7.44 /
 # 13.95 / 11.65 us against 7.97 / 17.06 / 12.10), v1 wins at 4 tokens (15.1 / 35.7 / 27.8 us against 17.1 / 38.4
 # / 33.2): v1 takes 2-4 tokens.
@@ -523,12 +666,31 @@ DECODE_VERSION_MULTI = 1
 # with 256-byte chunks (KW = 64) against 13.7 with 1 KB; 4096 rows (2 per SM) are fastest with 1 KB (7.39 us).
 DECODE_NARROW_AT = 4
 DECODE_ROWS_CAP = {1: 16, 2: 8, 4: 8}  # v2: rows per program by BLOCK_M (≤ 16 weight words per thread and chunk)
+SELF_QUANTIZING = (1, 2)  # decode versions that quantize their own input (FUSED); v3 reads ready codes
+V3_ROWS = 8  # v3 rows per program (4 where 8 would leave fewer than V3_MIN_PROGRAMS programs per SM)
+V3_MIN_PROGRAMS = 2
+V3_MAX_WORDS = 1 << 16  # v3's accumulators hold 64·Σ: |64 · 2 · 128 · 16·words| < 2^31 up to 2^16 words per row
+
+
+def _v3_plan(n: int, words: int, sms: int) -> dict:
+    """v3's tile (NOTES.md "Decode GEMV v3"): ``KW`` = 128 int32 words per warp (one 16-byte vector per thread and
+    row), 2 warps where a row has ≥ 256 words (K ≥ 4096), else 1; 8 rows per program (4 where that gives too few
+    programs); one chunk per row: plain loads (``num_stages`` 1), more: 3 pipeline stages (cp.async, 2 chunks
+    ahead)."""
+    warps = 2 if words >= 256 else 1
+    kw = 128 * warps
+    rows = V3_ROWS if _cdiv(n, V3_ROWS) >= V3_MIN_PROGRAMS * sms else V3_ROWS // 2
+    stages = 1 if words <= kw else 3
+    return dict(kernel="decode", version=3, BLOCK_N=rows, BLOCK_M=1, rows_per_program=rows, KW=kw, SB=0, split=1,
+                num_warps=warps, num_stages=stages)
 
 
 def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = None) -> dict:
-    """Tile of the one-launch decode GEMV (1–4 tokens): no K split, so a program owns whole rows.
+    """Tile of the decode GEMV (1–4 tokens): one launch, no K split, so a program owns whole rows.
 
-    v2 (default; NOTES.md "Decode GEMV v2"): ≤ 16 rows per program at 1 token (8 at 2–4 tokens), 8 warps, chunks
+    v3 (the default at 1 token; :func:`_v3_plan`): on ready codes (the caller's codes kernel, or a sibling's), 4–8
+    rows per program, 16-byte loads, chunks pipelined. v2 (``version=2``; NOTES.md "Decode GEMV v2"): quantizes
+    its own input; ≤ 16 rows per program at 1 token (8 at 2–4 tokens), 8 warps, chunks
     of ``KW`` = 256 int32 words per row (1 KB), one word column per thread: 16 words of weights per thread and
     chunk, ~100 registers, so 2 programs share an SM and each has its 16 KB chunk in flight (32 KB per SM, what
     ~1 µs of HBM latency at 4.1 TB/s asks for). ``rows_per_program = ceil(n / (p·SMs))`` for the smallest p that
@@ -537,11 +699,13 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
     (≤ 32 rows, 139–255 registers, 1 per SM), the default at 2–4 tokens (measured faster there)."""
     if version is None:
         version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
-    if version not in (1, 2):
-        raise ValueError(f"version: expected 1 or 2, got {version!r}")
+    if version not in (1, 2, 3):
+        raise ValueError(f"version: expected 1, 2 or 3, got {version!r}")
     block_m = _pow2(m)
     if block_m > GEMV_MAX_TOKENS:
         raise ValueError(f"m: the decode GEMV takes 1–{GEMV_MAX_TOKENS} tokens, got {m}")
+    if version == 3:
+        return _v3_plan(n, padded_k(k) // 16, sms)
     cap = min(32, 64 // block_m) if version == 1 else DECODE_ROWS_CAP[block_m]
     p = 1
     while _cdiv(n, p * sms) > cap:
@@ -559,7 +723,8 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Kernel, tile, K split and launch options for an (m tokens) × (n, k) product, from the shape alone.
 
-    1–4 tokens: :func:`decode_plan` (one launch, no split). Beyond, the tensor-core GEMM with the tile a sweep
+    1–4 tokens: :func:`decode_plan` (no split; 1 token: v3 on ready codes, 2–4: one launch quantizing its
+    input). Beyond, the tensor-core GEMM with the tile a sweep
     of 60 tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
     ≤ 32 tokens 64 × 16 tiles, ≤ 128 tokens 64 × 64, beyond 128 × 64 with 8 warps; 3 stages. The K loop is split
     only for long K (≥ 24 groups: 6912, 11008) at ≤ 128 tokens, until 1.5 programs per SM or 4 groups per
@@ -624,6 +789,42 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
     return codes, scale, sums
 
 
+def norm_codes(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, *, beta_scale: float = 1.0,
+               residual: torch.Tensor | None = None):
+    """The reference model's RMSNorm of rows ``x`` (of ``x + residual`` when given) and the activation codes of its
+    output for a packed layer quantizing with ``kind`` (INT8 / INT4 range), in one launch: ``(y, codes)``, or
+    ``(x + residual, y, codes)``; ``codes`` = (int8 codes (M, padded_k(D)), fp32 scales, int32 Σ codes). y and the
+    sum are ``fused_layers.rms_norm`` / ``add_rms_norm``'s bit for bit (their row code and launch shape), the codes
+    :func:`quantize_codes`' of y (INT8 bit for bit; INT4's mean is summed in another order)."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"kind: expected one of {list(FUSED_KINDS)}, got {kind!r}")
+    D = x.shape[-1]
+    _check_norm_weight(weight, D)
+    if D > MAX_ROW[kind]:
+        raise ValueError(f"x: rows of {D} features exceed the kernel's {MAX_ROW[kind]} for {kind}")
+    rows = _rows(x)
+    add = residual is not None
+    if add:
+        _check_residual(x, residual)
+    res = _rows(residual) if add else rows
+    out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if add else out
+    m, kp = rows.shape[0], padded_k(D)
+    codes = torch.empty((m, kp), dtype=torch.int8, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, dtype=torch.int32, device=x.device)
+    if m:
+        launch = _norm_launch(D)
+        block = launch["BLOCK"]
+        _NORM_CODES_LAUNCH((m,), rows, res, weight, total, out, codes, scale, sums, D, kp, rows.stride(0),
+                           res.stride(0), total.stride(0), out.stride(0), codes.stride(0), float(eps),
+                           float(beta_scale), ADD=add, KIND=FUSED_KINDS[kind], BLOCK=block,
+                           TAIL=_pow2(kp - block) if kp > block else 0, EPS_=EPS, num_warps=launch["num_warps"],
+                           num_stages=1)
+    y = out.view(*x.shape[:-1], D)
+    return (total.view(x.shape), y, (codes, scale, sums)) if add else (y, (codes, scale, sums))
+
+
 def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int, k: int,
                  config: dict | None = None) -> torch.Tensor:
     """(M, n) output of activation codes (M, padded_k(k)) times the packed (n, padded_k(k)/4) weight."""
@@ -667,12 +868,24 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
     return out
 
 
+def _check_offsets(n: int, w_words: torch.Tensor) -> None:
+    if n * w_words.stride(0) >= 2 ** 31:
+        raise ValueError(f"packed: {n} rows of {w_words.stride(0)} int32 words exceed the decode GEMV's int32 "
+                         "offsets (2^31 words)")
+
+
 def _decode(cfg: dict, out: torch.Tensor, *, packed, alpha_rows, bias, n: int, k: int, codes=None, scale=None,
             sums=None, x=None, kind: str = "int8", beta_scale: float = 1.0, norm_weight=None, norm_eps: float = 1e-5):
-    """One launch of ``_decode_gemv_kernel``: on ready codes, or (``x`` given) quantizing ``x`` itself."""
+    """One launch of the decode GEMV ``cfg["version"]`` names: on ready codes, or (``x`` given; v1, v2) quantizing
+    ``x`` itself."""
     m = out.shape[0]
     w_words = packed.view(torch.int32)
     fused = x is not None
+    version = cfg["version"]
+    if version == 3:
+        if fused:
+            raise ValueError("config: the v3 decode GEMV reads ready codes; quantize first (layer_codes)")
+        return _decode_v3(cfg, out, codes.view(torch.int32), scale, sums, w_words, alpha_rows, bias, n)
     if fused:
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -683,10 +896,9 @@ def _decode(cfg: dict, out: torch.Tensor, *, packed, alpha_rows, bias, n: int, k
         x_arg, sums_arg, scale_arg, stride_x, x_row16 = codes_words, sums, scale, 0, codes_words.stride(0) // 16
     rpp = cfg["rows_per_program"]
     grid = (_cdiv(n, rpp), _cdiv(m, cfg["BLOCK_M"]))
-    v1 = cfg.get("version", DECODE_VERSION) == 1
-    if not v1 and n * w_words.stride(0) >= 2 ** 31:
-        raise ValueError(f"packed: {n} rows of {w_words.stride(0)} int32 words exceed the decode GEMV's int32 "
-                         "offsets (2^31 words)")
+    v1 = version == 1
+    if not v1:
+        _check_offsets(n, w_words)
     launch = _DECODE_V1_LAUNCH if v1 else _DECODE_LAUNCH
     launch(grid, x_arg, norm_weight if norm_weight is not None else alpha_rows, codes_words, sums_arg, scale_arg,
            w_words, alpha_rows, bias if bias is not None else alpha_rows, out, n, m, k, w_words.shape[1], rpp,
@@ -697,18 +909,44 @@ def _decode(cfg: dict, out: torch.Tensor, *, packed, alpha_rows, bias, n: int, k
     return out
 
 
-def fuses(layer, m: int) -> bool:
-    """True when ``layer``'s forward on ``m`` rows is the one-launch decode GEMV quantizing its own input."""
-    return 0 < m <= GEMV_MAX_TOKENS and layer.activation in FUSED_KINDS and layer.in_features <= MAX_ROW["int8"]
+def _decode_v3(cfg: dict, out, codes_words, scale, sums, w_words, alpha_rows, bias, n: int):
+    """One launch of ``_decode_gemv_v3_kernel``: a program per ``rows_per_program`` rows and token."""
+    m = out.shape[0]
+    _check_offsets(n, w_words)
+    if w_words.shape[1] > V3_MAX_WORDS:
+        raise ValueError(f"packed: rows of {w_words.shape[1]} int32 words exceed the v3 decode GEMV's "
+                         f"{V3_MAX_WORDS} (its int32 accumulators)")
+    rpp = cfg["rows_per_program"]
+    _DECODE_V3_LAUNCH((_cdiv(n, rpp), m), codes_words, sums, scale, w_words, alpha_rows,
+                      bias if bias is not None else alpha_rows, out, n, m, w_words.shape[1] // 16, rpp,
+                      codes_words.stride(0) // 16, w_words.stride(0) // 16, out.stride(0), BLOCK_N=cfg["BLOCK_N"],
+                      KW=cfg["KW"], STAGES=cfg["num_stages"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM,
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def fuses(layer, m: int, config: dict | None = None) -> bool:
+    """True when ``layer``'s forward on ``m`` rows (with ``config``, else the plan's) is a decode GEMV quantizing its
+    own input (v1, v2: one launch); v3 (1 token by default) reads codes made once per input."""
+    if config is None:
+        if not 0 < m <= GEMV_MAX_TOKENS:
+            return False
+        version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
+    elif config["kernel"] == "decode":
+        version = config["version"]
+    else:
+        return False
+    return version in SELF_QUANTIZING and layer.activation in FUSED_KINDS and layer.in_features <= MAX_ROW["int8"]
 
 
 def fused_linear(x: torch.Tensor, layer, config: dict | None = None) -> torch.Tensor:
-    """``layer``'s forward on rows ``x`` (M ≤ 4, INT8 / INT4-range input) in one launch: sub-norm, quantizer and
-    the packed matmul in ``_decode_gemv_kernel``; the values of :func:`layer_codes` + :func:`matmul_codes`."""
+    """``layer``'s forward on rows ``x`` (M ≤ 4, INT8 / INT4-range input) in one launch of a self-quantizing decode
+    GEMV (v2 at 1 token, v1 at 2–4 unless ``config`` says otherwise): sub-norm, quantizer and the packed matmul;
+    the values of :func:`layer_codes` + :func:`matmul_codes`."""
     m, n, k = x.shape[0], layer.out_features, layer.in_features
     if x.dtype not in KEYS:
         raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
-    cfg = config or decode_plan(m, n, k, _sm_count(x.device))
+    cfg = config or decode_plan(m, n, k, _sm_count(x.device), version=2 if m == 1 else DECODE_VERSION_MULTI)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm = layer.norm
     return _decode(cfg, out, packed=layer.packed, alpha_rows=layer.row_scale(), bias=layer.bias, n=n, k=k, x=x,
@@ -725,9 +963,10 @@ def layer_codes(x: torch.Tensor, layer):
 
 def packed_linear(x: torch.Tensor, layer, config: dict | None = None, codes=None) -> torch.Tensor:
     """The forward of ``layer`` (a PackedBitLinear) on rows ``x`` (M, in) with the kernels; ``codes``: the rows'
-    :func:`layer_codes` when a sibling projection already computed them. 1–4 rows of an INT8 / INT4-range layer
-    without ready codes: one launch (:func:`fused_linear`)."""
-    if codes is None and (config is None or config["kernel"] == "decode") and fuses(layer, x.shape[0]):
+    :func:`layer_codes` when a sibling projection already computed them. Without ready codes: one launch where the
+    plan's decode GEMV quantizes its own input (2–4 rows of an INT8 / INT4-range layer: :func:`fused_linear`),
+    else the codes kernel, then the matmul (1 row: the v3 decode GEMV)."""
+    if codes is None and fuses(layer, x.shape[0], config):
         return fused_linear(x, layer, config)
     codes, scale, sums = codes if codes is not None else layer_codes(x, layer)
     return matmul_codes(codes, scale, sums, layer.packed, layer.row_scale(), layer.bias, x.dtype,

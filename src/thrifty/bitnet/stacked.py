@@ -9,6 +9,11 @@ epilogue of a row do not depend on which other rows share its launch.
 
 Inference only, in memory (like :func:`~thrifty.bitnet.pack`): the stacked layer is registered on the parent
 module (``qkv_proj`` / ``gate_up_proj``); ``export`` writes the unfused training model as before.
+
+In the reference model's decoder blocks the RMSNorm in front of a stacked INT8 projection (``input_layernorm``
+before q/k/v, ``post_attention_layernorm`` before gate/up) becomes a :class:`CodesRMSNorm`: its launch also writes
+the activation codes the projection would otherwise make with a second launch (the codes kernel, which the
+1-token v3 decode GEMV and the GEMM read).
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..layers import RMSNorm
+from .bitlinear import SharedInput
 from .packed import PackedBitLinear
 
 SIBLINGS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# decoder block attribute of the norm in front of a stacked projection, and of the module holding that projection
+NORM_BEFORE = {"qkv_proj": ("input_layernorm", "self_attn"), "gate_up_proj": ("post_attention_layernorm", "mlp")}
 
 
 class _StackedOutput:
@@ -58,6 +67,61 @@ class ProjectionSlice(nn.Module):
         return f"rows [{self.start}, {self.end}) of the stacked projection"
 
 
+class CodesRMSNorm(RMSNorm):
+    """The RMSNorm in front of a stacked INT8 projection: where the projection would quantize the norm's output with
+    the codes kernel (its decode GEMV or GEMM reads ready codes: 1 row, ≥ 5 rows), the norm's one launch writes the
+    codes too (``packed_kernel.norm_codes``: y is the plain fused norm's bit for bit, the codes the codes kernel's)
+    and hands them to the projection through its ``shared_input``. Elsewhere (autograd, the CPU's PyTorch form,
+    2–4 rows, which the self-quantizing GEMV takes) it is the plain norm. INT8 only: INT4's mean would be summed
+    in another order than the codes kernel's, so a code could move at an exact half and the stacked model would
+    no longer be the unstacked one bit for bit."""
+
+    def __init__(self, norm: RMSNorm, consumer: PackedBitLinear):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight  # the same parameter: state dict and any tying unchanged
+        self.__dict__["consumer"] = consumer  # not a submodule: its parent module holds it
+        self.slot = SharedInput(2)  # stored by the norm, taken once by the projection
+        consumer.shared_input = self.slot
+
+    def _writes_codes(self, x: torch.Tensor) -> bool:
+        from . import packed_kernel
+
+        c = self.consumer
+        return (self._fused(x) and x.shape[-1] == c.in_features and c._use_kernels(x)
+                and not packed_kernel.fuses(c, x.numel() // x.shape[-1]))
+
+    def _hand_over(self, y: torch.Tensor, codes) -> torch.Tensor:
+        self.slot.store(y, self.consumer.codes_key(True), codes, "packed")
+        return y
+
+    def forward(self, x):
+        if not self._writes_codes(x):
+            return super().forward(x)
+        from .packed_kernel import norm_codes
+
+        y, codes = norm_codes(x, self.weight, self.eps, "int8", beta_scale=self.consumer.beta_scale)
+        return self._hand_over(y, codes)
+
+    def add_and_norm(self, x, residual):
+        if not (self._writes_codes(x) and residual.dtype == x.dtype and residual.shape == x.shape):
+            return super().add_and_norm(x, residual)
+        from .packed_kernel import norm_codes
+
+        total, y, codes = norm_codes(x, self.weight, self.eps, "int8", beta_scale=self.consumer.beta_scale,
+                                     residual=residual)
+        return total, self._hand_over(y, codes)
+
+
+def _norms_write_codes(model: nn.Module) -> None:
+    """Every decoder block's plain RMSNorm in front of a stacked INT8 projection becomes a :class:`CodesRMSNorm`."""
+    for block in list(model.modules()):
+        for fused_name, (norm_name, holder_name) in NORM_BEFORE.items():
+            norm = getattr(block, norm_name, None)
+            consumer = getattr(getattr(block, holder_name, None), fused_name, None)
+            if type(norm) is RMSNorm and isinstance(consumer, PackedBitLinear) and consumer.activation == "int8":
+                setattr(block, norm_name, CodesRMSNorm(norm, consumer))
+
+
 def stack_layers(layers: list) -> PackedBitLinear:
     """One PackedBitLinear whose rows are ``layers``' stacked in order (same input width, recipe settings, impl
     and device; no sub-norm, since each sibling would norm the same input again; all or none with a bias)."""
@@ -84,8 +148,9 @@ def stack_layers(layers: list) -> PackedBitLinear:
 
 def stack_projections(model: nn.Module) -> int:
     """In place: every module holding packed q/k/v (or gate/up) siblings gets one stacked layer for them
-    (``qkv_proj`` / ``gate_up_proj``) and the siblings become :class:`ProjectionSlice` views of its output.
-    Returns how many groups were stacked; ValueError when there is none."""
+    (``qkv_proj`` / ``gate_up_proj``) and the siblings become :class:`ProjectionSlice` views of its output; a
+    decoder block's norm in front of a stacked INT8 projection becomes a :class:`CodesRMSNorm`. Returns how many
+    groups were stacked; ValueError when there is none."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     groups = 0
@@ -104,7 +169,8 @@ def stack_projections(model: nn.Module) -> int:
             groups += 1
     if not groups:
         raise ValueError("model: no packed q/k/v or gate/up siblings found (call thrifty.bitnet.pack first)")
+    _norms_write_codes(model)
     return groups
 
 
-__all__ = ["stack_projections", "ProjectionSlice", "stack_layers"]
+__all__ = ["stack_projections", "ProjectionSlice", "stack_layers", "CodesRMSNorm"]
