@@ -53,13 +53,8 @@ def build_model(shape: dict, device, layers=None, dtype=torch.bfloat16):
     if layers:
         kw["num_hidden_layers"] = layers
     cfg = transformers.LlamaConfig(**kw)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.eval()
 
 

@@ -458,13 +458,8 @@ def build_llama(shape: str, device: str, dtype=torch.bfloat16):
 
     cfg = transformers.LlamaConfig(**TRAIN_STEP_SHAPES[shape], max_position_embeddings=131072,
                                    attn_implementation="sdpa")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         raise RuntimeError("lm_head and embed_tokens are not tied, unlike the real Llama-3.2-1B")
     return model.train()

@@ -622,13 +622,8 @@ def sec_e2e(ctx: Ctx):
     S_prefill, S_prompt, S_train = (64, 32, 64) if ctx.smoke else (8192, 4096, 2048)
     cfg = transformers.LlamaConfig(**shape, max_position_embeddings=32768, attn_implementation="sdpa",
                                    tie_word_embeddings=False)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(ctx.dev):
-            model = transformers.LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device(ctx.dev):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.eval()
     ctx.notes["e2e_model"] = dict(shape=shape, weights="random init, bf16", batch=1)
     ctx.log("model built")
