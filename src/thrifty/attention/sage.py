@@ -75,10 +75,11 @@ def _choose_impl(impl, q, causal):
     return "gluon" if prefill_goes_to_gluon(q.shape[-1], q.shape[2], causal, _capability(q.device)) else "triton"
 
 
-_CAPABILITY: dict = {}  # CUDA device index -> (major, minor)
+_CAPABILITY: dict = {}  # CUDA device index -> (major, minor): the kernel routes read it per call
 
 
 def _capability(device: torch.device) -> tuple:
+    """(major, minor) of a CUDA device (the current one when it has no index); one dict lookup after the first."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
@@ -118,9 +119,6 @@ def _nan_rows(result, bad_rows, return_lse):
     return result.masked_fill(bad_rows[..., None], float("nan"))
 
 
-_FLASH_CAPABLE: dict = {}  # CUDA device index -> sm_80 or newer (torch's FlashAttention-2 build)
-
-
 def one_row_flash_fits(q, k, v) -> bool:
     """True when :func:`one_row_flash` can take this call: one query row over at least one key, CUDA fp16/bf16 of
     one dtype, head_dim a multiple of 8 up to 256, query heads a multiple of the KV heads, unit stride on head_dim,
@@ -132,10 +130,7 @@ def one_row_flash_fits(q, k, v) -> bool:
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if index not in _FLASH_CAPABLE:
-        _FLASH_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 8
-    return _FLASH_CAPABLE[index]
+    return _capability(q.device)[0] >= 8  # torch's FlashAttention-2 build: sm_80 or newer
 
 
 def one_row_flash(q, k, v, sm_scale: Optional[float]) -> torch.Tensor:
