@@ -600,6 +600,25 @@ def test_decode_v3_on_cuda_equals_the_torch_path(n, k):
     assert torch.equal(got, want)
 
 
+def test_norm_codes_refuses_bad_arguments_by_name():
+    """Checked before any launch: the quantizer kind (TopK is not fused), the weight's shape, the residual's shape
+    and dtype, and a row longer than the kernel's."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    x, w = torch.randn(2, 64), torch.ones(64)
+    with pytest.raises(ValueError, match="kind"):
+        PK.norm_codes(x, w, 1e-5, "topk_int8")
+    with pytest.raises(ValueError, match="weight"):
+        PK.norm_codes(x, torch.ones(63), 1e-5, "int8")
+    with pytest.raises(ValueError, match="residual"):
+        PK.norm_codes(x, w, 1e-5, "int8", residual=torch.randn(2, 32))
+    with pytest.raises(ValueError, match="residual"):
+        PK.norm_codes(x, w, 1e-5, "int8", residual=torch.randn(2, 64, dtype=torch.float64))
+    D = PK.MAX_ROW["int8"] + 1
+    with pytest.raises(ValueError, match="x: rows"):
+        PK.norm_codes(torch.randn(1, D), torch.ones(D), 1e-5, "int8")
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("D,dtype,add", [(64, torch.float32, False), (300, torch.bfloat16, True),

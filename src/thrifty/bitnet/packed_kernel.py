@@ -5,7 +5,8 @@ codes kernel below, shared by sibling projections): programs of 8 whole output r
 flight (cp.async pipelined when a row is longer than one 1 KB chunk), the dp4a on masked fields, no layout change
 before the final reduction. 2–4 tokens of an INT8 / INT4-range layer are **one launch** of a GEMV that quantizes
 the short activation rows itself in its prologue (``_decode_gemv_v1_kernel``; ``_decode_gemv_kernel``, v2, was the
-1-token path before v3 and stays selectable by ``decode_plan(..., version=2)`` until the GPU has timed both).
+1-token path before v3; ``decode_plan(..., version=2)`` still selects it: one launch where v3 needs the codes kernel
+too, which is what an eager (host-bound) step without ready codes would want, NOTES.md "Decode GEMV v3, measured").
 Otherwise a forward is two launches (one more when K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
