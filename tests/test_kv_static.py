@@ -193,3 +193,26 @@ def test_cuda_graph_generate_picks_what_the_model_predicts(kind, monkeypatch):
     out = generate(model, x, 24, cuda_graph=True)
     assert out.shape == (2, x.shape[1] + 24) and len(replays) == 23
     assert_greedy_up_to_near_ties(model, out, x.shape[1], rel_tol=1e-4 if kind == "fp32" else 2e-2)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_generate_survives_a_collection_during_capture():
+    """A CUDA graph held only by a reference cycle, made unreachable while the decode step is being captured:
+    a collection there would destroy it and invalidate the capture, so none runs until the capture ends."""
+    from test_graphs import make_unreachable_graph_garbage
+
+    from thrifty.bench import capture_graph
+
+    model = tiny(dtype=torch.bfloat16).to("cuda")
+    scratch = torch.zeros(4, device="cuda")
+    old = [capture_graph(lambda: scratch + 1, warmup=1)[0]]
+
+    def make_garbage_while_capturing(module, args):
+        if torch.cuda.is_current_stream_capturing() and old:
+            make_unreachable_graph_garbage(old)
+
+    model.register_forward_pre_hook(make_garbage_while_capturing)
+    x = ids().to("cuda")
+    out = generate(model, x, 8, cuda_graph=True)
+    assert not old and out.shape == (2, x.shape[1] + 8)
+    assert_greedy_up_to_near_ties(model, out, x.shape[1], rel_tol=2e-2)

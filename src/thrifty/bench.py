@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import _graphs
 from ._checks import check_choice, check_positive_int
 from .paths import repo_root
 
@@ -263,17 +264,7 @@ def capture_graph(fn: Callable[[], object], warmup: int = 2, *, repeat: int = 1)
     check_positive_int("capture_graph: repeat", repeat)
     if not torch.cuda.is_available():
         raise RuntimeError("capture_graph: CUDA graphs need a CUDA device (torch.cuda.is_available() is False)")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            out = fn()
-    return graph, out
+    return _graphs.capture(fn, warmup, repeat=repeat)
 
 
 def _spin_cycles(fn, sets, clock_ghz: float = 2.0) -> int:

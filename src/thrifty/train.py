@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ._checks import check_bool, check_choice, check_positive_int, check_range, check_token_ids
+from ._graphs import capture
 
 # Eager steps before a capture (PyTorch's whole-network recipe runs a few): Triton compiles, cuBLAS workspaces and
 # the optimizer's lazily built state all happen outside the graph. They are real training steps.
@@ -528,7 +529,4 @@ class _GraphedStep:
 
     def _record(self, fn):
         """(graph, fn's outputs): ``fn`` captured on the side stream, not run."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            outputs = fn()
-        return graph, outputs
+        return capture(fn, warmup=0, stream=self.stream)

@@ -198,18 +198,11 @@ class GraphedDecoder:
 
 
 def _capture(step):
-    """(graph, its logits buffer): two warm-up runs on a side stream (they write the same cache slot the first
-    replay writes again, with the same token), then the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = step()
-    return graph, logits
+    """(graph, its logits buffer): two warm-up runs (they write the same cache slot the first replay writes again,
+    with the same token), then the capture."""
+    from .._graphs import capture
+
+    return capture(step, warmup=2)
 
 
 def _ended(new: list, eos_token_id) -> bool:
