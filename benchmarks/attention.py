@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from thrifty import bench
 from thrifty.attention import accuracy_metrics, exact_attention, sage_attention
 from thrifty.attention.attn_kernel import kernel_config, launch, quantize_inputs, sage_forward_triton
-from thrifty.attention.gluon_kernel import D64_STRUCTURES
+from thrifty.attention.gluon_kernel import SMALL_D64_TILES
 
 BF16 = torch.bfloat16
 QKV_FILE = Path(__file__).resolve().parents[1] / "build" / "attn_qkv" / "smollm2_qkv.safetensors"
@@ -55,9 +55,9 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
     "thrifty8_gluon_ws2": dict(ws=True, consumers=2),  # two consumer warpgroups + a producer warp (FA3 layout)
     "thrifty8_gluon_ws2_vperm": dict(ws=True, consumers=2, v_perm16=True),  # + P̃ from the accumulator as it lies
 }
-# ws2_vperm with bigger consumer tiles, head_dim 64 only (gluon_kernel.D64_STRUCTURES: 128 query rows per
-# consumer warpgroup, 128-key tiles, both): thrifty8_gluon_ws2_m128, _n128, _m128n128
-GLUON_D64_VARIANTS = {f"thrifty8_gluon_ws2_{k}": dict(ws=True, consumers=2, **v) for k, v in D64_STRUCTURES.items()}
+# head_dim 64: the structures above run on its default 128x128 tiles (gluon_kernel.D64_TILES; ws2_vperm is the
+# default there); the 64x64 tiles beside them
+GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(ws=True, consumers=2, **SMALL_D64_TILES)}
 
 
 def gluon_structures(D):
@@ -288,6 +288,7 @@ def main():
                          "kernel-only with cos vs the Triton kernel; writes attention_gluon_<device>.json instead")
     ap.add_argument("--backends", default="", help="comma-separated backend names to time (default: all)")
     ap.add_argument("--no-real", action="store_true", help="skip the real Q/K/V accuracy pass")
+    ap.add_argument("--label", default=None, help="file tag instead of the device name (e.g. h200-d64)")
     args = ap.parse_args()
     backends = set(filter(None, args.backends.split(",")))
     dev = torch.device(args.device)
@@ -315,6 +316,7 @@ def main():
     if dev.type != "cuda":
         return  # smoke test: nothing to record
     bench.write_result("attention_gluon" if args.gluon else "attention", rows + sweep_rows + real_rows, summary,
+                       device=args.label,
                        extra=dict(B=2, H=32, dtype="bfloat16",
                                   notes=["thrifty rates include the quantization pre-pass except *_kernel_only",
                                          "since v3 Q is quantized inside the attention kernel: *_kernel_only "

@@ -87,7 +87,8 @@ def _free(device):
 
 # ---------------------------------------------------------------------------------------------- sections
 def prefill(args, device, rows, summary):
-    for name, lengths in (("1b", args.prefill), ("8b", args.prefill)):
+    for name in args.prefill_shapes.split(","):
+        lengths = args.prefill
         model = build_model(args.shapes[name], device)
         for S in lengths:
             ids = torch.randint(0, model.config.vocab_size, (1, S), device=device)
@@ -109,8 +110,9 @@ def prefill(args, device, rows, summary):
                 summary[f"e2e_prefill_speedup_{name}_{_k(S)}"] = ms["sdpa"] / ms["thrifty"]
         del model
         _free(device)
-    summary["e2e_prefill_speedup_1b_32k"] = summary.get(f"e2e_prefill_speedup_1b_{_k(args.headline_s)}", float("nan"))
-    summary["e2e_prefill_speedup_8b_32k"] = summary.get(f"e2e_prefill_speedup_8b_{_k(args.headline_s)}", float("nan"))
+    for name in args.prefill_shapes.split(","):
+        summary[f"e2e_prefill_speedup_{name}_32k"] = summary.get(f"e2e_prefill_speedup_{name}_{_k(args.headline_s)}",
+                                                                 float("nan"))
 
 
 def _k(S):
@@ -416,6 +418,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU OK), results to a temp folder")
     ap.add_argument("--sections", default="host,prefill,decode,train,ppl")
     ap.add_argument("--label", default=None, help="file tag instead of the device name (e.g. cpu-ppl)")
+    ap.add_argument("--prefill-shapes", default="1b,8b", help="the prefill section's model shapes")
     ap.add_argument("--ppl-tokens", type=int, default=16384)
     ap.add_argument("--ppl-seq", type=int, default=1024)
     ap.add_argument("--train-layers-8b", type=int, default=8)

@@ -61,7 +61,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", default="64")
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--variants", nargs="*", default=["{}", *map(json.dumps, G.D64_STRUCTURES.values())])
+    ap.add_argument("--variants", nargs="*", default=["{}", json.dumps(G.SMALL_D64_TILES)])
     args = ap.parse_args(argv)
     rows = []
     for D in map(int, args.dims.split(",")):

@@ -174,20 +174,18 @@ def _attention_gluon():
     """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
     each structure (one consumer warpgroup loading for itself; + a producer warp; two consumer warpgroups + a
     producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out; P̃ from the accumulator
-    registers (v_perm16) and its pre-pass; at D=64 the 128-row consumer tiles and the 128-key tiles
-    (``gluon_kernel.D64_STRUCTURES``) the same ways."""
+    registers (v_perm16) and its pre-pass; at D=64 both its default 128x128 tiles (``gluon_kernel.D64_TILES``) and
+    the 64x64 ones (``SMALL_D64_TILES``)."""
     from thrifty.attention import gluon_kernel as G
 
     bf16 = torch.bfloat16
     variants = [dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
     calls = [(D, causal, bf16, False, False, v) for D in G.GLUON_HEAD_DIMS for causal in (False, True)
-             for v in variants]
+             for v in variants]  # at D=64 on its default 128x128 tiles
+    calls += [(64, causal, bf16, False, False, dict(v, **G.SMALL_D64_TILES)) for causal in (False, True)
+              for v in variants]
     calls += [(D, True, dtype, True, True, {}) for D in G.GLUON_HEAD_DIMS for dtype in (torch.float16, torch.float32)]
-    calls += [(D, causal, bf16, False, False, dict(v_perm16=True)) for D in G.GLUON_HEAD_DIMS
-              for causal in (False, True)]
-    for v in G.D64_STRUCTURES.values():
-        calls += [(64, causal, bf16, False, False, v) for causal in (False, True)]
-        calls += [(64, True, dtype, True, True, v) for dtype in (torch.float16, torch.float32)]
+    calls += [(128, causal, bf16, False, False, dict(v_perm16=True)) for causal in (False, True)]  # D=64's default
     for call in calls:
         yield gluon_entry(*call)
     # the pre-pass with Vᵀ in v_slot order (the Triton path's entries cover the rest of the Gluon pre-pass)

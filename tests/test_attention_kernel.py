@@ -268,16 +268,18 @@ def test_prefill_goes_to_gluon_only_where_measured_faster():
         assert prefill_goes_to_gluon(128, least, causal, (9, 0))
         assert prefill_goes_to_gluon(128, 4 * least, causal, (9, 0))
         assert not prefill_goes_to_gluon(128, least - 1, causal, (9, 0))  # the Triton kernel wins at 2K-4K
-        assert not prefill_goes_to_gluon(64, 4 * least, causal, (9, 0))  # and at head_dim 64 everywhere
+        assert prefill_goes_to_gluon(64, least, causal, (9, 0))  # head_dim 64 on its 128x128 tiles too
+        assert not prefill_goes_to_gluon(64, least - 1, causal, (9, 0))
+        assert not prefill_goes_to_gluon(96, 4 * least, causal, (9, 0))  # no Gluon kernel for other head dims
         assert not prefill_goes_to_gluon(128, 4 * least, causal, (8, 0))  # no Hopper, no Gluon kernel
         assert not prefill_goes_to_gluon(128, 4 * least, causal, (10, 0))
     assert GLUON_MIN_QUERIES_CAUSAL > GLUON_MIN_QUERIES  # causal: the kernel alone ties at 8K
 
 
 @pytest.mark.cuda
-def test_cuda_auto_prefill_runs_gluon_at_head_dim_128(monkeypatch):
-    """impl="auto" on sm_90: a long head_dim-128 prefill runs the Gluon kernel (and matches the Triton kernel); a
-    short one and head_dim 64 run the Triton kernel."""
+def test_cuda_auto_prefill_runs_gluon_where_routed(monkeypatch):
+    """impl="auto" on sm_90: a long head_dim-128 or head_dim-64 prefill runs the Gluon kernel (and agrees with the
+    Triton kernel); a short one runs the Triton kernel."""
     from thrifty.attention import attn_kernel, gluon_kernel
     from thrifty.attention.routing import GLUON_MIN_QUERIES_CAUSAL
 
@@ -297,6 +299,14 @@ def test_cuda_auto_prefill_runs_gluon_at_head_dim_128(monkeypatch):
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
     assert cos > 0.99999
     calls.clear()
+    q64, k64, v64 = (x[..., :64].contiguous() for x in (q, k, v))
+    out64 = sage_attention(q64, k64, v64, causal=True)
+    assert calls == ["gluon"]
+    # 128-key tiles sum 128 P̃·V products per fp32 add (the Triton kernel 64 at this head_dim): cos 0.99997+ on the H200
+    ref64 = sage_attention(q64, k64, v64, causal=True, impl="triton")
+    cos = torch.nn.functional.cosine_similarity(out64.float().flatten(), ref64.float().flatten(), dim=0)
+    assert cos > 0.9999
+    calls.clear()
     sage_attention(q[:, :, :2048], k[:, :, :2048], v[:, :, :2048], causal=True)
-    sage_attention(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous(), causal=True)
-    assert calls == ["triton", "triton"]
+    sage_attention(q64[:, :, :2048], k64[:, :, :2048], v64[:, :, :2048], causal=True)
+    assert calls == ["triton", "triton", "triton"]

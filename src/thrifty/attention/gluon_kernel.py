@@ -403,24 +403,26 @@ def gluon_config(head_dim: int) -> dict:
     barriers and loop overhead cover twice the rows; D=128 spills at 128 rows, 4.7 KB). ``v_perm16``: Vᵀ in
     ``quant_kernel.v_slot`` token order, P̃ fed to the P̃·V wgmma without shuffles. Design values: 64 rows
     (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
-    block_n = 64 if head_dim <= 64 else 128
-    # Default: two consumer warpgroups + a producer warp (the FA3 layout). On the H200 (attention_gluon_h200.json,
-    # e18fe69) it was the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x
-    # cuDNN at 32K). The one-warpgroup structure (ws=False) wrote NaN rows at D=64 (B=2, H=32, S >= 2K) and once
-    # at D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
-    return dict(block_m=64, block_n=block_n, scale_block=block_n, stages=3, num_warps=4, ws=True, consumers=2,
-                producer_regs=24, consumer_regs=240, reverse=True, v_perm16=False)
+    # Two consumer warpgroups + a producer warp (the FA3 layout): on the H200 (attention_gluon_h200.json, e18fe69)
+    # the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x cuDNN at 32K). The
+    # one-warpgroup structure (ws=False) wrote NaN rows at D=64 with 64x64 tiles (B=2, H=32, S >= 2K) and once at
+    # D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
+    cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, ws=True, consumers=2,
+               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=False)
+    if head_dim <= 64:
+        cfg.update(D64_TILES)
+    return cfg
 
 
 GLUON_HEAD_DIMS = (64, 128)
-# D=64 structures past ws2 (gluon_config overrides; the benchmark and tests use these names): 128 query rows per
-# consumer warpgroup, 128-key tiles (two K-scale blocks), and both; all with P̃ taken from the accumulator's
-# registers as they are (v_perm16, which any head dim can use). Not the default until measured on the GPU.
-D64_STRUCTURES = {
-    "m128": dict(block_m=128, v_perm16=True),
-    "n128": dict(block_n=128, v_perm16=True),
-    "m128n128": dict(block_m=128, block_n=128, v_perm16=True),
-}
+# D=64: 128 query rows per consumer warpgroup and 128-key tiles (two 64-key K-scale blocks), P̃ taken from the
+# accumulator's registers as they lie (v_perm16). Against 64x64 tiles (H200, ad1a33c, attention_gluon_h200-d64.json,
+# B=2 H=32, TFLOP/s, full / causal): the kernel alone 446 vs 300 / 219 vs 187 at 2K, 554 vs 353 / 449 vs 333 at 8K,
+# 596 vs 389 / 532 vs 366 at 32K; GPU time with the pre-pass 332 vs 256 / 177 vs 184 at 2K (the one loss), 516 vs
+# 340 / 405 vs 310 at 8K, 586 vs 389 / 518 vs 365 at 32K. 128 rows alone or 128 keys alone were in between.
+# SMALL_D64_TILES: the 64x64 tiles (the shape of the ws=False NaN investigation).
+D64_TILES = dict(block_m=128, block_n=128, scale_block=64, v_perm16=True)
+SMALL_D64_TILES = dict(block_m=64, block_n=64, scale_block=64, v_perm16=False)
 
 
 def supports(*, head_dim: int, qk_bits: int, pv: str, smooth_q: bool) -> bool:

@@ -28,12 +28,14 @@ def training_goes_to_sdpa(impl: str, needs_grad: bool) -> bool:
     return impl == "auto" and needs_grad
 
 
-# Prefill calls at head_dim 128 go to the Gluon kernel on sm_90 (``impl="auto"``) from these query lengths, where
-# it was measured faster than the Triton kernel (H200, B=2 H=32 bf16, attention_gluon_h200-routing.json, 0020bc9):
-# end to end (pre-pass included) it wins from 8K on full attention (707 vs 636 TFLOP/s at 8K, 796 vs 712 at 32K)
-# and loses at 2K-4K; causal, the attention kernel alone is 0.99x the Triton kernel's at 8K and 1.09-1.10x from
-# 16K, so causal calls switch from 16K. At head_dim 64 the Triton kernel wins everywhere (ws2 0.68-0.84x cuDNN).
-GLUON_HEAD_DIMS = (128,)
+# Prefill calls go to the Gluon kernel on sm_90 (``impl="auto"``) from these query lengths, where it was measured
+# faster than the Triton kernel, pre-pass included (H200, B=2 H=32 bf16). Head_dim 128 (0020bc9,
+# attention_gluon_h200-routing.json): full attention wins from 8K (707 vs 636 TFLOP/s at 8K, 796 vs 712 at 32K) and
+# loses at 2K-4K; causal, the attention kernel alone is 0.99x the Triton kernel's at 8K and 1.09-1.10x from 16K.
+# Head_dim 64 with its 128x128 tiles (gluon_kernel.D64_TILES; ad1a33c, attention_gluon_h200-d64.json): full 516 vs
+# 474 at 8K (334 vs 349 at 2K), 586 vs 497 at 32K; causal 405 vs 406 at 8K, 517 vs 481 at 32K. Causal calls switch
+# from 16K at both head dims.
+GLUON_HEAD_DIMS = (64, 128)
 GLUON_MIN_QUERIES = 8192
 GLUON_MIN_QUERIES_CAUSAL = 16384
 
