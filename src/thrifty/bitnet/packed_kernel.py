@@ -928,17 +928,11 @@ def _decode_v3(cfg: dict, out, codes_words, scale, sums, w_words, alpha_rows, bi
 
 def fuses(layer, m: int, config: dict | None = None) -> bool:
     """True when ``layer``'s forward on ``m`` rows (with ``config``, else the plan's) is a decode GEMV quantizing its
-    own input (v1, v2: one launch); v3 (1 token by default) reads codes made once per input. At 1 token a layer whose
-    input no sibling shares and no norm quantizes (no ``shared_input``: o and down) takes v2: codes kernel + v3 were
-    two launches where v2 is one, and slower on the GPU too (H200, 77d8fde: 8.30 vs 7.41 µs at 4096x4096, 11.79 vs
-    11.58 at 4096x11008; NOTES.md "Decode GEMV v3, measured")."""
+    own input (v1, v2: one launch); v3 (1 token by default) reads codes made once per input."""
     if config is None:
         if not 0 < m <= GEMV_MAX_TOKENS:
             return False
-        if m == 1:
-            version = 2 if getattr(layer, "shared_input", None) is None else DECODE_VERSION
-        else:
-            version = DECODE_VERSION_MULTI
+        version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
     elif config["kernel"] == "decode":
         version = config["version"]
     else:
