@@ -80,3 +80,25 @@ def test_attention_signature_changes_with_what_launches_specialize_on(monkeypatc
         with pytest.raises(ZeroDivisionError):
             attn_kernel.sage_forward_triton(c["q"], k, v, causal=c.get("causal", True), sm_scale=0.125)
     assert seen[0] == seen[1] and len(set(seen)) == len(seen) - 1
+
+
+class RecordingJit(FakeJit):
+    """A FakeJit that records the keyword arguments of each compile-and-launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.options = []
+
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+        return lambda *args, **kw: self.options.append(kw) or launch(*args, **kw)
+
+
+def test_num_stages_none_leaves_triton_its_default(direct):
+    """Gluon kernels pipeline by hand and take no num_stages: ``num_stages=None`` is not passed to the launch."""
+    jit = RecordingJit()
+    launcher = FastLauncher(jit)
+    launcher.interpreted = False
+    launcher.keyed(("gluon", 8), (2,), torch.empty(8), 8, BLOCK=8, num_warps=4, num_stages=None)
+    launcher.keyed(("triton", 8), (2,), torch.empty(8), 8, BLOCK=8, num_warps=4, num_stages=3)
+    assert jit.options == [dict(BLOCK=8, num_warps=4), dict(BLOCK=8, num_warps=4, num_stages=3)]

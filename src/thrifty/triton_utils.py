@@ -140,15 +140,15 @@ class FastLauncher:
             return ("b", a)
         return (t,)
 
-    def __call__(self, grid, *args, num_warps: int, num_stages: int, **constexprs):
+    def __call__(self, grid, *args, num_warps: int, num_stages: int | None, **constexprs):
         if self.interpreted or not _direct_launch_allowed():
-            return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages))
         driver = _DRIVER or _load_driver()
         device = driver.active.get_current_device()
         key = (device, num_warps, num_stages, tuple(constexprs.items()), tuple(map(self._spec, args)))
         hit = self.cache.get(key)
         if hit is None:
-            kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            kernel = self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages))
             if len(self.cache) < 256:  # the constexprs, in signature order, follow the runtime arguments
                 self.cache[key] = (kernel, tuple(constexprs[n] for n in self.names[len(args):]))
             return kernel
@@ -159,14 +159,16 @@ class FastLauncher:
         return kernel
 
 
-    def keyed(self, sig, grid, *args, num_warps: int, num_stages: int, **constexprs):
+    def keyed(self, sig, grid, *args, num_warps: int, num_stages: int | None, **constexprs):
         """Like a call, with the caller's ``sig`` standing in for the per-argument specialization key (about
         1 µs per argument, 60 per attention call). ``sig`` must determine everything Triton specializes on:
         callers build it from shapes, strides, dtypes and the 16-byte alignment of the tensors they did not
         allocate themselves (fresh allocations from PyTorch's caching allocator are always aligned), plus the
-        flags that select constexprs. The first call with a ``sig`` goes through :meth:`__call__`."""
+        flags that select constexprs. The first call with a ``sig`` goes through :meth:`__call__`. The only way to
+        launch a kernel taking TMA descriptors fast (``_spec`` sees a descriptor's type only, not its block shape
+        and layout, so the ``sig`` must determine them)."""
         if self.interpreted or not _direct_launch_allowed():
-            return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages))
         driver = _DRIVER or _load_driver()
         device = driver.active.get_current_device()
         hit = self.cache.get(("sig", device, sig))
@@ -180,6 +182,11 @@ class FastLauncher:
         kernel.run(*grid3, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
                    None, None, None, *args, *tail)
         return kernel
+
+
+def _options(num_warps: int, num_stages: int | None) -> dict:
+    """Launch options; ``num_stages=None`` leaves Triton's default (Gluon kernels pipeline by hand)."""
+    return dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
 
 
 _DRIVER = None  # triton.runtime.driver.driver, looked up once: an import statement per launch costs ~2 µs

@@ -37,6 +37,7 @@ smooth_q), 16-bit P·V. Those calls stay on the Triton kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -47,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..triton_utils import LOG2E, cdiv
+from ..triton_utils import LOG2E, FastLauncher, cdiv
 from .quant_kernel import FP8_MAX, MAX_SPLIT, quantize_kv, unsmoothed_lse
 
 LOG2_FP8_MAX = math.log2(FP8_MAX)
@@ -394,6 +395,9 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                   HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16)
 
 
+_GLUON_LAUNCH = FastLauncher(_sage_fwd_gluon_kernel)
+
+
 # ------------------------------------------------------------------------------------------------- host side
 def gluon_config(head_dim: int) -> dict:
     """Tile sizes and launch options. ``scale_block`` (keys per K scale, the pre-pass's block) equals the Triton
@@ -430,16 +434,20 @@ def supports(*, head_dim: int, qk_bits: int, pv: str, smooth_q: bool) -> bool:
     return head_dim in GLUON_HEAD_DIMS and pv == "fp8" and not smooth_q and qk_bits in (8, 4)
 
 
+@functools.lru_cache(maxsize=None)
 def shared_layouts(head_dim: int, block_n: int):
-    """(K tile layout, Vᵀ tile layout) of the TMA descriptors (also the compile test's signature)."""
+    """(K tile layout, Vᵀ tile layout) of the TMA descriptors (also the compile test's signature); made once per
+    shape (each layout object costs ~10 µs of host time to build)."""
     k_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.int8)
     v_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl.float8e4nv)
     return k_layout, v_layout
 
 
 def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
-           Sq: int, Sk: int, config: dict | None = None) -> None:
-    """The Gluon attention kernel on the pre-pass output (``quantize_kv``) and Q; out: (B, H, Sq, D) view."""
+           Sq: int, Sk: int, config: dict | None = None, sig=None) -> None:
+    """The Gluon attention kernel on the pre-pass output (``quantize_kv``) and Q; out: (B, H, Sq, D) view.
+    ``sig``: everything the launch specializes on (``sage_forward_gluon`` builds it): the compiled kernel is then
+    looked up by it and launched directly (``FastLauncher.keyed``) instead of through Triton's binder."""
     p = prepared
     q = p["q"]
     B, D = out.shape[0], out.shape[-1]
@@ -460,16 +468,22 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [cfg["block_n"], D], k_layout)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [D, cfg["block_n"]], v_layout)
     grid = (cdiv(max(Sq, 1), cfg["block_m"] * cfg["consumers"]), B * H)
-    _sage_fwd_gluon_kernel[grid](
+    args = (
         q, k_desc, v_desc, p["k_scale"], p["stats"], p["first_bad"], p["first_bad"].shape[1], out,
         lse if lse is not None else out, *q.stride(), *out.stride(), H, H_kv, BH_kv, Sq, Sk, S_pad, Sk - Sq,
-        p["sm_scale"] * LOG2E,
+        p["sm_scale"] * LOG2E)
+    constexprs = dict(
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
         STAGES=cfg["stages"], QMAX=p["qmax"],
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
-        V_PERM16=cfg["v_perm16"], num_warps=cfg["num_warps"])
+        V_PERM16=cfg["v_perm16"])
+    if sig is None:
+        _sage_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=cfg["num_warps"])
+    else:
+        _GLUON_LAUNCH.keyed((sig, tuple(sorted(cfg.items()))), grid, *args, **constexprs,
+                            num_warps=cfg["num_warps"], num_stages=None)
 
 
 def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int = 8, pv: str = "fp8",
@@ -484,12 +498,16 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
     H_kv, Sk = k.shape[1], k.shape[2]
     cfg = dict(gluon_config(D), **(config or {}))
     qmax = 127.0 if qk_bits == 8 else 7.0
+    # What the three launches specialize on (as attn_kernel.sage_forward_triton's): their compiled kernels are
+    # looked up by it. Intermediates (codes, descriptors' tensors, out, lse) are fresh allocations, hence aligned.
+    sig = ("gluon", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, q.data_ptr() % 16,
+           k.data_ptr() % 16, v.data_ptr() % 16, causal, qk_bits, smooth_k, smooth_v, return_lse)
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["scale_block"], smooth_k=smooth_k, fp8_v=True,
-                     smooth_v=smooth_v, v_perm16=cfg["v_perm16"])
+                     smooth_v=smooth_v, sig=sig, v_perm16=cfg["v_perm16"])
     prepared = dict(q=q, qmax=qmax, sm_scale=sm_scale, smooth_v=smooth_v, **kv)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
-    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, config=config)
+    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, config=config, sig=sig)
     if not return_lse:
         return out
     if smooth_k:  # the kernel's LSE is of the smoothed scores
