@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from thrifty import bench
-from thrifty.attention import accuracy_metrics, exact_attention, sage_attention
+from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention
 from thrifty.attention.attn_kernel import kernel_config, launch, quantize_inputs, sage_forward_triton
 from thrifty.attention.gluon_kernel import SMALL_D64_TILES
 
@@ -40,7 +40,8 @@ def real_accuracy(dev):
         for i, (q, k, v) in enumerate(layers):
             q, k, v = (x.to(dev) for x in (q, k, v))
             ref = exact_attention(q, k, v, causal=True, dtype=torch.float32)
-            out = sage_attention(q, k, v, causal=True, qk_bits=bits, impl="triton" if dev.type == "cuda" else "reference")
+            out = sage_attention(q, k, v, causal=True, impl="triton" if dev.type == "cuda" else "reference",
+                                 config=SageConfig(qk_bits=bits))
             m = accuracy_metrics(out, ref)
             rows.append(dict(group="real_accuracy", backend=f"thrifty{bits}", layer=i, S=q.shape[2], **m))
         worst = min(r["cos_sim"] for r in rows if r["backend"] == f"thrifty{bits}")

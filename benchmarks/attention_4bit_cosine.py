@@ -2,8 +2,8 @@
 attention on the layer's real Q, K, V (validation text of the thrifty corpus).
 
 Variants (all with K smoothing, INT4-range Q·K on int8 arithmetic, e4m3 P̃·V, K scales per 64-key block):
-  * ``4bit_api``: what ``sage_attention(qk_bits=4)`` runs: Q smoothed per 64-query block, ΔS added back,
-    Q scales per token;
+  * ``4bit_api``: what ``sage_attention(config=SageConfig(qk_bits=4))`` runs: Q smoothed per 64-query block,
+    ΔS added back, Q scales per token;
   * ``4bit_paper_warp``: the paper's Table 8 granularity: the same with one Q scale per 16-query warp slice;
   * ``4bit_no_smooth_q``: K smoothing only (thrifty's 4-bit before issue #20);
   * ``8bit``: the default 8-bit mode, for scale.
@@ -60,9 +60,9 @@ def main():
             out = sage_attention_reference(q, k, v, causal=True, **kw)
             row[name] = accuracy_metrics(out, exact)["cos_sim"]
         if layer < args.kernel_layers:
-            from thrifty.attention import sage_attention
+            from thrifty.attention import SageConfig, sage_attention
             t = time.perf_counter()
-            kern = sage_attention(q, k, v, causal=True, qk_bits=4, impl="triton")
+            kern = sage_attention(q, k, v, causal=True, impl="triton", config=SageConfig(qk_bits=4))
             row["kernel_4bit"] = accuracy_metrics(kern, exact)["cos_sim"]
             from thrifty.attention.attn_kernel import kernel_config
             cfg = kernel_config(q.shape[-1], q.device)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from thrifty.attention import (accuracy_metrics, apply_plan, calibrate, exact_attention, plan_from_scores,
-                               sage_seam, save_plan)
+from thrifty.attention import (SageConfig, accuracy_metrics, apply_plan, calibrate, exact_attention,
+                               plan_from_scores, sage_seam, save_plan)
 from thrifty.attention.reference import sage_attention_reference
 from thrifty.models import LlamaForCausalLM, sdpa_attention
 from thrifty.pretrained import ensure_converted
@@ -123,12 +123,12 @@ def end_to_end(model, args, device):
     ppl["full precision (fp32 SDPA)"] = perplexity(model, evals)
     model.set_attention(sage_seam(impl="reference"))
     ppl["sage2 8-bit (int8 QK, e4m3 PV)"] = perplexity(model, evals)
-    model.set_attention(sage_seam(impl="reference", qk_bits=4, smooth_q=False))
+    model.set_attention(sage_seam(impl="reference", config=SageConfig(qk_bits=4, smooth_q=False)))
     ppl["sage2 4-bit QK (smooth K)"] = perplexity(model, evals)
-    model.set_attention(sage_seam(impl="reference", qk_bits=4, smooth_q=True))
+    model.set_attention(sage_seam(impl="reference", config=SageConfig(qk_bits=4, smooth_q=True)))
     ppl["sage2 4-bit QK (smooth Q+K)"] = perplexity(model, evals)
     model.set_attention(sdpa_attention)
-    plan_opts = dict(impl="reference", smooth_q=True)
+    plan_opts = dict(impl="reference", config=SageConfig(smooth_q=True))
     _, scores = calibrate(model, calib, threshold=0.0, return_scores=True, **plan_opts)
     plans = {}
     for threshold in args.thresholds:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fuzz_registry import (FLOAT_DTYPES, ArgSpec, FileSpec, NumericSpec, assert_matches, raw_bits, same_bits,
                            special_values, tensors)
-from thrifty.attention import exact_attention, load_plan, sage_attention, sage_seam
+from thrifty.attention import SageConfig, exact_attention, load_plan, sage_attention, sage_seam
 from thrifty.loss import CCEKernelConfig, LinearCrossEntropy, linear_cross_entropy
 from thrifty.models import LlamaForCausalLM, generate
 from thrifty.models.llama import LlamaConfig
@@ -40,7 +40,7 @@ def _qkv(shape=(1, 2, 4, 8), hkv=2):
 
 ATTENTION_ARGS = ArgSpec(
     "attention.sage_attention", sage_attention, valid=_qkv,
-    bad={"sm_scale": [NAN, INF, -INF, -1.0, 0.0, "0.1"], "qk_bits": [5, None], "pv": ["fp4"],
+    bad={"sm_scale": [NAN, INF, -INF, -1.0, 0.0, "0.1"], "config": [{"qk_bits": 4}, 4], "qk_bits": [4],
          "impl": ["cuda"], "layout": ["bhds"], "q": [torch.zeros(1, 2, 4, 8, dtype=torch.int64), [[1.0]],
                                                     torch.randn(1, 0, 4, 8), torch.randn(1, 2, 4, 0)],
          "k": [torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 4)], "v": [torch.randn(1, 2, 5, 8)]},
@@ -48,7 +48,11 @@ ATTENTION_ARGS = ArgSpec(
 
 
 SEAM_ARGS = ArgSpec("attention.sage_seam", lambda **kw: sage_seam(**kw), valid=dict,
-                    bad={"qk_bits": [5], "pv": ["fp4"], "impl": ["gpu"], "foo": [1]}, mention={"foo": "foo"})
+                    bad={"config": [{"qk_bits": 4}], "impl": ["gpu"], "pv": ["fp8"], "foo": [1]})
+SAGE_CONFIG_ARGS = ArgSpec(
+    "attention.SageConfig", SageConfig, valid=dict,
+    bad={"qk_bits": [5, None, "8"], "pv": ["fp4", None], "smooth_k": [1, None], "smooth_q": ["yes", 0],
+         "smooth_v": [None, "no"]})
 
 
 def _plan_file(content) -> Path:
@@ -94,8 +98,8 @@ def attention_inputs(draw, head_dims=(8, 16), max_len=9, batch=(0, 2)):
     layout = draw(st.sampled_from(["bhsd", "bshd"]))
     if layout == "bshd":  # (B, S, H, D) views of the same values: non-contiguous
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    return dict(q=q, k=k, v=v, causal=draw(st.booleans()), layout=layout, qk_bits=draw(st.sampled_from([8, 4])),
-                smooth_k=draw(st.booleans()), return_lse=True)
+    config = SageConfig(qk_bits=draw(st.sampled_from([8, 4])), smooth_k=draw(st.booleans()))
+    return dict(q=q, k=k, v=v, causal=draw(st.booleans()), layout=layout, config=config, return_lse=True)
 
 
 def _check_attention(a, result):
@@ -112,7 +116,7 @@ def _check_attention(a, result):
     ref = exact_attention(zero(q), zero(k), zero(v), causal=a["causal"], dtype=torch.float64)
     vmax = float(zero(v).abs().max()) if v.numel() else 0.0
     # int8/int4 Q·K and fp8 P·V: a loose bound (accuracy has its own tests); catches zeros and garbage
-    tol = (0.1 if a["qk_bits"] == 8 else 0.35) * vmax + 1e-6
+    tol = (0.1 if a["config"].qk_bits == 8 else 0.35) * vmax + 1e-6
     assert_matches(out.double(), ref.double(), rtol=0.02, atol=tol, where=good)
 
 
@@ -426,8 +430,8 @@ PRETRAINED = FileSpec("models.from_pretrained", st.integers(0, 3), _pretrained_w
                       targets=lambda path: [path / "model.safetensors"])
 
 
-SPECS = [SEAM_ARGS, PLAN_ARGS, MODEL_POSITION_ARGS, ATTENTION_ARGS, ATTENTION_REFERENCE, ATTENTION_KERNEL, LOSS_ARGS,
-         LOSS_MODULE_ARGS, LOSS_CONFIG_ARGS, LOSS, NEUZIP_ARGS,
+SPECS = [SEAM_ARGS, SAGE_CONFIG_ARGS, PLAN_ARGS, MODEL_POSITION_ARGS, ATTENTION_ARGS, ATTENTION_REFERENCE,
+         ATTENTION_KERNEL, LOSS_ARGS, LOSS_MODULE_ARGS, LOSS_CONFIG_ARGS, LOSS, NEUZIP_ARGS,
          NEUZIP_SAVE_ARGS, NEUZIP_ROUND_TRIP, NEUZIP_KERNEL, NEUZIP_LOSSY, NEUZIP_FILE, NEUZIP_CLI,
          LLAMA_CONFIG_ARGS, TRAIN_CONFIG_ARGS, MODEL_ARGS, GENERATE_ARGS, CHECKPOINT, PRETRAINED]
 if not (interpreting() or torch.cuda.is_available()):

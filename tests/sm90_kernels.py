@@ -111,7 +111,7 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
     quant_kernel.quantize_kv and attn_kernel.launch make them."""
     from thrifty.attention import attn_kernel as A, quant_kernel as Q
 
-    smooth_q = qk_bits == 4 if smooth_q is None else smooth_q  # sage_attention's default
+    smooth_q = qk_bits == 4 if smooth_q is None else smooth_q  # SageConfig's default
     cfg = A.kernel_config(D, CUDA)
     qmax = 127.0 if qk_bits == 8 else 7.0
     fp8_v = pv == "fp8"

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from thrifty.attention import (accuracy_metrics, apply_plan, calibrate, disable_hf, plan_from_scores, enable_hf, exact_attention,
-                               load_plan, sage_attention, sage_attention_reference, sage_seam, save_plan)
+from thrifty.attention import (SageConfig, accuracy_metrics, apply_plan, calibrate, disable_hf, plan_from_scores, enable_hf,
+                               exact_attention, load_plan, sage_attention, sage_attention_reference, sage_seam, save_plan)
 from thrifty.attention.reference import QMAX, quantize_channels, quantize_tokens, round_to_format, token_groups
 
 
@@ -149,7 +149,7 @@ def test_4bit_mode_is_less_accurate_than_8bit():
     q, k, v = qkv(k_bias=4.0)
     ref = exact_attention(q, k, v)
     c8 = cos(sage_attention(q, k, v), ref)
-    c4 = cos(sage_attention(q, k, v, qk_bits=4), ref)
+    c4 = cos(sage_attention(q, k, v, config=SageConfig(qk_bits=4)), ref)
     assert 0.95 < c4 < c8
 
 
@@ -200,9 +200,8 @@ def test_exact_backward_gradients():
     (dict(q=torch.randn(1, 4, 8, 16).double()), TypeError, "dtype"),
     (dict(q=torch.randn(4, 8, 16)), ValueError, "4 dimensions"),
     (dict(q="x"), TypeError, "torch.Tensor"),
-    (dict(qk_bits=6), ValueError, "qk_bits"),
-    (dict(pv="int8"), ValueError, "pv"),
     (dict(impl="cuda"), ValueError, "impl"),
+    (dict(config=dict(qk_bits=4)), TypeError, "config"),
     (dict(sm_scale=-1.0), ValueError, "sm_scale"),
 ])
 def test_bad_input_raises_clear_errors(bad, err, match):
@@ -211,6 +210,72 @@ def test_bad_input_raises_clear_errors(bad, err, match):
     args.update(bad)
     with pytest.raises(err, match=match):
         sage_attention(args["q"], args["k"], args["v"], **kw)
+
+
+@pytest.mark.parametrize("field, value, err", [
+    ("qk_bits", 6, ValueError), ("qk_bits", "8", ValueError), ("qk_bits", None, ValueError),
+    ("pv", "int3", ValueError), ("pv", "e4m3", ValueError),
+    ("smooth_k", 1, TypeError), ("smooth_q", "yes", TypeError), ("smooth_q", 0, TypeError),
+    ("smooth_v", None, TypeError),
+])
+def test_config_refuses_bad_values_naming_the_field(field, value, err):
+    with pytest.raises(err, match=field):
+        SageConfig(**{field: value})
+
+
+def test_config_is_frozen_and_resolves_smooth_q_when_built():
+    import dataclasses
+
+    cfg = SageConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.qk_bits = 4
+    assert (cfg.qk_bits, cfg.pv, cfg.smooth_k, cfg.smooth_q, cfg.smooth_v) == (8, "fp8", True, None, False)
+    assert not cfg.q_smoothed and SageConfig(qk_bits=4).q_smoothed  # default: on for 4 bits, off for 8
+    assert not SageConfig(qk_bits=4, smooth_q=False).q_smoothed and SageConfig(smooth_q=True).q_smoothed
+    assert dataclasses.replace(cfg, qk_bits=4).q_smoothed  # a per-layer plan's replace resolves it again
+    assert SageConfig() == cfg and hash(SageConfig(qk_bits=4)) == hash(SageConfig(qk_bits=4))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_config_runs_what_the_reference_specifies(bits, causal):
+    """The default config (SageAttention2-8b; with qk_bits=4 SageAttention2-4b, Q smoothed per 64-query block)
+    runs exactly the reference with those knobs spelled out; the config's other fields reach it too."""
+    from thrifty.attention.sage import SMOOTH_Q_BLOCK
+
+    q, k, v = qkv(Sq=80, Sk=96, k_bias=4.0)
+    spec = dict(causal=causal, qk_format=f"int{bits}", pv="fp8", smooth_k=True, smooth_q=bits == 4, smooth_v=False,
+                block_m=SMOOTH_Q_BLOCK, return_lse=True)
+    config = None if bits == 8 else SageConfig(qk_bits=4)
+    out, lse = sage_attention(q, k, v, causal=causal, impl="reference", return_lse=True, config=config)
+    want, want_lse = sage_attention_reference(q, k, v, **spec)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    other = SageConfig(qk_bits=bits, pv="fp16", smooth_k=False, smooth_q=bits == 8, smooth_v=True)
+    out = sage_attention(q, k, v, causal=causal, impl="reference", config=other)
+    want = sage_attention_reference(q, k, v, **dict(spec, pv="fp16", smooth_k=False, smooth_q=bits == 8,
+                                                    smooth_v=True, return_lse=False))
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("old", [dict(qk_bits=4), dict(pv="fp16"), dict(smooth_k=False), dict(smooth_q=True),
+                                 dict(smooth_v=True)])
+def test_quantization_keywords_live_on_the_config_only(old):
+    q, k, v = qkv(Sq=8, Sk=8)
+    with pytest.raises(TypeError, match=next(iter(old))):
+        sage_attention(q, k, v, **old)
+    with pytest.raises(TypeError, match=next(iter(old))):
+        sage_seam(**old)
+    sage_attention(q, k, v, config=SageConfig(**old))
+
+
+def test_optimize_attention_config_is_not_a_sage_config():
+    from thrifty import AttentionConfig
+
+    q, k, v = qkv(Sq=8, Sk=8)
+    with pytest.raises(TypeError, match="config: expected a thrifty.attention.SageConfig.*AttentionConfig is optimize"):
+        sage_attention(q, k, v, config=AttentionConfig(qk_bits=4))
+    with pytest.raises(TypeError, match="config"):
+        sage_seam(config=AttentionConfig())
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
@@ -256,8 +321,12 @@ def test_calibrate_plan_round_trip(tmp_path):
     assert json.loads(path.read_text())["format"].startswith("thrifty.sage_plan")
     assert load_plan(path) == plan
     apply_plan(model, {0: 4, 1: 8})
-    bits = [layer.self_attn.attention.options["qk_bits"] for layer in model.model.layers]
+    bits = [layer.self_attn.attention.options["config"].qk_bits for layer in model.model.layers]
     assert bits == [4, 8, 8]
+    apply_plan(model, {0: 4, 1: 8}, impl="reference", config=SageConfig(smooth_v=True))  # the plan sets qk_bits
+    configs = [layer.self_attn.attention.options["config"] for layer in model.model.layers]
+    assert configs == [SageConfig(qk_bits=4, smooth_v=True), SageConfig(smooth_v=True), SageConfig(smooth_v=True)]
+    assert [c.q_smoothed for c in configs] == [True, False, False]  # smooth_q=None resolved per layer's bits
     with pytest.raises(ValueError, match="do not exist"):
         apply_plan(model, {7: 4})
     with pytest.raises(ValueError, match="4 or 8"):

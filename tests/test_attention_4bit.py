@@ -5,7 +5,7 @@ the public API's 4-bit mode against the reference's spelled-out options."""
 import pytest
 import torch
 
-from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
 from thrifty.attention.sage import SMOOTH_Q_BLOCK
 from thrifty.triton_utils import interpreting
 
@@ -27,12 +27,13 @@ def cos(a, b):
 
 def test_api_4bit_is_smoothed_q_and_k_with_delta_s():
     q, k, v = _inputs(1, 4, 2, 150, 150, 64)
-    out = sage_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, qk_bits=4)
+    out = sage_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, config=SageConfig(qk_bits=4))
     ref = sage_attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=True, qk_format="int4", smooth_q=True,
                                    block_m=SMOOTH_Q_BLOCK)
     assert torch.equal(out, ref)
     exact = exact_attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
-    no_q_smoothing = sage_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, qk_bits=4, smooth_q=False)
+    no_q_smoothing = sage_attention(q.cpu(), k.cpu(), v.cpu(), causal=True,
+                                    config=SageConfig(qk_bits=4, smooth_q=False))
     assert cos(out, exact) > cos(no_q_smoothing, exact) + 0.01 and cos(out, exact) > 0.98
 
 
@@ -80,5 +81,5 @@ def test_api_4bit_runs_the_kernel_with_smoothing(monkeypatch):
     real = attn_kernel.sage_forward_triton
     monkeypatch.setattr(attn_kernel, "sage_forward_triton", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     q, k, v = _inputs(1, 2, 2, 40, 40, 64)
-    sage_attention(q, k, v, causal=True, qk_bits=4, impl="triton")
+    sage_attention(q, k, v, causal=True, impl="triton", config=SageConfig(qk_bits=4))
     assert seen and seen[0]["smooth_q"] is True and seen[0]["qk_bits"] == 4

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
 from thrifty.attention.gluon_kernel import SMALL_D64_TILES, gluon_config
 from thrifty.bench import capture_graph
 
@@ -209,7 +209,7 @@ def test_cuda_gluon_path_ran_when_selected(monkeypatch):
     out = sage_attention(q, k, v, causal=True, impl="gluon")
     assert calls == ["gluon"]
     _assert_agrees(out, real_triton(q, k, v, causal=True, sm_scale=0.125), {}, 64, q, k, v, True)
-    sage_attention(q, k, v, causal=True, impl="gluon", pv="fp16")
+    sage_attention(q, k, v, causal=True, impl="gluon", config=SageConfig(pv="fp16"))
     assert calls == ["gluon", "triton"]
 
 

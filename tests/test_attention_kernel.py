@@ -6,7 +6,7 @@ small. The ``cuda`` tests run on the GPU box at real sizes."""
 import pytest
 import torch
 
-from thrifty.attention import accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
 from thrifty.triton_utils import interpreting
 
 pytestmark = pytest.mark.skipif(not (interpreting() or torch.cuda.is_available()),
@@ -58,7 +58,8 @@ def _kernel(q, k, v, causal, return_lse=False, **opts):
     from thrifty.attention.sage import _validate
     from thrifty.attention.attn_kernel import sage_forward_triton
     qk_bits, pv = opts.pop("qk_bits", 8), opts.pop("pv", "fp8")
-    _validate(q, k, v, qk_bits, pv, "triton", "bhsd", None)
+    SageConfig(qk_bits=qk_bits, pv=pv)  # values sage_attention takes
+    _validate(q, k, v, "triton", "bhsd", None)
     return sage_forward_triton(q, k, v, causal=causal, sm_scale=q.shape[-1] ** -0.5, qk_bits=qk_bits, pv=pv,
                                return_lse=return_lse, config=PLAIN, **opts)
 
@@ -83,13 +84,13 @@ def test_kernel_matches_reference_int8_fp8(B, H, Hkv, Sq, Sk, causal):
 def test_kernel_modes(opts):
     q, k, v = _inputs(1, 2, 1, 40, 40, 64)
     out = _kernel(q, k, v, True, **dict(opts))
-    default = sage_attention(q, k, v, causal=True, impl="triton", **opts)
+    default = sage_attention(q, k, v, causal=True, impl="triton", config=SageConfig(**opts))
     ref_opts = dict(opts)
     if "qk_bits" in ref_opts:
         ref_opts["qk_format"] = "int4" if ref_opts.pop("qk_bits") == 4 else "int8"
     ref = sage_attention_reference(q, k, v, causal=True, **ref_opts, **_blocks(64))
     _assert_matches_reference(out, ref, 1e-3)
-    if opts.get("qk_bits") == 4:  # sage_attention(qk_bits=4) is SageAttention2-4b: Q smoothed too (ΔS)
+    if opts.get("qk_bits") == 4:  # SageConfig(qk_bits=4) is SageAttention2-4b: Q smoothed too (ΔS)
         ref = sage_attention_reference(q, k, v, causal=True, smooth_q=True, **ref_opts, **_blocks(64))
     assert accuracy_metrics(default, ref)["cos_sim"] > 0.99999
 
@@ -113,11 +114,11 @@ def test_smooth_q_runs_in_the_kernel_too():
     """Q smoothing (ΔS added back) was reference-only; since issue #20 the kernel has it (tests in
     test_attention_4bit.py): impl="triton" with smooth_q runs the kernel and matches the reference."""
     q, k, v = _inputs(1, 2, 2, 40, 40, 64)
-    out = sage_attention(q, k, v, impl="triton", smooth_q=True)
+    out = sage_attention(q, k, v, impl="triton", config=SageConfig(smooth_q=True))
     ref = sage_attention_reference(q, k, v, smooth_q=True, **_blocks(64))
     assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
     # honoured, not silently ignored: the result is the smoothed one, not the 8-bit default's
-    plain = sage_attention(q, k, v, impl="triton", smooth_q=False)
+    plain = sage_attention(q, k, v, impl="triton", config=SageConfig(smooth_q=False))
     plain_ref = sage_attention_reference(q, k, v, smooth_q=False, **_blocks(64))
     assert not torch.equal(out, plain)
     assert (out - ref).abs().max() < (out - plain_ref).abs().max()
@@ -250,7 +251,7 @@ def test_kernel_nan_rows_are_exactly_the_rule_without_a_host_guard(monkeypatch, 
                 x[idx] = (float("nan"), float("inf"), float("-inf"))[int(torch.randint(3, (1,), generator=g))]
         for x, c in zip((q, k, v), clean):
             c[~torch.isfinite(x)] = 0.0
-        kw = dict(causal=causal, impl="triton", qk_bits=qk_bits, return_lse=return_lse)
+        kw = dict(causal=causal, impl="triton", config=SageConfig(qk_bits=qk_bits), return_lse=return_lse)
         got, want = sage_attention(q, k, v, **kw), sage_attention(*clean, **kw)
         out, lse = got if return_lse else (got, None)
         ref_out = want[0] if return_lse else want

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from thrifty import neuzip
-from thrifty.attention import accuracy_metrics, exact_attention, sage_attention
+from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention
 from thrifty.loss import linear_cross_entropy
 from thrifty.models import LlamaForCausalLM
 from thrifty.models.llama import LlamaConfig
@@ -169,7 +169,7 @@ def test_attention_nan_query_gives_nan_row_not_zeros(impl):
 def test_attention_nan_key_with_smoothing_stays_in_the_rows_that_see_it(impl):
     q, k, v = _qkv(D=64, S=12)
     k[0, 1, 7, 0] = NAN
-    out = sage_attention(q, k, v, causal=True, impl=impl, smooth_k=True)
+    out = sage_attention(q, k, v, causal=True, impl=impl, config=SageConfig(smooth_k=True))
     assert out[0, 1, 7:].isnan().all() and out[0, 1, :7].isfinite().all() and out[0, 0].isfinite().all()
     ref = exact_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], causal=True)
     assert accuracy_metrics(out[0, 1, :7], ref[0, 1])["cos_sim"] > 0.99  # rows before the bad key: right
@@ -263,8 +263,10 @@ def test_hf_integrations_check_options_when_enabled():
     from thrifty.attention import enable_hf
     from thrifty.loss.hf import patch_causal_lm
 
-    with pytest.raises(ValueError, match="qk_bits"):
-        enable_hf(_hf_model(), qk_bits=5)
+    with pytest.raises(TypeError, match="config"):
+        enable_hf(_hf_model(), config={"qk_bits": 4})
+    with pytest.raises(ValueError, match="impl"):
+        enable_hf(_hf_model(), impl="fast")
     with pytest.raises(TypeError, match="foo"):
         enable_hf(_hf_model(), foo=1)
     with pytest.raises(TypeError, match="model"):
@@ -290,8 +292,8 @@ def test_positions_cache_and_plans_fail_clearly(tmp_path):
     model(ids, cache=cache)
     with pytest.raises(ValueError, match="cache"):
         model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
-    with pytest.raises(ValueError, match="qk_bits"):
-        sage_seam(qk_bits=5)
+    with pytest.raises(TypeError, match="config"):
+        sage_seam(config={"qk_bits": 5})
     with pytest.raises(ValueError, match="scores"):
         plan_from_scores({0: NAN}, 0.5)
     (tmp_path / "p.json").write_text('{"format": "thrifty.sage_plan/1"}')

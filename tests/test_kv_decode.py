@@ -5,7 +5,7 @@ quantized cache in ``generate``), CUDA-graph capture (GPU)."""
 import pytest
 import torch
 
-from thrifty.attention import accuracy_metrics, enable_hf, exact_attention, sage_attention
+from thrifty.attention import SageConfig, accuracy_metrics, enable_hf, exact_attention, sage_attention
 from thrifty.bench import capture_graph
 from thrifty.kv import QuantizedKV, QuantizedKVCache, decode_attention, quantize_kv_cache, thrifty_kv_cache
 from thrifty.kv.decode import decode_attention_reference
@@ -253,10 +253,10 @@ def test_two_models_keep_their_own_options(monkeypatch):
     from thrifty.attention import hf
     seen = []
     real = hf.sage_attention
-    monkeypatch.setattr(hf, "sage_attention", lambda *a, **kw: seen.append(kw.get("qk_bits", 8)) or real(*a, **kw))
+    monkeypatch.setattr(hf, "sage_attention", lambda *a, **kw: seen.append(kw["config"].qk_bits) or real(*a, **kw))
     m8, m4 = _tiny_llama(0), _tiny_llama(1, layers=3)
     enable_hf(m8)
-    enable_hf(m4, qk_bits=4, plan={2: 8})  # enabling the second model must not change the first
+    enable_hf(m4, config=SageConfig(qk_bits=4), plan={2: 8})  # enabling the second model must not change the first
     ids = torch.randint(0, 128, (1, 40))
     with torch.no_grad():
         for model in (m8, m4, m8):

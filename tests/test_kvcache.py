@@ -336,13 +336,13 @@ def test_non_finite_prompt_key_empty_prompt_and_bad_model_are_refused():
 def test_hf_quantized_attention_survives_a_shadowkv_generate(hf_model):
     import copy
 
-    from thrifty.attention import enable_hf
+    from thrifty.attention import SageConfig, enable_hf
 
     model = copy.deepcopy(hf_model)
     ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         exact = model(ids).logits
-        enable_hf(model, qk_bits=4)
+        enable_hf(model, config=SageConfig(qk_bits=4))
         quantized = model(ids).logits
     assert not torch.equal(quantized, exact)
     cache = ShadowKVCache(model, small_config(rank=32, sparse_budget=400, min_prompt_len=20))

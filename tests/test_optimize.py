@@ -283,8 +283,8 @@ def test_skip_layers_keep_exact_attention_and_full_precision_linears(ids):
 def test_options_live_on_the_model(hf_base, ids):
     a = thrifty.optimize(copy.deepcopy(hf_base), OptimizeConfig(attention=AttentionConfig(qk_bits=4)))
     b = thrifty.optimize(copy.deepcopy(hf_base), OptimizeConfig(attention=AttentionConfig(qk_bits=8)))
-    assert a.model.layers[0].self_attn._thrifty_sage_options["qk_bits"] == 4
-    assert b.model.layers[0].self_attn._thrifty_sage_options["qk_bits"] == 8
+    assert a.model.layers[0].self_attn._thrifty_sage_options["config"].qk_bits == 4
+    assert b.model.layers[0].self_attn._thrifty_sage_options["config"].qk_bits == 8
     assert not torch.equal(eval_logits(a, ids), eval_logits(b, ids))
 
 

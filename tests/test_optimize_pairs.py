@@ -269,7 +269,7 @@ def check_attention(api, model, base, ids, monkeypatch):
 
         for layer in model.model.layers:  # a sage seam (or a ShadowKV cache's dispatch wrapping one)
             fn = getattr(layer.self_attn.attention, "inner", layer.self_attn.attention)
-            assert fn.options["qk_bits"] == 8, fn
+            assert fn.options["config"].qk_bits == 8, fn
     real, calls = where.sage_attention, []
 
     def spy(q, k, v, **kw):
@@ -322,14 +322,14 @@ def check_logits(api, model, pair, bases, ids, alone_logits):
     else:  # BitNet and quantized attention: optimize gives the bits of composing them by hand
         by_hand = thrifty.optimize(copy.deepcopy(bases[api.kind]), OptimizeConfig(bitnet="b1.58"))
         if api.kind == "transformers":
-            from thrifty.attention import enable_hf
+            from thrifty.attention import SageConfig, enable_hf
 
-            enable_hf(by_hand, qk_bits=8, pv="fp8")
+            enable_hf(by_hand, config=SageConfig(qk_bits=8, pv="fp8"))
         else:
-            from thrifty.attention import sage_seam
+            from thrifty.attention import SageConfig, sage_seam
 
             for layer in by_hand.model.layers:
-                layer.self_attn.attention = sage_seam(qk_bits=8, pv="fp8")
+                layer.self_attn.attention = sage_seam(config=SageConfig(qk_bits=8, pv="fp8"))
         assert torch.equal(logits, api.logits(by_hand, ids))
     if "attention" in pair:  # quantized: close to the logits without it, not equal
         other = alone_logits[api.kind, "bitnet" if "bitnet" in pair else None]

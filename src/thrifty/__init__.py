@@ -22,6 +22,7 @@ _LAZY = {
     "linear_cross_entropy": ("thrifty.loss", "linear_cross_entropy"),
     "CCEKernelConfig": ("thrifty.loss", "CCEKernelConfig"),
     "sage_attention": ("thrifty.attention", "sage_attention"),
+    "SageConfig": ("thrifty.attention", "SageConfig"),
     "compress": ("thrifty.neuzip", "compress"),
     "LlamaForCausalLM": ("thrifty.models", "LlamaForCausalLM"),
     "LlamaConfig": ("thrifty.models", "LlamaConfig"),

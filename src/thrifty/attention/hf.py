@@ -21,6 +21,7 @@ kernel reads directly; longer queries go to the quantized prefill kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -29,11 +30,11 @@ from ..kv.decode import DECODE_MAX_ROWS, decode_attention
 from ..kv.hf import PACKED_KV_READERS
 from .plan import check_plan
 from .routing import training_goes_to_sdpa
-from .sage import one_row_flash, one_row_flash_fits, sage_attention
-from .seam import check_sage_options
+from .sage import SageConfig, one_row_flash, one_row_flash_fits, sage_attention
+from .seam import sage_options
 
 NAME = "thrifty_sage"
-OPTIONS_ATTR = "_thrifty_sage_options"  # per attention module: sage_attention keywords for that layer
+OPTIONS_ATTR = "_thrifty_sage_options"  # per attention module: sage_attention's impl and config for that layer
 _sdpa_forward = None  # transformers' SDPA attention, imported on first use
 
 
@@ -86,23 +87,24 @@ def _attention_modules(model):
             and not hasattr(m, "self_attn")]
 
 
-def enable_hf(model, *, plan: Optional[dict] = None, **options) -> None:
-    """Switches a transformers model to sage attention. ``plan``: {layer index: 4 or 8} (from
-    :func:`~thrifty.attention.calibrate` on the same architecture); ``options``: sage_attention keywords.
-    The options are kept on this model's attention modules (calling it again replaces them)."""
+def enable_hf(model, *, plan: Optional[dict] = None, impl: str = "auto", config: Optional[SageConfig] = None) -> None:
+    """Switches a transformers model to sage attention. ``impl`` and ``config`` (a :class:`SageConfig`) are
+    :func:`sage_attention`'s; ``plan``: {layer index: 4 or 8} (from :func:`~thrifty.attention.calibrate` on the
+    same architecture) replaces ``config.qk_bits`` on the layers it names. The options are kept on this model's
+    attention modules (calling it again replaces them)."""
     if not hasattr(getattr(model, "config", None), "_attn_implementation"):
         raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__} "
                         "(thrifty's own model takes model.set_attention(sage_seam(...)))")
     if plan is not None:
         check_plan(plan)
-    check_sage_options(options)
+    options = sage_options(impl, config)
     modules = _attention_modules(model)
     if not modules:
         raise TypeError("model: no attention modules with a layer_idx found (not a transformers decoder?)")
     for m in modules:
         layer_options = dict(options)
         if plan is not None and m.layer_idx in plan:
-            layer_options["qk_bits"] = plan[m.layer_idx]
+            layer_options["config"] = dataclasses.replace(options["config"], qk_bits=plan[m.layer_idx])
         m.__dict__[OPTIONS_ATTR] = layer_options
     register()
     if not hasattr(model, "_thrifty_previous_attn"):

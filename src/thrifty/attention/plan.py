@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,8 +14,8 @@ import torch
 
 from .._checks import check_choice, check_number, check_range
 from .reference import accuracy_metrics
-from .sage import sage_attention
-from .seam import sage_seam
+from .sage import SageConfig, sage_attention
+from .seam import sage_options, sage_seam
 
 PLAN_FORMAT = "thrifty.sage_plan/1"
 
@@ -28,16 +29,19 @@ def _attention_layers(model):
 
 @torch.no_grad()
 def calibrate(model, batches: Iterable, *, threshold: float = 0.99, low_bits: int = 4,
-              return_scores: bool = False, **options):
+              return_scores: bool = False, impl: str = "auto", config: Optional[SageConfig] = None):
     """Per-layer plan {layer index: bits}: 4 where the layer's 4-bit attention scores at least ``threshold``
     on every batch, else 8. Score = cos_sim·(1 − relative L1) of the 4-bit output against the layer's
     full-precision attention, on the layer's real inputs (the model runs in full precision meanwhile).
 
     ``batches``: input-id tensors (B, T) (or tuples whose first item is one). ``return_scores``: return
-    ``(plan, {layer: worst score})``. ``options``: :func:`sage_attention` keywords.
+    ``(plan, {layer: worst score})``. ``impl`` and ``config`` are :func:`sage_attention`'s (the config's
+    ``qk_bits`` replaced by ``low_bits``).
     """
     check_range("threshold", threshold, 0.0, 1.0)
     check_choice("low_bits", low_bits, (4, 8))
+    options = sage_options(impl, config)
+    options["config"] = dataclasses.replace(options["config"], qk_bits=low_bits)
     attns = _attention_layers(model)
     worst = [1.0] * len(attns)
     originals = [a.attention for a in attns]
@@ -45,7 +49,7 @@ def calibrate(model, batches: Iterable, *, threshold: float = 0.99, low_bits: in
     def recorder(i, original):
         def fn(q, k, v, *, causal, scale):
             exact = original(q, k, v, causal=causal, scale=scale)
-            quant = sage_attention(q, k, v, causal=causal, sm_scale=scale, qk_bits=low_bits, **options)
+            quant = sage_attention(q, k, v, causal=causal, sm_scale=scale, **options)
             score = accuracy_metrics(quant, exact)["score"]
             if math.isnan(score):  # min() would skip a NaN and keep the layer's 1.0: a silent "4 bits is fine"
                 raise ValueError(f"batches: layer {i}'s attention is NaN on this batch (NaN weights or inputs); "
@@ -127,15 +131,17 @@ def check_plan(plan):
             raise ValueError(f"plan: expected int layer -> 4 or 8, got {i!r} -> {b!r}")
 
 
-def apply_plan(model, plan: dict, **options) -> None:
-    """Sets each layer's attention to sage attention with the plan's bits (layers not in the plan: 8)."""
+def apply_plan(model, plan: dict, *, impl: str = "auto", config: Optional[SageConfig] = None) -> None:
+    """Sets each layer's attention to sage attention with the plan's bits (layers not in the plan: 8); ``impl``
+    and ``config`` are :func:`sage_attention`'s (the config's ``qk_bits`` replaced per layer)."""
     check_plan(plan)
+    config = sage_options(impl, config)["config"]
     attns = _attention_layers(model)
     bad = [i for i in plan if not 0 <= i < len(attns)]
     if bad:
         raise ValueError(f"plan: layers {bad} do not exist (model has {len(attns)})")
     for i, a in enumerate(attns):
-        a.attention = sage_seam(qk_bits=plan.get(i, 8), **options)
+        a.attention = sage_seam(impl=impl, config=dataclasses.replace(config, qk_bits=plan.get(i, 8)))
 
 
 __all__ = ["calibrate", "plan_from_scores", "save_plan", "load_plan", "apply_plan", "PLAN_FORMAT"]

@@ -5,12 +5,13 @@ exact-attention backward used when fine-tuning through it."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_impl, check_range, check_tensor
+from .._checks import check_bool, check_choice, check_impl, check_range, check_tensor
 from ..kv.reference import causal_mask, nonfinite_rows
 from ..triton_utils import kernels_available
 from .reference import empty_attention, sage_attention_reference
@@ -26,7 +27,56 @@ KERNEL_HEAD_DIMS = (64, 128)
 EXTRA_IMPLS = ("gluon",)  # beyond the library's IMPLS: the Gluon (sm_90) kernel, opt-in
 
 
-def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
+@dataclass(frozen=True)
+class SageConfig:
+    """How :func:`sage_attention` quantizes (SageAttention2); validated when built, so a call does no checks of
+    its own on these. The defaults are SageAttention2-8b.
+
+    qk_bits: 8 (INT8 Q·Kᵀ), or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed (ΔS added back), Q scales
+        per token (finer than the paper's per-warp, see NOTES.md); still run on the int8 tensor cores (Hopper
+        has no INT4 MMA: an accuracy mode, not a speed-up). Worst real SmolLM2 layer cos 0.959 at 4 bits vs
+        0.999 at 8: use 4 bits through a calibrated per-layer plan (:func:`thrifty.attention.calibrate`).
+    pv: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
+    smooth_k: subtract K's per-channel mean over the keys before quantizing (default; free, and exact for the
+        output: softmax cancels the shift).
+    smooth_q: remove the mean of each 64-query block from Q and add ΔS = mean·γ(K)ᵀ back in fp32. None (default):
+        on for 4 bits, off for 8 (``q_smoothed`` holds the resolved choice).
+    smooth_v: subtract V's per-channel mean before quantizing and add it to the output.
+    """
+
+    qk_bits: int = 8
+    pv: str = "fp8"
+    smooth_k: bool = True
+    smooth_q: Optional[bool] = None
+    smooth_v: bool = False
+    q_smoothed: bool = field(init=False, repr=False, compare=False)  # smooth_q resolved against qk_bits
+
+    def __post_init__(self):
+        check_choice("qk_bits", self.qk_bits, (8, 4))
+        check_choice("pv", self.pv, ("fp8", "fp16"))
+        check_bool("smooth_k", self.smooth_k)
+        if self.smooth_q is not None:
+            check_bool("smooth_q", self.smooth_q)
+        check_bool("smooth_v", self.smooth_v)
+        object.__setattr__(self, "q_smoothed", self.qk_bits == 4 if self.smooth_q is None else self.smooth_q)
+
+
+DEFAULT_CONFIG = SageConfig()
+
+
+def check_config(config) -> SageConfig:
+    """``config`` or the defaults; a TypeError naming ``config`` for anything else."""
+    if config is None:
+        return DEFAULT_CONFIG
+    if not isinstance(config, SageConfig):
+        hint = ""
+        if type(config).__name__ == "AttentionConfig":  # thrifty.AttentionConfig is optimize()'s
+            hint = "; thrifty.AttentionConfig is optimize()'s, build SageConfig(qk_bits=..., pv=...) for this call"
+        raise TypeError(f"config: expected a thrifty.attention.SageConfig or None, got {type(config).__name__}{hint}")
+    return config
+
+
+def _validate(q, k, v, impl, layout, sm_scale):
     """Checks arguments; returns q, k, v as (B, H, S, D) views."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=4, floating=True)
@@ -39,8 +89,6 @@ def _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale):
         raise TypeError(f"q: expected float16, bfloat16 or float32, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v: expected one device, got {q.device}, {k.device}, {v.device}")
-    check_choice("qk_bits", qk_bits, (8, 4))
-    check_choice("pv", pv, ("fp8", "fp16"))
     check_impl(impl, EXTRA_IMPLS)
     if sm_scale is not None:
         check_range("sm_scale", sm_scale, 0.0, float("inf"), lo_open=True)
@@ -86,14 +134,16 @@ def _capability(device: torch.device) -> tuple:
     return _CAPABILITY[index]
 
 
-def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_v, impl, return_lse):
+def _forward(q, k, v, causal, sm_scale, config, impl, return_lse):
     """(B, H, S, D) tensors, validated; no autograd."""
+    qk_bits, pv, smooth_q = config.qk_bits, config.pv, config.q_smoothed
     if impl == "gluon":
         from . import gluon_kernel
 
         if gluon_kernel.supports(head_dim=q.shape[-1], qk_bits=qk_bits, pv=pv, smooth_q=smooth_q):
             return gluon_kernel.sage_forward_gluon(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
-                                                   smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse)
+                                                   smooth_k=config.smooth_k, smooth_v=config.smooth_v,
+                                                   return_lse=return_lse)
         impl = "triton"  # what the Gluon kernel does not implement (pv="fp16", smooth_q, other head dims)
     if impl == "triton":
         if q.shape[-1] not in KERNEL_HEAD_DIMS:
@@ -105,10 +155,11 @@ def _forward(q, k, v, causal, sm_scale, qk_bits, pv, smooth_k, smooth_q, smooth_
         # NaN in -> NaN out happens inside the kernels: the passes that read q, k and v anyway detect the
         # non-finite rows (no extra launch, no host sync; NOTES.md "NaN rule")
         return sage_forward_triton(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
-                                   smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse, smooth_q=smooth_q)
+                                   smooth_k=config.smooth_k, smooth_v=config.smooth_v, return_lse=return_lse,
+                                   smooth_q=smooth_q)
     return sage_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, qk_format="int8" if qk_bits == 8 else "int4",
-        pv="fp8" if pv == "fp8" else "fp16", smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v,
+        pv="fp8" if pv == "fp8" else "fp16", smooth_k=config.smooth_k, smooth_q=smooth_q, smooth_v=config.smooth_v,
         return_lse=return_lse, block_m=SMOOTH_Q_BLOCK)
 
 
@@ -185,19 +236,15 @@ class _QuantizedForwardExactBackward(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None, qk_bits: int = 8,
-                   pv: str = "fp8", smooth_k: bool = True, smooth_q: Optional[bool] = None, smooth_v: bool = False,
-                   impl: str = "auto", return_lse: bool = False, layout: str = "bhsd"):
+def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None, impl: str = "auto",
+                   return_lse: bool = False, layout: str = "bhsd", config: Optional[SageConfig] = None):
     """SageAttention2: softmax(q·kᵀ·sm_scale)·v with INT8 (or INT4-range) Q·K and FP8 P̃·V.
 
     q: (B, H, Sq, D); k, v: (B, Hkv, Sk, D), H a multiple of Hkv (GQA without copying K/V); with
     ``layout="bshd"`` the sequence axis comes before the heads, (B, S, H, D), in inputs and output.
     ``causal`` with Sq < Sk means the queries are the last Sq positions. Any lengths.
-    ``qk_bits``: 8, or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed (ΔS added back), Q scales
-    per token (finer than the paper's per-warp, see NOTES.md); still run on the int8 tensor cores (Hopper has
-    no INT4 MMA: an accuracy mode, not a speed-up). ``pv``: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
-    ``smooth_k`` (default, free and exact for O), ``smooth_v`` (mean added back), ``smooth_q`` (mean of each
-    64-query block removed, ΔS = mean·γ(K)ᵀ added back in fp32; default: on for 4 bits, off for 8).
+    ``config``: a :class:`SageConfig`, how Q·Kᵀ and P·V are quantized (qk_bits 8 or 4, pv "fp8" or "fp16",
+    smooth_k, smooth_q, smooth_v); None: ``SageConfig()``, SageAttention2-8b.
     Queries of 1–16 rows with ``impl="auto"`` go to exact SDPA (see ``routing.py``; the prefill kernel
     would be slower there), and so do their gradients.
     ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "gluon" (the
@@ -214,11 +261,10 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     quantized forward made a training step slower); with an explicit ``impl`` they run the quantized forward
     and the gradients of exact attention (:class:`_QuantizedForwardExactBackward`).
     """
-    q, k, v = _validate(q, k, v, qk_bits, pv, impl, layout, sm_scale)
+    config = check_config(config)
+    q, k, v = _validate(q, k, v, impl, layout, sm_scale)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    smooth_q = (qk_bits == 4) if smooth_q is None else bool(smooth_q)
-    opts = dict(causal=bool(causal), sm_scale=sm_scale, qk_bits=qk_bits, pv=pv, smooth_k=smooth_k,
-                smooth_q=smooth_q, smooth_v=smooth_v, impl=_choose_impl(impl, q, bool(causal)),
+    opts = dict(causal=bool(causal), sm_scale=sm_scale, config=config, impl=_choose_impl(impl, q, bool(causal)),
                 return_lse=return_lse)
     if min(q.shape[0], q.shape[2], k.shape[2]) == 0:  # no batch, queries or keys: the documented empty result
         result = empty_attention(q, k, bool(causal), return_lse)
@@ -240,4 +286,4 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     return result
 
 
-__all__ = ["sage_attention", "KERNEL_HEAD_DIMS", "SMOOTH_Q_BLOCK"]
+__all__ = ["sage_attention", "SageConfig", "KERNEL_HEAD_DIMS", "SMOOTH_Q_BLOCK"]

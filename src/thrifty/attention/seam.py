@@ -5,21 +5,21 @@ decode step over a ``thrifty.kv.QuantizedKVCache``, the family's split-K decode 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
-import torch
 import torch.nn.functional as F
 
 from .._checks import check_impl
 from ..kv.decode import decode_attention
 from ..layers import KEY_MASK_ATTR
-from .sage import EXTRA_IMPLS, sage_attention
+from .sage import EXTRA_IMPLS, SageConfig, check_config, sage_attention
 
 
-def sage_seam(**options) -> Callable:
+def sage_seam(*, impl: str = "auto", config: Optional[SageConfig] = None) -> Callable:
     """An attention function with the reference model's seam signature ``fn(q, k, v, *, causal, scale)``:
-    ``model.set_attention(sage_seam(qk_bits=8))``. ``options`` are :func:`sage_attention`'s keywords."""
-    check_sage_options(options)
+    ``model.set_attention(sage_seam(config=SageConfig(qk_bits=4)))``. ``impl`` and ``config`` are
+    :func:`sage_attention`'s, checked here rather than at the first forward."""
+    options = sage_options(impl, config)
     fn = functools.partial(_seam_call, options=options)
     fn.options = options
     fn.reads_kv_codes = True  # a QuantizedKVCache hands it tagged keys for decode steps (see _seam_call)
@@ -27,16 +27,11 @@ def sage_seam(**options) -> Callable:
     return fn
 
 
-def check_sage_options(options: dict) -> None:
-    """sage_attention keywords (qk_bits, pv, smooth_*, impl), checked by name when a seam or a transformers
-    model is set up rather than at its first forward."""
-    allowed = {"qk_bits", "pv", "smooth_k", "smooth_q", "smooth_v", "impl"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise TypeError(f"options: unknown sage_attention option(s) {unknown}; expected some of {sorted(allowed)}")
-    x = torch.zeros(1, 1, 1, 8)  # a dry run on the CPU reference path checks every value by name
-    sage_attention(x, x, x, **{**options, "impl": "reference"})
-    check_impl(options.get("impl", "auto"), EXTRA_IMPLS)
+def sage_options(impl, config) -> dict:
+    """{"impl", "config"}: :func:`sage_attention`'s keywords of a seam or a transformers layer, checked by name
+    when the model is set up (the config is always a SageConfig, the defaults for None)."""
+    check_impl(impl, EXTRA_IMPLS)
+    return dict(impl=impl, config=check_config(config))
 
 
 def _seam_call(q, k, v, *, causal, scale, options):
@@ -50,4 +45,4 @@ def _seam_call(q, k, v, *, causal, scale, options):
     return sage_attention(q, k, v, causal=causal, sm_scale=scale, **options)
 
 
-__all__ = ["sage_seam", "check_sage_options"]
+__all__ = ["sage_seam", "sage_options"]

@@ -201,10 +201,11 @@ def _apply_attention(model, config, kind, layers, impl):
     cfg = config.attention
     if kind == "reference":
         return _apply_reference_attention(model, cfg, layers, config.skip_layers, impl)
+    from ..attention import SageConfig
     from ..attention.hf import OPTIONS_ATTR, disable_hf, enable_hf
 
     plan = {i: cfg.bits_of(i) for i in range(len(layers))}
-    enable_hf(model, plan=plan, pv=cfg.pv, impl=impl)
+    enable_hf(model, plan=plan, impl=impl, config=SageConfig(pv=cfg.pv))
     for m in model.modules():  # skipped layers keep exact attention: the dispatcher sends them to SDPA
         if m.__dict__.get(OPTIONS_ATTR) is not None and getattr(m, "layer_idx", None) in config.skip_layers:
             del m.__dict__[OPTIONS_ATTR]
@@ -217,12 +218,12 @@ def _apply_attention(model, config, kind, layers, impl):
 
 
 def _apply_reference_attention(model, cfg, layers, skip_layers, impl):
-    from ..attention import sage_seam
+    from ..attention import SageConfig, sage_seam
 
     previous = [layer.self_attn.attention for layer in layers]
     for i, layer in enumerate(layers):
         if i not in skip_layers:
-            layer.self_attn.attention = sage_seam(qk_bits=cfg.bits_of(i), pv=cfg.pv, impl=impl)
+            layer.self_attn.attention = sage_seam(impl=impl, config=SageConfig(qk_bits=cfg.bits_of(i), pv=cfg.pv))
 
     def take_off():
         for layer, fn in zip(layers, previous):

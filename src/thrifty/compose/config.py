@@ -36,7 +36,9 @@ IMPL_ENV = "THRIFTY_IMPL"  # overrides OptimizeConfig.impl when set (e.g. THRIFT
 @dataclass(frozen=True)
 class AttentionConfig:
     """Quantized attention (SageAttention2). qk_bits: 8 or 4 for every layer; plan: {layer index: 4 or 8} from
-    :func:`thrifty.attention.calibrate` (overrides qk_bits per layer); pv: "fp8" or "fp16" P·V."""
+    :func:`thrifty.attention.calibrate` (overrides qk_bits per layer); pv: "fp8" or "fp16" P·V. Each layer runs
+    ``SageConfig(qk_bits=..., pv=...)`` (smoothing at its defaults); a :class:`thrifty.attention.SageConfig` goes
+    to ``sage_attention(config=...)``, ``sage_seam`` or ``enable_hf`` directly."""
 
     qk_bits: int = 8
     pv: str = "fp8"
