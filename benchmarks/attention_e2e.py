@@ -34,12 +34,16 @@ import torch
 from thrifty import bench
 
 SHAPES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0),  # SmolLM2-135M
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
 }
 SMOKE_SHAPES = {
+    "135m": dict(hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
+                 num_key_value_heads=1, head_dim=64, vocab_size=512),
     "1b": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=64, vocab_size=512),
     "8b": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
