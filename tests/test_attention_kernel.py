@@ -311,3 +311,46 @@ def test_cuda_auto_prefill_runs_gluon_where_routed(monkeypatch):
     sage_attention(q[:, :, :2048], k[:, :, :2048], v[:, :, :2048], causal=True)
     sage_attention(q64[:, :, :2048], k64[:, :, :2048], v64[:, :, :2048], causal=True)
     assert calls == ["triton", "triton"]
+
+
+def test_small_prefill_work_goes_to_sdpa_only_under_auto():
+    from thrifty.attention.routing import HF_MIN_PREFILL_WORK, attention_work, small_prefill_goes_to_sdpa
+
+    assert attention_work(1, 1, 3, 3, 1, causal=False) == 9
+    assert attention_work(1, 1, 3, 3, 1, causal=True) == 6  # 1 + 2 + 3 keys under the mask
+    assert attention_work(1, 1, 2, 5, 1, causal=True) == 4 + 5  # the last 2 of 5 positions
+    assert attention_work(2, 8, 4, 4, 64, causal=False) == 2 * 8 * 16 * 64
+    smol_8k = (1, 9, 8192, 8192, 64, True)  # SmolLM2-135M at 8K: measured 0.70x SDPA through the kernel
+    llama_1b_8k = (1, 32, 8192, 8192, 64, True)  # measured 1.00x
+    assert small_prefill_goes_to_sdpa("auto", *smol_8k)
+    assert not small_prefill_goes_to_sdpa("auto", *llama_1b_8k)
+    assert not small_prefill_goes_to_sdpa("triton", *smol_8k)  # an explicit impl is obeyed
+    assert attention_work(*smol_8k) < HF_MIN_PREFILL_WORK <= attention_work(*llama_1b_8k)
+
+
+@pytest.mark.cuda
+def test_cuda_hf_small_prefill_takes_transformers_sdpa(monkeypatch):
+    """In a transformers model on CUDA with impl="auto", a prefill call with little attention work runs
+    transformers' SDPA (the quantized path's host time would not be hidden); above the work threshold, or with
+    an explicit impl, sage_attention runs."""
+    from test_attention import _tiny_hf_llama
+
+    from thrifty.attention import enable_hf, hf as hf_module, routing
+
+    model = _tiny_hf_llama("sdpa").eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 100), device="cuda")
+    calls = []
+    real = hf_module.sage_attention
+    monkeypatch.setattr(hf_module, "sage_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    enable_hf(model)
+    with torch.no_grad():
+        model(ids)
+        assert not calls
+        monkeypatch.setattr(routing, "HF_MIN_PREFILL_WORK", 0)
+        model(ids)
+        assert len(calls) == model.config.num_hidden_layers
+        monkeypatch.undo()
+        monkeypatch.setattr(hf_module, "sage_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        enable_hf(model, impl="reference")
+        model(ids)
+        assert len(calls) == 2 * model.config.num_hidden_layers

@@ -16,7 +16,9 @@ to torch's FlashAttention-2 op (``sage.one_row_flash``: SDPA's cuDNN choice buil
 length); calls that need gradients (training) and other queries of 1–16 rows go to transformers' own SDPA (the
 quantized forward made a training step slower; the prefill kernel is slower on a few rows), unless the keys
 come from a :func:`thrifty.kv.thrifty_kv_cache`, whose packed 8/4/3-bit cache the family's split-K decode
-kernel reads directly; longer queries go to the quantized prefill kernel.
+kernel reads directly; on CUDA a prefill call with too little attention work to hide the quantized path's host
+time (``routing.HF_MIN_PREFILL_WORK``: a small model's short prompts) goes to transformers' SDPA too; longer
+queries go to the quantized prefill kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from ..kv.decode import DECODE_MAX_ROWS, decode_attention
 from ..kv.hf import PACKED_KV_READERS
 from .plan import check_plan
-from .routing import training_goes_to_sdpa
+from .routing import small_prefill_goes_to_sdpa, training_goes_to_sdpa
 from .sage import SageConfig, one_row_flash, one_row_flash_fits, sage_attention
 from .seam import sage_options
 
@@ -60,12 +62,15 @@ def hf_sage_attention(module, query, key, value, attention_mask, dropout: float 
         return one_row_flash(query, key, value, scaling).transpose(1, 2).contiguous(), None
     options = module.__dict__.get(OPTIONS_ATTR) or {}
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    impl = options.get("impl", "auto")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if (attention_mask is not None or (dropout > 0.0 and module.training)
             or query.shape[2] <= min(DECODE_MAX_ROWS, key.shape[2])
-            or training_goes_to_sdpa(options.get("impl", "auto"), needs_grad)):
+            or training_goes_to_sdpa(impl, needs_grad)
+            or (query.is_cuda and small_prefill_goes_to_sdpa(impl, query.shape[0], query.shape[1], query.shape[2],
+                                                             key.shape[2], query.shape[3], bool(causal)))):
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, **kwargs)
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = sage_attention(query, key, value, causal=bool(causal), sm_scale=scaling, **options)
     return out.transpose(1, 2).contiguous(), None
 

@@ -15,6 +15,29 @@ def short_query_goes_to_sdpa(impl: str, q_len: int, kv_len: int, causal: bool) -
     return impl == "auto" and 1 <= q_len <= DECODE_MAX_ROWS and (not causal or q_len <= kv_len)
 
 
+# A transformers prefill call with less attention work than this (B·H·Sq·Sk·D multiply-adds, causal: the ones
+# under the mask) goes to transformers' SDPA under impl="auto": ~0.5 ms of GPU work at 450 TFLOP/s, the least that
+# hides the quantized path's host time per call (H200 box, 28f8255: ~150-200 µs for validation, the K/V pre-pass
+# and the attention launch, against SDPA's ~30) when a small model's forward is host-bound. SmolLM2-135M-shaped
+# prefill at 8K (9 heads, 1.9e10) ran 0.70x SDPA through the quantized path (attention_e2e_h200-prefill-135m.json);
+# the Llama-3.2-1B shape at 8K (6.9e10) 1.00x, the 8B shape at 8K (1.4e11) 1.00x.
+HF_MIN_PREFILL_WORK = 5.6e10
+
+
+def attention_work(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool) -> float:
+    """Multiply-adds of Q·Kᵀ of one call (as many again for P·V): causal queries are the last ``q_len`` of
+    ``kv_len`` positions, so query i sees kv_len − q_len + i + 1 keys."""
+    pairs = q_len * kv_len - (q_len * (q_len - 1) / 2 if causal else 0)
+    return float(batch) * heads * pairs * head_dim
+
+
+def small_prefill_goes_to_sdpa(impl: str, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                               causal: bool) -> bool:
+    """True when a transformers attention call (``enable_hf``) on CUDA takes transformers' own SDPA because its
+    work is below :data:`HF_MIN_PREFILL_WORK` (``impl="auto"`` only; an explicit ``impl`` is obeyed)."""
+    return impl == "auto" and attention_work(batch, heads, q_len, kv_len, head_dim, causal) < HF_MIN_PREFILL_WORK
+
+
 def training_goes_to_sdpa(impl: str, needs_grad: bool) -> bool:
     """True when a call that needs gradients runs exact SDPA, forward and backward: ``impl="auto"`` only (in
     transformers models, transformers' own SDPA call).
