@@ -16,7 +16,13 @@ def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
     assert main(["demo", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "demo.json").read_text())
     rows = {row["technique"]: row["figures"] for row in r["rows"]}
-    assert set(rows) == {"bitnet", "cce", "neuzip", "attention", "shadowkv"}
+    assert set(rows) == {"bitnet", "bitnet-packed", "cce", "neuzip", "attention", "shadowkv"}
+    packed = rows["bitnet-packed"]  # the BitNet model trained in the demo, served packed vs unpacked
+    assert abs(packed["val_loss"] - packed["val_loss_unpacked"]) <= 1e-4 * packed["val_loss_unpacked"]
+    assert abs(packed["val_loss_unpacked"] - rows["bitnet"]["val_loss"]) <= 1e-4 * rows["bitnet"]["val_loss"]
+    assert packed["linear_bytes_packed"] < packed["linear_bytes_bf16"] < packed["linear_bytes_latent"]
+    assert packed["model_bytes_packed"] < packed["model_bytes_unpacked"]
+    assert packed["packed_layers"] == 4 * 2  # per decoder layer: q/k/v stacked, o, gate/up stacked, down
     assert abs(rows["cce"]["loss"] - rows["cce"]["loss_plain"]) < 1e-3 * rows["cce"]["loss_plain"]
     assert rows["neuzip"]["val_loss"] == rows["neuzip"]["val_loss_plain"]  # lossless
     assert rows["neuzip"]["compressed_bytes"] < rows["neuzip"]["original_bytes"]
@@ -107,6 +113,11 @@ def test_optimize_verb_describes_the_model(tmp_path, capsys):
     assert main(["optimize", "train-bitnet", "--model", str(tmp_path), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "bitnet    recipe a4.8: 14 BitLinear layers" in out and "cce       loss without logits" in out
+    # a pretrained full-precision checkpoint has no BitLinear to pack: exit 2, the reason and what to do instead
+    assert main(["optimize", "serve-bitnet", "--model", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading progress
+    assert err.startswith("thrifty optimize: pack_bitnet: the model has no BitLinear layer to pack") and \
+        "train-bitnet" in err
 
 
 def _one_line_error(capsys, argv, says):

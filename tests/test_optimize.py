@@ -54,6 +54,10 @@ def preset_config(name, **overrides):
 
 def model_for(name, base):
     model = copy.deepcopy(base)
+    if name == "serve-bitnet":  # serves the BitLinears of a BitNet model (test_optimize_pack.py: the details)
+        from thrifty import bitnet
+
+        return bitnet.convert(model, "b1.58")
     return model.to(torch.bfloat16) if name == "serve-small" else model  # lossy NeuZip codes bf16 weights
 
 
@@ -84,6 +88,12 @@ def assert_on(model, technique, ids):
     """Runs the model and asserts that ``technique``'s own code path ran."""
     if technique == "bitnet":
         assert module_names(model, "BitLinear") and module_names(model, "RampedReLUSquared")
+    elif technique == "pack_bitnet":
+        packed = [m for m in model.modules() if type(m).__name__ == "PackedBitLinear"]
+        for m in packed:
+            m.last_path = None
+        eval_logits(model, ids)
+        assert packed and not module_names(model, "BitLinear") and all(m.last_path for m in packed)
     elif technique == "neuzip":
         runs = model.neuzip.stats["block_runs"]
         eval_logits(model, ids)
@@ -133,6 +143,9 @@ def test_presets_on_the_reference_model(name, ids):
     assert logits.shape == expected.shape and torch.isfinite(logits).all()
     if config.bitnet is not None:
         assert module_names(model, "BitLinear")
+    if config.pack_bitnet:
+        assert module_names(model, "PackedBitLinear") and not module_names(model, "BitLinear")
+        assert module_names(model, "ProjectionSlice")  # q/k/v and gate/up stacked
     if config.neuzip is not None:
         assert module_names(model, "CompressedLinear") and model.neuzip.stats["block_runs"] > 0
     if config.attention is not None:  # quantized: close to the exact logits, not equal

@@ -6,6 +6,9 @@ The stages:
 1. **train** a small Llama from scratch (SmolLM2's vocabulary) twice on the same batches: plain, and with the
    ``"train-bitnet"`` preset (BitNet a4.8 + cut cross-entropy). A pretrained model cannot be converted to BitNet
    without retraining (thrifty.bitnet.convert says why), so the BitNet model learns here from scratch.
+   **bitnet-packed**: that trained BitNet model served with the ``"serve-bitnet"`` preset (its BitLinears packed
+   2-bit, q/k/v and gate/up stacked) against itself unpacked (``thrifty.undo`` gives the BitLinears back): weight
+   bytes, validation loss on the same rows, greedy tokens and decode speed.
 2. **cce**: one training step of SmolLM2 with and without cut cross-entropy (same loss; no logits).
 3. **neuzip**: the plain model trained in stage 1, in bf16, lossless-compressed (same outputs, fewer weight bytes). The
    BitNet model is not compressed: thrifty.optimize refuses BitNet with NeuZip and says why.
@@ -154,16 +157,90 @@ def stage_train(run: DemoRun) -> list:
         runs[name] = dict(model=model, curve=curve, seconds=seconds, val=validation_loss(model, val, size, device))
     results["curves"] = {name: r["curve"] for name, r in runs.items()}
     results["trained_plain"] = runs["plain"]["model"]
+    results["trained_bitnet"] = runs["bitnet a4.8 + cce"]["model"]
     plain, bit = runs["plain"], runs["bitnet a4.8 + cce"]
     tokens = size.train_steps * size.batch * size.seq_len
     linears = [m for m in bit["model"].modules() if type(m).__name__ == "BitLinear"]
     latent = sum(m.weight.numel() for m in linears)
     return [row("bitnet", f"train {size.train_steps} steps from scratch (a4.8, with cce)",
-                f"{_mb(latent * 4)} -> {_mb(latent * 1.58 / 8)} linear weights (1.58-bit when packed)",
+                f"{_mb(latent * 4)} of fp32 latent linear weights (served packed: next row)",
                 f"{tokens / bit['seconds']:,.0f} vs {tokens / plain['seconds']:,.0f} tokens/s",
                 f"val loss {bit['val']:.3f} vs {plain['val']:.3f}",
                 val_loss=bit["val"], val_loss_plain=plain["val"], tokens_per_s=tokens / bit["seconds"],
                 tokens_per_s_plain=tokens / plain["seconds"], linear_params=latent)]
+
+
+def stage_bitnet_packed(run: DemoRun) -> list:
+    """The BitNet model trained in stage 1 served packed ("serve-bitnet") against itself unpacked."""
+    import thrifty
+
+    model, val, size, device = run.results["trained_bitnet"], run.val, run.size, run.device
+    prompt, _ = val.batch(1, size.seq_len, seed=3, device=device)
+    figures = {}
+    for name in ("packed", "unpacked"):
+        if name == "packed":
+            thrifty.optimize(model, "serve-bitnet")  # ends training: the CCE of "train-bitnet" comes off
+        else:
+            thrifty.undo(model)  # the trained BitLinears again, bit for bit
+        loss = validation_loss(model, val, size, device)
+        tokens, seconds, _ = measure(lambda: greedy_tokens(model, prompt, size.new_tokens), device)
+        figures[name] = dict(val=loss, tokens=tokens, seconds=seconds, linear=_linear_weight_bytes(model),
+                             model=_state_bytes(model), layers=_layer_types(model))
+    packed, unpacked = figures["packed"], figures["unpacked"]
+    require(packed["layers"].get("PackedBitLinear", 0) > 0 and "BitLinear" not in packed["layers"],
+            "serve-bitnet did not pack the BitLinear layers")
+    require(unpacked["layers"].get("BitLinear", 0) > 0 and "PackedBitLinear" not in unpacked["layers"],
+            "thrifty.undo did not give the BitLinear layers back")
+    latent, bf16 = unpacked["linear"]
+    agree = float((packed["tokens"] == unpacked["tokens"]).float().mean())
+    steps = size.new_tokens
+    return [row("bitnet-packed", f"the a4.8 model above served packed (\"serve-bitnet\"), {steps} greedy tokens",
+                f"linear weights {_mb(packed['linear'][0])} vs {_mb(bf16)} bf16, {_mb(latent)} fp32 (2-bit, rows "
+                "padded to 256)",
+                f"{steps / packed['seconds']:.1f} vs {steps / unpacked['seconds']:.1f} tokens/s (with prefill)",
+                f"val loss {packed['val']:.4f} vs {unpacked['val']:.4f} unpacked; {agree:.0%} of greedy tokens",
+                val_loss=packed["val"], val_loss_unpacked=unpacked["val"], linear_bytes_packed=packed["linear"][0],
+                linear_bytes_latent=latent, linear_bytes_bf16=bf16, model_bytes_packed=packed["model"],
+                model_bytes_unpacked=unpacked["model"], tokens_per_s=steps / packed["seconds"],
+                tokens_per_s_unpacked=steps / unpacked["seconds"], token_agreement=agree,
+                packed_layers=packed["layers"].get("PackedBitLinear", 0))]
+
+
+def greedy_tokens(model, prompt, new_tokens: int):
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+
+
+def _layer_types(model) -> dict:
+    """{class name: count} of the model's linear layers (nn.Linear, BitLinear, PackedBitLinear)."""
+    counts: dict = {}
+    for m in model.modules():
+        name = type(m).__name__
+        if name in ("Linear", "BitLinear", "PackedBitLinear"):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _linear_weight_bytes(model) -> tuple:
+    """(bytes of the BitNet layers' weights as stored now, the same weights' bytes in bf16): the latent weight of a
+    BitLinear, the 2-bit codes and fp32 scales of a PackedBitLinear (the LM head and embeddings stay as they are)."""
+    stored = bf16 = 0
+    for m in model.modules():
+        if type(m).__name__ == "BitLinear":
+            stored += m.weight.numel() * m.weight.element_size()
+            bf16 += m.weight.numel() * 2
+        elif type(m).__name__ == "PackedBitLinear":
+            stored += m.packed.numel() * m.packed.element_size() + m.alpha.numel() * m.alpha.element_size()
+            bf16 += m.out_features * m.in_features * 2
+    return stored, bf16
+
+
+def _state_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (tied embeddings count once)."""
+    seen = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape)): t.numel() * t.element_size()
+            for t in model.state_dict().values()}
+    return sum(seen.values())
 
 
 def train_steps(model, train, size, device):
@@ -299,7 +376,8 @@ def shadowkv_config(size: DemoSize):
 
 
 # ------------------------------------------------------------------------------------------- the run
-STAGES = (("bitnet + cce from scratch", stage_train), ("cut cross-entropy", stage_cce), ("NeuZip", stage_neuzip),
+STAGES = (("bitnet + cce from scratch", stage_train), ("bitnet served packed", stage_bitnet_packed),
+          ("cut cross-entropy", stage_cce), ("NeuZip", stage_neuzip),
           ("quantized attention", stage_attention), ("ShadowKV serving", stage_serve))
 
 
@@ -365,7 +443,7 @@ def plot_loss_curves(curves: dict, path: Path) -> None:
 
 
 MEMORY_BARS = {  # technique: (figure with it, figure without it, label)
-    "bitnet": ("linear_params", None, "linear weights"),
+    "bitnet-packed": ("linear_bytes_packed", "linear_bytes_bf16", "linear weights vs bf16"),
     "neuzip": ("compressed_bytes", "original_bytes", "block weights"),
     "shadowkv": ("kv_device_bytes", "kv_dense_bytes", "KV cache on device"),
 }
@@ -380,11 +458,7 @@ def plot_memory(rows: list, path: Path) -> None:
     labels, plain, thrifty_ = [], [], []
     for r in rows:
         f = r["figures"]
-        if r["technique"] == "bitnet":
-            labels.append("bitnet: linear weights")
-            plain.append(f["linear_params"] * 4)
-            thrifty_.append(f["linear_params"] * 1.58 / 8)
-        elif r["technique"] in MEMORY_BARS:
+        if r["technique"] in MEMORY_BARS:
             with_, without, label = MEMORY_BARS[r["technique"]]
             labels.append(f"{r['technique']}: {label}")
             plain.append(f[without])

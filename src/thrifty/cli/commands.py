@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 # Names spelled out so that `thrifty --help` imports no torch (tests keep them equal to the library's):
-OPTIMIZE_PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small")  # thrifty.compose.PRESETS
+OPTIMIZE_PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small",  # thrifty.compose.PRESETS
+                    "serve-bitnet")
 MODEL_PRESETS = ("tiny", "30m", "60m", "135m", "1b")  # thrifty.models.PRESETS
 BITNET_RECIPES = ("fp", "b1.58", "a4.8", "a4.8-fp4", "int4-all")  # thrifty.bitnet.RECIPES
 LOSS_IMPLS = ("torch", "auto", "triton", "reference")  # "torch": the model's own loss, else a thrifty.loss impl

@@ -22,24 +22,30 @@ CONFIG_ATTR = "thrifty_config"
 UNDO_ATTR = "_thrifty_undo"  # [(technique, function that takes it off)], in the order applied
 IMPL_ATTR = "_thrifty_impl"  # the implementation chosen when optimize ran (THRIFTY_IMPL may change later)
 CACHE_ATTR = "_thrifty_last_cache"  # the cache the wrapped generate built last (describe reads it)
+PACKED_FROM_ATTR = "_thrifty_packed_from"  # the BitLinears pack_bitnet replaced, kept for undo (describe reads them)
 
 
 # ------------------------------------------------------------------------------------------------ public
 def optimize(model: nn.Module, config) -> nn.Module:
     """Puts the techniques of ``config`` (an :class:`OptimizeConfig` or a preset name: "train-memory",
-    "train-bitnet", "serve-long-context", "serve-small") on ``model`` in place and returns it.
+    "train-bitnet", "serve-long-context", "serve-small", "serve-bitnet") on ``model`` in place and returns it.
 
     ``model``: a transformers causal LM of the Llama family (``.model.layers``, ``.lm_head``) or thrifty's
     :class:`~thrifty.models.LlamaForCausalLM`. Refused with the reason (TypeError/ValueError naming the argument):
     a second call on the same model (``thrifty.undo`` it first), a compiled model, combinations that cannot work
     (see :mod:`thrifty.compose.config`), sizes the model does not have. If one technique fails, those applied
-    before it are taken off again, so the model is left as it came."""
+    before it are taken off again, so the model is left as it came.
+
+    One second call is the way from training to serving: on a model an earlier call put BitNet on (e.g.
+    "train-bitnet", then training), a config with ``pack_bitnet`` ("serve-bitnet") takes that call's techniques
+    off but the BitLinear layers, which it packs; ``thrifty.undo`` afterwards gives back the BitLinear model."""
     config = as_config(config)
     kind = _model_kind(model)
-    _refuse_reapplying(model)
+    ending = _refuse_reapplying(model, config)
     layers = _decoder_layers(model)
     _check_against_model(config, model, kind, len(layers))
     impl = config.resolved_impl()
+    ended = _end_bitnet_call(model) if ending else None
     model.__dict__[UNDO_ATTR] = []
     try:
         for name in config.techniques:
@@ -47,6 +53,8 @@ def optimize(model: nn.Module, config) -> nn.Module:
             model.__dict__[UNDO_ATTR].append((name, undo_fn))
     except BaseException:
         _take_off(model)
+        if ended is not None:
+            _resume_bitnet_call(model, ended, kind, layers)
         raise
     model.__dict__[CONFIG_ATTR] = config
     model.__dict__[IMPL_ATTR] = impl
@@ -108,13 +116,19 @@ def _model_kind(model) -> str:
                     f"thrifty.models.LlamaForCausalLM, got {type(model).__name__}")
 
 
-def _refuse_reapplying(model) -> None:
-    if model.__dict__.get(CONFIG_ATTR) is not None:
-        raise ValueError("model: thrifty.optimize was already applied (model.thrifty_config is set); call "
-                         "thrifty.undo(model) first, then optimize with the new config")
+def _refuse_reapplying(model, config: OptimizeConfig) -> bool:
+    """True when this call ends an earlier call's BitNet (``pack_bitnet`` after BitNet: see :func:`optimize`)."""
     if getattr(model, "_compiled_call_impl", None) is not None:
         raise ValueError("model: already compiled with model.compile(); call thrifty.optimize before compiling "
                          "(compiled graphs would keep the old layers)")
+    previous = model.__dict__.get(CONFIG_ATTR)
+    if previous is None:
+        return False
+    if config.pack_bitnet and previous.bitnet is not None:
+        return True
+    raise ValueError("model: thrifty.optimize was already applied (model.thrifty_config is set); call "
+                     "thrifty.undo(model) first, then optimize with the new config"
+                     + (" (pack_bitnet follows only a call that put BitNet on)" if config.pack_bitnet else ""))
 
 
 def _decoder_layers(model) -> nn.ModuleList:
@@ -133,6 +147,8 @@ def _check_against_model(config: OptimizeConfig, model, kind: str, n_layers: int
     if config.bitnet is not None and any(type(m).__name__ == "BitLinear" for m in model.modules()):
         raise ValueError("bitnet: the model already has BitLinear layers; change their recipe with "
                          "thrifty.bitnet.convert instead")
+    if config.pack_bitnet:
+        _check_packable(model)
     kv = config.kv_cache
     if kv is not None and not isinstance(kv, LowBitKVConfig):
         from ..kvcache.cache import model_shape
@@ -141,11 +157,53 @@ def _check_against_model(config: OptimizeConfig, model, kind: str, n_layers: int
         kv.check_model(kv_heads, head_dim)
 
 
+def _check_packable(model) -> None:
+    from ..bitnet import BitLinear, PackedBitLinear
+    from ..bitnet.packed import PACKABLE
+
+    if any(isinstance(m, PackedBitLinear) for m in model.modules()):
+        raise ValueError("pack_bitnet: the model's BitNet layers are packed already (PackedBitLinear, e.g. from "
+                         "thrifty.bitnet.load or LlamaForCausalLM.from_packed); leave pack_bitnet off")
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, BitLinear)]
+    if not layers:
+        raise ValueError("pack_bitnet: the model has no BitLinear layer to pack. Packing serves a trained BitNet "
+                         "model: train one first (the \"train-bitnet\" preset, or thrifty.bitnet.convert and "
+                         "training). A pretrained full-precision model made ternary without retraining loses what "
+                         "it knew (see thrifty.bitnet.convert): that is not serving a BitNet model")
+    for name, m in layers:
+        if m.activation not in PACKABLE:
+            raise ValueError(f"pack_bitnet: {name} quantizes its input to {m.activation!r}, which has no integer "
+                             f"packed path (packable: {list(PACKABLE)}; recipe 'a4.8-fp4' is not)")
+        if m.strength != 1.0:
+            raise ValueError(f"pack_bitnet: {name} has strength {m.strength}; only a fully switched BitLinear "
+                             "(strength 1, thrifty.bitnet.set_strength) packs to the same outputs")
+
+
 # ------------------------------------------------------------------------------------------------ apply
 def _take_off(model) -> None:
     steps = model.__dict__.pop(UNDO_ATTR, [])
     for _, undo_fn in reversed(steps):
         undo_fn()
+
+
+def _end_bitnet_call(model):
+    """Takes off an earlier call's techniques but BitNet, whose BitLinears stay as the model's own layers; returns
+    what :func:`_resume_bitnet_call` needs to put that call back."""
+    steps = model.__dict__.pop(UNDO_ATTR)
+    for name, undo_fn in reversed(steps):
+        if name != "bitnet":
+            undo_fn()
+    kept = [step for step in steps if step[0] == "bitnet"]
+    return model.__dict__.pop(CONFIG_ATTR), model.__dict__.pop(IMPL_ATTR), kept
+
+
+def _resume_bitnet_call(model, ended, kind, layers) -> None:
+    """Puts back the call :func:`_end_bitnet_call` ended (this call failed): its other techniques re-applied."""
+    config, impl, steps = ended
+    for name in config.techniques:
+        if name != "bitnet":
+            steps.append((name, _APPLY[name](model, config, kind, layers, impl)))
+    model.__dict__.update({UNDO_ATTR: steps, CONFIG_ATTR: config, IMPL_ATTR: impl})
 
 
 def _apply_bitnet(model, config, kind, layers, impl):
@@ -161,6 +219,39 @@ def _apply_bitnet(model, config, kind, layers, impl):
         if i not in config.skip_layers:
             bitnet.convert(layer, cfg)
     return functools.partial(bitnet.revert, model)
+
+
+def _apply_pack_bitnet(model, config, kind, layers, impl):
+    """``bitnet.pack``, then ``bitnet.stack_projections`` where q/k/v or gate/up all packed. The BitLinears it
+    replaces are kept for undo, on the CPU: packing is there to free the device's memory."""
+    from .. import bitnet
+    from ..bitnet.stacked import SIBLINGS
+
+    children = [(parent, dict(parent._modules)) for parent in model.modules()]  # what undo puts back
+    originals = [m for m in model.modules() if isinstance(m, bitnet.BitLinear)]
+    devices = [m.weight.device for m in originals]
+
+    def take_off():
+        model.__dict__.pop(PACKED_FROM_ATTR, None)
+        for m, device in zip(originals, devices):
+            m.to(device)
+        for parent, kids in children:
+            if any(parent._modules.get(k) is not v for k, v in kids.items()) or len(parent._modules) != len(kids):
+                parent._modules.clear()
+                parent._modules.update(kids)
+
+    try:
+        bitnet.pack(model, impl=impl)
+        if any(all(isinstance(getattr(parent, n, None), bitnet.PackedBitLinear) for n in names)
+               for parent in model.modules() for names in SIBLINGS.values()):
+            bitnet.stack_projections(model)
+        for m in originals:
+            m.to("cpu")
+    except BaseException:
+        take_off()
+        raise
+    model.__dict__[PACKED_FROM_ATTR] = originals
+    return take_off
 
 
 def _apply_neuzip(model, config, kind, layers, impl):
@@ -338,8 +429,8 @@ def _new_low_bit_cache(kv_config, model, reference_reads_codes):
     return thrifty_kv_cache(model, bits=kv_config.bits)
 
 
-_APPLY = {"bitnet": _apply_bitnet, "neuzip": _apply_neuzip, "cce": _apply_cce, "attention": _apply_attention,
-          "kv_cache": _apply_kv_cache}
+_APPLY = {"bitnet": _apply_bitnet, "pack_bitnet": _apply_pack_bitnet, "neuzip": _apply_neuzip, "cce": _apply_cce,
+          "attention": _apply_attention, "kv_cache": _apply_kv_cache}
 
 
 # ------------------------------------------------------------------------------------------------ describe
@@ -348,12 +439,34 @@ def _mb(n_bytes: float) -> str:
 
 
 def _describe_bitnet(model, config) -> str:
+    from ..bitnet.pack import padded_k
+
     layers = [m for m in model.modules() if type(m).__name__ == "BitLinear"]
     params = sum(m.weight.numel() for m in layers)
     source = sum(m.weight.numel() * torch.empty((), dtype=m.source_dtype).element_size() for m in layers)
+    alphas = sum(len(m.weight_splits) if m.weight_splits else 1 for m in layers)  # fp32, one per sub-matrix
+    packed = sum(m.out_features * padded_k(m.in_features) // 4 for m in layers) + 4 * alphas
     return (f"recipe {config.bitnet.recipe}: {len(layers)} BitLinear layers, {params / 1e6:.1f} M weights "
-            f"({_mb(source)} as loaded -> {_mb(params * 1.58 / 8)} at 1.58 bits when packed for serving); "
+            f"({_mb(source)} as loaded -> {_mb(packed)} packed 2-bit for serving: \"serve-bitnet\" once trained); "
             f"layers kept full precision: {list(config.skip_layers) or 'none'} and the LM head")
+
+
+def _describe_pack_bitnet(model, config) -> str:
+    from ..bitnet import PackedBitLinear
+    from ..bitnet.packed import packed_weight_bytes
+    from ..bitnet.stacked import SIBLINGS
+
+    originals = model.__dict__[PACKED_FROM_ATTR]
+    packed = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedBitLinear)]
+    stacked = sum(n.rpartition(".")[2] in SIBLINGS for n, _ in packed)
+    before = sum(m.weight.numel() * m.weight.element_size() for m in originals)
+    bf16 = sum(m.weight.numel() * 2 for m in originals)
+    after = sum(packed_weight_bytes(m) for _, m in packed)
+    dtypes = "/".join(sorted({str(m.weight.dtype).removeprefix("torch.") for m in originals}))
+    return (f"{len(originals)} BitLinear layers packed 2-bit into {len(packed)} PackedBitLinear ({stacked} of them "
+            f"stacked q/k/v or gate/up): linear weights {_mb(before)} ({dtypes} latent) -> {_mb(after)} "
+            f"(x{after / before:.3f}; x{after / bf16:.3f} of {_mb(bf16)} in bf16); the BitLinears are kept on "
+            "the CPU for thrifty.undo")
 
 
 def _describe_neuzip(model, config) -> str:
@@ -404,5 +517,5 @@ def _cached_tokens(cache) -> int:
     return get_seq_length() if get_seq_length is not None else len(cache)
 
 
-_DESCRIBE = {"bitnet": _describe_bitnet, "neuzip": _describe_neuzip, "cce": _describe_cce,
-             "attention": _describe_attention, "kv_cache": _describe_kv_cache}
+_DESCRIBE = {"bitnet": _describe_bitnet, "pack_bitnet": _describe_pack_bitnet, "neuzip": _describe_neuzip,
+             "cce": _describe_cce, "attention": _describe_attention, "kv_cache": _describe_kv_cache}

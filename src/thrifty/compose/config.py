@@ -9,10 +9,21 @@ Which techniques go together, and why (the table of the README says the same):
 * BitNet and NeuZip: refused. NeuZip entropy-codes the weights of ``nn.Linear`` layers and replaces them with
   layers holding no weight; a BitLinear quantizes its latent weight to ternary on every forward, so compressing
   it would either drop the quantizer or code a weight that is never used as such.
+* packed BitNet (``pack_bitnet``, the "serve-bitnet" preset) and NeuZip: refused. NeuZip codes ``nn.Linear``
+  weights; packed ternary weights are already 2 bits each, in layers NeuZip does not code.
+* packed BitNet and BitNet conversion (``bitnet``) in one call: refused. Packing serves the ternary weights a
+  BitNet model learned; converting a full-precision model and packing it at once would serve ternary weights
+  that were never trained (``thrifty.bitnet.convert`` says what that does to a pretrained model's perplexity).
+* packed BitNet while training: refused; a packed layer holds 2-bit codes, which have no gradient.
 * lossy NeuZip while training: refused; the dropped mantissa bits cannot be re-encoded after an update.
 * ShadowKV and the int8 KV cache: refused; both are the cache of ``generate``, one per call.
-* everything else composes: BitNet/NeuZip change the linear layers, CCE the loss of the forward, quantized
-  attention the attention function, the KV cache only ``generate``.
+* everything else composes: BitNet/NeuZip/packed BitNet change the linear layers, CCE the loss of the forward,
+  quantized attention the attention function, the KV cache only ``generate``.
+
+Packing needs a model with BitLinear layers (built or converted with BitNet, then trained). A model that
+``thrifty.optimize`` put BitNet on (e.g. "train-bitnet") goes straight to serving: optimize it with
+``pack_bitnet`` and the techniques of that first call are taken off but its BitLinears, which stay (after
+training they are the model), and get packed; ``thrifty.undo`` then gives back that BitLinear model.
 """
 
 from __future__ import annotations
@@ -118,6 +129,10 @@ class OptimizeConfig:
     neuzip: a ``thrifty.neuzip.NeuZipConfig`` or "lossless".
     cce: a :class:`CCEConfig` (``True`` for its defaults).
     kv_cache: a ``thrifty.ShadowKVConfig``, a :class:`LowBitKVConfig`, or "shadowkv" / "int8".
+    pack_bitnet: serve the model's trained BitLinear layers packed: each becomes a 2-bit
+    ``thrifty.bitnet.PackedBitLinear`` (its BitLinear's output on the same input up to fp32 rounding; 2 bits per
+    weight, rows padded to a multiple of 256 weights), and sibling projections (q/k/v, gate/up) are stacked into
+    one layer each. Inference only; needs BitLinear layers (see above).
     training: the model will be trained: refuses what cannot train (lossy NeuZip) and trains a NeuZip model
     through the fused optimizer (``lomo``, default ``LomoConfig()``: compressed weights have no ``.grad``).
     skip_layers: decoder layer indices kept in full precision by BitNet and quantized attention (e.g. the first
@@ -131,6 +146,7 @@ class OptimizeConfig:
     neuzip: Union["NeuZipConfig", str, None] = None
     cce: Union[CCEConfig, bool, None] = None
     kv_cache: Union["ShadowKVConfig", LowBitKVConfig, str, None] = None
+    pack_bitnet: bool = False
     training: bool = False
     skip_layers: tuple = ()
     lomo: Optional["LomoConfig"] = None
@@ -144,6 +160,7 @@ class OptimizeConfig:
         set_("neuzip", _coerce("neuzip", self.neuzip, _neuzip_config(),
                                {"lossless": lambda: _neuzip_config()(mode="lossless")}))
         set_("kv_cache", _coerce_kv(self.kv_cache))
+        check_bool("pack_bitnet", self.pack_bitnet)
         check_bool("training", self.training)
         set_("skip_layers", _coerce_layers(self.skip_layers))
         check_impl(self.impl)
@@ -154,7 +171,7 @@ class OptimizeConfig:
     @property
     def techniques(self) -> tuple:
         """Names of the techniques switched on, in the order optimize applies them."""
-        return tuple(n for n in APPLY_ORDER if getattr(self, n) is not None)
+        return tuple(n for n in APPLY_ORDER if getattr(self, n) is not None and getattr(self, n) is not False)
 
     def resolved_impl(self) -> str:
         """``impl``, or the ``THRIFTY_IMPL`` environment variable when set."""
@@ -175,7 +192,7 @@ class OptimizeConfig:
 
 
 # weights first (they replace linear modules), then the loss of the forward, the attention function, generate
-APPLY_ORDER = ("bitnet", "neuzip", "cce", "attention", "kv_cache")
+APPLY_ORDER = ("bitnet", "pack_bitnet", "neuzip", "cce", "attention", "kv_cache")
 
 
 def _coerce(name, value, cls, shorthands):
@@ -217,6 +234,8 @@ def _coerce_layers(value) -> tuple:
 
 
 def _check_combinations(cfg: OptimizeConfig) -> None:
+    if cfg.pack_bitnet:
+        _check_pack_combinations(cfg)
     if cfg.bitnet is not None and cfg.neuzip is not None:
         raise ValueError("bitnet, neuzip: cannot go together. NeuZip codes nn.Linear weights and replaces the "
                          "layers with weightless ones; BitNet's BitLinear re-quantizes its latent weight to ternary "
@@ -237,6 +256,22 @@ def _check_combinations(cfg: OptimizeConfig) -> None:
         raise ValueError(f"skip_layers: layers {clash} are both skipped and given bits in attention.plan")
 
 
+def _check_pack_combinations(cfg: OptimizeConfig) -> None:
+    if cfg.training:
+        raise ValueError("pack_bitnet: packed layers are for inference: their 2-bit ternary codes have no gradient. "
+                         "Train with BitLinear layers (the \"train-bitnet\" preset), then serve with pack_bitnet "
+                         "(the \"serve-bitnet\" preset)")
+    if cfg.bitnet is not None:
+        raise ValueError("bitnet, pack_bitnet: cannot go together. pack_bitnet serves the ternary weights a BitNet "
+                         "model has learned; converting full-precision layers and packing them in one call would "
+                         "serve ternary weights nobody trained. Train with the \"train-bitnet\" preset (or "
+                         "thrifty.bitnet.convert + training) first, then optimize with \"serve-bitnet\"")
+    if cfg.neuzip is not None:
+        raise ValueError("neuzip, pack_bitnet: cannot go together. NeuZip entropy-codes nn.Linear weights; packed "
+                         "ternary weights are already 2 bits each and are not nn.Linear weights. NeuZip is for "
+                         "full-precision models")
+
+
 def _presets() -> dict:
     shadow = _shadowkv_config()
     bitnet = _bitnet_config()
@@ -252,7 +287,9 @@ def _presets() -> dict:
         # small footprint: 3-bit-mantissa NeuZip weights (bf16 models), int8 KV cache, quantized attention
         "serve-small": lambda: dict(neuzip=neuzip(mode="lossy", mantissa_bits=3), kv_cache=LowBitKVConfig(),
                                     attention=AttentionConfig()),
+        # a trained BitNet model (e.g. after "train-bitnet"): 2-bit packed ternary layers, stacked q/k/v and gate/up
+        "serve-bitnet": lambda: dict(pack_bitnet=True),
     }
 
 
-PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small")
+PRESETS = ("train-memory", "train-bitnet", "serve-long-context", "serve-small", "serve-bitnet")
