@@ -312,9 +312,10 @@ def host(args, device, rows, summary, extra):
     q = torch.randn(1, 128, 32, 64, dtype=torch.bfloat16, device=device).transpose(1, 2)
     k, v = (torch.randn(1, 128, 8, 64, dtype=torch.bfloat16, device=device).transpose(1, 2) for _ in range(2))
     module = _Module()
-    if not cuda:  # the CPU measurement drives the kernel path with stubbed launches, never the reference
-        from thrifty.attention.hf import OPTIONS_ATTR
-        module.__dict__[OPTIONS_ATTR] = {"impl": "triton"}
+    # the quantized path's host time: impl="triton" keeps this 128-row call off SDPA (impl="auto" sends calls this
+    # small to transformers' SDPA in a model: routing.HF_MIN_PREFILL_WORK); on the CPU the launches are stubbed
+    from thrifty.attention.hf import OPTIONS_ATTR
+    module.__dict__[OPTIONS_ATTR] = {"impl": "triton"}
     calls = {"sage_attention": lambda: sage_attention(q, k, v, causal=True, impl="triton"),
              "hf_sage_attention": lambda: hf_sage_attention(module, q, k, v, None, scaling=0.125),
              "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
