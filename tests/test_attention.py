@@ -396,6 +396,27 @@ def test_hf_training_calls_take_transformers_sdpa(monkeypatch):
     disable_hf(model)
 
 
+def test_hf_routes_count_the_path_each_call_took():
+    """thrifty.attention.hf.routes: per path, the calls hf_sage_attention made since enable_hf; disable_hf
+    clears them (a demo or a user can see whether the quantized path ran at all)."""
+    from thrifty.attention.hf import routes
+
+    model = _tiny_hf_llama("sdpa").train()
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, 128, (2, 40))
+    enable_hf(model)
+    assert routes(model) == {}
+    model(ids, labels=ids).loss.backward()  # training: transformers' SDPA
+    with torch.no_grad():
+        model(ids)  # the quantized path (the reference on the CPU)
+        model(ids[:, :8])  # 8 query rows: SDPA
+    assert routes(model) == {"sdpa": 2 * layers, "sage": layers}
+    enable_hf(model)
+    assert routes(model) == {}
+    disable_hf(model)
+    assert routes(model) == {}
+
+
 def _decode_logits(model, ids, steps):
     from transformers import DynamicCache
 

@@ -336,6 +336,7 @@ def test_cuda_hf_small_prefill_takes_transformers_sdpa(monkeypatch):
     from test_attention import _tiny_hf_llama
 
     from thrifty.attention import enable_hf, hf as hf_module, routing
+    from thrifty.attention.hf import routes
 
     model = _tiny_hf_llama("sdpa").eval().to("cuda", torch.bfloat16)
     ids = torch.randint(0, 128, (2, 100), device="cuda")
@@ -345,7 +346,7 @@ def test_cuda_hf_small_prefill_takes_transformers_sdpa(monkeypatch):
     enable_hf(model)
     with torch.no_grad():
         model(ids)
-        assert not calls
+        assert not calls and routes(model) == {"sdpa": model.config.num_hidden_layers}
         monkeypatch.setattr(routing, "HF_MIN_PREFILL_WORK", 0)
         model(ids)
         assert len(calls) == model.config.num_hidden_layers

@@ -12,9 +12,13 @@ The stages:
 2. **cce**: one training step of SmolLM2 with and without cut cross-entropy (same loss; no logits).
 3. **neuzip**: the plain model trained in stage 1, in bf16, lossless-compressed (same outputs, fewer weight bytes). The
    BitNet model is not compressed: thrifty.optimize refuses BitNet with NeuZip and says why.
-4. **attention**: SmolLM2's validation loss with quantized attention against exact attention.
+4. **attention**: SmolLM2's validation loss with quantized attention against exact attention, on rows long
+   enough (on a GPU: 4 x 8192 tokens) that the quantized path runs; the stage fails if it did not
+   (``thrifty.attention.hf.routes``).
 5. **serve**: SmolLM2 generating from a long prompt with quantized attention + ShadowKV (``"serve-long-context"``)
-   against a plain KV cache: cache bytes on the device, decode speed, agreement of the greedy tokens.
+   against a plain KV cache: cache bytes on the device, decode speed, agreement of the greedy tokens, and in how
+   many layers the prompt went through the quantized path (on a GPU a one-sequence 8000-token SmolLM2 prompt is
+   too little work per call: transformers' SDPA takes it).
 
 Sizes: the whole SmolLM2 at short lengths on the CPU (a minute or two on 2 cores), longer ones on a GPU.
 ``--quick`` (tests) keeps only SmolLM2's first two decoder layers: real weights, but a model whose losses mean
@@ -24,6 +28,7 @@ little; its figures still compare each technique with the same truncated model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -42,14 +47,18 @@ class DemoSize:
     prompt_len: int  # the long prompt of the serving stage
     new_tokens: int
     tiny_hidden: int  # width of the model trained from scratch
+    # the attention stage's evaluation rows (batch, tokens): on CUDA, long enough that transformers' calls carry
+    # the work the quantized path needs (attention.routing.HF_MIN_PREFILL_WORK; shorter ones take SDPA)
+    attention_rows: tuple = (2, 128)
 
 
 SIZES = {
-    "quick": DemoSize(smol_layers=2, seq_len=64, batch=2, train_steps=4, prompt_len=192, new_tokens=4, tiny_hidden=64),
+    "quick": DemoSize(smol_layers=2, seq_len=64, batch=2, train_steps=4, prompt_len=192, new_tokens=4, tiny_hidden=64,
+                      attention_rows=(2, 64)),
     "cpu": DemoSize(smol_layers=None, seq_len=128, batch=2, train_steps=30, prompt_len=512, new_tokens=8,
-                    tiny_hidden=128),
+                    tiny_hidden=128, attention_rows=(2, 128)),
     "gpu": DemoSize(smol_layers=None, seq_len=1024, batch=8, train_steps=300, prompt_len=8000, new_tokens=64,
-                    tiny_hidden=512),
+                    tiny_hidden=512, attention_rows=(4, 8192)),
 }
 
 
@@ -317,16 +326,19 @@ def stage_neuzip(run: DemoRun) -> list:
 def stage_attention(run: DemoRun) -> list:
     """SmolLM2's validation loss with quantized attention against exact attention."""
     import thrifty
-    from .compose.dispatch import attention_calls
+    from .attention.hf import routes
 
-    smol, val, size, device = run.smol, run.val, run.size, run.device
+    smol, val, device = run.smol, run.val, run.device
+    batch, tokens = run.size.attention_rows
+    size = dataclasses.replace(run.size, batch=batch, seq_len=tokens)
     model = copy.deepcopy(smol)
     base_loss, base_seconds, _ = measure(lambda: validation_loss(smol, val, size, device), device)
     thrifty.optimize(model, thrifty.OptimizeConfig(attention=True))
     loss, seconds, _ = measure(lambda: validation_loss(model, val, size, device), device)
-    calls = attention_calls(model).get("quantized", 0)
-    require(calls > 0, "quantized attention did not run")
-    return [row("attention", f"SmolLM2 eval, {size.seq_len}-token rows, INT8 QK / FP8 PV", "-",
+    calls = routes(model).get("sage", 0)
+    require(calls > 0, "quantized attention did not run (every call took another route: "
+                       f"{routes(model)})")
+    return [row("attention", f"SmolLM2 eval, {batch}x{tokens}-token rows, INT8 QK / FP8 PV", "-",
                 f"{seconds:.2f} s vs {base_seconds:.2f} s", f"val loss {loss:.4f} vs {base_loss:.4f}",
                 val_loss=loss, val_loss_plain=base_loss, seconds=seconds, seconds_plain=base_seconds,
                 quantized_calls=calls)]
@@ -348,21 +360,27 @@ def stage_serve(run: DemoRun) -> list:
 
     dense_cache = DynamicCache(config=smol.config)
     base_tokens, base_seconds, _ = measure(lambda: greedy(smol, dense_cache), device)
+    from .attention.hf import routes
+
     model = thrifty.optimize(copy.deepcopy(smol), thrifty.OptimizeConfig(attention=True, kv_cache=config))
     tokens, seconds, _ = measure(lambda: greedy(model, None), device)
+    quantized_prefill = routes(model).get("sage", 0)  # SDPA where the prompt is too little work (HF_MIN_PREFILL_WORK)
     cache = model._thrifty_last_cache
     require(not cache.dense, "ShadowKV did not compress the prompt")
     device_bytes = sum(s.bytes_on_device_per_sequence() for s in cache.engine.states)
     dense_bytes = sum(k.numel() * k.element_size() * 2 for k in (layer.keys for layer in dense_cache.layers))
     agree = float((tokens == base_tokens).float().mean())
     steps = size.new_tokens
-    return [row("shadowkv", f"SmolLM2 + quantized attention, {size.prompt_len}-token prompt, {steps} new tokens",
+    layers = smol.config.num_hidden_layers
+    return [row("shadowkv", f"SmolLM2 + ShadowKV (quantized prefill in {quantized_prefill} of {layers} layers), "
+                f"{size.prompt_len}-token prompt, {steps} new tokens",
                 f"KV on device {_mb(device_bytes)} vs {_mb(dense_bytes)} (+{_mb(cache.host_bytes_per_sequence())} "
                 "host values)",
                 f"{steps / seconds:.1f} vs {steps / base_seconds:.1f} tokens/s (with prefill)",
                 f"{agree:.0%} of greedy tokens as plain",
                 kv_device_bytes=device_bytes, kv_dense_bytes=dense_bytes, host_bytes=cache.host_bytes_per_sequence(),
-                tokens_per_s=steps / seconds, tokens_per_s_plain=steps / base_seconds, token_agreement=agree)]
+                tokens_per_s=steps / seconds, tokens_per_s_plain=steps / base_seconds, token_agreement=agree,
+                quantized_prefill_layers=quantized_prefill)]
 
 
 def shadowkv_config(size: DemoSize):

@@ -23,6 +23,7 @@ queries go to the quantized prefill kernel.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Optional
 
@@ -48,17 +49,40 @@ def _sdpa(module, query, key, value, attention_mask, **kw):
     return _sdpa_forward(module, query, key, value, attention_mask, **kw)
 
 
+ROUTES_ATTR = "_thrifty_sage_routes"  # per attention module: Counter of the paths hf_sage_attention took
+
+
+def _took(module, route: str) -> None:
+    counter = module.__dict__.get(ROUTES_ATTR)
+    if counter is None:
+        counter = module.__dict__[ROUTES_ATTR] = collections.Counter()
+    counter[route] += 1
+
+
+def routes(model) -> dict:
+    """{path: calls} that :func:`hf_sage_attention` took on ``model``'s attention modules since they were enabled:
+    "sage" (:func:`sage_attention`: the quantized kernels, or the reference off CUDA), "sdpa" (transformers'
+    SDPA: masks, dropout, training, 2–16-row queries, small prefill calls), "one_row_flash" (decode steps),
+    "packed_kv" (decode over a ``thrifty_kv_cache``). Shows whether the quantized path ran at all."""
+    total = collections.Counter()
+    for m in model.modules():
+        total.update(m.__dict__.get(ROUTES_ATTR, {}))
+    return dict(total)
+
+
 def hf_sage_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
     """transformers attention signature: (B, H, S, D) inputs, returns ((B, S, H, D) output, None)."""
     cache = getattr(key, "_thrifty_kv", None)  # keys handed out by thrifty_kv_cache for a decode step
     if cache is not None:
         if attention_mask is None and not (dropout > 0.0 and module.training):
+            _took(module, "packed_kv")
             out = decode_attention(query, cache, causal=True, sm_scale=scaling)
             return out.transpose(1, 2).contiguous(), None
         key, value = (x.to(query.dtype) for x in cache.dequantize())  # a real mask: exact SDPA on the cache
     if (attention_mask is None and not (dropout > 0.0 and module.training)
             and one_row_flash_fits(query, key, value)):  # a decode step: not SDPA's cuDNN (see one_row_flash)
+        _took(module, "one_row_flash")
         return one_row_flash(query, key, value, scaling).transpose(1, 2).contiguous(), None
     options = module.__dict__.get(OPTIONS_ATTR) or {}
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
@@ -69,8 +93,10 @@ def hf_sage_attention(module, query, key, value, attention_mask, dropout: float 
             or training_goes_to_sdpa(impl, needs_grad)
             or (query.is_cuda and small_prefill_goes_to_sdpa(impl, query.shape[0], query.shape[1], query.shape[2],
                                                              key.shape[2], query.shape[3], bool(causal)))):
+        _took(module, "sdpa")
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      is_causal=is_causal, **kwargs)
+    _took(module, "sage")
     out = sage_attention(query, key, value, causal=bool(causal), sm_scale=scaling, **options)
     return out.transpose(1, 2).contiguous(), None
 
@@ -111,6 +137,7 @@ def enable_hf(model, *, plan: Optional[dict] = None, impl: str = "auto", config:
         if plan is not None and m.layer_idx in plan:
             layer_options["config"] = dataclasses.replace(options["config"], qk_bits=plan[m.layer_idx])
         m.__dict__[OPTIONS_ATTR] = layer_options
+        m.__dict__.pop(ROUTES_ATTR, None)  # routes() counts from here
     register()
     if not hasattr(model, "_thrifty_previous_attn"):
         model._thrifty_previous_attn = model.config._attn_implementation
@@ -125,6 +152,7 @@ def disable_hf(model) -> None:
     _set_implementation(model, previous)
     for m in _attention_modules(model):
         m.__dict__.pop(OPTIONS_ATTR, None)
+        m.__dict__.pop(ROUTES_ATTR, None)
     del model._thrifty_previous_attn
 
 
