@@ -57,6 +57,7 @@ from thrifty.bitnet import PackedBitLinear, relu_squared
 from thrifty.bitnet import packed_kernel as PK
 from thrifty.bitnet.bitlinear import SharedInput
 from thrifty.bitnet.pack import pack_ternary
+from thrifty.bitnet.packed import integer_matmul
 
 SHAPES = {"7B": [(4096, 4096), (11008, 4096), (4096, 11008)], "2B": [(2560, 2560), (6912, 2560), (2560, 6912)],
           "7B stacked": [(12288, 4096), (22016, 4096)]}  # q/k/v and gate/up of the stacked 7B model (MHA)
@@ -85,9 +86,20 @@ def hbm_bandwidth_gbs(device, args) -> float:
     return 2 * n / t.median_ms / 1e6
 
 
+def torch_path(layer: PackedBitLinear, x: torch.Tensor) -> torch.Tensor:
+    """``PackedBitLinear``'s PyTorch path from the layer's public pieces: the same ops in the same order (so the
+    same bits), in this tree and in every older one a ``--baseline-src`` run may load."""
+    codes, scale = layer.quantize_input(x)
+    acc = integer_matmul(codes, layer.ternary())
+    y = (acc.float() * scale[:, None]) * layer.row_scale()[None, :]
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.to(x.dtype)
+
+
 def check_kernels(layer: PackedBitLinear, x: torch.Tensor) -> dict:
     """Kernel output vs the PyTorch path on the same device (the integer dot is exact in both)."""
-    want = layer._forward_torch(x)
+    want = torch_path(layer, x)
     got = PK.packed_linear(x, layer)
     diff = (got.float() - want.float()).abs().max().item()
     return {"match": bool(torch.equal(got, want)), "max_abs_diff": diff}
@@ -176,6 +188,8 @@ def a48_rows(args, device) -> list[dict]:
 def sweep_rows(args, device) -> list[dict]:
     """Other tiles and K splits at 1 and 16 tokens (the stacked 7B shapes at 1 token): is plan()'s choice the
     fastest?"""
+    from thrifty.triton_utils import sm_count  # here: the sweep runs on this tree only (--baseline-src does not)
+
     rows = []
     shapes = [(shape, (1, 16)) for shape in args.shapes[next(iter(args.shapes))]]
     shapes += [(shape, (1,)) for shape in args.shapes.get("7B stacked", [])]
@@ -185,7 +199,7 @@ def sweep_rows(args, device) -> list[dict]:
         for m in tokens:
             codes, scale, sums = PK.quantize_codes(torch.randn(m, k, device=device, dtype=torch.bfloat16), "int8")
             rs = layer.row_scale()
-            planned = PK.plan(m, n, k, PK._sm_count(device))
+            planned = PK.plan(m, n, k, sm_count(device))
             kernel = planned["kernel"]
             if kernel == "decode":
                 rows += decode_sweep_rows(args, device, layer, m, planned)
@@ -221,12 +235,14 @@ def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
     as planned (codes kernel + v3); the self-quantizing v2 and v1 (one launch each: the kernels v3 replaced at 1
     token); and the split-K GEMV before them (on ready codes, + its epilogue launch) for reference. Every row is
     checked against the planned layer's output bit for bit."""
+    from thrifty.triton_utils import sm_count
+
     n, k = layer.out_features, layer.in_features
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     want = PK.packed_linear(x, layer)
     codes, scale, sums = PK.quantize_codes(x, "int8")
     rs = layer.row_scale()
-    sms = PK._sm_count(device)
+    sms = sm_count(device)
     rows = []
 
     def timed(kernel: str, cfg: dict, fn, planned_row: bool) -> None:
@@ -259,7 +275,8 @@ def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
         for cfg in configs:
             timed("decode v3 (ready codes)", cfg, lambda cfg=cfg: PK.matmul_codes(
                 codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg), cfg == planned)
-    old = dict(PK.plan(5, n, k, sms), kernel="gemv", BLOCK_N=32, BLOCK_M=PK._pow2(m), num_warps=4, num_stages=4)
+    block_m = 1 << (m - 1).bit_length() if m > 1 else 1  # m rounded up to a power of 2
+    old = dict(PK.plan(5, n, k, sms), kernel="gemv", BLOCK_N=32, BLOCK_M=block_m, num_warps=4, num_stages=4)
     groups = layer.packed.shape[1] // 64
     split = 1
     while -(-n // 32) * split < 4 * sms and groups // (split * 2) >= 2:  # the old plan()'s split

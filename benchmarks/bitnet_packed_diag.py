@@ -36,6 +36,7 @@ if not torch.cuda.is_available():  # the interpreter needs the flag before Trito
 from thrifty.bitnet import packed_kernel as PK  # noqa: E402
 from thrifty.bitnet.pack import GROUP, pack_ternary, padded_k, unpack_ternary  # noqa: E402
 from thrifty.bitnet.packed import PackedBitLinear, activation_codes  # noqa: E402
+from thrifty.triton_utils import sm_count  # noqa: E402
 
 KINDS = ("int8", "int4", "topk_int8")
 
@@ -166,7 +167,7 @@ def stage_mm(x, kind, layer, k, report, out_dtype=torch.bfloat16) -> dict:
     m, n = x.shape[0], layer.out_features
     results = {}
     default_asm = PK.USE_ASM
-    for label, cfg, asm in variants(m, n, k, PK._sm_count(x.device)):
+    for label, cfg, asm in variants(m, n, k, sm_count(x.device)):
         if asm and not default_asm:  # the interpreter has no inline PTX: its runs are the USE_ASM=False ones
             continue
         tag = (f"{label} [{cfg['kernel']} {cfg['BLOCK_N']}x{cfg['BLOCK_M']} split={cfg['split']}"
@@ -192,8 +193,18 @@ def stage_mm(x, kind, layer, k, report, out_dtype=torch.bfloat16) -> dict:
     return results
 
 
+def torch_path(layer: PackedBitLinear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's PyTorch path on any device: its forward with ``impl="reference"`` (impl and last_path restored)."""
+    impl, last_path = layer.impl, layer.last_path
+    layer.impl = "reference"
+    try:
+        return layer(x)
+    finally:
+        layer.impl, layer.last_path = impl, last_path
+
+
 def stage_e2e(x, layer, report) -> bool:
-    want = layer._forward_torch(x)
+    want = torch_path(layer, x)
     got = PK.packed_linear(x, layer)
     d = describe(got, want)
     if d and layer.activation == "int4" and bool((got != want).float().mean() <= 0.01):
@@ -221,13 +232,13 @@ def main(argv=None) -> int:
     info = (torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (TRITON_INTERPRET=1)")
     import triton
     print(f"device {info}; torch {torch.__version__}; triton {triton.__version__}; layer {n}x{k}; "
-          f"USE_ASM default {PK.USE_ASM}; SMs {PK._sm_count(device)}", flush=True)
+          f"USE_ASM default {PK.USE_ASM}; SMs {sm_count(device)}", flush=True)
     verdicts = []
     for kind in args.kinds.split(","):
         layer = make_layer(n, k, kind, device)
         for m in tokens:
             x = make_tokens(m, k, device, seed=m)
-            plan = PK.plan(m, n, k, PK._sm_count(device))
+            plan = PK.plan(m, n, k, sm_count(device))
             print(f"[{kind} m={m}] plan {plan['kernel']} {plan['BLOCK_N']}x{plan['BLOCK_M']} split={plan['split']} "
                   f"x{plan['groups_per_split']} warps={plan['num_warps']} stages={plan['num_stages']}  "
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)

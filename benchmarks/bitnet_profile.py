@@ -107,24 +107,27 @@ def count_step(trainer: Trainer) -> dict:
     saved = {key: getattr(*key) for key in BITNET_LAUNCHERS}
     for (module, name), kernel in BITNET_LAUNCHERS.items():
         setattr(module, name, _CountedLaunch(saved[module, name], kernel, counter, launches))
-    original_loss, original_clip = trainer._loss, torch.nn.utils.clip_grad_norm_
+    original_clip = torch.nn.utils.clip_grad_norm_
 
-    def loss(inputs, labels):
+    def forward_starts(module, args):
         counter.phase = "fwd"
-        out = original_loss(inputs, labels)
-        out.register_hook(lambda g: setattr(counter, "phase", "bwd"))
-        return out
+
+    def forward_ends(module, args, loss):  # the model's output with labels: the step's loss
+        loss.register_hook(lambda g: setattr(counter, "phase", "bwd"))
 
     def clip(*a, **k):
         counter.phase = "opt"
         return original_clip(*a, **k)
 
-    trainer._loss, torch.nn.utils.clip_grad_norm_ = loss, clip
+    hooks = [trainer.model.register_forward_pre_hook(forward_starts),
+             trainer.model.register_forward_hook(forward_ends)]
+    torch.nn.utils.clip_grad_norm_ = clip
     try:
         with counter:
             trainer.train_step()
     finally:
-        del trainer._loss  # back to the class method
+        for hook in hooks:
+            hook.remove()
         torch.nn.utils.clip_grad_norm_ = original_clip
         for (module, name), launcher in saved.items():
             setattr(module, name, launcher)
@@ -159,8 +162,10 @@ def phase_split(trainer: Trainer, device) -> dict:
     t = [time.perf_counter()]
     if cuda:
         events[0].record()
-    with trainer._autocast():
-        loss = trainer._loss(inputs, labels)
+    cfg = trainer.cfg  # the Trainer's autocast and loss (a thrifty model: the loss is model(inputs, labels=labels))
+    bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and trainer.device.type == "cuda")
+    with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=not cfg.cuda_graph):
+        loss = trainer.model(inputs, labels=labels)
     t.append(time.perf_counter())
     if cuda:
         events[1].record()

@@ -24,7 +24,7 @@ import torch
 from thrifty import bench
 from thrifty.neuzip import compress
 from thrifty.neuzip import reference as R
-from thrifty.neuzip.decode_kernel import decode_into
+from thrifty.neuzip.decode_kernel import decode_into, kernel_table, small_table
 
 DEV = "cuda"
 # v3 launch variants: (groups_per_prog, num_warps, int16 table, 8-bit first-level table, inline-asm funnel shifts)
@@ -50,6 +50,24 @@ def load_real(path):
     if not os.path.exists(path):
         return {}
     return {k: v.bfloat16().contiguous() for k, v in sorted(load_file(path).items())}
+
+
+def uint_view(x: torch.Tensor) -> np.ndarray:
+    """The raw bits of a float tensor as an unsigned NumPy array (uint16 / uint32), flattened: what the codec reads."""
+    bits = R.DTYPES[x.dtype][0]
+    ints = x.detach().contiguous().reshape(-1).cpu().view(torch.int16 if bits == 16 else torch.int32)
+    return ints.numpy().view(np.uint16 if bits == 16 else np.uint32)
+
+
+def decode_tables(c, device) -> dict:
+    """``c``'s decode tables on ``device``, built as ``CompressedTensor.decompress`` builds them: "ref" the
+    int32[4096] of ``reference.decode_table``, "small" its int16[256] first level (v1/v2), "v3" / "v3_16" the v3
+    kernel's (int32 / int16) and "v3_small" / "v3_small16" their 256-entry first levels."""
+    ref = torch.from_numpy(R.decode_table(c.code_lengths())).to(device)
+    tables = {"ref": ref, "small": small_table(ref)}
+    for kind in ("v3", "v3_16", "v3_small", "v3_small16"):
+        tables[kind] = kernel_table(ref, c.dtype, table16=kind.endswith("16"), small="small" in kind)
+    return tables
 
 
 def llama_init(seed=0):
@@ -160,7 +178,7 @@ def main(argv=None) -> int:
                 row = {"set": set_name_, "codec": "neuzip", "mantissa_bits": "lossless" if k is None else k,
                        "steps": steps, "ratio": sum(c.nbytes for c in cs) / orig}
                 if k is None:
-                    counts = sum(np.bincount(R.split_symbols(R._uint_view(t), t.dtype)[0], minlength=256)
+                    counts = sum(np.bincount(R.split_symbols(uint_view(t), t.dtype)[0], minlength=256)
                                  for t in tensors)
                     row["entropy_bits"] = R.entropy_bits(counts)  # pooled; per-matrix codes can do slightly better
                     row["coded_bits"] = sum(c.symbol_bits * c.numel for c in cs) / sum(c.numel for c in cs)
@@ -184,8 +202,9 @@ def main(argv=None) -> int:
         for steps, kernel, launch in variants:
             if steps not in cs:
                 c = compress(x, steps=steps).to(DEV)
-                cs[steps] = (c, c.streams, c._table(DEV), c._table(DEV, "small"),
-                             {k: c._table(DEV, k) for k in ("v3", "v3_16", "v3_small", "v3_small16")})
+                tables = decode_tables(c, DEV)
+                cs[steps] = (c, c.streams, tables["ref"], tables["small"],
+                             {k: tables[k] for k in ("v3", "v3_16", "v3_small", "v3_small16")})
             c, s, table, small_tab, t3 = cs[steps]
             if kernel == "v3":
                 g, w, use16, small, asm = launch
@@ -260,7 +279,8 @@ def main(argv=None) -> int:
     c3 = compress(x, 3).to(DEV)
     ref3 = c3.decompress(impl="reference").to(DEV)
     out = torch.empty_like(ref3)
-    s3, tab3, v3tab3 = c3.streams, c3._table(DEV), c3._table(DEV, "v3_16")
+    tables3 = decode_tables(c3, DEV)
+    s3, tab3, v3tab3 = c3.streams, tables3["ref"], tables3["v3_16"]
     run = lambda: decode_into(s3["words"], s3["lane_units"], s3["group_offsets"], s3["raw"], tab3, out, 3,
                               steps=c3.steps, v3_table=v3tab3, asm=not args.smoke)  # default launch
     run()

@@ -25,10 +25,17 @@ def block(seed=0):
     return [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in SHAPES]
 
 
+def uint_view(x: torch.Tensor) -> np.ndarray:
+    """The raw bits of a float tensor as an unsigned NumPy array (uint16 / uint32), flattened: what the codec reads."""
+    bits = R.DTYPES[x.dtype][0]
+    ints = x.detach().contiguous().reshape(-1).cpu().view(torch.int16 if bits == 16 else torch.int32)
+    return ints.numpy().view(np.uint16 if bits == 16 else np.uint32)
+
+
 def histograms(ws):
     out = []
     for w in ws:
-        sym = R.split_symbols(R._uint_view(w), w.dtype)[0]
+        sym = R.split_symbols(uint_view(w), w.dtype)[0]
         out.append((np.bincount(sym, minlength=256), np.bincount(R.pair_symbols(sym), minlength=R.PAIR_SYMBOLS)))
     return out
 

@@ -544,7 +544,8 @@ def block_decode_rows(args, device, base):
     st = model.neuzip
     pack = st.packs[len(st.packs) // 2]
     buf = st.buffers[0]
-    impl = st._impl()
+    # the impl the model's own block decodes use: config.impl, "auto" = Triton on CUDA, else the reference
+    impl = st.config.impl if st.config.impl != "auto" else ("triton" if st.cuda else "reference")
     for _ in range(3):
         pack.decode_into(buf, impl)
     if device.type == "cuda":

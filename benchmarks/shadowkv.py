@@ -105,7 +105,10 @@ class DecodeStep:
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.full((1,), start_pos, dtype=torch.long, device=device)
         n = start_pos + 1024
-        self.cos, self.sin = (t.float() for t in model.model.rotary._cos_sin(torch.arange(n, device=device)))
+        # RoPE cos/sin at positions 0..n-1, as the model's rotary embedding computes them (fp32 products and trig)
+        freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * model.model.rotary.inv_freq.to(device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
     @torch.no_grad()
     def __call__(self):

@@ -174,7 +174,7 @@ def run_layer(var, state, q_steps, k, v, cos, sin, T0, args, budget, needle_pos)
         pos = R.chunk_positions(ids, c)
         pos_valid = picked[..., None].expand(-1, -1, -1, c).flatten(2)
         if var.get("keys") == "exact" or state.keys_exact is not None:
-            k_sel = R._gather_tokens(k[:, :, :T0], pos)
+            k_sel = k[:, :, :T0].gather(2, pos[..., None].expand(-1, -1, -1, k.shape[-1]))  # keys at pos
         else:
             k_sel = R.rebuild_keys(state, pos, cos, sin)
         v_sel = state.values.gather(pos)
