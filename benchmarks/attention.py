@@ -58,12 +58,18 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
 }
 # head_dim 64: the structures above run on its default 128x128 tiles (gluon_kernel.D64_TILES; ws2_vperm is the
 # default there); the 64x64 tiles beside them
-GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(ws=True, consumers=2, **SMALL_D64_TILES)}
+# and FA3's ping-pong schedule (pingpong=True), on 64 query rows per consumer at D=64 (128 spill) beside the same
+# tiles without it
+GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(ws=True, consumers=2, **SMALL_D64_TILES),
+                      "thrifty8_gluon_n128": dict(block_m=64),
+                      "thrifty8_gluon_pp_n128": dict(block_m=64, pingpong=True)}
+GLUON_D128_VARIANTS = {"thrifty8_gluon_pp": dict(pingpong=True),
+                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True)}
 
 
 def gluon_structures(D):
     """{backend name: gluon_config override} of the Gluon variants that run at head_dim D."""
-    return {**GLUON_VARIANTS, **(GLUON_D64_VARIANTS if D == 64 else {})}
+    return {**GLUON_VARIANTS, **(GLUON_D64_VARIANTS if D == 64 else GLUON_D128_VARIANTS)}
 
 
 def gluon_variants(D):

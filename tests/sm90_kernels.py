@@ -170,6 +170,12 @@ def _attention():
         yield from _sage_call(D, fp32, pv="fp16")  # fp32 V tiles through the 16-bit P·V path
 
 
+# the ping-pong schedule (gluon_config pingpong=True) on the tiles it is benchmarked with: 64 query rows per
+# consumer (a 128x128 D=64 tile would hold S, P̃ in flight, the P̃·V fragment and acc: > 240 registers)
+PINGPONG_TILES = ((128, {}), (128, dict(block_n=64, scale_block=64)), (64, dict(block_m=64)),
+                  (64, dict(block_m=64, v_perm16=False)))
+
+
 def _attention_gluon():
     """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
     each structure (one consumer warpgroup loading for itself; + a producer warp; two consumer warpgroups + a
@@ -186,6 +192,8 @@ def _attention_gluon():
               for v in variants]
     calls += [(D, True, dtype, True, True, {}) for D in G.GLUON_HEAD_DIMS for dtype in (torch.float16, torch.float32)]
     calls += [(128, causal, bf16, False, False, dict(v_perm16=True)) for causal in (False, True)]  # D=64's default
+    calls += [(D, causal, bf16, False, False, dict(pingpong=True, **tiles)) for causal in (False, True)
+              for D, tiles in PINGPONG_TILES]
     for call in calls:
         yield gluon_entry(*call)
     # the pre-pass with Vᵀ in v_slot order (the Triton path's entries cover the rest of the Gluon pre-pass)
@@ -205,13 +213,14 @@ def gluon_entry(D, causal, dtype, lse, smooth_v, variant) -> Spec:
     t = PTR[dtype]
     label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"
              f" block_m={cfg['block_m']} block_n={cfg['block_n']}" + " v_perm16" * cfg["v_perm16"] + " lse" * lse
-             + " smooth_v" * smooth_v)
+             + " smooth_v" * smooth_v + " pingpong" * cfg["pingpong"])
     return entry(G._sage_fwd_gluon_kernel, label,
                  dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
                       STAGES=cfg["stages"], QMAX=127.0, CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse,
                       REVERSE=causal and cfg["reverse"], WS=cfg["ws"], CONSUMERS=cfg["consumers"],
                       PRODUCER_REGS=cfg["producer_regs"], CONSUMER_REGS=cfg["consumer_regs"],
-                      LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT, V_PERM16=cfg["v_perm16"]),
+                      LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT, V_PERM16=cfg["v_perm16"],
+                      PINGPONG=cfg["pingpong"]),
                  {"Q Out": t, "Ks Stats": "*fp32", "FirstBad": "*i32", "Lse": "*fp32" if lse else t,
                   "k_desc": f"tensordesc<i8[{cfg['block_n']}, {D}],{k_layout!r}>",
                   "v_desc": f"tensordesc<fp8e4nv[{D}, {cfg['block_n']}],{v_layout!r}>"},

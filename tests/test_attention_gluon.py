@@ -13,9 +13,11 @@ from thrifty.bench import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2),
-            dict(v_perm16=True)]
-# head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with each warp structure, and the 64x64 tiles
-D64_VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), SMALL_D64_TILES]
+            dict(v_perm16=True), dict(pingpong=True), dict(pingpong=True, v_perm16=True)]
+# head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with each warp structure, the 64x64 tiles, and
+# the ping-pong schedule on 64x128 tiles
+D64_VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), SMALL_D64_TILES,
+                dict(block_m=64, pingpong=True)]
 
 
 def _vid(variant):
@@ -86,8 +88,8 @@ def test_v_perm16_prepass_matches_the_kernels_relabelling():
 
 
 def test_gluon_launch_checks_the_k_scale_blocks():
-    """A tile of 1 or 2 K-scale blocks, as many scales as the pre-pass wrote, and Vᵀ in the token order the
-    kernel reads (checked before any launch)."""
+    """A tile of 1 or 2 K-scale blocks, as many scales as the pre-pass wrote, Vᵀ in the token order the kernel
+    reads, and the ping-pong schedule only with two consumer warpgroups (checked before any launch)."""
     from thrifty.attention.gluon_kernel import launch
     q = torch.zeros(1, 1, 64, 64)
     prepared = dict(q=q, k8=torch.zeros(1, 192, 64, dtype=torch.int8), k_scale=torch.ones(1, 3),
@@ -98,6 +100,9 @@ def test_gluon_launch_checks_the_k_scale_blocks():
     with pytest.raises(ValueError, match="v_perm16"):  # the kernel must read Vᵀ in the order the pre-pass wrote
         launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192,
                config=dict(v_perm16=True))
+    for config in (dict(pingpong=True, consumers=1), dict(pingpong=True, ws=False, consumers=1)):
+        with pytest.raises(ValueError, match="pingpong=True needs ws=True and consumers=2"):
+            launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192, config=config)
 
 
 ONE_WARPGROUP_NAN = pytest.mark.xfail(strict=True, reason="ws=False with 64x64 tiles wrote NaN rows at D=64, B=2, "
