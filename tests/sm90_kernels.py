@@ -172,7 +172,7 @@ def _attention():
 
 # the ping-pong schedule (gluon_config pingpong=True) on the tiles it is benchmarked with: 64 query rows per
 # consumer (a 128x128 D=64 tile would hold S, P̃ in flight, the P̃·V fragment and acc: > 240 registers)
-PINGPONG_TILES = ((128, {}), (128, dict(block_n=64, scale_block=64)), (64, dict(block_m=64)),
+PINGPONG_TILES = ((128, dict(v_perm16=False)), (128, dict(block_n=64, scale_block=64)), (64, dict(block_m=64)),
                   (64, dict(block_m=64, v_perm16=False)))
 
 
@@ -185,13 +185,14 @@ def _attention_gluon():
     from thrifty.attention import gluon_kernel as G
 
     bf16 = torch.bfloat16
-    variants = [dict(ws=False, consumers=1), dict(ws=True, consumers=1), dict(ws=True, consumers=2)]
+    variants = [dict(ws=False, consumers=1, pingpong=False), dict(ws=True, consumers=1, pingpong=False),
+                dict(ws=True, consumers=2)]  # the last: each head_dim's default
     calls = [(D, causal, bf16, False, False, v) for D in G.GLUON_HEAD_DIMS for causal in (False, True)
              for v in variants]  # at D=64 on its default 128x128 tiles
     calls += [(64, causal, bf16, False, False, dict(v, **G.SMALL_D64_TILES)) for causal in (False, True)
               for v in variants]
     calls += [(D, True, dtype, True, True, {}) for D in G.GLUON_HEAD_DIMS for dtype in (torch.float16, torch.float32)]
-    calls += [(128, causal, bf16, False, False, dict(v_perm16=True)) for causal in (False, True)]  # D=64's default
+    calls += [(128, causal, bf16, False, False, dict(v_perm16=False, pingpong=False)) for causal in (False, True)]
     calls += [(D, causal, bf16, False, False, dict(pingpong=True, **tiles)) for causal in (False, True)
               for D, tiles in PINGPONG_TILES]
     for call in calls:

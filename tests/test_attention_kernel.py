@@ -263,18 +263,19 @@ def test_kernel_nan_rows_are_exactly_the_rule_without_a_host_guard(monkeypatch, 
 
 
 def test_prefill_goes_to_gluon_only_where_measured_faster():
-    from thrifty.attention.routing import GLUON_MIN_QUERIES, GLUON_MIN_QUERIES_CAUSAL, prefill_goes_to_gluon
+    from thrifty.attention.routing import (GLUON_HEAD_DIMS, GLUON_MIN_QUERIES, GLUON_MIN_QUERIES_CAUSAL,
+                                           prefill_goes_to_gluon)
 
-    for causal, least in ((False, GLUON_MIN_QUERIES), (True, GLUON_MIN_QUERIES_CAUSAL)):
-        assert prefill_goes_to_gluon(128, least, causal, (9, 0))
-        assert prefill_goes_to_gluon(128, 4 * least, causal, (9, 0))
-        assert not prefill_goes_to_gluon(128, least - 1, causal, (9, 0))  # the Triton kernel wins at 2K-4K
-        assert prefill_goes_to_gluon(64, least, causal, (9, 0))  # head_dim 64 on its 128x128 tiles too
-        assert not prefill_goes_to_gluon(64, least - 1, causal, (9, 0))
-        assert not prefill_goes_to_gluon(96, 4 * least, causal, (9, 0))  # no Gluon kernel for other head dims
-        assert not prefill_goes_to_gluon(128, 4 * least, causal, (8, 0))  # no Hopper, no Gluon kernel
-        assert not prefill_goes_to_gluon(128, 4 * least, causal, (10, 0))
-    assert GLUON_MIN_QUERIES_CAUSAL > GLUON_MIN_QUERIES  # causal: the kernel alone ties at 8K
+    for D in GLUON_HEAD_DIMS:  # head_dim 64 on its 128x128 tiles, 128 in the ping-pong order
+        for causal, least in ((False, GLUON_MIN_QUERIES), (True, GLUON_MIN_QUERIES_CAUSAL[D])):
+            assert prefill_goes_to_gluon(D, least, causal, (9, 0))
+            assert prefill_goes_to_gluon(D, 4 * least, causal, (9, 0))
+            assert not prefill_goes_to_gluon(D, least - 1, causal, (9, 0))  # the Triton kernel wins at 2K-4K
+            assert not prefill_goes_to_gluon(D, 4 * least, causal, (8, 0))  # no Hopper, no Gluon kernel
+            assert not prefill_goes_to_gluon(D, 4 * least, causal, (10, 0))
+    for causal in (False, True):  # no Gluon kernel (nor a threshold) for other head dims
+        assert not prefill_goes_to_gluon(96, 1 << 20, causal, (9, 0))
+    assert GLUON_MIN_QUERIES_CAUSAL[64] > GLUON_MIN_QUERIES  # causal at head_dim 64: the kernel alone ties at 8K
 
 
 @pytest.mark.cuda
@@ -291,7 +292,7 @@ def test_cuda_auto_prefill_runs_gluon_where_routed(monkeypatch):
     monkeypatch.setattr(gluon_kernel, "sage_forward_gluon", lambda *a, **kw: calls.append("gluon") or real_gluon(*a, **kw))
     monkeypatch.setattr(attn_kernel, "sage_forward_triton", lambda *a, **kw: calls.append("triton") or real_triton(*a, **kw))
     torch.manual_seed(0)
-    S = GLUON_MIN_QUERIES_CAUSAL + 37  # odd length
+    S = max(GLUON_MIN_QUERIES_CAUSAL.values()) + 37  # odd length, routed at both head dims
     q = torch.randn(1, 4, S, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = sage_attention(q, k, v, causal=True)

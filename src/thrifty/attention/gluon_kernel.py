@@ -535,8 +535,11 @@ def gluon_config(head_dim: int) -> dict:
     # the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x cuDNN at 32K). The
     # one-warpgroup structure (ws=False) wrote NaN rows at D=64 with 64x64 tiles (B=2, H=32, S >= 2K) and once at
     # D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
+    # D=128: FA3's ping-pong schedule with P̃ taken from the accumulator as it lies (pingpong, v_perm16): against
+    # the same structure without both, 1.03-1.11x at 8K-32K, full and causal (H200, 4cb493d,
+    # attention_gluon_h200-pp128.json).
     cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, ws=True, consumers=2,
-               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=False, pingpong=False)
+               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=True)
     if head_dim <= 64:
         cfg.update(D64_TILES)
     return cfg
@@ -549,8 +552,10 @@ GLUON_HEAD_DIMS = (64, 128)
 # 596 vs 389 / 532 vs 366 at 32K; GPU time with the pre-pass 332 vs 256 / 177 vs 184 at 2K (the one loss), 516 vs
 # 340 / 405 vs 310 at 8K, 586 vs 389 / 518 vs 365 at 32K. 128 rows alone or 128 keys alone were in between.
 # SMALL_D64_TILES: the 64x64 tiles (the shape of the ws=False NaN investigation).
-D64_TILES = dict(block_m=128, block_n=128, scale_block=64, v_perm16=True)
-SMALL_D64_TILES = dict(block_m=64, block_n=64, scale_block=64, v_perm16=False)
+# The ping-pong schedule needs 64 rows per consumer at D=64 (128 spill), and there it lost to these tiles without it
+# (H200, 4cb493d, attention_gluon_h200-pp.json: 482 vs 589 TOP/s at 32K full, 476 vs 527 causal, kernel alone).
+D64_TILES = dict(block_m=128, block_n=128, scale_block=64, v_perm16=True, pingpong=False)
+SMALL_D64_TILES = dict(block_m=64, block_n=64, scale_block=64, v_perm16=False, pingpong=False)
 
 
 def supports(*, head_dim: int, qk_bits: int, pv: str, smooth_q: bool) -> bool:
