@@ -1,6 +1,7 @@
 """The command line end to end on the real corpus built by `thrifty setup` (the README's set-up command)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,9 +13,18 @@ needs_corpus = pytest.mark.skipif(not (data_dir() / "corpus" / "manifest.json").
 
 
 @needs_corpus
-def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
+def test_demo_quick_reports_all_five_techniques(tmp_path, capsys, monkeypatch):
+    import datetime
+
+    import torch
+
+    import thrifty
+
+    monkeypatch.setenv("THRIFTY_COMMIT", "0123abc-test")  # what benchmarks/run_on_gpu.sh hands a copied tree
     assert main(["demo", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "demo.json").read_text())
+    assert (r["commit"], r["thrifty"], r["torch"]) == ("0123abc-test", thrifty.__version__, torch.__version__)
+    assert datetime.datetime.fromisoformat(r["date"]).utcoffset() == datetime.timedelta(0)
     rows = {row["technique"]: row["figures"] for row in r["rows"]}
     assert set(rows) == {"bitnet", "bitnet-packed", "cce", "neuzip", "attention", "shadowkv"}
     packed = rows["bitnet-packed"]  # the BitNet model trained in the demo, served packed vs unpacked
@@ -32,6 +42,27 @@ def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and (tmp_path / "memory.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert all(t in out for t in rows) and "vs" in out
+    assert out.startswith("thrifty demo · ") and "commit 0123abc-test" in out.splitlines()[0]
+
+
+def test_demo_report_names_its_commit_without_a_run(monkeypatch):
+    """The provenance run_demo puts in demo.json (the checkout's HEAD when $THRIFTY_COMMIT is unset) and the
+    table header naming the commit: no corpus or model needed."""
+    import subprocess
+
+    from thrifty.bench import git_commit
+    from thrifty.demo import format_table, provenance
+
+    monkeypatch.delenv("THRIFTY_COMMIT", raising=False)
+    made_by = provenance()
+    assert set(made_by) == {"commit", "thrifty", "torch", "date"} and made_by["commit"] == git_commit()
+    if made_by["commit"] is not None:  # a source checkout
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+        assert made_by["commit"].removesuffix("-dirty") == head
+    report = dict(made_by, model="m", device="cpu", seconds=1.0, rows=[])
+    assert format_table(report).splitlines()[0] == f"thrifty demo · m · cpu · 1 s · commit {made_by['commit']}"
+    assert "commit unknown" in format_table(dict(report, commit=None)).splitlines()[0]
 
 
 def test_python_m_thrifty_help():
