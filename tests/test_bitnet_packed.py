@@ -251,6 +251,28 @@ def test_from_packed_builds_the_model_from_the_file_alone(tmp_path, recipe):
         LlamaForCausalLM.from_packed(tmp_path / "absent.safetensors")
 
 
+@pytest.mark.parametrize("recipe", ["a4.8", "b1.58"])
+def test_export_of_a_packed_or_stacked_model_is_the_export_of_its_bitlinears(tmp_path, recipe):
+    """A model already packed (bitnet.pack), or packed with q/k/v and gate/up stacked (what the "serve-bitnet"
+    preset leaves), exports the same tensors and recipe as its BitLinear model: from_packed builds it unstacked
+    with the recipe's ReLU² and gives the packed model's logits."""
+    from safetensors.torch import load_file
+
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+    model = tiny_model(recipe)
+    want = load_file(str(bitnet.export(model, tmp_path / "bitlinear.safetensors")))
+    bitnet.pack(model, impl="reference")
+    for form in ("packed", "stacked"):
+        if form == "stacked":
+            bitnet.stack_projections(model)
+        path = bitnet.export(model, tmp_path / f"{form}.safetensors")
+        got = load_file(str(path))
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), form
+        assert bitnet.read_header(path)["recipe"] == recipe
+        with torch.no_grad():
+            assert torch.equal(logits(LlamaForCausalLM.from_packed(path, impl="reference")(ids)), logits(model(ids)))
+
+
 def test_siblings_quantize_their_shared_input_once(tmp_path, monkeypatch):
     """q/k/v and gate/up read one tensor: packed (in memory or loaded through packed_factory) they quantize it
     once per forward, with the same logits as without sharing."""

@@ -1,6 +1,7 @@
 """The command line end to end on the real corpus built by `thrifty setup` (the README's set-up command)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,9 +13,18 @@ needs_corpus = pytest.mark.skipif(not (data_dir() / "corpus" / "manifest.json").
 
 
 @needs_corpus
-def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
+def test_demo_quick_reports_all_five_techniques(tmp_path, capsys, monkeypatch):
+    import datetime
+
+    import torch
+
+    import thrifty
+
+    monkeypatch.setenv("THRIFTY_COMMIT", "0123abc-test")  # what benchmarks/run_on_gpu.sh hands a copied tree
     assert main(["demo", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "demo.json").read_text())
+    assert (r["commit"], r["thrifty"], r["torch"]) == ("0123abc-test", thrifty.__version__, torch.__version__)
+    assert datetime.datetime.fromisoformat(r["date"]).utcoffset() == datetime.timedelta(0)
     rows = {row["technique"]: row["figures"] for row in r["rows"]}
     assert set(rows) == {"bitnet", "bitnet-packed", "cce", "neuzip", "attention", "shadowkv"}
     packed = rows["bitnet-packed"]  # the BitNet model trained in the demo, served packed vs unpacked
@@ -32,6 +42,27 @@ def test_demo_quick_reports_all_five_techniques(tmp_path, capsys):
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000 and (tmp_path / "memory.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert all(t in out for t in rows) and "vs" in out
+    assert out.startswith("thrifty demo · ") and "commit 0123abc-test" in out.splitlines()[0]
+
+
+def test_demo_report_names_its_commit_without_a_run(monkeypatch):
+    """The provenance run_demo puts in demo.json (the checkout's HEAD when $THRIFTY_COMMIT is unset) and the
+    table header naming the commit: no corpus or model needed."""
+    import subprocess
+
+    from thrifty.bench import git_commit
+    from thrifty.demo import format_table, provenance
+
+    monkeypatch.delenv("THRIFTY_COMMIT", raising=False)
+    made_by = provenance()
+    assert set(made_by) == {"commit", "thrifty", "torch", "date"} and made_by["commit"] == git_commit()
+    if made_by["commit"] is not None:  # a source checkout
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+        assert made_by["commit"].removesuffix("-dirty") == head
+    report = dict(made_by, model="m", device="cpu", seconds=1.0, rows=[])
+    assert format_table(report).splitlines()[0] == f"thrifty demo · m · cpu · 1 s · commit {made_by['commit']}"
+    assert "commit unknown" in format_table(dict(report, commit=None)).splitlines()[0]
 
 
 def test_python_m_thrifty_help():
@@ -56,6 +87,22 @@ def test_pretrain_tiny_writes_checkpoint_and_plot(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "loss.png").is_file()
     history = json.loads((out / "history.json").read_text())
     assert len(history) == 6 and "val_loss" in history[2]
+
+
+@needs_corpus
+def test_pretrain_bitnet_then_serve_it_packed(tmp_path, capsys):
+    """The README's BitNet path: `thrifty pretrain --recipe b1.58`, `thrifty optimize serve-bitnet --out`, and
+    LlamaForCausalLM.from_packed on the file."""
+    from thrifty import bitnet
+    from thrifty.models import LlamaForCausalLM
+
+    run, packed = tmp_path / "run", tmp_path / "packed.safetensors"
+    assert main(["pretrain", "--preset", "tiny", "--recipe", "b1.58", "--steps", "2", "--batch-size", "2",
+                 "--seq-len", "16", "--eval-every", "0", "--device", "cpu", "--out", str(run)]) == 0
+    assert main(["optimize", "serve-bitnet", "--model", str(run), "--device", "cpu", "--out", str(packed)]) == 0
+    model = LlamaForCausalLM.from_packed(packed)
+    assert sum(isinstance(m, bitnet.PackedBitLinear) for m in model.modules()) == 2 * 7
+    assert bitnet.read_header(packed)["recipe"] == "b1.58"
 
 
 def test_unknown_preset_is_rejected():
@@ -113,18 +160,98 @@ def test_optimize_verb_describes_the_model(tmp_path, capsys):
     assert main(["optimize", "train-bitnet", "--model", str(tmp_path), "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "bitnet    recipe a4.8: 14 BitLinear layers" in out and "cce       loss without logits" in out
-    # a pretrained full-precision checkpoint has no BitLinear to pack: exit 2, the reason and what to do instead
-    assert main(["optimize", "serve-bitnet", "--model", str(tmp_path), "--device", "cpu"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading progress
-    assert err.startswith("thrifty optimize: pack_bitnet: the model has no BitLinear layer to pack") and \
-        "train-bitnet" in err
+    # a pretrained full-precision checkpoint has no BitLinear to pack: exit 2, one line (refused before loading:
+    # no transformers progress either) naming --model, the reason and what to do instead
+    err = _one_line_error(capsys, ["optimize", "serve-bitnet", "--model", str(tmp_path), "--device", "cpu"],
+                          f"thrifty optimize: --model: {tmp_path} is not a BitNet checkpoint")
+    assert "no BitLinear layer to pack" in err and "thrifty pretrain --recipe b1.58" in err and "train-bitnet" in err
 
 
-def _one_line_error(capsys, argv, says):
-    """A user error: exit status 2 and one line on stderr that names the verb and the problem."""
+def _one_line_error(capsys, argv, says) -> str:
+    """A user error: exit status 2 and one line on stderr that names the verb and the problem; returns the line."""
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"thrifty {argv[0]}") and says in err, err
+    return err
+
+
+def _bitnet_checkpoint(folder, recipe="b1.58"):
+    """What `thrifty pretrain --recipe RECIPE` writes (the Trainer's checkpoint of a BitNet reference model, its
+    recipe in config.json), from two steps of a tiny model on random tokens: no corpus needed."""
+    from thrifty.bench import RandomTokens
+    from thrifty.bitnet import build_for_pretraining
+    from thrifty.models import LlamaConfig, LlamaForCausalLM
+    from thrifty.train import Trainer, TrainConfig
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).init_weights(seed=0)
+    schedule = build_for_pretraining(model, recipe, stage1_share=0.5)
+    cfg = TrainConfig(steps=2, batch_size=2, seq_len=16, warmup_steps=1, checkpoint_dir=str(folder))
+    Trainer(model, RandomTokens(64), None, cfg, schedule=schedule).fit(progress=False)
+    return folder
+
+
+def _files(folder) -> dict:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+def test_optimize_serve_bitnet_packs_a_pretrained_bitnet_checkpoint(tmp_path, capsys):
+    """`thrifty optimize serve-bitnet --model <pretrain checkpoint> --out F`: the model is loaded with its
+    BitLinears, packed and described; F (thrifty.bitnet.export) loads back with thrifty.bitnet.load and gives the
+    packed model's logits; the checkpoint is left as it was."""
+    import torch
+
+    import thrifty
+    from thrifty import bitnet
+    from thrifty.models import LlamaConfig, LlamaForCausalLM
+
+    checkpoint = _bitnet_checkpoint(tmp_path / "run")
+    before = _files(checkpoint)
+    out = tmp_path / "packed.safetensors"
+    assert main(["optimize", "serve-bitnet", "--model", str(checkpoint), "--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "pack_bitnet 14 BitLinear layers packed 2-bit into 8 PackedBitLinear" in printed
+    assert f"packed model: {out}" in printed and _files(checkpoint) == before
+    head = bitnet.read_header(out)
+    assert head["recipe"] == "b1.58" and len(head["layers"]) == 14
+    loaded = LlamaForCausalLM(LlamaConfig(**head["model_config"]), linear=bitnet.packed_factory(head),
+                              activation=bitnet.mlp_activation(head["recipe"]))
+    bitnet.load(out, loaded)
+    packed = thrifty.optimize(LlamaForCausalLM.from_pretrained(checkpoint).eval(), "serve-bitnet")  # as the verb
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids), packed(ids))
+
+
+def test_optimize_serve_bitnet_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    import thrifty.pretrained as pretrained
+
+    checkpoint = _bitnet_checkpoint(tmp_path / "run")
+    serve = ["optimize", "serve-bitnet", "--device", "cpu", "--model"]
+    # an output never overwrites (or adds to) its own input
+    _one_line_error(capsys, serve + [str(checkpoint), "--out", str(checkpoint)], "--out: ")
+    _one_line_error(capsys, serve + [str(checkpoint), "--out", str(checkpoint / "model.safetensors")],
+                    "is in the input checkpoint")
+    _one_line_error(capsys, serve + [str(checkpoint), "--out", str(tmp_path / "no" / "p.safetensors")],
+                    "--out: the folder")
+    # --out with a preset that writes nothing: refused before the model is looked at
+    _one_line_error(capsys, ["optimize", "serve-long-context", "--model", str(tmp_path / "missing"), "--out",
+                             str(tmp_path / "x.safetensors")], "--out: only serve-bitnet writes a model")
+    # folders that are no checkpoint, or not a complete one
+    (tmp_path / "empty").mkdir()
+    _one_line_error(capsys, serve + [str(tmp_path / "empty")], "--model: ")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{")
+    _one_line_error(capsys, serve + [str(tmp_path / "bad")], "corrupted model config")
+    (checkpoint / "model.safetensors").rename(tmp_path / "weights.safetensors")
+    (checkpoint / "optimizer.safetensors").unlink()
+    _one_line_error(capsys, serve + [str(checkpoint)], "--model: ")
+    # the default model is full precision: refused before SmolLM2 is converted or loaded
+    monkeypatch.setattr(pretrained, "ensure_converted", lambda *a, **k: pytest.fail("SmolLM2 was loaded"))
+    _one_line_error(capsys, ["optimize", "serve-bitnet", "--device", "cpu"],
+                    "--model: the default SmolLM2 is not a BitNet checkpoint")
+    # a BitNet recipe without an integer packed path: the library's reason, on one line
+    _one_line_error(capsys, serve + [str(_bitnet_checkpoint(tmp_path / "fp4", "a4.8-fp4"))], "'fp4'")
 
 
 def test_optimize_verb_user_errors_are_one_line(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """``thrifty demo``: the five techniques on the real SmolLM2 and the real corpus, each measured against the plain
-model in the same run, through :func:`thrifty.optimize` only. One table at the end; plots and JSON in ``--out``.
+model in the same run, through :func:`thrifty.optimize` only. One table at the end, its header naming the commit;
+plots and JSON in ``--out`` (the JSON also records the thrifty and torch versions and the UTC date).
 
 The stages:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -407,7 +409,7 @@ def run_demo(device: torch.device, size: DemoSize, out_dir: Path, *, corpus_dir=
     from .data import TokenDataset
     from .data.locate import corpus_path
 
-    t0 = time.perf_counter()
+    t0, made_by = time.perf_counter(), provenance()
     corpus = corpus_path(corpus_dir, reuse=True)
     run = DemoRun(smol=load_smollm2(size, device), train=TokenDataset(corpus, "train"),
                   val=TokenDataset(corpus, "validation"), size=size, device=device, results={})
@@ -419,10 +421,20 @@ def run_demo(device: torch.device, size: DemoSize, out_dir: Path, *, corpus_dir=
     model = "SmolLM2-135M-Instruct (Q4_1 dequantized)"
     if size.smol_layers:
         model += f", first {size.smol_layers} of 30 layers"
-    report = dict(device=str(device), size=asdict(size), seconds=time.perf_counter() - t0, model=model,
+    report = dict(**made_by, device=str(device), size=asdict(size), seconds=time.perf_counter() - t0, model=model,
                   rows=rows, loss_curves=run.results["curves"])
     write_outputs(report, out_dir)
     return report
+
+
+def provenance() -> dict:
+    """What makes a report: the commit (``$THRIFTY_COMMIT``, else the checkout's HEAD, None when neither), the
+    thrifty and torch versions and the UTC date and time now (run_demo asks as it starts)."""
+    from . import __version__
+    from .bench import git_commit
+
+    return dict(commit=git_commit(), thrifty=__version__, torch=torch.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
 def format_table(report: dict) -> str:
@@ -431,7 +443,8 @@ def format_table(report: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    head = f"thrifty demo · {report['model']} · {report['device']} · {report['seconds']:.0f} s"
+    head = (f"thrifty demo · {report['model']} · {report['device']} · {report['seconds']:.0f} s · "
+            f"commit {report['commit'] or 'unknown'}")
     return "\n".join([head, "(each figure: with the technique vs the plain model, measured in this run)"] + lines)
 
 

@@ -1,12 +1,13 @@
 """Whole-model export of a trained BitNet model with packed ternary weights, and its checked load.
 
-One safetensors file. Every :class:`BitLinear` (or :class:`PackedBitLinear`) ``name`` becomes ``name.packed`` (uint8,
-the kernels' 2-bit layout) or ``name.base3`` (uint8, 5 weights per byte: 20 % smaller on disk), ``name.alpha``
-(fp32 per sub-matrix) and, if the layer has them, ``name.bias`` and ``name.norm.weight``; every other tensor of the
-model's state (embeddings, norms, LM head) is stored as it is, a tensor tied to another one once. The header holds
-the format, each packed layer's settings and shape, the recipe, the reference model's config when the model is a
-``thrifty.models.LlamaForCausalLM`` (:func:`read_header` + :func:`packed_factory` rebuild it without
-full-precision ternary layers), a CRC32 per tensor and one of the header itself.
+One safetensors file. Every :class:`BitLinear` (or :class:`PackedBitLinear`, or sibling of a projection that
+:func:`~thrifty.bitnet.stack_projections` stacked: written as its own layer) ``name`` becomes ``name.packed``
+(uint8, the kernels' 2-bit layout) or ``name.base3`` (uint8, 5 weights per byte: 20 % smaller on disk),
+``name.alpha`` (fp32 per sub-matrix) and, if the layer has them, ``name.bias`` and ``name.norm.weight``; every
+other tensor of the model's state (embeddings, norms, LM head) is stored as it is, a tensor tied to another one
+once. The header holds the format, each packed layer's settings and shape, the recipe, the reference model's
+config when the model is a ``thrifty.models.LlamaForCausalLM`` (:func:`read_header` + :func:`packed_factory`
+rebuild it without full-precision ternary layers), a CRC32 per tensor and one of the header itself.
 
 :func:`load` reads and checks the whole file before it touches any module: unreadable, truncated or
 non-safetensors files, a missing or wrong format, a checksum mismatch (corruption), layer settings or tensor
@@ -28,7 +29,8 @@ from .._io import CRC_KEY, atomic_path, check_output_path, check_state_matches, 
 from .bitlinear import BitLinear, SharedInput
 from .pack import pack_base3, padded_k, unpack_base3, pack_ternary
 from .packed import PACKABLE, PackedBitLinear
-from .recipes import SHARED_INPUT_GROUPS, current_recipe
+from .recipes import SHARED_INPUT_GROUPS, recipe_of
+from .stacked import ProjectionSlice
 
 FORMAT = "thrifty.bitnet.packed/1"
 STORAGES = ("2bit", "base3")
@@ -37,12 +39,22 @@ LAYER_FIELDS = {"in_features": int, "out_features": int, "activation": str, "bet
                 "topk_ratio": float, "splits": list, "bias": bool, "sub_norm": bool, "norm_eps": float}
 
 
+def _stacked_layers(model: nn.Module) -> dict:
+    """{name: PackedBitLinear} of the stacked projections of ``model`` (``stack_projections``)."""
+    ids = {id(m.stacked_layer) for m in model.modules() if isinstance(m, ProjectionSlice)}
+    return {n: m for n, m in model.named_modules() if id(m) in ids}
+
+
 def _packed_layers(model: nn.Module) -> dict:
     """{name: PackedBitLinear} of every BitLinear / PackedBitLinear of ``model`` (BitLinears packed now; siblings
-    that shared a quantized input keep sharing it)."""
+    that shared a quantized input keep sharing it; a stacked projection's siblings as their own layers again, the
+    stacked layer left out)."""
+    stacked = {id(m) for m in _stacked_layers(model).values()}
     layers, shared = {}, {}
     for name, module in model.named_modules():
-        if isinstance(module, PackedBitLinear):
+        if isinstance(module, ProjectionSlice):
+            layers[name] = module.unstacked()
+        elif isinstance(module, PackedBitLinear) and id(module) not in stacked:
             layers[name] = module
         elif isinstance(module, BitLinear):
             try:
@@ -115,9 +127,9 @@ def export(model: nn.Module, path, *, storage: str = "2bit") -> Path:
             tensors[f"{name}.bias"] = layer.bias.detach().cpu().contiguous()
         if layer.norm is not None:
             tensors[f"{name}.norm.weight"] = layer.norm.weight.detach().cpu().contiguous()
-    other, aliases = _other_state(model, layers)
+    other, aliases = _other_state(model, [*layers, *_stacked_layers(model)])
     tensors.update(other)
-    meta = {"format": FORMAT, "storage": storage, "recipe": current_recipe(model),
+    meta = {"format": FORMAT, "storage": storage, "recipe": recipe_of(layers),
             "layers": json.dumps({n: _layer_record(m) for n, m in layers.items()}), "aliases": json.dumps(aliases),
             **crc_metadata(tensors)}
     config = getattr(model, "config", None)

@@ -277,7 +277,13 @@ def set_strength(model: nn.Module, strength: float) -> None:
 
 def current_recipe(model: nn.Module) -> str:
     """The recipe whose quantizers ``model``'s BitLinears carry now ("fp" when it has none, "custom" when none fits)."""
-    layers = [(_role(n), m.activation) for n, m in model.named_modules() if isinstance(m, BitLinear)]
+    return recipe_of({n: m for n, m in model.named_modules() if isinstance(m, BitLinear)})
+
+
+def recipe_of(layers: dict) -> str:
+    """The recipe whose quantizers ``layers`` ({module name: BitLinear or PackedBitLinear}) carry ("fp" for none,
+    "custom" when none fits)."""
+    layers = [(_role(n), m.activation) for n, m in layers.items()]
     if not layers:
         return "fp"
     for name, spec in RECIPES.items():

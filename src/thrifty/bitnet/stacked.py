@@ -8,7 +8,8 @@ matmul launches become 4. The result is the same bit for bit: each sibling keeps
 epilogue of a row do not depend on which other rows share its launch.
 
 Inference only, in memory (like :func:`~thrifty.bitnet.pack`): the stacked layer is registered on the parent
-module (``qkv_proj`` / ``gate_up_proj``); ``export`` writes the unfused training model as before.
+module (``qkv_proj`` / ``gate_up_proj``); ``export`` writes each sibling as its own layer (``q_proj``, ...), so the
+file is the one the unstacked model gives and loads into a model built unstacked.
 
 In the reference model's decoder blocks the RMSNorm in front of a stacked INT8 projection (``input_layernorm``
 before q/k/v, ``post_attention_layernorm`` before gate/up) becomes a :class:`CodesRMSNorm`: its launch also writes
@@ -18,6 +19,7 @@ the activation codes the projection would otherwise make with a second launch (t
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -65,6 +67,26 @@ class ProjectionSlice(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rows [{self.start}, {self.end}) of the stacked projection"
+
+    @property
+    def stacked_layer(self) -> PackedBitLinear:
+        return self.stacked.layer
+
+    def unstacked(self) -> PackedBitLinear:
+        """This sibling as its own PackedBitLinear (its rows' codes, α and bias): what ``export`` writes."""
+        layer = self.stacked.layer
+        bounds = [0, *itertools.accumulate(layer.splits)]
+        first, last = bounds.index(self.start), bounds.index(self.end)  # siblings' splits were concatenated
+        own = PackedBitLinear(self.in_features, self.out_features, activation=layer.activation,
+                              beta_scale=layer.beta_scale, topk_ratio=layer.topk_ratio,
+                              splits=layer.splits[first:last], bias=layer.bias is not None, impl=layer.impl,
+                              device=layer.packed.device)
+        with torch.no_grad():
+            own.packed.copy_(layer.packed[self.start: self.end])
+            own.alpha.copy_(layer.alpha[first:last])
+            if layer.bias is not None:
+                own.bias.copy_(layer.bias[self.start: self.end])
+        return own
 
 
 class CodesRMSNorm(RMSNorm):

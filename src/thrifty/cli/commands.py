@@ -89,25 +89,99 @@ def cmd_demo(args) -> int:
 
 
 def cmd_optimize(args) -> int:
-    """Applies a preset to a transformers checkpoint (default: the real SmolLM2) and prints thrifty.describe."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """Applies a preset to a checkpoint and prints thrifty.describe: a BitNet checkpoint of ``thrifty pretrain
+    --recipe ...`` as thrifty's model with its BitLinear layers, any other through transformers (default: the real
+    SmolLM2). serve-bitnet with ``--out`` writes the packed model (thrifty.bitnet.export)."""
     import thrifty
 
-    from .. import pretrained
-
     config = thrifty.OptimizeConfig.preset(args.preset)
+    if args.out is not None and not config.pack_bitnet:
+        raise ValueError(f"--out: only serve-bitnet writes a model (the packed BitNet export); {args.preset} sets up "
+                         "a loaded model to train or serve in this process (BitNet before training, cut "
+                         "cross-entropy, quantized attention, KV caches, NeuZip in memory): drop --out (to store "
+                         "NeuZip-compressed weights: `thrifty compress`)")
     device = _device(args.device)  # a bad --device is refused before any model is converted or loaded
-    path = args.model or pretrained.ensure_converted(progress=False)
-    if not (Path(path) / "config.json").is_file():  # transformers would take it for a hub name
-        raise FileNotFoundError(f"--model: {path} is not a transformers checkpoint folder (no config.json)")
+    path, bitnet = _checkpoint(args.model, config)
+    out = None if args.out is None else _packed_out(Path(args.out), path)
+    model = _load_checkpoint(path, bitnet, config, device)
+    try:
+        thrifty.optimize(model, config)
+    except TypeError as err:  # a model thrifty.optimize does not know (not of the Llama family)
+        raise ValueError(f"--model: {str(err).removeprefix('model: ')}") from None
+    print(thrifty.describe(model))
+    if out is not None:
+        _write_packed(model, out)
+    return 0
+
+
+def _write_packed(model, out: Path) -> None:
+    from ..bitnet import export
+
+    export(model, out)
+    print(f"packed model: {out} ({out.stat().st_size / 2**20:.1f} MB; thrifty.models.LlamaForCausalLM.from_packed "
+          "loads it)")
+
+
+def _checkpoint(model_arg, config) -> tuple:
+    """(--model's folder, whether it is a thrifty BitNet checkpoint), checked; the default is the real SmolLM2
+    (converted on first use). A preset that packs BitNet layers refuses a full-precision one here, unloaded."""
+    from .._io import read_json
+    from ..bitnet.recipes import CHECKPOINT_KEY
+
+    if model_arg is None and config.pack_bitnet:
+        raise ValueError(_full_precision("the default SmolLM2"))
+    if model_arg is None:
+        from .. import pretrained
+
+        return pretrained.ensure_converted(progress=False), False
+    path = Path(model_arg)
+    if not (path / "config.json").is_file():  # transformers would take it for a hub name
+        raise FileNotFoundError(f"--model: {path} is not a checkpoint folder (no config.json): expected a "
+                                "transformers checkpoint or one `thrifty pretrain` wrote")
+    try:
+        hf = read_json(path / "config.json", "model config")
+    except ValueError as err:
+        raise ValueError(f"--model: {err}") from None
+    bitnet = isinstance(hf, dict) and CHECKPOINT_KEY in hf
+    if config.pack_bitnet and not bitnet:
+        raise ValueError(_full_precision(path))
+    return path, bitnet
+
+
+def _full_precision(where) -> str:
+    return (f"--model: {where} is not a BitNet checkpoint (its config.json records no BitNet recipe), so "
+            "pack_bitnet has no BitLinear layer to pack. Train a BitNet model first with `thrifty pretrain --recipe "
+            "b1.58 --out DIR` and pass --model DIR (in Python: the \"train-bitnet\" preset, then \"serve-bitnet\")")
+
+
+def _load_checkpoint(path: Path, bitnet: bool, config, device):
+    """A thrifty BitNet checkpoint as thrifty's LlamaForCausalLM, its BitLinears rebuilt from the recipe its
+    config.json records; any other folder through transformers. Loading errors are one line naming --model."""
+    import torch
+
     # lossy NeuZip codes bf16 weights; the other presets keep the checkpoint's fp32
     dtype = torch.bfloat16 if config.neuzip is not None and config.neuzip.kept_bits is not None else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    thrifty.optimize(model, config)
-    print(thrifty.describe(model))
-    return 0
+    try:
+        if bitnet:
+            from ..models import LlamaForCausalLM
+
+            return LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device).eval()
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    except (ValueError, OSError) as err:  # transformers' messages can span lines
+        raise ValueError(f"--model: {' '.join(str(err).split())}") from None
+
+
+def _packed_out(out: Path, checkpoint: Path) -> Path:
+    """serve-bitnet's --out: a new file, never the input checkpoint folder or anything in it (a .safetensors
+    there would also become part of that checkpoint)."""
+    from .._io import check_output_path
+
+    if checkpoint.resolve() in (out.resolve(), *out.resolve().parents):
+        raise ValueError(f"--out: {out} is in the input checkpoint {checkpoint} (--model); an output never "
+                         "overwrites or adds to its input: write it elsewhere")
+    return check_output_path("--out", out, *(f for f in checkpoint.iterdir() if f.is_file()))
 
 
 def cmd_pretrain(args) -> int:
@@ -238,10 +312,20 @@ def add_demo(verbs) -> None:
 
 
 def add_optimize(verbs) -> None:
-    o = verbs.add_parser("optimize", help="apply a thrifty.optimize preset to a transformers model and describe it")
+    o = verbs.add_parser("optimize", help="apply a thrifty.optimize preset to a model and describe it; "
+                                          "serve-bitnet packs a BitNet model trained by `thrifty pretrain`",
+                         description="Applies a thrifty.optimize preset to a checkpoint and prints thrifty.describe. "
+                                     "serve-bitnet packs the BitLinear layers of a BitNet checkpoint (`thrifty "
+                                     "pretrain --recipe b1.58 --out DIR`, then --model DIR) and with --out writes "
+                                     "the packed model (thrifty.bitnet.export; LlamaForCausalLM.from_packed loads "
+                                     "it).")
     o.add_argument("preset", choices=OPTIMIZE_PRESETS)
-    o.add_argument("--model", default=None, help="a transformers checkpoint folder (default: the real SmolLM2)")
+    o.add_argument("--model", default=None, metavar="DIR",
+                   help="checkpoint folder: transformers, or `thrifty pretrain`'s (a BitNet one keeps its BitLinear "
+                        "layers); default: the real SmolLM2 (full precision: not for serve-bitnet)")
     o.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    o.add_argument("--out", default=None, metavar="FILE",
+                   help="serve-bitnet only: write the packed model to this .safetensors file (not into --model)")
     o.set_defaults(run=cmd_optimize)
 
 
