@@ -27,7 +27,7 @@ from .._checks import check_choice, check_impl
 from .._io import CRC_KEY, atomic_path, check_output_path, check_state_matches, crc_metadata, read_safetensors
 from .bitlinear import BitLinear, SharedInput
 from .pack import pack_base3, padded_k, unpack_base3, pack_ternary
-from .packed import PACKABLE, PackedBitLinear
+from .packed import PACKABLE, PackedBitLinear, check_layer_packable
 from .recipes import SHARED_INPUT_GROUPS, current_recipe
 
 FORMAT = "thrifty.bitnet.packed/1"
@@ -37,18 +37,28 @@ LAYER_FIELDS = {"in_features": int, "out_features": int, "activation": str, "bet
                 "topk_ratio": float, "splits": list, "bias": bool, "sub_norm": bool, "norm_eps": float}
 
 
+def check_packable(model: nn.Module, *, name: str = "model") -> None:
+    """Checks that every BitLinear of ``model`` packs to its own outputs (:func:`pack` and :func:`export` do, before
+    they convert any layer): ValueError naming the first layer that does not (an activation without integer codes,
+    FP4; a strength below 1), ``name`` leading the message. PackedBitLinear layers pass; a model without any
+    BitLinear passes too (each caller words that refusal)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    for layer_name, module in model.named_modules():
+        if isinstance(module, BitLinear):
+            check_layer_packable(module, f"{name}: {layer_name}")
+
+
 def _packed_layers(model: nn.Module) -> dict:
-    """{name: PackedBitLinear} of every BitLinear / PackedBitLinear of ``model`` (BitLinears packed now; siblings
-    that shared a quantized input keep sharing it)."""
+    """{name: PackedBitLinear} of every BitLinear / PackedBitLinear of ``model`` (BitLinears packed now, after
+    every one was checked; siblings that shared a quantized input keep sharing it)."""
+    check_packable(model)
     layers, shared = {}, {}
     for name, module in model.named_modules():
         if isinstance(module, PackedBitLinear):
             layers[name] = module
         elif isinstance(module, BitLinear):
-            try:
-                layers[name] = PackedBitLinear.from_bitlinear(module)
-            except ValueError as err:  # say which layer of the model cannot be packed
-                raise ValueError(f"model: {name}: {err}") from None
+            layers[name] = PackedBitLinear.from_bitlinear(module)
             group = module.shared_input
             if group is not None and module.norm is None:
                 layers[name].shared_input = shared.setdefault(id(group), SharedInput(group.members))
@@ -56,7 +66,8 @@ def _packed_layers(model: nn.Module) -> dict:
 
 
 def pack(model: nn.Module, *, impl: str = "auto") -> nn.Module:
-    """Replaces every BitLinear of ``model`` by its :class:`PackedBitLinear` in place (inference only); returns it."""
+    """Replaces every BitLinear of ``model`` by its :class:`PackedBitLinear` in place (inference only); returns it.
+    Every layer is checked (:func:`check_packable`) before any is converted: a refusal leaves the model as it was."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     check_impl(impl)
