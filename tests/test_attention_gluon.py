@@ -107,6 +107,25 @@ def test_gluon_launch_checks_the_k_scale_blocks():
             launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192, config=config)
 
 
+def test_gluon_resolved_config_is_made_once_per_overrides():
+    """What a call's host path reads: gluon_config merged with the overrides (each value's own type), read-only,
+    and the launch key (the items sorted, as the kernel cache keyed them), one object per (head_dim, overrides)."""
+    from thrifty.attention.gluon_kernel import resolved_config
+
+    for D in (64, 128):
+        for over in (None, {}, dict(ws=False, consumers=1), dict(ws=1), SMALL_D64_TILES):
+            cfg, key = resolved_config(D, over)
+            want = dict(gluon_config(D), **(over or {}))
+            assert dict(cfg) == want and [type(v) for v in cfg.values()] == [type(v) for v in want.values()]
+            assert key == tuple(sorted(want.items()))
+            assert resolved_config(D, dict(over or {}))[0] is cfg
+            with pytest.raises(TypeError):
+                cfg["ws"] = False
+    assert type(resolved_config(64, dict(ws=1))[0]["ws"]) is int and resolved_config(64, dict(ws=True))[0]["ws"] is True
+    with pytest.raises(TypeError):
+        resolved_config(64, {1: 2})
+
+
 ONE_WARPGROUP_NAN = pytest.mark.xfail(strict=True, reason="ws=False with 64x64 tiles wrote NaN rows at D=64, B=2, "
                                       "H=32, S=2048 on the H200 (attention_gluon_h200.json at e18fe69); not "
                                       "understood yet")

@@ -298,16 +298,14 @@ def test_cuda_auto_prefill_runs_gluon_where_routed(monkeypatch):
     out = sage_attention(q, k, v, causal=True)
     assert calls == ["gluon"]
     ref = sage_attention(q, k, v, causal=True, impl="triton")
-    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
-    assert cos > 0.99999
+    assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
     calls.clear()
     q64, k64, v64 = (x[..., :64].contiguous() for x in (q, k, v))
     out64 = sage_attention(q64, k64, v64, causal=True)
     assert calls == ["gluon"]
     # 128-key tiles sum 128 P̃·V products per fp32 add (the Triton kernel 64 at this head_dim): cos 0.99997+ on the H200
     ref64 = sage_attention(q64, k64, v64, causal=True, impl="triton")
-    cos = torch.nn.functional.cosine_similarity(out64.float().flatten(), ref64.float().flatten(), dim=0)
-    assert cos > 0.9999
+    assert accuracy_metrics(out64, ref64)["cos_sim"] > 0.9999
     calls.clear()
     sage_attention(q[:, :, :2048], k[:, :, :2048], v[:, :, :2048], causal=True)
     sage_attention(q64[:, :, :2048], k64[:, :, :2048], v64[:, :, :2048], causal=True)

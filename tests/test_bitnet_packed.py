@@ -371,9 +371,41 @@ def test_export_refuses_bad_arguments(tmp_path):
         bitnet.export(tiny_model(), tmp_path / "no" / "x.safetensors")
     with pytest.raises(TypeError, match="model: expected an nn.Module"):
         bitnet.export("model", tmp_path / "x.safetensors")
-    with pytest.raises(ValueError, match="model: model.layers.0.self_attn.q_proj: layer: activation 'fp4'"):
+    with pytest.raises(ValueError, match=r"model: model\.layers\.0\.self_attn\.q_proj: activation 'fp4' has no "
+                                         "integer packed path"):
         bitnet.export(tiny_model("a4.8-fp4"), tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("spoil, match", [
+    (lambda layer: layer.configure(strength=0.5), r"model: model\.layers\.1\.mlp\.down_proj: strength is 0\.5; only "
+                                                  "a fully converted layer"),
+    (lambda layer: layer.configure(activation="fp4"), r"model: model\.layers\.1\.mlp\.down_proj: activation 'fp4' "
+                                                      "has no integer packed path"),
+])
+def test_pack_checks_every_layer_before_converting_any(spoil, match, monkeypatch):
+    """One layer that cannot pack, the last of the model, among packable ones: pack refuses by its name before
+    it converts any layer, and the model keeps every BitLinear and its state."""
+    converted = []
+    real = PackedBitLinear.from_bitlinear.__func__
+    monkeypatch.setattr(PackedBitLinear, "from_bitlinear",
+                        classmethod(lambda cls, layer, **kw: converted.append(layer) or real(cls, layer, **kw)))
+    model = tiny_model()
+    spoil(model.model.layers[1].mlp.down_proj)
+    names = [n for n, m in model.named_modules() if isinstance(m, bitnet.BitLinear)]
+    assert names[-1] == "model.layers.1.mlp.down_proj" and len(names) == 14
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        bitnet.check_packable(model)
+    with pytest.raises(ValueError, match=match):
+        bitnet.pack(model)
+    assert converted == []
+    assert [n for n, m in model.named_modules() if isinstance(m, bitnet.BitLinear)] == names
+    assert not any(isinstance(m, PackedBitLinear) for m in model.modules())
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    with pytest.raises(TypeError, match="model: expected an nn.Module"):
+        bitnet.check_packable("model")
 
 
 # --------------------------------------------------------------------------------------------------- GPU

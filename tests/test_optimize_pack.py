@@ -311,12 +311,21 @@ def test_the_preset_refuses_training():
         OptimizeConfig.preset("serve-bitnet", training=True)
 
 
+def one_unpackable(model):
+    """``model`` with its last BitLinear (layer 1's down_proj) half switched: the one layer that cannot pack."""
+    model.model.layers[1].mlp.down_proj.configure(strength=0.5)
+    return model
+
+
 def test_models_that_cannot_be_packed_are_refused_and_left_untouched(ids):
     cases = [
         (tiny_hf(), "no BitLinear layer to pack.* \"train-bitnet\" preset.*without retraining"),
         (bitnet.pack(bitnet_hf()), "packed already"),
-        (bitnet_hf("a4.8-fp4"), "q_proj quantizes its input to 'fp4', which has no integer packed path"),
-        (bitnet.convert(tiny_hf(), bitnet.BitNetConfig("b1.58", strength=0.5)), "strength 0.5"),
+        (bitnet_hf("a4.8-fp4"), r"pack_bitnet: model\.layers\.0\.self_attn\.q_proj: activation 'fp4' has no integer "
+                                "packed path"),
+        (bitnet.convert(tiny_hf(), bitnet.BitNetConfig("b1.58", strength=0.5)),
+         r"pack_bitnet: model\.layers\.0\.self_attn\.q_proj: strength is 0\.5"),
+        (one_unpackable(bitnet_hf()), r"pack_bitnet: model\.layers\.1\.mlp\.down_proj: strength is 0\.5"),
         (thrifty.optimize(bitnet_hf(), OptimizeConfig(cce=True)),
          "already applied .* \\(pack_bitnet follows only a call that put BitNet on\\)"),
     ]

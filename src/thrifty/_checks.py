@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -139,6 +139,8 @@ def check_range(name: str, value, lo: float, hi: float, *, lo_open: bool = False
 # An entry point may offer more kernel names after these (attention's "gluon", the loss's naive "torch").
 IMPLS = ("auto", "triton", "reference")
 
+_Config = TypeVar("_Config")
+
 
 def check_impl(value, extra: Sequence[str] = (), name: str = "impl") -> str:
     """Checks ``value`` against :data:`IMPLS` (plus the entry point's ``extra`` kernel names); returns it.
@@ -148,3 +150,20 @@ def check_impl(value, extra: Sequence[str] = (), name: str = "impl") -> str:
         raise TypeError(f"{name}: expected one of {list(choices)}, got {type(value).__name__} {value!r}")
     check_choice(name, value, choices)
     return value
+
+
+def check_config(config, cls: type[_Config], default: _Config, public_name: str,
+                 lookalike: Optional[tuple[str, str]] = None) -> _Config:
+    """``config`` if it is a ``cls``, ``default`` for None; else a TypeError naming ``config`` and what was expected
+    (``public_name``: the class as users import it). ``lookalike``: (name of thrifty.optimize's config class of
+    the same technique, what to do instead), added to the message when that class came. On hot paths: one
+    isinstance check for a good config."""
+    if isinstance(config, cls):
+        return config
+    if config is None:
+        return default
+    got = type(config).__name__
+    hint = ""
+    if lookalike is not None and got == lookalike[0]:
+        hint = f"; thrifty.{lookalike[0]} is optimize()'s, {lookalike[1]}"
+    raise TypeError(f"config: expected a {public_name} or None, got {got}{hint}")

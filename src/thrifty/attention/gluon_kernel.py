@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import torch
 import triton.language as tl
@@ -558,6 +559,24 @@ D64_TILES = dict(block_m=128, block_n=128, scale_block=64, v_perm16=True, pingpo
 SMALL_D64_TILES = dict(block_m=64, block_n=64, scale_block=64, v_perm16=False, pingpong=False)
 
 
+def resolved_config(head_dim: int, config: dict | None = None):
+    """(``gluon_config(head_dim)`` with the overrides of ``config`` applied, read-only; its launch key: the items
+    sorted), made once per (head_dim, overrides): a call's host path neither merges nor sorts them again."""
+    # each value's type in the cache key: 1, 1.0 and True are equal keys but different constexprs
+    overrides = tuple((name, type(value), value) for name, value in config.items()) if config else ()
+    try:
+        return _resolved_config(head_dim, overrides)
+    except TypeError:  # an unhashable override cannot key the cache: resolved afresh (a bad one raises again)
+        cfg = dict(gluon_config(head_dim), **config)
+        return cfg, tuple(sorted(cfg.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_config(head_dim: int, overrides: tuple):
+    cfg = dict(gluon_config(head_dim), **{name: value for name, _, value in overrides})
+    return types.MappingProxyType(cfg), tuple(sorted(cfg.items()))
+
+
 def supports(*, head_dim: int, qk_bits: int, pv: str, smooth_q: bool) -> bool:
     """Whether the Gluon kernel implements this call (else the Triton kernel runs it)."""
     return head_dim in GLUON_HEAD_DIMS and pv == "fp8" and not smooth_q and qk_bits in (8, 4)
@@ -573,14 +592,16 @@ def shared_layouts(head_dim: int, block_n: int):
 
 
 def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
-           Sq: int, Sk: int, config: dict | None = None, sig=None) -> None:
+           Sq: int, Sk: int, config: dict | None = None, sig=None, resolved=None) -> None:
     """The Gluon attention kernel on the pre-pass output (``quantize_kv``) and Q; out: (B, H, Sq, D) view.
     ``sig``: everything the launch specializes on (``sage_forward_gluon`` builds it): the compiled kernel is then
-    looked up by it and launched directly (``FastLauncher.keyed``) instead of through Triton's binder."""
+    looked up by it and the config's key and launched directly (``FastLauncher.keyed``) instead of through
+    Triton's binder. ``resolved``: ``resolved_config(D, config)`` where the caller has it already (then
+    ``config`` is not read)."""
     p = prepared
     q = p["q"]
     B, D = out.shape[0], out.shape[-1]
-    cfg = dict(gluon_config(D), **(config or {}))
+    cfg, cfg_key = resolved if resolved is not None else resolved_config(D, config)
     k8, vt = p["k8"], p["vt"]
     BH_kv, S_pad = k8.shape[0], k8.shape[1]
     if p["k_scale"].shape[1] * cfg["scale_block"] != S_pad or cfg["block_n"] not in (cfg["scale_block"],
@@ -614,7 +635,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     if sig is None:
         _sage_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=cfg["num_warps"])
     else:
-        _GLUON_LAUNCH.keyed((sig, tuple(sorted(cfg.items()))), grid, *args, **constexprs,
+        _GLUON_LAUNCH.keyed((sig, cfg_key), grid, *args, **constexprs,
                             num_warps=cfg["num_warps"], num_stages=None)
 
 
@@ -628,7 +649,8 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
                          f"smooth_q={smooth_q} not implemented (head_dim 64/128, pv='fp8', no smooth_q)")
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
-    cfg = dict(gluon_config(D), **(config or {}))
+    resolved = resolved_config(D, config)
+    cfg = resolved[0]
     qmax = 127.0 if qk_bits == 8 else 7.0
     # What the three launches specialize on (as attn_kernel.sage_forward_triton's): their compiled kernels are
     # looked up by it. Intermediates (codes, descriptors' tensors, out, lse) are fresh allocations, hence aligned.
@@ -639,7 +661,7 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
     prepared = dict(q=q, qmax=qmax, sm_scale=sm_scale, smooth_v=smooth_v, **kv)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device) if return_lse else None
-    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, config=config, sig=sig)
+    launch(prepared, out, lse, causal=causal, H=H, H_kv=H_kv, Sq=Sq, Sk=Sk, sig=sig, resolved=resolved)
     if not return_lse:
         return out
     if smooth_k:  # the kernel's LSE is of the smoothed scores

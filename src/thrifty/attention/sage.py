@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_choice, check_impl, check_range, check_tensor
+from .._checks import check_bool, check_choice, check_config as _check_config, check_impl, check_range, check_tensor
 from ..kv.reference import causal_mask, nonfinite_rows
 from ..triton_utils import kernels_available
 from .reference import empty_attention, sage_attention_reference
@@ -64,16 +64,13 @@ class SageConfig:
 DEFAULT_CONFIG = SageConfig()
 
 
+# thrifty.AttentionConfig is optimize()'s, easily passed here by mistake
+_LOOKALIKE = ("AttentionConfig", "build SageConfig(qk_bits=..., pv=...) for this call")
+
+
 def check_config(config) -> SageConfig:
     """``config`` or the defaults; a TypeError naming ``config`` for anything else."""
-    if config is None:
-        return DEFAULT_CONFIG
-    if not isinstance(config, SageConfig):
-        hint = ""
-        if type(config).__name__ == "AttentionConfig":  # thrifty.AttentionConfig is optimize()'s
-            hint = "; thrifty.AttentionConfig is optimize()'s, build SageConfig(qk_bits=..., pv=...) for this call"
-        raise TypeError(f"config: expected a thrifty.attention.SageConfig or None, got {type(config).__name__}{hint}")
-    return config
+    return _check_config(config, SageConfig, DEFAULT_CONFIG, "thrifty.attention.SageConfig", _LOOKALIKE)
 
 
 def _validate(q, k, v, impl, layout, sm_scale):

@@ -12,11 +12,12 @@ Public API::
     model = LlamaForCausalLM.from_packed("model.safetensors", device="cuda")  # W2A8 Triton kernels on CUDA
     bitnet.load("model.safetensors", hf_model)            # into a model you built (a converted transformers one)
     bitnet.pack(model)                                    # the same in memory, in place
+    bitnet.check_packable(model)                          # what pack checks first: ValueError naming a bad layer
     bitnet.stack_projections(model)                       # packed q/k/v and gate/up: one launch each (decode)
 """
 
 from .bitlinear import BitLinear
-from .export import export, load, pack, packed_factory, read_header
+from .export import check_packable, export, load, pack, packed_factory, read_header
 from .packed import PackedBitLinear
 from .recipes import (RECIPES, BitNetConfig, convert, current_recipe, linear_factory, mlp_activation,
                       relu_squared, revert, set_strength)
@@ -26,8 +27,8 @@ from .sparsity import format_table, measure_sparsity
 
 __all__ = ["BitLinear", "BitNetConfig", "RECIPES", "convert", "revert", "current_recipe", "linear_factory",
            "mlp_activation", "relu_squared", "set_strength", "TwoStageSchedule", "measure_sparsity",
-           "format_table", "build_for_pretraining", "PackedBitLinear", "export", "load", "pack", "read_header", "packed_factory",
-           "stack_projections", "ProjectionSlice"]
+           "format_table", "build_for_pretraining", "PackedBitLinear", "export", "load", "pack", "check_packable",
+           "read_header", "packed_factory", "stack_projections", "ProjectionSlice"]
 
 
 def build_for_pretraining(model, recipe: str, *, stage1_share: float = 0.95):

@@ -28,7 +28,7 @@ from .._checks import check_choice, check_impl
 from .._io import CRC_KEY, atomic_path, check_output_path, check_state_matches, crc_metadata, read_safetensors
 from .bitlinear import BitLinear, SharedInput
 from .pack import pack_base3, padded_k, unpack_base3, pack_ternary
-from .packed import PACKABLE, PackedBitLinear
+from .packed import PACKABLE, PackedBitLinear, check_layer_packable
 from .recipes import SHARED_INPUT_GROUPS, recipe_of
 from .stacked import ProjectionSlice
 
@@ -45,10 +45,23 @@ def _stacked_layers(model: nn.Module) -> dict:
     return {n: m for n, m in model.named_modules() if id(m) in ids}
 
 
+def check_packable(model: nn.Module, *, name: str = "model") -> None:
+    """Checks that every BitLinear of ``model`` packs to its own outputs (:func:`pack` and :func:`export` do, before
+    they convert any layer): ValueError naming the first layer that does not (an activation without integer codes,
+    FP4; a strength below 1), ``name`` leading the message. PackedBitLinear layers pass; a model without any
+    BitLinear passes too (each caller words that refusal)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    for layer_name, module in model.named_modules():
+        if isinstance(module, BitLinear):
+            check_layer_packable(module, f"{name}: {layer_name}")
+
+
 def _packed_layers(model: nn.Module) -> dict:
-    """{name: PackedBitLinear} of every BitLinear / PackedBitLinear of ``model`` (BitLinears packed now; siblings
-    that shared a quantized input keep sharing it; a stacked projection's siblings as their own layers again, the
-    stacked layer left out)."""
+    """{name: PackedBitLinear} of every BitLinear / PackedBitLinear of ``model`` (BitLinears packed now, after
+    every one was checked; siblings that shared a quantized input keep sharing it; a stacked projection's siblings
+    as their own layers again, the stacked layer left out)."""
+    check_packable(model)
     stacked = {id(m) for m in _stacked_layers(model).values()}
     layers, shared = {}, {}
     for name, module in model.named_modules():
@@ -57,10 +70,7 @@ def _packed_layers(model: nn.Module) -> dict:
         elif isinstance(module, PackedBitLinear) and id(module) not in stacked:
             layers[name] = module
         elif isinstance(module, BitLinear):
-            try:
-                layers[name] = PackedBitLinear.from_bitlinear(module)
-            except ValueError as err:  # say which layer of the model cannot be packed
-                raise ValueError(f"model: {name}: {err}") from None
+            layers[name] = PackedBitLinear.from_bitlinear(module)
             group = module.shared_input
             if group is not None and module.norm is None:
                 layers[name].shared_input = shared.setdefault(id(group), SharedInput(group.members))
@@ -68,7 +78,8 @@ def _packed_layers(model: nn.Module) -> dict:
 
 
 def pack(model: nn.Module, *, impl: str = "auto") -> nn.Module:
-    """Replaces every BitLinear of ``model`` by its :class:`PackedBitLinear` in place (inference only); returns it."""
+    """Replaces every BitLinear of ``model`` by its :class:`PackedBitLinear` in place (inference only); returns it.
+    Every layer is checked (:func:`check_packable`) before any is converted: a refusal leaves the model as it was."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     check_impl(impl)

@@ -71,6 +71,20 @@ def integer_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.to(dtype) @ b.to(dtype).T).to(torch.int64)
 
 
+def check_layer_packable(layer, name: str = "layer") -> None:
+    """Refuses a layer that does not pack to its own outputs, with ``name`` leading the message: TypeError for
+    anything but a :class:`BitLinear`, ValueError for an activation without integer codes (FP4) or a layer not
+    fully switched to ternary (strength below 1)."""
+    if not isinstance(layer, BitLinear):
+        raise TypeError(f"{name}: expected a BitLinear, got {type(layer).__name__}")
+    if layer.activation not in PACKABLE:
+        raise ValueError(f"{name}: activation {layer.activation!r} has no integer packed path (expected one of "
+                         f"{list(PACKABLE)}; recipe 'a4.8-fp4' quantizes to 'fp4')")
+    if layer.strength != 1.0:
+        raise ValueError(f"{name}: strength is {layer.strength}; only a fully converted layer (strength 1.0, "
+                         "thrifty.bitnet.set_strength) packs to the same outputs")
+
+
 class PackedBitLinear(nn.Module):
     """Inference twin of a trained :class:`BitLinear`: 2-bit packed ternary weights (``packed``, uint8), one fp32 α
     per sub-matrix (``alpha``), the sub-norm and bias if the layer had them; the activation is quantized on the fly
@@ -107,14 +121,7 @@ class PackedBitLinear(nn.Module):
     @classmethod
     def from_bitlinear(cls, layer: BitLinear, *, impl: str = "auto") -> "PackedBitLinear":
         """Packs ``layer``'s ternary weight (its training quantizer's codes and α) and copies its settings."""
-        if not isinstance(layer, BitLinear):
-            raise TypeError(f"layer: expected a BitLinear, got {type(layer).__name__}")
-        if layer.activation not in PACKABLE:
-            raise ValueError(f"layer: activation {layer.activation!r} has no integer packed path (expected one of "
-                             f"{list(PACKABLE)})")
-        if layer.strength != 1.0:
-            raise ValueError(f"layer: strength is {layer.strength}; only a fully converted layer (1.0) packs "
-                             "exactly")
+        check_layer_packable(layer)
         new = cls(layer.in_features, layer.out_features, activation=layer.activation, beta_scale=layer.beta_scale,
                   topk_ratio=layer.topk_ratio, splits=layer.weight_splits, bias=layer.bias is not None,
                   sub_norm=layer.norm is not None, norm_eps=layer.norm.eps if layer.norm is not None else 1e-5,

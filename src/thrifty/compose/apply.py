@@ -158,25 +158,19 @@ def _check_against_model(config: OptimizeConfig, model, kind: str, n_layers: int
 
 
 def _check_packable(model) -> None:
-    from ..bitnet import BitLinear, PackedBitLinear
-    from ..bitnet.packed import PACKABLE
+    """pack_bitnet's own rules (a model packed already, a model without BitLinear layers), then thrifty.bitnet's
+    check of every layer (the one bitnet.pack runs), all before any technique is applied."""
+    from .. import bitnet
 
-    if any(isinstance(m, PackedBitLinear) for m in model.modules()):
+    if any(isinstance(m, bitnet.PackedBitLinear) for m in model.modules()):
         raise ValueError("pack_bitnet: the model's BitNet layers are packed already (PackedBitLinear, e.g. from "
                          "thrifty.bitnet.load or LlamaForCausalLM.from_packed); leave pack_bitnet off")
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, BitLinear)]
-    if not layers:
+    if not any(isinstance(m, bitnet.BitLinear) for m in model.modules()):
         raise ValueError("pack_bitnet: the model has no BitLinear layer to pack. Packing serves a trained BitNet "
                          "model: train one first (the \"train-bitnet\" preset, or thrifty.bitnet.convert and "
                          "training). A pretrained full-precision model made ternary without retraining loses what "
                          "it knew (see thrifty.bitnet.convert): that is not serving a BitNet model")
-    for name, m in layers:
-        if m.activation not in PACKABLE:
-            raise ValueError(f"pack_bitnet: {name} quantizes its input to {m.activation!r}, which has no integer "
-                             f"packed path (packable: {list(PACKABLE)}; recipe 'a4.8-fp4' is not)")
-        if m.strength != 1.0:
-            raise ValueError(f"pack_bitnet: {name} has strength {m.strength}; only a fully switched BitLinear "
-                             "(strength 1, thrifty.bitnet.set_strength) packs to the same outputs")
+    bitnet.check_packable(model, name="pack_bitnet")
 
 
 # ------------------------------------------------------------------------------------------------ apply

@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from .._checks import check_bool, check_impl
+from .._checks import check_bool, check_config as _check_config, check_impl
 from ..triton_utils import interpreting, kernels_available
 from . import _spec, reference
 
@@ -66,17 +66,13 @@ class CCEKernelConfig:
 DEFAULT_CONFIG = CCEKernelConfig()
 
 
+# thrifty.CCEConfig is optimize()'s, easily passed here by mistake
+_LOOKALIKE = ("CCEConfig", "its z_loss, label_smoothing and softcap are arguments of linear_cross_entropy")
+
+
 def check_config(config) -> CCEKernelConfig:
     """``config`` or the defaults; a TypeError naming ``config`` for anything else."""
-    if config is None:
-        return DEFAULT_CONFIG
-    if not isinstance(config, CCEKernelConfig):
-        hint = ""
-        if type(config).__name__ == "CCEConfig":  # thrifty.CCEConfig is optimize()'s
-            hint = ("; thrifty.CCEConfig is optimize()'s, its z_loss, label_smoothing and softcap are arguments "
-                    "of linear_cross_entropy")
-        raise TypeError(f"config: expected a thrifty.loss.CCEKernelConfig or None, got {type(config).__name__}{hint}")
-    return config
+    return _check_config(config, CCEKernelConfig, DEFAULT_CONFIG, "thrifty.loss.CCEKernelConfig", _LOOKALIKE)
 
 
 class _TritonLinearCE(torch.autograd.Function):
