@@ -24,7 +24,13 @@ not, by the dense mass lost.
 
 ``--answer-logprob``: end to end, each method's own cache (dense, ShadowKV and Quest at ``--budgets``, both with 48
 outlier chunks at the last budget) decodes the last prompt token and the answer teacher-forced; the summed
-log-probability of the answer tokens per prompt (continuous, so less noisy than greedy accuracy).
+log-probability of the answer tokens per prompt (continuous, so less noisy than greedy accuracy), and per
+answer token. ``--methods`` keeps only the named methods (``dense``, ``shadowkv@512``, ``quest_O48@512``, ...).
+``--tf32`` adds ``shadowkv_tf32@<budget>`` per budget and the full-budget pair ``shadowkv_full@all`` /
+``shadowkv_full_tf32@all``: the reference path with the inputs of its matmuls rounded to TF32, as the Triton
+kernels compute them on a GPU for an fp32 model (``tl.dot`` on fp32 defaults to TF32 on tensor cores): the
+landmark logits, the key rebuild ``U @ SV`` and both attention products. The GPU needle run measures ShadowKV on
+the kernels and dense / Quest in fp32, so this estimates what that asymmetry costs.
 
 The runs in NOTES.md ("Needle retrieval: where ShadowKV loses against Quest"), one process per length:
 
@@ -35,11 +41,20 @@ The runs in NOTES.md ("Needle retrieval: where ShadowKV loses against Quest"), o
         --out benchmarks/results/shadowkv_needle_cpu-ablation-layers.json
     python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 2048 --trials 2 --budgets 256 512 \
         --out benchmarks/results/shadowkv_needle_cpu-ablation-logprob-2k.json
+
+The audit against the paper and the public code (FINDINGS.md): TF32 emulation, per-token log-probabilities, rank 192:
+
+    python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 4096 --trials 2 --budgets 512 --tf32 \
+        --methods dense shadowkv@512 shadowkv_tf32@512 quest@512 shadowkv_full@all shadowkv_full_tf32@all \
+        --out benchmarks/results/shadowkv_needle_cpu-ablation-tf32-4k.json
+    python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 4096 --trials 2 --budgets 512 --rank 192 \
+        --tf32 --methods shadowkv@512 shadowkv_full@all --out benchmarks/results/shadowkv_needle_cpu-ablation-r192-4k.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -138,6 +153,53 @@ def _cached_low_rank(k_pre, lengths, rank):
     return _SVD[key]
 
 
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rounded to TF32 (10 mantissa bits, round to nearest, ties away from zero: ``cvt.rna.tf32.f32``)."""
+    i = x.float().contiguous().view(torch.int32)
+    return ((i + 0x1000) & -0x2000).view(torch.float32)
+
+
+class TF32Reference:
+    """Within the block, the reference decode path rounds the inputs of its matmuls to TF32, as the Triton path
+    does on tensor cores for fp32 tensors: landmark logits (q, landmarks), key rebuild (U rows, SV) and
+    attention (q, keys; probabilities, values). Everything else (softmax, RoPE, accumulation) stays fp32."""
+
+    names = ("landmark_scores", "rebuild_keys", "attend")
+
+    def __enter__(self):
+        from dataclasses import replace as dc_replace
+
+        self.saved = {n: getattr(R, n) for n in self.names}
+        orig = dict(self.saved)
+
+        def landmark_scores(q, state):
+            if state.landmarks is None:
+                return orig["landmark_scores"](q, state)
+            return orig["landmark_scores"](tf32(q), dc_replace(state, landmarks=tf32(state.landmarks)))
+
+        def rebuild_keys(state, positions, cos, sin):
+            if state.keys_exact is not None:
+                return orig["rebuild_keys"](state, positions, cos, sin)
+            return orig["rebuild_keys"](dc_replace(state, u=tf32(state.u), sv=tf32(state.sv)), positions, cos, sin)
+
+        def attend(q, keys, values, valid, scale):
+            B, Hq, _, D = q.shape
+            H = keys.shape[1]
+            qg = tf32(q).view(B, H, Hq // H, D)
+            s = torch.einsum("bhgd,bhnd->bhgn", qg, tf32(keys)) * scale
+            p = s.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
+            out = torch.einsum("bhgn,bhnd->bhgd", tf32(p), tf32(values))
+            return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+        R.landmark_scores, R.rebuild_keys, R.attend = landmark_scores, rebuild_keys, attend
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(R, n, f)
+        return False
+
+
 def compress(var, k, v, cos, sin, T0, args):
     cfg = ShadowKVConfig(rank=var.get("rank", args.rank), chunk_size=args.chunk, sparse_budget=args.chunk,
                          outlier_chunks=var["outlier_chunks"], local_chunks=args.local, min_prompt_len=1,
@@ -231,6 +293,10 @@ def main(argv=None):
     ap.add_argument("--answer-logprob", action="store_true",
                     help="end to end: teacher-forced log-probability of the answer through each method's cache")
     ap.add_argument("--prefill-batch", type=int, default=6)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="--answer-logprob: keep only these methods (e.g. dense shadowkv@512 quest@512)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="--answer-logprob: add ShadowKV with the GPU kernels' TF32 matmuls emulated")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
@@ -391,7 +457,19 @@ def answer_logprob(model, encode, args):
     for sel in ("shadowkv", "quest"):
         methods[f"{sel}_O48@{args.budgets[-1]}"] = ShadowKVConfig(sparse_budget=args.budgets[-1], selector=sel,
                                                                   outlier_chunks=48, **common)
-    res = {m: {"logprob": [], "exact": [], "length": []} for m in methods}
+    tf32_methods = set()
+    if args.tf32:
+        full = -(-max(args.lengths) // args.chunk) * args.chunk  # a budget that selects every chunk
+        for b in args.budgets:
+            methods[f"shadowkv_tf32@{b}"] = methods[f"shadowkv@{b}"]
+            tf32_methods.add(f"shadowkv_tf32@{b}")
+        methods["shadowkv_full@all"] = ShadowKVConfig(sparse_budget=full, selector="shadowkv",
+                                                      outlier_chunks=args.outliers, **common)
+        methods["shadowkv_full_tf32@all"] = methods["shadowkv_full@all"]
+        tf32_methods.add("shadowkv_full_tf32@all")
+    if args.methods:
+        methods = {m: c for m, c in methods.items() if m in args.methods}
+    res = {m: {"logprob": [], "exact": [], "length": [], "token_logprob": []} for m in methods}
     t_start = time.time()
     for n in args.lengths:
         tasks = [make_needle_task(task, encode, filler, n, rng.random() if d is None else d, rng, filler_sub=nl[0])
@@ -415,12 +493,16 @@ def answer_logprob(model, encode, args):
                         bases[key].load_prompt(kv)
                     cache = bases[key].fork(model, cfg)
                 lp = torch.zeros(len(batch))
+                tok_lp = torch.zeros(len(batch), ans.shape[1])
                 ok = torch.ones(len(batch), dtype=torch.bool)
-                for j in range(ans.shape[1]):
-                    logits = model(input_ids=inputs[:, j:j + 1], past_key_values=cache, use_cache=True,
-                                   logits_to_keep=1).logits[:, -1].float()
-                    lp += logits.log_softmax(-1).gather(1, ans[:, j:j + 1])[:, 0]
-                    ok &= logits.argmax(-1) == ans[:, j]
+                with (TF32Reference() if name in tf32_methods else contextlib.nullcontext()):
+                    for j in range(ans.shape[1]):
+                        logits = model(input_ids=inputs[:, j:j + 1], past_key_values=cache, use_cache=True,
+                                       logits_to_keep=1).logits[:, -1].float()
+                        tok_lp[:, j] = logits.log_softmax(-1).gather(1, ans[:, j:j + 1])[:, 0]
+                        ok &= logits.argmax(-1) == ans[:, j]
+                lp += tok_lp.sum(1)
+                res[name]["token_logprob"] += tok_lp.tolist()
                 res[name]["logprob"] += lp.tolist()
                 res[name]["exact"] += ok.float().tolist()
                 res[name]["length"] += [n] * len(batch)
@@ -432,11 +514,13 @@ def answer_logprob(model, encode, args):
                     sel = [i for i, x in enumerate(r["length"]) if x == L]
                     if sel:
                         summary[f"{m}_{L}"] = {"logprob": mean([r["logprob"][i] for i in sel]),
+                                               "logprob_first": mean([r["token_logprob"][i][0] for i in sel]),
                                                "exact": mean([r["exact"][i] for i in sel]), "n": len(sel)}
             Path(args.out).write_text(json.dumps({"settings": vars(args), "summary": summary, "per_prompt": res,
                                                   "wall_s": time.time() - t_start}, indent=1))
     for k, v in summary.items():
-        print(f"{k:>24} logprob {v['logprob']:8.3f} exact {v['exact']:.3f} n {v['n']}")
+        print(f"{k:>24} logprob {v['logprob']:8.3f} (first token {v['logprob_first']:8.3f}) exact {v['exact']:.3f} "
+              f"n {v['n']}")
 
 
 def mean(xs):

@@ -41,3 +41,30 @@ def test_ablation_scores_match_reference():
         torch.testing.assert_close(got, R.landmark_scores(q, st), rtol=1e-5, atol=1e-6)
     assert R.low_rank_keys is not A._cached_low_rank  # importing the script patches nothing
     assert math.isfinite(float(got.sum()))
+
+
+def test_tf32_rounding_and_patch_restores_reference():
+    A = _module()
+    x = torch.tensor([1.0, 1.0 + 2 ** -11, 1.0 + 2 ** -10 + 2 ** -12, -(1.0 + 2 ** -11), 3.0e-5, 0.0])
+    got = A.tf32(x)
+    # ties away from zero at 2^-11, nearest elsewhere; 10 mantissa bits kept
+    assert got.tolist() == [1.0, 1.0 + 2 ** -10, 1.0 + 2 ** -10, -(1.0 + 2 ** -10), float(A.tf32(x[4:5])), 0.0]
+    assert (got.view(torch.int32) & 0x1FFF).eq(0).all()
+    assert float((A.tf32(x[4:5]) - x[4]).abs() / x[4]) <= 2 ** -11
+    originals = (R.landmark_scores, R.rebuild_keys, R.attend)
+    torch.manual_seed(1)
+    B, H, G, T, D, c = 1, 2, 3, 96, 16, 8
+    k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)
+    cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=16, outlier_chunks=1, local_chunks=1,
+                         min_prompt_len=1)
+    st = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, cfg)
+    q, kn, vn = torch.randn(B, H * G, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    import dataclasses
+    exact = R.decode_step(dataclasses.replace(st), q, kn, vn, cfg, cos, sin, D ** -0.5)
+    with A.TF32Reference():
+        assert R.attend is not originals[2]
+        approx = R.decode_step(dataclasses.replace(st), q, kn, vn, cfg, cos, sin, D ** -0.5)
+    assert (R.landmark_scores, R.rebuild_keys, R.attend) == originals
+    err = float((approx - exact).abs().max())
+    assert 0 < err < 1e-2
