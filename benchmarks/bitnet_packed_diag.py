@@ -11,7 +11,7 @@ For m ∈ {4 (GEMV control), 5, 16, 200} tokens of a 4096 × 4096 layer (int8, i
    at these sizes); unsplit (one program per tile, in-kernel epilogue) with the inline PTX decode (USE_ASM) on
    and off; split-K with the epilogue kernel (if the plan does not split); split-K with the fused last-arrival
    epilogue. Each runs three times: outputs that differ between runs mean a race. The workspace and lock
-   buffers must be zero afterwards.
+   buffers must be zero afterwards (``packed_kernel.scratch_nonzero``).
 3. ``e2e``: ``packed_linear`` (codes kernel + matmul, bf16) against ``PackedBitLinear``'s PyTorch path.
 
 For every mismatch it prints how many outputs differ, the tokens (and token mod 4, mod 8: lane patterns) and
@@ -137,12 +137,10 @@ def mm(codes, scale, sums, layer, k, cfg, out_dtype=torch.float32):
 
 
 def buffers_zero(device) -> str:
-    bad = []
-    for name, pool in (("workspace", PK._WORKSPACES), ("locks", PK._LOCKS)):
-        buf = pool.get(device)
-        if buf is not None and bool(buf.any()):
-            bad.append(f"{name} has {int((buf != 0).sum())} non-zero entries")
-    return "; ".join(bad)
+    """'' when the split-K workspace and lock buffers are all zero (as every matmul must leave them), else what is
+    left in them."""
+    return "; ".join(f"{name} has {count} non-zero entries"
+                     for name, count in PK.scratch_nonzero(device).items() if count)
 
 
 def variants(m, n, k, sms):
