@@ -1,8 +1,9 @@
 """benchmarks/ (issue #30, "Benchmarks call public names only"): every script reaches thrifty through public names
 (no underscore name of the library, imported names in the module's ``__all__`` where it has one); the map in
-benchmarks/README.md lists every script; and a CPU run of attention_e2e.py's host section, whose
-instrumentation moved to a public hook (``bench.stubbed_launches``). bitnet_profile.py (``bench.count_launches``),
-neuzip_models.py (``model.neuzip.observe``) and shadowkv_needle_ablation.py have their own smoke tests."""
+benchmarks/README.md lists every script; and CPU runs of attention_e2e.py's host section, whose instrumentation
+moved to a public hook (``bench.stubbed_launches``), and of the two fixes (bitnet_packed_diag.py at 4 tokens,
+neuzip_codec.py on pair-coded tensors). bitnet_profile.py (``bench.count_launches``), neuzip_models.py
+(``model.neuzip.observe``) and shadowkv_needle_ablation.py have their own smoke tests."""
 
 import ast
 import importlib
@@ -161,3 +162,40 @@ def test_attention_e2e_host_section_on_the_cpu(tmp_path):
                           ("sage_attention", "hf_sage_attention", "decode_attention", "cache_append_fused")}
     assert all(0 < us < 1e5 for us in calls.values()), calls
     assert set(doc["summary"]) == {"host_python_us_per_call_cpu", "host_python_us_per_decode_call_cpu"}
+
+
+def test_bitnet_packed_diag_at_4_tokens(capsys):
+    """4 tokens plan the decode GEMV (no K split, no groups_per_split): the diagnosis prints its plan and checks the
+    decode GEMV and the split-K GEMV beside it (it ended in a KeyError before)."""
+    from thrifty.triton_utils import kernels_available
+
+    if not kernels_available("cpu"):
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it on a CPU machine)")
+    diag = _load("bitnet_packed_diag")
+    assert diag.main(["--small", "--tokens", "4", "--kinds", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "[int8 m=4] plan decode" in out and "int8      m=4    OK" in out
+    labels = [label for label, cfg, asm in diag.variants(4, 96, 700, 132)]
+    assert labels[:2] == ["planned", "planned"] and "gemv split-fused-epilogue" in labels
+
+
+def test_neuzip_codec_decodes_pair_coded_sets_as_single_symbols():
+    """neuzip_codec.py's decode variants are the single-symbol kernels: a tensor compress codes in pair symbols
+    (the smoke run's slice of the 11008 x 4096 init) is coded single-symbol for them, and decodes bit for bit
+    (the smoke run ended in KeyError ('v3', 64) when every such decode failed its check)."""
+    from thrifty.neuzip import compress
+    from thrifty.neuzip.decode_kernel import decode_into
+    from thrifty.triton_utils import kernels_available
+
+    if not kernels_available("cpu"):
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it on a CPU machine)")
+    codec = _load("neuzip_codec")
+    x = codec.llama_init()["gate_proj_11008x4096"][:2]
+    assert compress(x, steps=64).pairs  # why the benchmark asks for single symbols
+    c = codec.single_symbol(x, 64)
+    assert not c.pairs
+    tables, s = codec.decode_tables(c, "cpu"), c.streams
+    out = torch.zeros(x.numel(), dtype=torch.bfloat16)
+    decode_into(s["words"], s["lane_units"], s["group_offsets"], s["raw"], tables["ref"], out, 7, steps=64,
+                groups_per_prog=4, num_warps=4, kernel="v3", v3_table=tables["v3_16"], asm=False)
+    assert torch.equal(out.view(torch.int16), x.reshape(-1).view(torch.int16))
