@@ -12,7 +12,7 @@ Sections (``--sections``, default all):
   ppl      validation perplexity of the real SmolLM2-135M on the thrifty corpus, SDPA vs thrifty attention
            (the Triton kernel on CUDA, the reference path on CPU).
   host     host time per attention call: on CUDA, S=128 calls in a loop (GPU work negligible); on CPU, the
-           Python side with launches stubbed by a fake driver (what remains unmeasured: the C launcher).
+           Python side with launches stubbed (``bench.stubbed_launches``; unmeasured: the C launcher).
 
     python benchmarks/attention_e2e.py                      # GPU box, everything
     python benchmarks/attention_e2e.py --smoke              # tiny sizes, CPU OK, writes to a temp folder
@@ -27,7 +27,6 @@ import math
 import statistics
 import tempfile
 import time
-import types
 
 import torch
 
@@ -361,60 +360,27 @@ class _Module:
 
 
 def _host_python_us_cpu(calls):
-    """The host path of ``calls`` with FastLauncher's direct launches on a fake driver (no GPU here)."""
-    import importlib
-    from unittest import mock
+    """The host path of ``calls`` with the GPU taken out (``bench.stubbed_launches``: FastLauncher's direct
+    launches on a stand-in driver, no-op kernels, the kernel dispatch on): best of 5 runs of 1000 calls."""
+    # the kernel modules the calls reach, loaded before their launchers are stubbed
+    from thrifty.attention import attn_kernel, quant_kernel  # noqa: F401
+    from thrifty.kv import decode_kernel  # noqa: F401
 
-    from thrifty import triton_utils
-    from thrifty.attention import attn_kernel, quant_kernel, sage
-    from thrifty.kv import decode_kernel
-    kv_decode = importlib.import_module("thrifty.kv.decode")  # the module (this file's ``decode`` is a section)
-
-    class Kernel:
-        function = packed_metadata = None
-
-        def run(self, *a):
-            pass
-
-    class FakeJit:
-        def __init__(self, fn):
-            self.arg_names = fn.arg_names
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: Kernel()
-
-    fake = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
-                                                              get_current_stream=lambda d: 0))
-    launchers = (attn_kernel._FWD_LAUNCH, quant_kernel._STATS_LAUNCH, quant_kernel._QUANT_LAUNCH,
-                 decode_kernel._SPLIT_LAUNCH, decode_kernel._MERGE_LAUNCH, decode_kernel._APPEND_LAUNCH)
-    saved = [(lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers]
     out = {}
-    try:
-        with mock.patch.object(triton_utils, "_DRIVER", fake), \
-                mock.patch.object(triton_utils, "_direct_launch_allowed", lambda: True), \
-                mock.patch.object(sage, "kernels_available", lambda d: True), \
-                mock.patch.object(kv_decode, "kernels_available", lambda d: True):
-            for lz in launchers:
-                lz.fn, lz.interpreted = FakeJit(lz.fn), False
-                lz.cache.clear()
-            for name in calls:
-                if name == "sdpa":
-                    continue
-                fn = calls[name]
-                for _ in range(50):
+    with bench.stubbed_launches():
+        for name in calls:
+            if name == "sdpa":
+                continue
+            fn = calls[name]
+            for _ in range(50):
+                fn()
+            best = float("inf")
+            for _ in range(5):  # shared machine: best of 5 runs of 1000 calls
+                t = time.perf_counter()
+                for _ in range(1000):
                     fn()
-                best = float("inf")
-                for _ in range(5):  # shared machine: best of 5 runs of 1000 calls
-                    t = time.perf_counter()
-                    for _ in range(1000):
-                        fn()
-                    best = min(best, (time.perf_counter() - t) / 1000 * 1e6)
-                out[name] = best
-    finally:
-        for lz, (fn, interp, cache) in zip(launchers, saved):
-            lz.fn, lz.interpreted = fn, interp
-            lz.cache.clear()
-            lz.cache.update(cache)
+                best = min(best, (time.perf_counter() - t) / 1000 * 1e6)
+            out[name] = best
     return out
 
 

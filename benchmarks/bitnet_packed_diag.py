@@ -1,6 +1,6 @@
 """Which stage of the packed BitNet kernel path first differs from the PyTorch path (one GPU call, < 60 s).
 
-For m ∈ {4 (GEMV control), 5, 16, 200} tokens of a 4096 × 4096 layer (int8, int4, topk_int8 activations):
+For m ∈ {4 (decode GEMV control), 5, 16, 200} tokens of a 4096 × 4096 layer (int8, int4, topk_int8 activations):
 
 1. ``act``: ``quantize_codes`` (the activation-codes kernel, all rows in one launch) against ``activation_codes``
    (PyTorch): codes, scales, Σ codes; and the kernel on all rows against the kernel one row per launch (a
@@ -10,8 +10,9 @@ For m ∈ {4 (GEMV control), 5, 16, 200} tokens of a 4096 × 4096 layer (int8, i
    integer dots scaled as the PyTorch path does. Variants: the planned config (split-K with the epilogue kernel
    at these sizes); unsplit (one program per tile, in-kernel epilogue) with the inline PTX decode (USE_ASM) on
    and off; split-K with the epilogue kernel (if the plan does not split); split-K with the fused last-arrival
-   epilogue. Each runs three times: outputs that differ between runs mean a race. The workspace and lock
-   buffers must be zero afterwards.
+   epilogue. At 4 tokens (the decode GEMV's plan, no K split): the decode GEMV with USE_ASM on and off, and the
+   split-K GEMV it replaced there, unsplit and split. Each runs three times: outputs that differ between runs
+   mean a race. The workspace and lock buffers must be zero afterwards (``packed_kernel.scratch_nonzero``).
 3. ``e2e``: ``packed_linear`` (codes kernel + matmul, bf16) against ``PackedBitLinear``'s PyTorch path.
 
 For every mismatch it prints how many outputs differ, the tokens (and token mod 4, mod 8: lane patterns) and
@@ -137,17 +138,26 @@ def mm(codes, scale, sums, layer, k, cfg, out_dtype=torch.float32):
 
 
 def buffers_zero(device) -> str:
-    bad = []
-    for name, pool in (("workspace", PK._WORKSPACES), ("locks", PK._LOCKS)):
-        buf = pool.get(device)
-        if buf is not None and bool(buf.any()):
-            bad.append(f"{name} has {int((buf != 0).sum())} non-zero entries")
-    return "; ".join(bad)
+    """'' when the split-K workspace and lock buffers are all zero (as every matmul must leave them), else what is
+    left in them."""
+    return "; ".join(f"{name} has {count} non-zero entries"
+                     for name, count in PK.scratch_nonzero(device).items() if count)
 
 
 def variants(m, n, k, sms):
     planned = PK.plan(m, n, k, sms)
     groups = padded_k(k) // GROUP
+    if planned["kernel"] == "decode":
+        # 1-4 tokens: the one-launch decode GEMV (no K split, no workspace), inline PTX on and off; beside it the
+        # split-K CUDA-core GEMV it replaced there (still run when a config asks for it), unsplit and split, so
+        # that the workspace and lock checks run at this size too
+        gemv = dict(kernel="gemv", BLOCK_N=32, BLOCK_M=1 << (m - 1).bit_length(), split=1, groups_per_split=groups,
+                    num_warps=4, num_stages=4, fused_epilogue=False)
+        per = -(-groups // min(8, max(2, groups // 2)))
+        s1 = dict(gemv, split=-(-groups // per), groups_per_split=per)
+        return [("planned", planned, True), ("planned", planned, False), ("gemv unsplit", gemv, True),
+                ("gemv unsplit", gemv, False), ("gemv split-epilogue-kernel", s1, True),
+                ("gemv split-fused-epilogue", dict(s1, fused_epilogue=True), True)]
     unsplit = dict(planned, split=1, groups_per_split=groups, fused_epilogue=False)
     split = planned["split"] if planned["split"] > 1 else min(8, max(2, groups // 2))
     per = -(-groups // split)
@@ -239,9 +249,12 @@ def main(argv=None) -> int:
         for m in tokens:
             x = make_tokens(m, k, device, seed=m)
             plan = PK.plan(m, n, k, sm_count(device))
-            print(f"[{kind} m={m}] plan {plan['kernel']} {plan['BLOCK_N']}x{plan['BLOCK_M']} split={plan['split']} "
-                  f"x{plan['groups_per_split']} warps={plan['num_warps']} stages={plan['num_stages']}  "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+            # a decode plan (1-4 tokens) has no K split: rows per program instead of groups per split
+            per = (f"v{plan['version']} rows/program={plan['rows_per_program']}" if plan["kernel"] == "decode"
+                   else f"split={plan['split']} x{plan['groups_per_split']}")
+            print(f"[{kind} m={m}] plan {plan['kernel']} {plan['BLOCK_N']}x{plan['BLOCK_M']} {per} "
+                  f"warps={plan['num_warps']} stages={plan['num_stages']}  ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
 
             def report(line):
                 print(line, flush=True)

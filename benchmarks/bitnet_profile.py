@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import sys
@@ -37,9 +38,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from thrifty import bitnet
-from thrifty.bench import RandomTokens, default_results_dir, detect_device, print_table, time_fn, write_result
-from thrifty.bitnet import quant_kernel as QK
-from thrifty.bitnet import topk_kernel as TK
+from thrifty.bench import (RandomTokens, count_launches, default_results_dir, detect_device, print_table, time_fn,
+                           write_result)
 from thrifty.bitnet.bitlinear import BitLinear
 from thrifty.models import LlamaForCausalLM, preset
 from thrifty.train import Trainer, TrainConfig
@@ -51,10 +51,9 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaLaunchCooperativeKernel")
 VIEW_OPS = {"view", "t", "transpose", "detach", "_unsafe_view", "slice", "expand", "unsqueeze", "squeeze",
             "split", "alias", "as_strided", "permute", "select", "_reshape_alias", "unbind", "split_with_sizes"}
-BITNET_LAUNCHERS = {(QK, "_QUANTIZE_LAUNCH"): "_quantize_rows_kernel",
-                    (QK, "_NORM_BACKWARD_LAUNCH"): "_norm_backward_kernel",
-                    (QK, "_TERNARY_LAUNCH"): "_ternary_kernel",
-                    (TK, "_LAUNCH"): "_topk_int8_kernel"}  # 16-bit TopK rows (a4.8's o_proj under autocast)
+# the BitNet training kernels whose launches are counted (thrifty.bitnet.quant_kernel's three; topk_kernel's 16-bit
+# TopK rows: a4.8's o_proj under autocast), by kernel name as bench.count_launches reports them
+BITNET_KERNELS = ("_quantize_rows_kernel", "_norm_backward_kernel", "_ternary_kernel", "_topk_int8_kernel")
 
 
 class OpCounter(TorchDispatchMode):
@@ -75,19 +74,22 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-class _CountedLaunch:
-    """Stands in for a launcher of quant_kernel (``_QUANTIZE_LAUNCH`` ...) while counting its launches."""
+def bitnet_launch_counter(counter: OpCounter, launches: collections.Counter):
+    """``around`` for bench.count_launches: each BitNet kernel launch counted per phase, and the ops inside it (the
+    interpreter's own tensor traffic) kept out of the op counter; other kernels' launches pass untouched."""
 
-    def __init__(self, launch, name, counter: OpCounter, launches: collections.Counter):
-        self.launch, self.name, self.counter, self.launches = launch, name, counter, launches
-
-    def __call__(self, *args, **kwargs):
-        self.launches[(self.counter.phase, self.name)] += 1
-        self.counter.inside_kernel += 1
+    @contextlib.contextmanager
+    def around(name):
+        if name not in BITNET_KERNELS:
+            yield
+            return
+        launches[(counter.phase, name)] += 1
+        counter.inside_kernel += 1
         try:
-            return self.launch(*args, **kwargs)
+            yield
         finally:
-            self.counter.inside_kernel -= 1
+            counter.inside_kernel -= 1
+    return around
 
 
 def make_trainer(recipe: str, impl: str, args, device) -> Trainer:
@@ -104,9 +106,6 @@ def make_trainer(recipe: str, impl: str, args, device) -> Trainer:
 def count_step(trainer: Trainer) -> dict:
     """One step under the op counter: aten ops per phase, conversions, syncs, BitLinear paths, Triton launches."""
     counter, launches = OpCounter(), collections.Counter()
-    saved = {key: getattr(*key) for key in BITNET_LAUNCHERS}
-    for (module, name), kernel in BITNET_LAUNCHERS.items():
-        setattr(module, name, _CountedLaunch(saved[module, name], kernel, counter, launches))
     original_clip = torch.nn.utils.clip_grad_norm_
 
     def forward_starts(module, args):
@@ -123,14 +122,12 @@ def count_step(trainer: Trainer) -> dict:
              trainer.model.register_forward_hook(forward_ends)]
     torch.nn.utils.clip_grad_norm_ = clip
     try:
-        with counter:
+        with count_launches(bitnet_launch_counter(counter, launches)), counter:
             trainer.train_step()
     finally:
         for hook in hooks:
             hook.remove()
         torch.nn.utils.clip_grad_norm_ = original_clip
-        for (module, name), launcher in saved.items():
-            setattr(module, name, launcher)
     paths = collections.Counter(f"{n.rsplit('.', 1)[-1]}:{m.last_path}" for n, m in trainer.model.named_modules()
                                 if isinstance(m, BitLinear))
     out = {}

@@ -243,17 +243,14 @@ def impls():
 
 
 def fused_forward(fn):
-    """fn with thrifty's forward kept on the fused Triton kernel (the default before the GEMM forward): the
-    dispatch is told there is no dC scratch, everything else is the default path. Old vs new in one run."""
+    """fn with thrifty's forward kept on the fused Triton kernel (the default before the GEMM forward), through the
+    library's instrumentation hook ``thrifty.loss.cce.fused_forward()``; everything else is the default path. The
+    two forwards in one run: the data behind the GEMM forward's thresholds."""
     from thrifty.loss import cce as cce_module
 
     def call(e, c, t):
-        real = cce_module._gemm_forward_scratch
-        cce_module._gemm_forward_scratch = lambda c_, nv: None
-        try:
+        with cce_module.fused_forward():
             return fn(e, c, t)
-        finally:
-            cce_module._gemm_forward_scratch = real
     return call
 
 

@@ -1,10 +1,12 @@
 """Static SASS of the Gluon attention kernel's tile loops, per structure, on a machine without a GPU (issue #28).
 
-Compiles ``gluon_kernel._sage_fwd_gluon_kernel`` for sm_90 as its launcher does (the compile entries of
-tests/sm90_kernels.py), disassembles it with Triton's bundled ``cuobjdump`` and counts, for each consumer's KV
-loops (unmasked interior tiles, masked diagonal / ragged tiles), the instructions one warp issues per tile,
-the MUFU.EX2 among them, and that count per score a thread owns (BLOCK_M·BLOCK_N / 128 per tile). D=64 is bound
-by instruction issue (NOTES.md, "The Gluon kernel"), so instructions per score is the figure of merit here.
+Compiles the Gluon attention kernel (the one ``gluon_kernel.launch`` runs) for sm_90 with the launcher's
+constexprs, through the compile table CI uses (``tests/sm90_kernels.py``'s ``gluon_entry``; that table names
+every kernel of the library, so this script names none), disassembles it with Triton's bundled ``cuobjdump``
+and counts, for each consumer's KV loops (unmasked interior tiles, masked diagonal / ragged tiles), the
+instructions one warp issues per tile, the MUFU.EX2 among them, and that count per score a thread owns
+(BLOCK_M·BLOCK_N / 128 per tile). D=64 is bound by instruction issue (NOTES.md, "The Gluon kernel"), so
+instructions per score is the figure of merit here.
 
     python benchmarks/gluon_sass.py [--dims 64] [--causal] [--variants '{}' '{"block_m": 128}' ...]
 """

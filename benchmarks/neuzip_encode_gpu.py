@@ -12,8 +12,8 @@ launch groups (GPU ms between CUDA events, host ms of queuing them), its two hos
 host ms = the wait for everything queued before them) and the host code building (host ms only:
 ``code_lengths``, ``pair_code``, ``canonical``, ``code_streams``); then LOMO's pack update after it
 (``pack_replace``: ``BlockPack.replace``, the streams' concatenation; ``pack_tables``: decode tables;
-``pack_launch``: launch rows), as ``model._encode`` runs them. Median over the repetitions per stage; summary keys
-``encode_stage_<name>_host_ms`` / ``_gpu_ms``.
+``pack_launch``: launch rows), as a compressed model's re-encode (``model.neuzip``) runs them. Median over
+the repetitions per stage; summary keys ``encode_stage_<name>_host_ms`` / ``_gpu_ms``.
 
 Re-encode with code reuse (this tree only: ``encode_kernel.reencode_block_triton``, LOMO's default): a code is
 built once (a covering code), then per repetition the block drifts by an AdamW-like step (every weight +-1e-4, in

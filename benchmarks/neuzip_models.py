@@ -40,6 +40,7 @@ and the synchronizing calls counted by torch's sync debug mode).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import sys
@@ -95,87 +96,90 @@ def _checkpoint_blocks(model):
 
 class PhaseProfile:
     """One training step split into phases: host ms, main-stream GPU ms (CUDA events) and synchronizing calls
-    (torch.cuda sync debug mode, CUDA only) of NeuZip's block decodes and re-encodes and of the fused updates,
-    wrapped around those methods for the one profiled step; the forward and backward spans around them."""
+    (torch.cuda sync debug mode, CUDA only) of NeuZip's block decodes and re-encodes (``model.neuzip.observe``, the
+    library's instrumentation hook) and of the fused updates (``FusedOptimizer.update`` wrapped), for the one
+    profiled step; the forward and backward spans around them."""
 
-    PHASES = (("decode", "thrifty.neuzip.state", "CompressedWeights", "_decode"),
-              ("reencode", "thrifty.neuzip.state", "CompressedWeights", "_reencode"),
-              ("update", "thrifty.optim.lomo", "FusedOptimizer", "update"))
+    PHASES = ("decode", "reencode", "update")
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
-        self.host = {name: 0.0 for name, *_ in self.PHASES}
+        self.host = {name: 0.0 for name in self.PHASES}
         self.calls = dict.fromkeys(self.host, 0)
         self.syncs = dict.fromkeys(self.host, 0)
         self.spans: dict = {name: [] for name in self.host}
         self.log: list = []  # the sync warnings of the step
-        self._restore: list = []
-        self.peak, self.peak_at = 0, None  # the step's allocation peak and the first wrapped call that reached it
+        self.peak, self.peak_at = 0, None  # the step's allocation peak and the first phase call that reached it
 
-    def _note_peak(self, name, args) -> None:
-        """Where the step's peak is: the wrapped call after which max_memory_allocated last rose (a host read,
-        no sync). ``args``: the call's arguments (the parameter's name for an update, the block for NeuZip)."""
+    def note_peak(self, name, what) -> None:
+        """Where the step's peak is: the phase call after which max_memory_allocated last rose (a host read, no
+        sync). ``what``: the call's subject (the parameter's name for an update, the block for NeuZip)."""
         if not self.cuda:
             return
         peak = torch.cuda.max_memory_allocated()
         if peak > self.peak:
-            what = args[1] if len(args) > 1 and isinstance(args[1], (str, int)) else ""
+            what = what if isinstance(what, (str, int)) else ""
             self.peak, self.peak_at = peak, f"{name} {what}".strip()
 
-    def _event(self):
+    def event(self):
+        """A recorded CUDA event (None on the CPU)."""
         if not self.cuda:
             return None
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
 
-    def _wrap(self, name, cls, attr):
-        original = getattr(cls, attr)
-        prof = self
+    @contextlib.contextmanager
+    def phase(self, name, what=None):
+        """Times one call of phase ``name`` (host, GPU span, syncs, calls, peak)."""
+        n0, e0, t0 = len(self.log), self.event(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host[name] += time.perf_counter() - t0
+            self.spans[name].append((e0, self.event()))
+            self.syncs[name] += len(self.log) - n0
+            self.calls[name] += 1
+            self.note_peak(name, what)
 
-        def timed(*a, **k):
-            n0, e0, t0 = len(prof.log), prof._event(), time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                prof.host[name] += time.perf_counter() - t0
-                prof.spans[name].append((e0, prof._event()))
-                prof.syncs[name] += len(prof.log) - n0
-                prof.calls[name] += 1
-                prof._note_peak(name, a)
-
-        setattr(cls, attr, timed)
-        self._restore.append((cls, attr, original))
-
-    def step(self, step_fn, x, y) -> dict:
-        import importlib
+    def step(self, step_fn, x, y, neuzip=None) -> dict:
+        """``step_fn(x, y)`` profiled; ``neuzip``: the model's ``model.neuzip`` (None for a plain model)."""
         import warnings
 
-        for name, module, cls, attr in self.PHASES:
-            self._wrap(name, getattr(importlib.import_module(module), cls), attr)
-        try:
-            with warnings.catch_warnings(record=True) as log:
-                warnings.simplefilter("always")
-                self.log = log
-                if self.cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    torch.cuda.set_sync_debug_mode("warn")
-                t0, e0 = time.perf_counter(), self._event()
-                step_fn(x, y)
-                host_enqueue = time.perf_counter() - t0
-                e1 = self._event()
+        from thrifty.optim import FusedOptimizer
+
+        update = FusedOptimizer.update  # a public method, wrapped for this step only
+        prof = self
+
+        def timed_update(opt, name, *args, **kwargs):
+            with prof.phase("update", name):
+                return update(opt, name, *args, **kwargs)
+
+        with contextlib.ExitStack() as stack:
+            if neuzip is not None:
+                stack.enter_context(neuzip.observe(self.phase))
+            FusedOptimizer.update = timed_update
+            stack.callback(setattr, FusedOptimizer, "update", update)
+            try:
+                with warnings.catch_warnings(record=True) as log:
+                    warnings.simplefilter("always")
+                    self.log = log
+                    if self.cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        torch.cuda.set_sync_debug_mode("warn")
+                    t0, e0 = time.perf_counter(), self.event()
+                    step_fn(x, y)
+                    host_enqueue = time.perf_counter() - t0
+                    e1 = self.event()
+                    if self.cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+                        torch.cuda.synchronize()
+                    wall = time.perf_counter() - t0
+                    syncs = sum(1 for w in log if "synchroniz" in str(w.message))
+            finally:
                 if self.cuda:
                     torch.cuda.set_sync_debug_mode("default")
-                    torch.cuda.synchronize()
-                wall = time.perf_counter() - t0
-                syncs = sum(1 for w in log if "synchroniz" in str(w.message))
-        finally:
-            if self.cuda:
-                torch.cuda.set_sync_debug_mode("default")
-            for cls, attr, original in self._restore:
-                setattr(cls, attr, original)
-            self._restore.clear()
         out = {"phase_step_ms": wall * 1e3, "phase_host_enqueue_ms": host_enqueue * 1e3, "phase_syncs": syncs}
         if self.cuda:
             out["phase_gpu_span_ms"] = e0.elapsed_time(e1)
@@ -230,7 +234,7 @@ def _record():
 def profile_step(model, adam, device, x, y) -> dict:
     """The phase columns of one extra (untimed) training step."""
     step_fn, spans = _split_step(model, adam)
-    out = PhaseProfile(device.type == "cuda").step(step_fn, x, y)
+    out = PhaseProfile(device.type == "cuda").step(step_fn, x, y, getattr(model, "neuzip", None))
     for key, value in spans.items():
         if key.endswith("_gpu_events"):
             out[key.replace("_events", "_ms")] = value[0].elapsed_time(value[1])

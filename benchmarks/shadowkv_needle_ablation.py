@@ -316,10 +316,7 @@ def main(argv=None):
     cap = Capture()
     AttentionInterface.register("capture", cap)
     AttentionMaskInterface.register("capture", sdpa_mask)
-    model.config._attn_implementation = "capture"
-    for m in model.modules():
-        if hasattr(m, "config"):
-            m.config._attn_implementation = "capture"
+    model.set_attn_implementation("capture")  # transformers' public setter (the model and its submodels)
     rot = model.model.rotary_emb
     nl = encode("\n\n")
     filler = TokenDataset(data_dir() / "corpus", "validation").tokens

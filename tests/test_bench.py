@@ -182,3 +182,117 @@ def test_cuda_capture_graph_replays():
     graph.replay()
     torch.cuda.synchronize()
     assert x.tolist() == [8.0] * 4 and out.tolist() == [16.0] * 4
+
+
+# ------------------------------------------------------------------------------------------ instrumentation
+class _FakeKernel:
+    function = packed_metadata = None
+
+    def __init__(self):
+        self.runs = 0
+
+    def run(self, *args):
+        self.runs += 1
+
+
+class _FakeJit:
+    """Stands in for a @triton.jit function: ``fn[grid](*args, **kw)`` "compiles" (counted) and returns a kernel."""
+    arg_names = ["x", "BLOCK"]
+    __name__ = "_fake_kernel"
+
+    def __init__(self):
+        self.compiles = 0
+        self.kernel = _FakeKernel()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.compiles += 1
+            return self.kernel
+        return launch
+
+
+def test_count_launches_counts_each_launch_once_and_restores(monkeypatch):
+    """Triton's path and the direct path (a keyed launch whose first call goes through __call__) count once per
+    launch; ``around`` wraps each; the launch methods are the class's own again afterwards."""
+    import contextlib
+    import types
+
+    from thrifty import triton_utils
+    from thrifty.triton_utils import FastLauncher
+
+    triton_path, direct = FastLauncher(_FakeJit()), FastLauncher(_FakeJit())
+    triton_path.interpreted = True  # the interpreter's (Triton's own) path: fn[grid](...) every time
+    direct.interpreted = False
+    monkeypatch.setattr(triton_utils, "_DRIVER", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda d: 0)))
+    monkeypatch.setattr(triton_utils, "_direct_launch_allowed", lambda: True)
+    seen = []
+
+    @contextlib.contextmanager
+    def around(name):
+        seen.append(("enter", name))
+        yield
+        seen.append(("exit", name))
+
+    real = (FastLauncher.__call__, FastLauncher.keyed)
+    x = torch.empty(4)
+    with bench.count_launches(around) as counts:
+        triton_path((1,), x, BLOCK=4, num_warps=1, num_stages=1)
+        for _ in range(3):  # a miss (through __call__, Triton's path), then two direct launches
+            direct.keyed(("sig",), (1,), x, BLOCK=4, num_warps=1, num_stages=1)
+    assert counts == {"_fake_kernel": 4}
+    assert seen == [("enter", "_fake_kernel"), ("exit", "_fake_kernel")] * 4
+    assert direct.fn.compiles == 1 and direct.fn.kernel.runs == 2 and triton_path.fn.compiles == 1
+    assert (FastLauncher.__call__, FastLauncher.keyed) == real
+    triton_path((1,), x, BLOCK=4, num_warps=1, num_stages=1)
+    assert counts == {"_fake_kernel": 4} and len(seen) == 8  # outside the block: not counted
+    with bench.count_launches() as plain:  # without ``around``
+        triton_path((1,), x, BLOCK=4, num_warps=1, num_stages=1)
+    assert plain == {"_fake_kernel": 1}
+    with pytest.raises(TypeError, match="around must be callable"):
+        with bench.count_launches("no"):
+            pass
+
+
+def test_count_launches_sees_a_thrifty_kernel():
+    """A real launcher of the library (the KV family's append kernel, interpreter or not): its name is counted."""
+    from thrifty.kv import quantize_kv_cache
+    from thrifty.kv.decode_kernel import append_triton
+    from thrifty.triton_utils import kernels_available
+
+    if not kernels_available("cpu"):
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it on a CPU machine)")
+    k = torch.randn(1, 2, 8, 16)
+    cache = quantize_kv_cache(k, k, capacity=16)
+    with bench.count_launches() as counts:
+        append_triton(cache, k[:, :, :1], k[:, :, :1])
+    assert sum(counts.values()) >= 1 and all(name.endswith("_kernel") for name in counts), counts
+
+
+def test_stubbed_launches_runs_the_host_path_without_kernels_and_restores():
+    """Inside the block thrifty's launchers take their direct path on a stand-in driver (no kernel runs) and the
+    dispatch's kernels_available says yes for any device; afterwards every launcher and name is as before."""
+    import importlib
+
+    from thrifty import triton_utils
+    from thrifty.kv import decode_attention, quantize_kv_cache
+    from thrifty.kv import decode_kernel
+    from thrifty.triton_utils import FastLauncher
+
+    kv_decode = importlib.import_module("thrifty.kv.decode")
+    launchers = [v for v in vars(decode_kernel).values() if isinstance(v, FastLauncher)]
+    before = [(lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers]
+    names = (triton_utils._DRIVER, triton_utils._direct_launch_allowed, kv_decode.kernels_available)
+    k = torch.randn(1, 2, 8, 64)  # head_dim 64: one the decode kernel takes
+    cache = quantize_kv_cache(k, k, capacity=16)
+    q = torch.randn(1, 4, 1, 64)
+    with bench.stubbed_launches() as n:
+        assert n >= len(launchers) > 0
+        assert kv_decode.kernels_available("meta") and triton_utils.kernels_available("meta")
+        out = decode_attention(q, cache, impl="triton")  # the host path only: out is never written
+        assert out.shape == q.shape
+        assert any(lz.cache for lz in launchers)  # the direct path ran (keys cached) ...
+        assert all(not lz.interpreted for lz in launchers)
+    assert [(lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers] == before  # ... and is undone
+    assert (triton_utils._DRIVER, triton_utils._direct_launch_allowed, kv_decode.kernels_available) == names
+    assert not triton_utils.kernels_available("meta")

@@ -172,8 +172,33 @@ def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m, fused_e
     assert not packed_kernel._WORKSPACES[x.device].any()
     if fused_epilogue:  # every tile's arrival counter is back at zero
         assert not packed_kernel._LOCKS[x.device].any()
+    assert packed_kernel.scratch_nonzero(x.device) == {"workspace": 0, "locks": 0}  # the public check says so too
     again, _ = _kernel_vs_torch(bl, x, cfg)  # a second split call starts from the zeroed workspace
     assert torch.equal(again, want)
+
+
+def test_scratch_nonzero_counts_what_a_kernel_left_behind():
+    """packed_kernel.scratch_nonzero: 0 for buffers not allocated; the count of entries a (broken) kernel left."""
+    from thrifty.bitnet import packed_kernel
+
+    device = torch.device("meta")  # no kernel ever allocates here: the pools start empty for it
+    assert packed_kernel.scratch_nonzero(device) == {"workspace": 0, "locks": 0}
+    with pytest.raises(TypeError, match="device"):
+        packed_kernel.scratch_nonzero(0.5)
+    with pytest.raises(ValueError, match="device"):
+        packed_kernel.scratch_nonzero("not a device")
+    cpu = torch.device("cpu")
+    saved = {name: pool.get(cpu) for name, pool in (("ws", packed_kernel._WORKSPACES), ("locks", packed_kernel._LOCKS))}
+    try:
+        packed_kernel._WORKSPACES[cpu] = torch.tensor([0, 3, 0, -1], dtype=torch.int32)
+        packed_kernel._LOCKS[cpu] = torch.zeros(8, dtype=torch.int32)
+        assert packed_kernel.scratch_nonzero("cpu") == {"workspace": 2, "locks": 0}
+    finally:
+        for name, pool in (("ws", packed_kernel._WORKSPACES), ("locks", packed_kernel._LOCKS)):
+            if saved[name] is None:
+                pool.pop(cpu, None)
+            else:
+                pool[cpu] = saved[name]
 
 
 @needs_kernels

@@ -272,8 +272,9 @@ def test_cuda_small_hidden_sizes_keep_the_fused_forward(monkeypatch):
 @needs_kernels
 def test_fused_forward_when_the_classifier_gets_no_gradient(monkeypatch):
     """A frozen classifier (no dC to lend its bytes) keeps the fused forward, whose extra memory is a few
-    partials per row. With a classifier gradient but no GEMM scratch (forced here as benchmarks/cce.py's
-    thrifty_fused_fwd does), the fused forward runs and the backward allocates dC itself."""
+    partials per row. With a classifier gradient inside ``cce.fused_forward()`` (benchmarks/cce.py's
+    thrifty_fused_fwd rows), the fused forward runs and the backward allocates dC itself; after the block the
+    GEMM forward is back (the interpreter takes it at every size)."""
     from thrifty.loss import cce
 
     spy = _Spy(monkeypatch)
@@ -282,10 +283,14 @@ def test_fused_forward_when_the_classifier_gets_no_gradient(monkeypatch):
     linear_cross_entropy(e, c, t, impl="triton").backward()
     assert spy.calls == {"fused": 1, "gemm": 0} and e.grad is not None
     c.requires_grad_(True)
-    monkeypatch.setattr(cce, "_gemm_forward_scratch", lambda c_, nv: None)
-    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+    with cce.fused_forward():
+        got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
     assert spy.calls == {"fused": 2, "gemm": 0}
     assert_close(got, oracle(e, c, b, t), 1e-4 if DEVICE == "cpu" else 2e-3, GRAD_TOL[torch.bfloat16])
+    if interpreting():
+        again = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+        assert spy.calls == {"fused": 2, "gemm": 1}
+        assert_close(again, got, 1e-5, GRAD_TOL[torch.bfloat16])
 
 
 def _force_backward(monkeypatch, tile_bytes=None, dense_above=None):

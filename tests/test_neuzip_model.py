@@ -125,6 +125,60 @@ def test_lomo_lossless_training_bit_identical(optimizer, state_dtype):
     assert opt_packed.state_bytes == opt_plain.state_bytes == want
 
 
+def test_observe_sees_every_decode_and_reencode_and_changes_nothing():
+    """model.neuzip.observe(around): around(phase, block) wraps each block decode and re-encode inside the block
+    (the stats count the same calls), the training is bit for bit the same, and nothing is left behind."""
+    import contextlib
+
+    cfg = LomoConfig(optimizer="adamw", lr=1e-2)
+    plain = tiny()
+    watched, control = compress_model(copy.deepcopy(plain), train=cfg), compress_model(copy.deepcopy(plain), train=cfg)
+    st = watched.neuzip
+    seen, depth = [], []
+
+    @contextlib.contextmanager
+    def around(phase, block):
+        depth.append(block)
+        seen.append((phase, block))
+        try:
+            yield
+        finally:
+            depth.pop()
+
+    before = dict(st.stats)
+    with st.observe(around) as same:
+        assert same is st
+        la = _train(watched, st.optimizer, 1)[0]
+        assert not depth  # every call entered is left
+    lb = _train(control, control.neuzip.optimizer, 1)[0]
+    assert torch.equal(la, lb)
+    for name, w in st.decoded_weights().items():
+        assert torch.equal(int_bits(w), int_bits(control.neuzip.decoded_weights()[name])), name
+    decodes = [b for phase, b in seen if phase == "decode"]
+    reencodes = [b for phase, b in seen if phase == "reencode"]
+    assert len(decodes) == st.stats["decodes"] - before["decodes"] > 0
+    assert sorted(reencodes) == list(range(len(watched.model.layers)))  # on the CPU: each block once, at once
+    assert "_decode" not in vars(st) and "_reencode" not in vars(st)  # the methods again
+    n = len(seen)
+    _train(watched, st.optimizer, 1)
+    assert len(seen) == n  # outside the block: not called
+    outer, inner = [], []  # nested blocks: both see the calls while the inner one is open
+
+    def record(log):
+        return lambda phase, block: (log.append((phase, block)), contextlib.nullcontext())[1]
+
+    x, _ = batch()
+    with torch.no_grad(), st.observe(record(outer)):
+        with st.observe(record(inner)):
+            watched(x)
+        assert inner and outer == inner
+        watched(x)
+    assert len(outer) > len(inner) and "_decode" not in vars(st) and "_reencode" not in vars(st)
+    with pytest.raises(TypeError, match="around must be callable"):
+        with st.observe("not callable"):
+            pass
+
+
 def test_lomo_with_activation_checkpointing():
     cfg = LomoConfig(optimizer="adamw", lr=1e-2)
     plain = tiny()

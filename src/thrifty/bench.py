@@ -7,10 +7,16 @@ Timing on CUDA uses events around each call, after a warm-up, and reports the me
 several input sets (or a factory) and the timer cycles through them so that a small working set does not sit
 in L2 and flatter the result; ``flush_l2=True`` also overwrites L2 before every call. On CPU the same API
 times with ``time.perf_counter`` so that everything here is testable without a GPU.
+
+Instrumentation (benchmarks and tests; not thread-safe): :func:`count_launches` counts the launches of thrifty's
+Triton launchers inside a block; :func:`stubbed_launches` takes the GPU out of them, so that the host side of a
+call can be timed on a CPU.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import json
 import math
@@ -315,6 +321,128 @@ def peak_memory(fn: Callable, *args, device: Optional[torch.device | str] = None
     return peak - base
 
 
+# ---------------------------------------------------------------------------------------- instrumentation
+def _kernel_name(launcher) -> str:
+    fn = launcher.fn
+    return getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", None) or type(fn).__name__
+
+
+@contextlib.contextmanager
+def count_launches(around: Optional[Callable[[str], contextlib.AbstractContextManager]] = None):
+    """Counts the kernel launches thrifty makes through its Triton launchers (``triton_utils.FastLauncher``: the
+    kernels with a hot host path) inside the block. Yields a ``collections.Counter`` {kernel name: launches},
+    filled as they happen. ``around(name)``, when given, returns a context manager entered around each launch (a
+    profiler's phase tag, an "inside a kernel" flag: ``benchmarks/bitnet_profile.py`` leaves the Triton
+    interpreter's own tensor ops out of its aten op counts with it).
+
+    The launchers keep their own paths (direct, Triton's, the interpreter's), so it counts on the GPU and under
+    ``TRITON_INTERPRET=1`` alike; a ``keyed`` launch counts once. Kernels launched as ``kernel[grid](...)`` are not
+    seen (on the GPU, Triton's ``knobs.runtime.launch_enter_hook`` sees those). Instrumentation for benchmarks
+    and tests, not thread-safe: it replaces the launch methods of the class for the duration of the block."""
+    from .triton_utils import FastLauncher
+
+    if around is not None and not callable(around):
+        raise TypeError(f"count_launches: around must be callable or None, got {type(around).__name__}")
+    counts: collections.Counter = collections.Counter()
+    real = {"__call__": FastLauncher.__call__, "keyed": FastLauncher.keyed}
+    depth = [0]  # a keyed launch that misses its cache launches through __call__: counted once
+
+    def counted(method):
+        def launch(self, *args, **kwargs):
+            if depth[0]:
+                return method(self, *args, **kwargs)
+            name = _kernel_name(self)
+            counts[name] += 1
+            depth[0] += 1
+            try:
+                if around is None:
+                    return method(self, *args, **kwargs)
+                with around(name):
+                    return method(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return launch
+
+    for attr, method in real.items():
+        setattr(FastLauncher, attr, counted(method))
+    try:
+        yield counts
+    finally:
+        for attr, method in real.items():
+            setattr(FastLauncher, attr, method)
+
+
+class _NoOpKernel:
+    """A "compiled kernel" whose launch does nothing (``stubbed_launches``)."""
+    function = packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+
+class _StubJit:
+    """Stands in for a launcher's ``@triton.jit`` function: ``fn[grid](*args, **kw)`` "compiles" to a no-op."""
+
+    def __init__(self, fn):
+        self.arg_names = fn.arg_names
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _NoOpKernel()
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """The host side of thrifty's kernel calls with the GPU taken out, to time it where there is none
+    (``benchmarks/attention_e2e.py``'s host section on the CPU). Inside the block:
+
+    * every ``FastLauncher`` of a loaded thrifty module takes its direct path (the one it takes on the GPU once a
+      kernel is compiled: launch key, cache lookup, argument packing) on a stand-in driver, and the kernel it
+      "compiles" is a no-op: nothing is computed, outputs stay uninitialized;
+    * ``kernels_available`` answers True for every device, so the library's dispatch takes its kernel paths.
+
+    What is left to time: the Python of a call (checks, routing, allocations, launch keys). Not in it: the C
+    launcher, the CUDA allocator, the GPU. Import the modules whose kernels the calls reach before entering: a
+    launcher made inside the block is not stubbed. Yields the number of launchers stubbed. Launchers (their
+    caches too) and the patched names are restored on exit. Instrumentation for benchmarks, not thread-safe."""
+    import sys
+    import types
+
+    from . import triton_utils as tu
+
+    available = tu.kernels_available
+    launchers, bindings = {}, []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "thrifty" or name.startswith("thrifty.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, tu.FastLauncher):
+                launchers[id(value)] = value
+            elif value is available:  # a module's own binding of kernels_available (from ..triton_utils import)
+                bindings.append((module, attr))
+    driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
+                                                                get_current_stream=lambda device: 0))
+    saved = [(lz, lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers.values()]
+    saved_globals = {"_DRIVER": tu._DRIVER, "_direct_launch_allowed": tu._direct_launch_allowed}
+    try:
+        tu._DRIVER, tu._direct_launch_allowed = driver, lambda: True
+        for module, attr in bindings:
+            setattr(module, attr, lambda device: True)
+        for lz in launchers.values():
+            lz.fn, lz.interpreted = _StubJit(lz.fn), False
+            lz.cache.clear()
+        yield len(launchers)
+    finally:
+        for lz, fn, interpreted, cache in saved:
+            lz.fn, lz.interpreted = fn, interpreted
+            lz.cache.clear()
+            lz.cache.update(cache)
+        for module, attr in bindings:
+            setattr(module, attr, available)
+        for attr, value in saved_globals.items():
+            setattr(tu, attr, value)
+
+
 # --------------------------------------------------------------------------------------------------- schema
 class RandomTokens:
     """Stands in for a ``TokenDataset`` in step timings: uniform random ids (the time does not depend on the text,
@@ -537,4 +665,5 @@ def plot_rows(
 __all__ = [
     "Timing", "time_fn", "capture_graph", "peak_memory", "detect_device", "env_info", "git_commit", "default_results_dir",
     "write_result", "read_result", "format_table", "print_table", "plot_rows", "SCHEMA_VERSION", "REQUIRED_KEYS",
+    "RandomTokens", "rows_from_tree", "count_launches", "stubbed_launches",
 ]

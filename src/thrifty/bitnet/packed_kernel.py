@@ -764,6 +764,26 @@ def _workspace(device: torch.device, numel: int, pool: dict | None = None) -> to
     return buf
 
 
+def scratch_nonzero(device: torch.device | str) -> dict:
+    """Non-zero entries in ``device``'s split-K scratch buffers: ``{"workspace": n, "locks": n}`` (0 for one not
+    allocated yet). Every matmul must leave both all zero: the next split-K call accumulates into the workspace and
+    counts tile arrivals in the locks from zero. A check for tests and diagnostics
+    (``benchmarks/bitnet_packed_diag.py``); it reads the buffers (a device sync)."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device: expected a torch.device or a device string, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device: {err}") from None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counts = {}
+    for name, pool in (("workspace", _WORKSPACES), ("locks", _LOCKS)):
+        buf = pool.get(device)
+        counts[name] = 0 if buf is None else int((buf != 0).sum())
+    return counts
+
+
 def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_ratio: float = 0.5,
                    norm_weight=None, norm_eps: float = 1e-5):
     """(int8 codes (M, padded_k(D)), fp32 scales (M,), int32 Σ codes (M,)) of rows ``x`` (M, D) by the kernel."""

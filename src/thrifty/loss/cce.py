@@ -1,8 +1,10 @@
 """Public entry points: ``linear_cross_entropy`` (dispatch) and its ``CCEKernelConfig``, the Triton autograd
-function, an ``nn.Module`` and the model's loss seam ``lm_loss(hidden, weight, labels)``."""
+function, an ``nn.Module`` and the model's loss seam ``lm_loss(hidden, weight, labels)``; ``fused_forward()``, an
+instrumentation hook (the fused forward kept where the GEMM forward would run, for benchmarks)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -119,6 +121,29 @@ def _gemm_forward_scratch(c, nv):
     return torch.empty_like(c, memory_format=torch.contiguous_format)
 
 
+def _no_gemm_forward(c, nv):
+    return None
+
+
+@contextlib.contextmanager
+def fused_forward():
+    """Inside the block the Triton path's forward stays on the fused kernel (``forward.lse_forward``, the default
+    before the GEMM forward) even where the GEMM forward would run (training calls at large hidden sizes); the
+    backward then allocates dC itself. Same values to rounding (tests); everything else is the default path.
+
+    Instrumentation: ``benchmarks/cce.py`` times the two forwards in one process with it (its
+    ``thrifty_fused_fwd`` rows, the ``gemm_forward_speedup_*`` keys), the data behind the GEMM forward's
+    thresholds (``forward.gemm_min_d`` / ``gemm_min_cols``). Not thread-safe: it swaps this module's choice of
+    forward for the duration of the block, for every call in the process."""
+    global _gemm_forward_scratch
+    real = _gemm_forward_scratch
+    _gemm_forward_scratch = _no_gemm_forward
+    try:
+        yield
+    finally:
+        _gemm_forward_scratch = real
+
+
 def _torch_impl(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss):
     """Plain linear + F.cross_entropy (all N x V logits), same conventions; the baseline."""
     return reference.naive_linear_cross_entropy(
@@ -217,4 +242,5 @@ def lm_loss(hidden_states: torch.Tensor, classifier_weight: torch.Tensor, labels
     return linear_cross_entropy(hidden_states, classifier_weight, labels, **kw)
 
 
-__all__ = ["linear_cross_entropy", "CCEKernelConfig", "LinearCrossEntropy", "lm_loss", "interpreting"]
+__all__ = ["linear_cross_entropy", "CCEKernelConfig", "LinearCrossEntropy", "lm_loss", "interpreting",
+           "fused_forward"]

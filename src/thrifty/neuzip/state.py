@@ -1,5 +1,6 @@
 """``model.neuzip``: :class:`CompressedWeights` holds a compressed model's block packs, its two reused decode
-buffers, the fused optimizer hook-up, ``memory()`` and ``stats``.
+buffers, the fused optimizer hook-up, ``memory()`` and ``stats``, and ``observe()`` (instrumentation: a profiler's
+context manager around each block decode and re-encode).
 
 How it runs (NOTES.md has the arithmetic):
 
@@ -19,8 +20,9 @@ How it runs (NOTES.md has the arithmetic):
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -211,6 +213,34 @@ class CompressedWeights:
                 self._reencode(self.owner[b], b)
 
     # ---------------------------------------------------------------------------------------- inspection
+    @contextlib.contextmanager
+    def observe(self, around: Callable[[str, int], contextlib.AbstractContextManager]):
+        """Instrumentation (profilers; ``benchmarks/neuzip_models.py``'s ``phase_*`` columns): inside the block,
+        ``around(phase, block)`` returns a context manager entered around each block decode (``phase="decode"``)
+        and each re-encode (``"reencode"``) of this model's weights, with the block's index; what it times or
+        counts is its business. Outside the block nothing is added to those paths (the wrappers are attributes
+        of this object, removed on exit). Blocks may nest; not thread-safe."""
+        if not callable(around):
+            raise TypeError(f"observe: around must be callable, got {type(around).__name__}")
+        saved = {name: self.__dict__[name] for name in ("_decode", "_reencode") if name in self.__dict__}
+
+        def wrapped(phase: str, fn):
+            def call(block: int, b: int) -> None:
+                with around(phase, block):
+                    fn(block, b)
+            return call
+
+        self._decode = wrapped("decode", self._decode)  # an instance attribute shadows the method
+        self._reencode = wrapped("reencode", self._reencode)
+        try:
+            yield self
+        finally:
+            for name in ("_decode", "_reencode"):
+                if name in saved:
+                    self.__dict__[name] = saved[name]
+                else:
+                    self.__dict__.pop(name, None)
+
     def compressed_tensors(self) -> dict:
         """{parameter name: CompressedTensor} (views into the packs)."""
         self.flush()
