@@ -321,15 +321,7 @@ def host(args, device, rows, summary, extra):
                                                                                enable_gqa=True)}
     if cuda:
         for name, fn in calls.items():
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            n = 2000
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-            us = (time.perf_counter() - t) / n * 1e6
+            us = bench.host_us_per_call(fn, calls=2000, warmup=20, device=device)
             rows.append(dict(section="host", call=name, us_per_call=us))
         summary["host_us_per_call"] = next(r["us_per_call"] for r in rows if r.get("call") == "sage_attention")
         return
@@ -371,16 +363,8 @@ def _host_python_us_cpu(calls):
         for name in calls:
             if name == "sdpa":
                 continue
-            fn = calls[name]
-            for _ in range(50):
-                fn()
-            best = float("inf")
-            for _ in range(5):  # shared machine: best of 5 runs of 1000 calls
-                t = time.perf_counter()
-                for _ in range(1000):
-                    fn()
-                best = min(best, (time.perf_counter() - t) / 1000 * 1e6)
-            out[name] = best
+            # shared machine: best of 5 runs of 1000 calls
+            out[name] = bench.host_us_per_call(calls[name], calls=1000, warmup=50, repeats=5, device="cpu")
     return out
 
 

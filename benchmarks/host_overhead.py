@@ -8,7 +8,6 @@ import cProfile
 import io
 import os
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
@@ -21,14 +20,7 @@ from thrifty.triton_utils import fast_launch_enabled
 
 def per_call_us(fn, n=2000):
     """Host microseconds per call over ``n`` back-to-back calls, synchronized once at the end."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+    return bench.host_us_per_call(fn, calls=n, warmup=50, device="cuda")
 
 
 def main():

@@ -1,6 +1,7 @@
 """thrifty.bench on CPU: result schema round trip, plot, table, timer, CUDA-graph capture, argument errors."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -296,3 +297,20 @@ def test_stubbed_launches_runs_the_host_path_without_kernels_and_restores():
     assert [(lz.fn, lz.interpreted, dict(lz.cache)) for lz in launchers] == before  # ... and is undone
     assert (triton_utils._DRIVER, triton_utils._direct_launch_allowed, kv_decode.kernels_available) == names
     assert not triton_utils.kernels_available("meta")
+
+
+def test_host_us_per_call_counts_warmup_and_best_of_repeats():
+    """Host time per call: warm-up calls untimed, then ``repeats`` runs of ``calls`` back-to-back calls, the best
+    run's mean (a shared machine's noise only adds). Bad arguments are refused naming them."""
+    seen = []
+    us = bench.host_us_per_call(lambda: seen.append(1), calls=7, warmup=3, repeats=2, device="cpu")
+    assert len(seen) == 3 + 2 * 7
+    assert 0 < us < 1e4
+    slow_first = iter([0.002] * 5 + [0.0] * 5)
+    t = bench.host_us_per_call(lambda: time.sleep(next(slow_first)), calls=5, warmup=0, repeats=2, device="cpu")
+    assert t < 1000  # the second, fast run: ~0 µs, not the first's ~2000 µs per call
+    for bad in (dict(calls=0), dict(warmup=-1), dict(repeats=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            bench.host_us_per_call(lambda: None, device="cpu", **bad)
+    with pytest.raises(TypeError, match="fn"):
+        bench.host_us_per_call(None)

@@ -273,6 +273,32 @@ def capture_graph(fn: Callable[[], object], warmup: int = 2, *, repeat: int = 1)
     return _graphs.capture(fn, warmup, repeat=repeat)
 
 
+def host_us_per_call(fn: Callable[[], object], *, calls: int = 1000, warmup: int = 50, repeats: int = 1,
+                     device: Optional[torch.device | str] = None) -> float:
+    """Host microseconds per call of ``fn``: ``calls`` back-to-back calls after ``warmup`` untimed ones, the best of
+    ``repeats`` such runs (a shared machine's noise only adds). On CUDA the device is synchronized before each run
+    and inside its window at the end, so queued GPU work counts only where the host would wait for it: give ``fn``
+    tiny GPU work (or stubbed launches, :func:`stubbed_launches`) to read the host path alone."""
+    if not callable(fn):
+        raise TypeError(f"host_us_per_call: fn must be callable, got {type(fn).__name__}")
+    check_positive_int("host_us_per_call: calls", calls)
+    check_positive_int("host_us_per_call: warmup", warmup, allow_zero=True)
+    check_positive_int("host_us_per_call: repeats", repeats)
+    cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
 def _spin_cycles(fn, sets, clock_ghz: float = 2.0) -> int:
     """GPU clock cycles to spin before a timed call: twice the host time of enqueueing one call (measured here,
     the GPU idle), at least 20 µs and at most 5 ms."""
@@ -665,5 +691,5 @@ def plot_rows(
 __all__ = [
     "Timing", "time_fn", "capture_graph", "peak_memory", "detect_device", "env_info", "git_commit", "default_results_dir",
     "write_result", "read_result", "format_table", "print_table", "plot_rows", "SCHEMA_VERSION", "REQUIRED_KEYS",
-    "RandomTokens", "rows_from_tree", "count_launches", "stubbed_launches",
+    "RandomTokens", "rows_from_tree", "count_launches", "stubbed_launches", "host_us_per_call",
 ]
