@@ -18,6 +18,9 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
   partition; the producer asks for ``PRODUCER_REGS`` registers (setmaxnreg).
 * Inside the consumer, the P̃·V ``wgmma`` is issued asynchronously and the accumulator rescale (acc·α) and the
   row sum run while it executes.
+* ``PINGPONG`` (the head_dim-128 default): FA3's ordering of two consumer warpgroups. They take turns through two
+  mbarriers; in turn j + 1 a warpgroup issues P̃ⱼ·Vⱼ together with Q·Kⱼ₊₁, and its softmax of tile j + 1 runs
+  while the other warpgroup's pair occupies the tensor cores (``_tiles_pingpong``).
 * Tile shapes (``gluon_config``): ``block_m`` query rows per consumer warpgroup (64: one m64 ``wgmma``; 128:
   two, over the same 4 warps) and ``block_n`` keys per tile, one or two of the pre-pass's K-scale blocks
   (D=64: 128-key tiles at 64-key scales). D=64 is bound by instruction issue, not by the tensor cores: 128
@@ -30,9 +33,9 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
   V layout), and the kernel relabels P̃'s columns to match (reshape/permute: no data movement), instead of
   moving P̃ between the 4 lanes of each quad (SEL + SHFL + PRMT: 0.75 instructions per score).
 
-Not here yet (NOTES.md "The Gluon kernel"): two consumer warpgroups ping-ponging (FA3), the FMA-pipe exp2
-polynomial (FA4), conditional rescaling, a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with
-smooth_q), 16-bit P·V. Those calls stay on the Triton kernel.
+Not here (NOTES.md "The Gluon kernel"): the FMA-pipe exp2 polynomial and conditional rescaling (FA4; both tried
+and removed, measured), a persistent causal scheduler, Q smoothing / ΔS (qk_bits=4 with smooth_q), 16-bit P·V.
+Those calls stay on the Triton kernel.
 """
 
 from __future__ import annotations
