@@ -126,20 +126,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
-    from tokenizers import Tokenizer
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from thrifty.pretrained import ensure_converted
-
-    d = ensure_converted()
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    encode = lambda s: tok.encode(s).ids  # noqa: E731
-    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
-    cap = abl.Capture()
-    AttentionInterface.register("capture", cap)
-    AttentionMaskInterface.register("capture", sdpa_mask)
-    model.set_attn_implementation("capture")
+    model, _, encode = abl.load_smollm2()
+    cap = abl.capture_attention(model)
     rot = model.model.rotary_emb
     nl = encode("\n\n")
     filler = TokenDataset(data_dir() / "corpus", "validation").tokens
@@ -150,12 +138,7 @@ def main(argv=None):
         nt = make_needle_task("single", encode, filler, args.length, dep, rng, filler_sub=nl[0])
         ans = encode(" " + nt.answers[0])  # " ", then one token per digit
         digits = encode(nt.answers[0])
-        full = torch.cat((nt.input_ids, torch.tensor([ans[:-1]])), 1)
-        T0 = nt.input_ids.shape[1] - 1
-        model(input_ids=full, use_cache=False, logits_to_keep=1)
-        L = full.shape[1]
-        cos, sin = rot(full.new_zeros(1, 1, 1, dtype=torch.float32), torch.arange(L)[None])
-        cos, sin = cos[0], sin[0]
+        _, T0, cos, sin = abl.prefill_with_answer(model, rot, nt, ans)
         needle = [p for p in abl.needle_positions(nt.input_ids[:, :T0], nt.answers[:1], encode) if p < T0]
         starts = needle[::len(digits)]  # the first digit of each occurrence
         A = len(ans)

@@ -274,6 +274,42 @@ def needle_positions(ids, answers, encode):
     return sorted(set(pos))
 
 
+def load_smollm2():
+    """(model, tokenizer, encode): the real SmolLM2-135M (converted once by ``thrifty.pretrained``), fp32, eval."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from thrifty.pretrained import ensure_converted
+
+    d = ensure_converted()
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    return model, tok, lambda s: tok.encode(s).ids
+
+
+def capture_attention(model) -> "Capture":
+    """Registers a :class:`Capture` as the attention (with SDPA's mask builder) under the name "capture" and
+    switches ``model`` to it (transformers' public setter: the model and its submodels)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    cap = Capture()
+    AttentionInterface.register("capture", cap)
+    AttentionMaskInterface.register("capture", sdpa_mask)
+    model.set_attn_implementation("capture")
+    return cap
+
+
+def prefill_with_answer(model, rot, nt, ans):
+    """One dense pass over the prompt and the answer teacher-forced (all but its last token), captured; returns
+    (ids, T0, cos, sin): T0 = the compressed prompt's length (prompt[:-1]), the rotary tables of every position."""
+    full = torch.cat((nt.input_ids, torch.tensor([ans[:-1]])), 1)
+    T0 = nt.input_ids.shape[1] - 1
+    model(input_ids=full, use_cache=False, logits_to_keep=1)
+    cos, sin = rot(full.new_zeros(1, 1, 1, dtype=torch.float32), torch.arange(full.shape[1])[None])
+    return full, T0, cos[0], sin[0]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
@@ -300,23 +336,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
-    from tokenizers import Tokenizer
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from thrifty.pretrained import ensure_converted
-
-    d = ensure_converted()
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    encode = lambda s: tok.encode(s).ids  # noqa: E731
-    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    model, tok, encode = load_smollm2()
     if args.answer_logprob:
         return answer_logprob(model, encode, args)
     R.low_rank_keys = _cached_low_rank  # this process only: the variants of one rank share a layer's SVD
-    cap = Capture()
-    AttentionInterface.register("capture", cap)
-    AttentionMaskInterface.register("capture", sdpa_mask)
-    model.set_attn_implementation("capture")  # transformers' public setter (the model and its submodels)
+    cap = capture_attention(model)
     rot = model.model.rotary_emb
     nl = encode("\n\n")
     filler = TokenDataset(data_dir() / "corpus", "validation").tokens
@@ -334,12 +358,7 @@ def main(argv=None):
                     nt = make_needle_task(task, encode, filler, n, rng.random() if dep is None else dep, rng,
                                           filler_sub=nl[0])
                     ans = encode(" " + nt.answers[0])
-                    full = torch.cat((nt.input_ids, torch.tensor([ans[:-1]])), 1)
-                    T0 = nt.input_ids.shape[1] - 1  # compressed prompt: prompt[:-1]
-                    model(input_ids=full, use_cache=False, logits_to_keep=1)
-                    L = full.shape[1]
-                    cos, sin = rot(full.new_zeros(1, 1, 1, dtype=torch.float32), torch.arange(L)[None])
-                    cos, sin = cos[0], sin[0]
+                    _, T0, cos, sin = prefill_with_answer(model, rot, nt, ans)
                     npos = [p for p in needle_positions(nt.input_ids[:, :T0], nt.answers[:1], encode)]
                     npos = [p for p in npos if p < T0]
                     n_prompts += 1
