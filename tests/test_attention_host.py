@@ -2,47 +2,19 @@
 place of per-argument keys) exercised on the CPU with a fake driver and a fake compiled kernel; the
 signature covers what the launches specialize on. Host time itself is measured by benchmarks, not here."""
 
-import types
-
 import pytest
 import torch
 
-from thrifty import triton_utils
 from thrifty.triton_utils import FastLauncher
 
-
-class FakeKernel:
-    def __init__(self):
-        self.runs = []
-        self.function, self.packed_metadata = "fn", "meta"
-
-    def run(self, *args):
-        self.runs.append(args)
-
-
-class FakeJit:
-    """Stands in for a @triton.jit function: ``fn[grid](*args, **kw)`` "compiles" (counted) and launches."""
-    arg_names = ["x", "n", "BLOCK"]
-
-    def __init__(self):
-        self.compiles = 0
-        self.kernel = FakeKernel()
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.compiles += 1
-            return self.kernel
-        return launch
+from fake_triton import FakeJit, allow_direct_launches
 
 
 @pytest.fixture
 def direct(monkeypatch):
     """FastLauncher's direct path on a CPU: no interpreter flag, no hooks, a fake driver."""
-    fake_driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
-                                                                     get_current_stream=lambda d: "stream"))
-    monkeypatch.setattr(triton_utils, "_DRIVER", fake_driver)
-    monkeypatch.setattr(triton_utils, "_direct_launch_allowed", lambda: True)
-    jit = FakeJit()
+    allow_direct_launches(monkeypatch)
+    jit = FakeJit(["x", "n", "BLOCK"])
     launcher = FastLauncher(jit)
     launcher.interpreted = False
     return launcher, jit
@@ -86,7 +58,7 @@ class RecordingJit(FakeJit):
     """A FakeJit that records the keyword arguments of each compile-and-launch."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(["x", "n", "BLOCK"])
         self.options = []
 
     def __getitem__(self, grid):

@@ -8,6 +8,8 @@ import torch
 
 from thrifty import bench
 
+from fake_triton import FakeJit, allow_direct_launches
+
 ROWS = [
     {"backend": "a", "S": 1024, "rate": 10.0},
     {"backend": "b", "S": 1024, "rate": 12.5},
@@ -186,47 +188,17 @@ def test_cuda_capture_graph_replays():
 
 
 # ------------------------------------------------------------------------------------------ instrumentation
-class _FakeKernel:
-    function = packed_metadata = None
-
-    def __init__(self):
-        self.runs = 0
-
-    def run(self, *args):
-        self.runs += 1
-
-
-class _FakeJit:
-    """Stands in for a @triton.jit function: ``fn[grid](*args, **kw)`` "compiles" (counted) and returns a kernel."""
-    arg_names = ["x", "BLOCK"]
-    __name__ = "_fake_kernel"
-
-    def __init__(self):
-        self.compiles = 0
-        self.kernel = _FakeKernel()
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.compiles += 1
-            return self.kernel
-        return launch
-
-
 def test_count_launches_counts_each_launch_once_and_restores(monkeypatch):
     """Triton's path and the direct path (a keyed launch whose first call goes through __call__) count once per
     launch; ``around`` wraps each; the launch methods are the class's own again afterwards."""
     import contextlib
-    import types
 
-    from thrifty import triton_utils
     from thrifty.triton_utils import FastLauncher
 
-    triton_path, direct = FastLauncher(_FakeJit()), FastLauncher(_FakeJit())
+    triton_path, direct = FastLauncher(FakeJit(["x", "BLOCK"])), FastLauncher(FakeJit(["x", "BLOCK"]))
     triton_path.interpreted = True  # the interpreter's (Triton's own) path: fn[grid](...) every time
     direct.interpreted = False
-    monkeypatch.setattr(triton_utils, "_DRIVER", types.SimpleNamespace(active=types.SimpleNamespace(
-        get_current_device=lambda: 0, get_current_stream=lambda d: 0)))
-    monkeypatch.setattr(triton_utils, "_direct_launch_allowed", lambda: True)
+    allow_direct_launches(monkeypatch, stream=0)
     seen = []
 
     @contextlib.contextmanager
@@ -243,7 +215,7 @@ def test_count_launches_counts_each_launch_once_and_restores(monkeypatch):
             direct.keyed(("sig",), (1,), x, BLOCK=4, num_warps=1, num_stages=1)
     assert counts == {"_fake_kernel": 4}
     assert seen == [("enter", "_fake_kernel"), ("exit", "_fake_kernel")] * 4
-    assert direct.fn.compiles == 1 and direct.fn.kernel.runs == 2 and triton_path.fn.compiles == 1
+    assert direct.fn.compiles == 1 and len(direct.fn.kernel.runs) == 2 and triton_path.fn.compiles == 1
     assert (FastLauncher.__call__, FastLauncher.keyed) == real
     triton_path((1,), x, BLOCK=4, num_warps=1, num_stages=1)
     assert counts == {"_fake_kernel": 4} and len(seen) == 8  # outside the block: not counted
