@@ -15,12 +15,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # head_dim 128: the default (two consumer warpgroups in FA3's ping-pong, P̃ from the accumulator as it lies), the
 # other warp structures, and the default without either half
 VARIANTS = [dict(), dict(ws=False, consumers=1, pingpong=False), dict(ws=True, consumers=1, pingpong=False),
-            dict(pingpong=False, v_perm16=False), dict(pingpong=False), dict(v_perm16=False), dict(rowsum_mma=True),
-            dict(pingpong=False, rowsum_mma=True)]
+            dict(pingpong=False, v_perm16=False), dict(pingpong=False), dict(v_perm16=False)]
 # head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with each warp structure, the 64x64 tiles, and
 # the ping-pong schedule on 64x128 tiles
 D64_VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), SMALL_D64_TILES,
-                dict(block_m=64, pingpong=True), dict(rowsum_mma=True), dict(SMALL_D64_TILES, rowsum_mma=True)]
+                dict(block_m=64, pingpong=True)]
 
 
 def _vid(variant):

@@ -59,11 +59,6 @@ LOG2_FP8_MAX = math.log2(FP8_MAX)
 MAGIC = 12582912.0  # 1.5·2^23: s + 0x4B400000 read as a float is MAGIC + s exactly for |s| < 2^22
 
 
-# ``rowsum_mma``: the accumulator layout of the m64n8 row-sum wgmma, [BLOCK_M, 8] fp32 (4 registers a thread per 64
-# rows; each row's sum in all 8 columns)
-_ROWSUM_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32]))
-
-
 @gluon.jit
 def _ex2(x):
     """2^x with one MUFU.EX2, subnormal results flushed (p̃ loses them in e4m3 anyway)."""
@@ -187,23 +182,12 @@ def _to_p8(p, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _rowsum_issue(p8, ones_smem, rs_zero):
-    """``rowsum_mma``: the row sums of P̃ by the tensor core, P̃ (e4m3, the P̃·V wgmma's register operand, reused
-    as it lies) times an [BLOCK_N, 8] smem tile of ones, issued right after P̃·V: 64 FADDs a thread per 64×128
-    tile and the quad shuffles of the row reduction leave the softmax for one m64n8 wgmma. The sum is then of
-    the e4m3 values the numerator multiplies, not of their fp32 originals."""
-    p_rs = gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=_ROWSUM_LAYOUT, k_width=4),
-                             assert_trivial=True)
-    return warpgroup_mma(p_rs, ones_smem.permute((1, 0)), rs_zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
-           v_empty, ks_base, n_ks, offs_m, j_lo, j_hi, n_tiles, k_row0, v_row0, Sk, causal_offset,
+def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+           ks_base, n_ks, offs_m, j_lo, j_hi, n_tiles, k_row0, v_row0, Sk, causal_offset,
            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
            STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr,
-           LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+           LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr):
     """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles. A tile
     holds ``KSPLIT`` = BLOCK_N / KS_BLOCK blocks of the pre-pass's K scales (1, or 2 with BLOCK_N 128 at D=64:
     the per-row max, sum, α and the per-tile waits then cover 128 keys at the pre-pass's 64-key scales)."""
@@ -214,7 +198,6 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, ones_
     # spilled); summing first frees p before the wgmma (no spills). The other shapes need ≤ 208: sum under it.
     SUM_UNDER_PV: gl.constexpr = (BLOCK_M * BLOCK_N * 5 // 4 + 2 * BLOCK_M * HEAD_DIM) // 128 <= 208
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rs_zero = gl.zeros([BLOCK_M, 8], gl.float32, _ROWSUM_LAYOUT)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     first = (offs_n < KS_BLOCK)[None, :]
     key_end = gl.minimum(offs_m + (causal_offset + 1), Sk)  # causal: the end of the keys each row sees
@@ -234,22 +217,16 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, ones_
             mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_new = _softmax_tile(s_i, j, m_i, offs_n, first, key_end, c0, c1, Sk, BLOCK_N, KSPLIT, MASKED,
                                         CAUSAL, LOG2_P_SCALE)
-        if not SUM_UNDER_PV and not ROWSUM_MMA:
+        if not SUM_UNDER_PV:
             l_i = l_i * alpha + gl.sum(p, axis=1)
         p8 = _to_p8(p, p_layout, BLOCK_M, BLOCK_N, V_PERM16)
         mbarrier.wait(v_ready.index(slot), phase)
         pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        if ROWSUM_MMA:
-            rs_tok = _rowsum_issue(p8, ones_smem, rs_zero)
         # under the P̃·V wgmma: the row sum (where p fits beside it) and the rescale of the running output
-        if SUM_UNDER_PV and not ROWSUM_MMA:
+        if SUM_UNDER_PV:
             l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, o_row)[:, None]
-        if ROWSUM_MMA:
-            pv, rs = warpgroup_mma_wait(0, deps=(pv_tok, rs_tok))
-            l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, _ROWSUM_LAYOUT))[:, None] + rs
-        else:
-            pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
+        pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
         if WS:
             mbarrier.arrive(v_empty.index(slot), count=1)
         acc = acc + pv
@@ -265,12 +242,11 @@ def _turn(turns, t, WG: gl.constexpr):
 
 
 @gluon.jit
-def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, ones_smem, k_ready, v_ready,
-                   k_empty, v_empty, turns, ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, rs_zero,
-                   o_row: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   KSPLIT: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr, WG: gl.constexpr, LAST: gl.constexpr,
-                   ROWSUM_MMA: gl.constexpr):
+def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                   turns, ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row: gl.constexpr,
+                   p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KSPLIT: gl.constexpr,
+                   STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
+                   V_PERM16: gl.constexpr, WG: gl.constexpr, LAST: gl.constexpr):
     """Tile j's softmax (its scores ``s_i`` are in), then in turn j + 1 this warpgroup's P̃_j·V_j and (unless
     ``LAST``) Q·K_{j+1}; while they run, the other warpgroup has its softmax. Returns tile j + 1's scores and
     K scales (``c0``, ``c1``: tile j's, loaded a tile ahead so that their latency is not on the softmax's path)."""
@@ -279,8 +255,7 @@ def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_sme
         c0_next, c1_next = _k_scales(q_scale, ks_base, j + 1, n_ks, KSPLIT)
     p, alpha, m_i = _softmax_tile(s_i, j, m_i, offs_n, first, key_end, c0, c1, Sk, BLOCK_N, KSPLIT, MASKED, CAUSAL,
                                   LOG2_P_SCALE)
-    if not ROWSUM_MMA:
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
     p8 = _to_p8(p, p_layout, BLOCK_M, BLOCK_N, V_PERM16)
     mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
     if not LAST:
@@ -288,18 +263,14 @@ def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_sme
         mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) & 1)
     _turn(turns, j + 1, WG)
     pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-    if ROWSUM_MMA:
-        rs_tok = _rowsum_issue(p8, ones_smem, rs_zero)
     if not LAST:
         s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.arrive(turns.index(1 - WG), count=1)
     acc = acc * gl.convert_layout(alpha, o_row)[:, None]
-    # groups retire in order: P̃·V (and the row sum) before Q·K_{j+1}
-    if ROWSUM_MMA:
-        pv, rs = warpgroup_mma_wait(0 if LAST else 1, deps=(pv_tok, rs_tok))
-        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, _ROWSUM_LAYOUT))[:, None] + rs
+    if LAST:
+        pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
     else:
-        pv = warpgroup_mma_wait(0 if LAST else 1, deps=(pv_tok, ))
+        pv = warpgroup_mma_wait(1, deps=(pv_tok, ))  # groups retire in order: P̃·V first
     mbarrier.arrive(v_empty.index(slot), count=1)
     acc = acc + pv
     if not LAST:
@@ -310,12 +281,12 @@ def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_sme
 
 
 @gluon.jit
-def _tiles_pingpong(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty, v_empty,
-                    turns, ks_base, n_ks, offs_m, full_end, hi, Sk, causal_offset,
+def _tiles_pingpong(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
+                    ks_base, n_ks, offs_m, full_end, hi, Sk, causal_offset,
                     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr,
-                    WG: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                    WG: gl.constexpr):
     """KV tiles [0, hi) of consumer warpgroup WG (of two, with a producer warp) in FA3's ping-pong order: turn 0
     issues Q·K_0, turn j + 1 issues P̃_j·V_j with Q·K_{j+1}, and the warpgroups take turns, so that one
     warpgroup's softmax runs while the other's wgmma occupy the tensor cores. The last tile takes the masked
@@ -328,7 +299,6 @@ def _tiles_pingpong(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, ones_smem, k
     key_end = gl.minimum(offs_m + (causal_offset + 1), Sk)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    rs_zero = gl.zeros([BLOCK_M, 8], gl.float32, _ROWSUM_LAYOUT)
 
     c0, c1 = _k_scales(q_scale, ks_base, 0, n_ks, KSPLIT)
     mbarrier.wait(k_ready.index(0), 0)
@@ -341,18 +311,18 @@ def _tiles_pingpong(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, ones_smem, k
     split = gl.minimum(full_end, hi - 1)
     for j in range(0, split):
         acc, l_i, m_i, s_i, c0, c1 = _pingpong_step(
-            acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
-            v_empty, turns, ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, rs_zero, o_row, p_layout,
-            BLOCK_M, BLOCK_N, KSPLIT, STAGES, False, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False, ROWSUM_MMA)
+            acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
+            ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
+            STAGES, False, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False)
     for j in range(split, hi - 1):
         acc, l_i, m_i, s_i, c0, c1 = _pingpong_step(
-            acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
-            v_empty, turns, ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, rs_zero, o_row, p_layout,
-            BLOCK_M, BLOCK_N, KSPLIT, STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False, ROWSUM_MMA)
+            acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
+            ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
+            STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False)
     acc, l_i, m_i, s_i, c0, c1 = _pingpong_step(
-        acc, l_i, m_i, s_i, c0, c1, hi - 1, q_smem, q_scale, k_smem, v_smem, ones_smem, k_ready, v_ready, k_empty,
-        v_empty, turns, ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, rs_zero, o_row, p_layout, BLOCK_M,
-        BLOCK_N, KSPLIT, STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, True, ROWSUM_MMA)
+        acc, l_i, m_i, s_i, c0, c1, hi - 1, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
+        ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
+        STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, True)
     return acc, l_i, m_i
 
 
@@ -371,15 +341,14 @@ def _bounds(m_blk, Sk, causal_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, ones_smem, k_ready, v_ready,
+def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
               k_empty, v_empty, turns, q_smem, pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               H, BH_KV, Sq, Sk, Sk_pad, causal_offset,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr,
               RETURN_LSE: gl.constexpr, WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-              WG: gl.constexpr):
+              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts BLOCK_M-row blocks): Q's
     quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
     that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
@@ -415,27 +384,22 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
     n_ks = Sk_pad // KS_BLOCK  # K scales per head
     ks_base = Ks + bh_kv * n_ks
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_row)
-    if ROWSUM_MMA:  # the row sums as the row-sum wgmma's [BLOCK_M, 8] fragment (all 8 columns alike)
-        l_i = gl.zeros([BLOCK_M, 8], gl.float32, _ROWSUM_LAYOUT)
-    else:
-        l_i = gl.zeros([BLOCK_M], gl.float32, s_row)
+    l_i = gl.zeros([BLOCK_M], gl.float32, s_row)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     if PINGPONG:
-        acc, l_i, m_i = _tiles_pingpong(acc, l_i, m_i, q_smem, c_scale, k_smem, v_smem, ones_smem, k_ready, v_ready,
-                                        k_empty, v_empty, turns, ks_base, n_ks, offs_m, full_end_tile, hi_tile, Sk,
+        acc, l_i, m_i = _tiles_pingpong(acc, l_i, m_i, q_smem, c_scale, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                        v_empty, turns, ks_base, n_ks, offs_m, full_end_tile, hi_tile, Sk,
                                         causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                                        HEAD_DIM, STAGES, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, ROWSUM_MMA)
+                                        HEAD_DIM, STAGES, CAUSAL, LOG2_P_SCALE, V_PERM16, WG)
     else:
-        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, ones_smem, k_ready,
-                               v_ready, k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile, n_tiles, k_row0,
+        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                               k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0,
+                               Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
+                               HEAD_DIM, STAGES, False, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
+        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                               k_empty, v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile, n_tiles, k_row0,
                                v_row0, Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                               HEAD_DIM, STAGES, False, CAUSAL, WS, LOG2_P_SCALE, V_PERM16, ROWSUM_MMA)
-        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, ones_smem, k_ready,
-                               v_ready, k_empty, v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile, n_tiles,
-                               k_row0, v_row0, Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
-                               KS_BLOCK, HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE, V_PERM16, ROWSUM_MMA)
-    if ROWSUM_MMA:
-        l_i = gl.max(l_i, axis=1)
+                               HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
     if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
         for j in range(hi_tile, n_tiles):
             slot = j % STAGES
@@ -490,8 +454,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
                            WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr,
-                           ROWSUM_MMA: gl.constexpr):
+                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr):
     gl.static_assert(not PINGPONG or (WS and CONSUMERS == 2), "ping-pong needs two consumer warpgroups (WS)")
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
@@ -508,12 +471,6 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
     q_smem = gl.allocate_shared_memory(gl.int8, [CONSUMERS, BLOCK_M, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
-    # ROWSUM_MMA: the B operand of the row-sum wgmma, ones [8, BLOCK_N] read K-major like Vᵀ (1 KB, written once)
-    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float8e4nv)
-    ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [8, BLOCK_N], ones_layout)
-    if ROWSUM_MMA:
-        ones_blk: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // 16], [2, 16], [4, 1], [1, 0])
-        ones_smem.store(gl.full([8, BLOCK_N], 1.0, gl.float32, ones_blk).to(gl.float8e4nv))
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -531,26 +488,26 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
     if WS:
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, ones_smem,
-                           k_ready, v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, ROWSUM_MMA, 0)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [1], [PRODUCER_REGS])
         else:  # two consumer warpgroups (query blocks 2·pid_m and 2·pid_m + 1) sharing the K/V ring
             gl.warp_specialize([
-                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, ones_smem,
-                           k_ready, v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, ROWSUM_MMA, 0)),
-                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, ones_smem,
-                           k_ready, v_ready, k_empty, v_empty, turns, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 0)),
+                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
+                           v_ready, k_empty, v_empty, turns, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, ROWSUM_MMA, 1)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 1)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                            v_row0, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -559,11 +516,11 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
         for jj in gl.static_range(STAGES - 1):  # prologue: the first STAGES − 1 tiles in flight
             _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, jj, n_tiles, k_row0, v_row0, BLOCK_N,
                         STAGES)
-        _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, ones_smem, k_ready,
-                  v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
+        _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                  k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                   stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
                   Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK, STAGES, CAUSAL,
-                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, ROWSUM_MMA, 0)
+                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)
 
 
 _GLUON_LAUNCH = FastLauncher(_sage_fwd_gluon_kernel)
@@ -586,7 +543,7 @@ def gluon_config(head_dim: int) -> dict:
     # the same structure without both, 1.03-1.11x at 8K-32K, full and causal (H200, 4cb493d,
     # attention_gluon_h200-pp128.json).
     cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, ws=True, consumers=2,
-               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=True, rowsum_mma=False)
+               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=True)
     if head_dim <= 64:
         cfg.update(D64_TILES)
     return cfg
@@ -677,7 +634,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
-        V_PERM16=cfg["v_perm16"], PINGPONG=cfg["pingpong"], ROWSUM_MMA=cfg["rowsum_mma"])
+        V_PERM16=cfg["v_perm16"], PINGPONG=cfg["pingpong"])
     if sig is None:
         _sage_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=cfg["num_warps"])
     else:
