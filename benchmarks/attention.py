@@ -64,7 +64,7 @@ GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(ws=True, consumers=2, **S
                       "thrifty8_gluon_n128": dict(block_m=64),
                       "thrifty8_gluon_pp_n128": dict(block_m=64, pingpong=True)}
 GLUON_D128_VARIANTS = {"thrifty8_gluon_pp": dict(pingpong=True, v_perm16=False),
-                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True)}  # the D=128 default
+                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True)}  # the D=128 causal default
 
 
 def gluon_structures(D):
@@ -206,7 +206,7 @@ def gluon_kernel_only(qkv, D, S, causal, flops, cfg_by_d, budget_s, dev, H, back
         base = dict(group="speed", backend=f"{name}_kernel_only", D=D, S=S, causal=causal,
                     config=f"D{D} {S // 1024}k {'causal' if causal else 'full'}")
         try:
-            cfg = dict(G.gluon_config(D), **over)
+            cfg = dict(G.gluon_config(D, causal), **over)
             kv = quantize_kv(k, v, qmax=127.0, block_n=cfg["scale_block"], smooth_k=True, fp8_v=True,
                              smooth_v=False, v_perm16=cfg["v_perm16"])
             prep = dict(q=q, qmax=127.0, sm_scale=D ** -0.5, smooth_v=False, **kv)

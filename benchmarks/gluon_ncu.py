@@ -36,7 +36,7 @@ def main():
     q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
     for text in args.variants:
         over = json.loads(text)
-        cfg = dict(G.gluon_config(D), **over)
+        cfg = dict(G.gluon_config(D, args.causal), **over)
         kv = quantize_kv(k, v, qmax=127.0, block_n=cfg["scale_block"], smooth_k=True, fp8_v=True, smooth_v=False,
                          v_perm16=cfg["v_perm16"])
         prep = dict(q=q, qmax=127.0, sm_scale=D ** -0.5, smooth_v=False, **kv)

@@ -71,7 +71,7 @@ def main(argv=None):
             spec = S.gluon_entry(D, args.causal, torch.bfloat16, False, False, variant)
             k = S.compile_kernel(spec)
             res = S.resources(k.asm["cubin"])
-            cfg = dict(G.gluon_config(D), **variant)
+            cfg = dict(G.gluon_config(D, args.causal), **variant)
             scores = cfg["block_m"] * cfg["block_n"] // 128  # per thread and tile (a warpgroup is 128 threads)
             for i, body in enumerate(tile_loops(sass(k.asm["cubin"]))):
                 ops = collections.Counter(map(opcode, body))

@@ -147,10 +147,11 @@ def _quantize_entry(label, D, dtype, block, qmax, smooth_k, smooth_v, fp8_v, has
     t = PTR[dtype]
     return entry(Q._quantize_kv_kernel, label + " v_perm16" * v_perm16,
                  dict(QMAX=qmax, V_QMAX=Q.FP8_MAX, D=D, BLOCK=block, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-                      V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET, V_PERM16=v_perm16),
+                      V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET, V_PERM16=v_perm16,
+                      MAX_SPLIT=Q.MAX_SPLIT),
                  {"k_ptr v_ptr": t, "part_ptr stats_ptr k_scale_ptr": "*fp32", "k_out_ptr": "*i8",
                   "v_out_ptr": "*fp8e4nv" if fp8_v else t}, ones="k_sd v_sd",
-                 num_warps=4, num_stages=3)  # literal in quantize_kv
+                 num_warps=Q.quant_warps(D, block), num_stages=3)  # as in quantize_kv
 
 
 def _attention():
@@ -209,7 +210,7 @@ def gluon_entry(D, causal, dtype, lse, smooth_v, variant) -> Spec:
     """One launch of the Gluon kernel (``variant``: a gluon_config override), as gluon_kernel.launch makes it."""
     from thrifty.attention import gluon_kernel as G, quant_kernel as Q
 
-    cfg = dict(G.gluon_config(D), **variant)
+    cfg = dict(G.gluon_config(D, causal), **variant)
     k_layout, v_layout = G.shared_layouts(D, cfg["block_n"])
     t = PTR[dtype]
     label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"

@@ -12,10 +12,11 @@ from thrifty.attention.gluon_kernel import SMALL_D64_TILES, gluon_config
 from thrifty.bench import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# head_dim 128: the default (two consumer warpgroups in FA3's ping-pong, P̃ from the accumulator as it lies), the
-# other warp structures, and the default without either half
+# head_dim 128: the default (two consumer warpgroups, P̃ from the accumulator as it lies; in FA3's ping-pong when
+# causal, free-running when not), the other warp structures, ping-pong on and off whatever the mask, and without
+# v_perm16
 VARIANTS = [dict(), dict(ws=False, consumers=1, pingpong=False), dict(ws=True, consumers=1, pingpong=False),
-            dict(pingpong=False, v_perm16=False), dict(pingpong=False), dict(v_perm16=False)]
+            dict(pingpong=False, v_perm16=False), dict(pingpong=False), dict(pingpong=True), dict(v_perm16=False)]
 # head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with each warp structure, the 64x64 tiles, and
 # the ping-pong schedule on 64x128 tiles
 D64_VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), SMALL_D64_TILES,
@@ -109,18 +110,22 @@ def test_gluon_launch_checks_the_k_scale_blocks():
 
 def test_gluon_resolved_config_is_made_once_per_overrides():
     """What a call's host path reads: gluon_config merged with the overrides (each value's own type), read-only,
-    and the launch key (the items sorted, as the kernel cache keyed them), one object per (head_dim, overrides)."""
+    and the launch key (the items sorted, as the kernel cache keyed them), one object per (head_dim, mask,
+    overrides). At head_dim 128 the ping-pong schedule is the causal default only."""
     from thrifty.attention.gluon_kernel import resolved_config
 
     for D in (64, 128):
-        for over in (None, {}, dict(ws=False, consumers=1), dict(ws=1), SMALL_D64_TILES):
-            cfg, key = resolved_config(D, over)
-            want = dict(gluon_config(D), **(over or {}))
-            assert dict(cfg) == want and [type(v) for v in cfg.values()] == [type(v) for v in want.values()]
-            assert key == tuple(sorted(want.items()))
-            assert resolved_config(D, dict(over or {}))[0] is cfg
-            with pytest.raises(TypeError):
-                cfg["ws"] = False
+        for causal in (False, True):
+            for over in (None, {}, dict(ws=False, consumers=1), dict(ws=1), SMALL_D64_TILES):
+                cfg, key = resolved_config(D, over, causal)
+                want = dict(gluon_config(D, causal), **(over or {}))
+                assert dict(cfg) == want and [type(v) for v in cfg.values()] == [type(v) for v in want.values()]
+                assert key == tuple(sorted(want.items()))
+                assert resolved_config(D, dict(over or {}), causal)[0] is cfg
+                with pytest.raises(TypeError):
+                    cfg["ws"] = False
+    assert [resolved_config(128, None, causal)[0]["pingpong"] for causal in (False, True)] == [False, True]
+    assert not any(resolved_config(64, None, causal)[0]["pingpong"] for causal in (False, True))
     assert type(resolved_config(64, dict(ws=1))[0]["ws"]) is int and resolved_config(64, dict(ws=True))[0]["ws"] is True
     with pytest.raises(TypeError):
         resolved_config(64, {1: 2})

@@ -266,16 +266,16 @@ def test_prefill_goes_to_gluon_only_where_measured_faster():
     from thrifty.attention.routing import (GLUON_HEAD_DIMS, GLUON_MIN_QUERIES, GLUON_MIN_QUERIES_CAUSAL,
                                            prefill_goes_to_gluon)
 
-    for D in GLUON_HEAD_DIMS:  # head_dim 64 on its 128x128 tiles, 128 in the ping-pong order
-        for causal, least in ((False, GLUON_MIN_QUERIES), (True, GLUON_MIN_QUERIES_CAUSAL[D])):
+    for D in GLUON_HEAD_DIMS:  # head_dim 64 on its 128x128 tiles, 128 in the ping-pong order when causal
+        for causal, least in ((False, GLUON_MIN_QUERIES[D]), (True, GLUON_MIN_QUERIES_CAUSAL[D])):
             assert prefill_goes_to_gluon(D, least, causal, (9, 0))
             assert prefill_goes_to_gluon(D, 4 * least, causal, (9, 0))
-            assert not prefill_goes_to_gluon(D, least - 1, causal, (9, 0))  # the Triton kernel wins at 2K-4K
+            assert not prefill_goes_to_gluon(D, least - 1, causal, (9, 0))  # the Triton kernel wins at 2K (-4K)
             assert not prefill_goes_to_gluon(D, 4 * least, causal, (8, 0))  # no Hopper, no Gluon kernel
             assert not prefill_goes_to_gluon(D, 4 * least, causal, (10, 0))
     for causal in (False, True):  # no Gluon kernel (nor a threshold) for other head dims
         assert not prefill_goes_to_gluon(96, 1 << 20, causal, (9, 0))
-    assert GLUON_MIN_QUERIES_CAUSAL[64] > GLUON_MIN_QUERIES  # causal at head_dim 64: the kernel alone ties at 8K
+    assert GLUON_MIN_QUERIES_CAUSAL[64] > GLUON_MIN_QUERIES[64]  # causal at head_dim 64: the kernel alone ties at 8K
 
 
 @pytest.mark.cuda

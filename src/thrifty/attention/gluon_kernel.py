@@ -527,23 +527,26 @@ _GLUON_LAUNCH = FastLauncher(_sage_fwd_gluon_kernel)
 
 
 # ------------------------------------------------------------------------------------------------- host side
-def gluon_config(head_dim: int) -> dict:
+def gluon_config(head_dim: int, causal: bool = True) -> dict:
     """Tile sizes and launch options. ``scale_block`` (keys per K scale, the pre-pass's block) equals the Triton
     kernel's BLOCK_N (``attn_kernel.kernel_config``), so both kernels quantize K alike; ``block_n`` (keys per
     tile) is ``scale_block`` or twice it (D=64: 128-key tiles with two K scales each). ``block_m``: query rows
     per consumer warpgroup, 64 (one m64 wgmma) or 128 (two m64 wgmma per warpgroup: the per-tile waits,
     barriers and loop overhead cover twice the rows; D=128 spills at 128 rows, 4.7 KB). ``v_perm16``: Vᵀ in
-    ``quant_kernel.v_slot`` token order, P̃ fed to the P̃·V wgmma without shuffles. Design values: 64 rows
-    (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB Q)."""
+    ``quant_kernel.v_slot`` token order, P̃ fed to the P̃·V wgmma without shuffles. ``pingpong`` depends on the
+    mask (``causal``). Design values: 64 rows (the SA2 CUDA CTA), 3 stages (D=128: 3·(16 + 16) KB of K/Vᵀ + 8 KB
+    Q)."""
     # Two consumer warpgroups + a producer warp (the FA3 layout): on the H200 (attention_gluon_h200.json, e18fe69)
     # the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x cuDNN at 32K). The
     # one-warpgroup structure (ws=False) wrote NaN rows at D=64 with 64x64 tiles (B=2, H=32, S >= 2K) and once at
     # D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
-    # D=128: FA3's ping-pong schedule with P̃ taken from the accumulator as it lies (pingpong, v_perm16): against
-    # the same structure without both, 1.03-1.11x at 8K-32K, full and causal (H200, 4cb493d,
-    # attention_gluon_h200-pp128.json).
+    # D=128: P̃ taken from the accumulator as it lies (v_perm16); FA3's ping-pong schedule for causal calls only.
+    # Kernel alone, H200, two runs (4cb493d attention_gluon_h200-pp128.json; d359f3c attention_gluon_h200-rs.json),
+    # TFLOP/s, ping-pong vs free-running: causal 432/434 vs 412/415 at 2K, 732/734 vs 684/688 at 8K, 830/821 vs
+    # 821/815 at 32K; full 600/603 vs 636/636 at 2K, 718 vs 748 at 4K, 791/787 vs 817/824 at 8K, 856/834 vs 865/852
+    # at 32K. Against the structure with neither, ping-pong + v_perm16 gained 1.03-1.11x at 8K-32K.
     cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, ws=True, consumers=2,
-               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=True)
+               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=bool(causal))
     if head_dim <= 64:
         cfg.update(D64_TILES)
     return cfg
@@ -562,21 +565,22 @@ D64_TILES = dict(block_m=128, block_n=128, scale_block=64, v_perm16=True, pingpo
 SMALL_D64_TILES = dict(block_m=64, block_n=64, scale_block=64, v_perm16=False, pingpong=False)
 
 
-def resolved_config(head_dim: int, config: dict | None = None):
-    """(``gluon_config(head_dim)`` with the overrides of ``config`` applied, read-only; its launch key: the items
-    sorted), made once per (head_dim, overrides): a call's host path neither merges nor sorts them again."""
+def resolved_config(head_dim: int, config: dict | None = None, causal: bool = True):
+    """(``gluon_config(head_dim, causal)`` with the overrides of ``config`` applied, read-only; its launch key: the
+    items sorted), made once per (head_dim, causal, overrides): a call's host path neither merges nor sorts them
+    again."""
     # each value's type in the cache key: 1, 1.0 and True are equal keys but different constexprs
     overrides = tuple((name, type(value), value) for name, value in config.items()) if config else ()
     try:
-        return _resolved_config(head_dim, overrides)
+        return _resolved_config(head_dim, bool(causal), overrides)
     except TypeError:  # an unhashable override cannot key the cache: resolved afresh (a bad one raises again)
-        cfg = dict(gluon_config(head_dim), **config)
+        cfg = dict(gluon_config(head_dim, causal), **config)
         return cfg, tuple(sorted(cfg.items()))
 
 
 @functools.lru_cache(maxsize=64)
-def _resolved_config(head_dim: int, overrides: tuple):
-    cfg = dict(gluon_config(head_dim), **{name: value for name, _, value in overrides})
+def _resolved_config(head_dim: int, causal: bool, overrides: tuple):
+    cfg = dict(gluon_config(head_dim, causal), **{name: value for name, _, value in overrides})
     return types.MappingProxyType(cfg), tuple(sorted(cfg.items()))
 
 
@@ -599,12 +603,12 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     """The Gluon attention kernel on the pre-pass output (``quantize_kv``) and Q; out: (B, H, Sq, D) view.
     ``sig``: everything the launch specializes on (``sage_forward_gluon`` builds it): the compiled kernel is then
     looked up by it and the config's key and launched directly (``FastLauncher.keyed``) instead of through
-    Triton's binder. ``resolved``: ``resolved_config(D, config)`` where the caller has it already (then
+    Triton's binder. ``resolved``: ``resolved_config(D, config, causal)`` where the caller has it already (then
     ``config`` is not read)."""
     p = prepared
     q = p["q"]
     B, D = out.shape[0], out.shape[-1]
-    cfg, cfg_key = resolved if resolved is not None else resolved_config(D, config)
+    cfg, cfg_key = resolved if resolved is not None else resolved_config(D, config, causal)
     k8, vt = p["k8"], p["vt"]
     BH_kv, S_pad = k8.shape[0], k8.shape[1]
     if p["k_scale"].shape[1] * cfg["scale_block"] != S_pad or cfg["block_n"] not in (cfg["scale_block"],
@@ -652,7 +656,7 @@ def sage_forward_gluon(q, k, v, *, causal: bool, sm_scale: float, qk_bits: int =
                          f"smooth_q={smooth_q} not implemented (head_dim 64/128, pv='fp8', no smooth_q)")
     B, H, Sq, D = q.shape
     H_kv, Sk = k.shape[1], k.shape[2]
-    resolved = resolved_config(D, config)
+    resolved = resolved_config(D, config, causal)
     cfg = resolved[0]
     qmax = 127.0 if qk_bits == 8 else 7.0
     # What the three launches specialize on (as attn_kernel.sage_forward_triton's): their compiled kernels are

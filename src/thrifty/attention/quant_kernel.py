@@ -117,64 +117,73 @@ def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, bad_ptr, H, S, chunk, n_spl
 
 
 @triton.jit
+def _partial_tile(part_ptr, pid_bh, n_split, cols, fill, MAX_SPLIT: tl.constexpr):
+    """One statistic's partials of head ``pid_bh`` as a masked [MAX_SPLIT, D] tile (``fill`` past ``n_split``): all
+    loads in flight at once (a loop over the partials waited one L2 round trip per partial, in every program)."""
+    split = tl.arange(0, MAX_SPLIT)
+    return tl.load(part_ptr + (pid_bh * n_split + split[:, None]) * cols.shape[0] + cols[None, :],
+                   mask=split[:, None] < n_split, other=fill)
+
+
+@triton.jit
 def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr,
                         H, S, S_pad, n_split, plane, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                         QMAX: tl.constexpr, V_QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                         SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_FP8: tl.constexpr,
-                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr, V_PERM16: tl.constexpr):
-    """One program: BLOCK keys of one (b, h). Adds up the partial statistics (a few KB, from L2), then K
-    smoothed and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed
-    [D, S_pad]. Program 0 of each head also writes stats[3, B·H, D] = K mean, V scale, V mean for the
-    attention kernel's epilogue and the LSE correction."""
+                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr, V_PERM16: tl.constexpr,
+                        MAX_SPLIT: tl.constexpr):
+    """Program (s, b·h, 0): BLOCK keys of one (b, h), smoothed and int8 with one scale; program (s, b·h, 1): their
+    values, scaled per channel, in e4m3 (or 16-bit), written transposed [D, S_pad]. Each adds up the partial
+    statistics it needs (a few KB, from L2). Program 0 of each head and kind also writes its part of
+    stats[3, B·H, D] = K mean, V scale, V mean for the attention kernel's epilogue and the LSE correction.
+    K and V in separate programs: one fp32 (BLOCK, D) tile live per program instead of two in turn (D=128:
+    2 programs per SM at 178 registers, each loading K, then V), so more loads are in flight per SM."""
     pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     ok = rows[:, None] < S
-    k_mean = tl.zeros((D,), tl.float32)
-    center = tl.zeros((D,), tl.float32)
-    v_scale = tl.full((D,), 1.0, tl.float32)
-    if HAS_STATS:
-        k_sum = tl.zeros((D,), tl.float32)
-        v_sum = tl.zeros((D,), tl.float32)
-        v_min = tl.full((D,), float("inf"), tl.float32)
-        v_max = tl.full((D,), float("-inf"), tl.float32)
-        part = part_ptr + pid_bh * n_split * D + cols
-        for c in range(n_split):
-            k_sum += tl.load(part + c * D)
-            v_sum += tl.load(part + plane + c * D)
-            v_min = tl.minimum(v_min, tl.load(part + 2 * plane + c * D))
-            v_max = tl.maximum(v_max, tl.load(part + 3 * plane + c * D))
-        n = tl.maximum(S, 1).to(tl.float32)
-        k_mean = k_sum / n
+    n = tl.maximum(S, 1).to(tl.float32)
+    if tl.program_id(2) == 0:
+        k_mean = tl.zeros((D,), tl.float32)
+        if HAS_STATS:
+            k_mean = tl.sum(_partial_tile(part_ptr, pid_bh, n_split, cols, 0.0, MAX_SPLIT), axis=0) / n
+        if pid_s == 0:
+            tl.store(stats_ptr + pid_bh * D + cols, k_mean)
+        k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
+        k = finite_or_zero(k.to(tl.float32))
+        if SMOOTH_K:
+            k = tl.where(ok, k - k_mean[None, :], 0.0)
+        scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
+        kq = k / scale
+        kq = tl.where(kq >= 0, kq + 0.5, kq - 0.5).to(tl.int8)  # round half away from zero, then truncate
+        tl.store(k_out_ptr + (pid_bh * S_pad + rows[:, None]) * D + cols[None, :], kq)
+        tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
+    else:
+        center = tl.zeros((D,), tl.float32)
+        v_scale = tl.full((D,), 1.0, tl.float32)
+        if HAS_STATS:
+            if SMOOTH_V:
+                center = tl.sum(_partial_tile(part_ptr + plane, pid_bh, n_split, cols, 0.0, MAX_SPLIT), axis=0) / n
+            if V_FP8:
+                v_min = tl.min(_partial_tile(part_ptr + 2 * plane, pid_bh, n_split, cols, float("inf"), MAX_SPLIT),
+                               axis=0)
+                v_max = tl.max(_partial_tile(part_ptr + 3 * plane, pid_bh, n_split, cols, float("-inf"), MAX_SPLIT),
+                               axis=0)
+                amax = tl.maximum(v_max - center, center - v_min)  # max |v − center| over tokens
+                v_scale = tl.maximum(amax / V_QMAX, 1e-12)
+        if pid_s == 0:
+            tl.store(stats_ptr + (tl.num_programs(1) + pid_bh) * D + cols, v_scale)
+            tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
+        v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
+        v = finite_or_zero(v.to(tl.float32))
         if SMOOTH_V:
-            center = v_sum / n
+            v = tl.where(ok, v - center[None, :], 0.0)
         if V_FP8:
-            amax = tl.maximum(v_max - center, center - v_min)  # max |v − center| over tokens
-            v_scale = tl.maximum(amax / V_QMAX, 1e-12)
-    if pid_s == 0:
-        tl.store(stats_ptr + pid_bh * D + cols, k_mean)
-        tl.store(stats_ptr + (tl.num_programs(1) + pid_bh) * D + cols, v_scale)
-        tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
-
-    k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
-    k = finite_or_zero(k.to(tl.float32))
-    if SMOOTH_K:
-        k = tl.where(ok, k - k_mean[None, :], 0.0)
-    scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
-    kq = k / scale
-    kq = tl.where(kq >= 0, kq + 0.5, kq - 0.5).to(tl.int8)  # round half away from zero, then truncate
-    tl.store(k_out_ptr + (pid_bh * S_pad + rows[:, None]) * D + cols[None, :], kq)
-    tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
-
-    v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
-    v = finite_or_zero(v.to(tl.float32))
-    if SMOOTH_V:
-        v = tl.where(ok, v - center[None, :], 0.0)
-    if V_FP8:
-        v = to_e4m3(v / v_scale[None, :], PRE_ROUND)
-    v_rows = v_slot(rows) if V_PERM16 else rows  # a permutation inside each 16 tokens (BLOCK is a multiple)
-    tl.store(v_out_ptr + (pid_bh * D + cols[None, :]) * S_pad + v_rows[:, None], v.to(v_out_ptr.dtype.element_ty))
+            v = to_e4m3(v / v_scale[None, :], PRE_ROUND)
+        v_rows = v_slot(rows) if V_PERM16 else rows  # a permutation inside each 16 tokens (BLOCK is a multiple)
+        tl.store(v_out_ptr + (pid_bh * D + cols[None, :]) * S_pad + v_rows[:, None],
+                 v.to(v_out_ptr.dtype.element_ty))
 
 
 _STATS_LAUNCH = FastLauncher(_kv_partial_stats_kernel)
@@ -182,6 +191,12 @@ _STATS_LAUNCH = FastLauncher(_kv_partial_stats_kernel)
 # registers), warps, and the number of programs to aim for (token chunks per head follow from it).
 STATS_CONFIG = dict(block_s=16, num_warps=4, programs=512)  # H100 sweep: attention_prepass_h100.json
 _QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
+
+
+def quant_warps(D: int, block: int) -> int:
+    """Warps of a quantization program: 8 for (128, 128) tiles and larger (their fp32 tile and the e4m3 transpose
+    spill at 4 warps), else 4."""
+    return 8 if D * block >= 128 * 128 else 4
 
 
 MAX_SPLIT = 16  # partials per head: every quantize program sums them, the attention kernel reads their first_bad
@@ -226,10 +241,11 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
     k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats, v_perm16), (S_pad // block_n, BH),
+    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats, v_perm16), (S_pad // block_n, BH, 2),
         k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
-        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, V_PERM16=v_perm16, num_warps=4, num_stages=3)
+        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, V_PERM16=v_perm16, MAX_SPLIT=MAX_SPLIT,
+        num_warps=quant_warps(D, block_n), num_stages=3)
     return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, first_bad=first_bad, v_perm16=v_perm16)
 
 

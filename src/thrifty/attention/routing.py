@@ -53,21 +53,22 @@ def training_goes_to_sdpa(impl: str, needs_grad: bool) -> bool:
 
 
 # Prefill calls go to the Gluon kernel on sm_90 (``impl="auto"``) from these query lengths, where it was measured
-# faster than the Triton kernel, pre-pass included (H200, B=2 H=32 bf16). Head_dim 128 with the ping-pong schedule
-# (4cb493d, attention_gluon_h200-pp128.json): full 725 vs 636 TFLOP/s at 8K (588 vs 590 at 4K), 840 vs 723 at 32K;
-# causal 615 vs 557 at 8K (447 vs 467 at 4K), 802 vs 727 at 32K. Head_dim 64 with its 128x128 tiles
-# (gluon_kernel.D64_TILES; ad1a33c, attention_gluon_h200-d64.json): full 516 vs 474 at 8K (334 vs 349 at 2K), 586 vs
-# 497 at 32K; causal 405 vs 406 at 8K, 517 vs 481 at 32K (4cb493d, attention_gluon_h200-pp.json: 403 vs 421 at 8K).
+# faster than the Triton kernel, pre-pass included (H200, B=2 H=32 bf16). Head_dim 128, causal, ping-pong (4cb493d,
+# attention_gluon_h200-pp128.json): 615 vs 557 TFLOP/s at 8K (447 vs 467 at 4K), 802 vs 727 at 32K. Head_dim 128,
+# full, free-running consumers (gluon_config pingpong=False there; same run): 614 vs 590 at 4K (438 vs 450 at 2K),
+# 739 vs 636 at 8K, 842 vs 723 at 32K. Head_dim 64 with its 128x128 tiles (gluon_kernel.D64_TILES; ad1a33c,
+# attention_gluon_h200-d64.json): full 516 vs 474 at 8K (334 vs 349 at 2K), 586 vs 497 at 32K; causal 405 vs 406 at
+# 8K, 517 vs 481 at 32K (4cb493d, attention_gluon_h200-pp.json: 403 vs 421 at 8K).
 GLUON_HEAD_DIMS = (64, 128)
-GLUON_MIN_QUERIES = 8192
-GLUON_MIN_QUERIES_CAUSAL = {64: 16384, 128: 8192}  # per head_dim
+GLUON_MIN_QUERIES = {64: 8192, 128: 4096}  # per head_dim
+GLUON_MIN_QUERIES_CAUSAL = {64: 16384, 128: 8192}
 
 
 def prefill_goes_to_gluon(head_dim: int, q_len: int, causal: bool, compute_capability: tuple) -> bool:
     """True when an ``impl="auto"`` prefill call runs the Gluon (Hopper) kernel instead of the Triton kernel:
-    sm_90, a head_dim where it was measured faster, and at least ``GLUON_MIN_QUERIES`` query rows
+    sm_90, a head_dim where it was measured faster, and at least ``GLUON_MIN_QUERIES[head_dim]`` query rows
     (``GLUON_MIN_QUERIES_CAUSAL[head_dim]`` causal). What the Gluon kernel does not implement (pv="fp16", Q
     smoothing) still runs on the Triton kernel."""
     if tuple(compute_capability) != (9, 0) or head_dim not in GLUON_HEAD_DIMS:
         return False
-    return q_len >= (GLUON_MIN_QUERIES_CAUSAL[head_dim] if causal else GLUON_MIN_QUERIES)
+    return q_len >= (GLUON_MIN_QUERIES_CAUSAL if causal else GLUON_MIN_QUERIES)[head_dim]
