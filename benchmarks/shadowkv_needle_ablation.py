@@ -25,7 +25,9 @@ not, by the dense mass lost.
 ``--answer-logprob``: end to end, each method's own cache (dense, ShadowKV and Quest at ``--budgets``, both with 48
 outlier chunks at the last budget) decodes the last prompt token and the answer teacher-forced; the summed
 log-probability of the answer tokens per prompt (continuous, so less noisy than greedy accuracy), and per
-answer token. ``--methods`` keeps only the named methods (``dense``, ``shadowkv@512``, ``quest_O48@512``, ...).
+answer token. ``--methods`` keeps only the named methods (``dense``, ``shadowkv@512``, ``quest_O48@512``, ...);
+``<method>/c<k>`` adds that method with landmark chunks of k tokens, the same outlier and local tokens
+(``shadowkv_O48@512/c4``: 96 outlier chunks and 8 local chunks of 4; ``--chunk`` stays every other method's).
 ``--tf32`` adds ``shadowkv_tf32@<budget>`` per budget and the full-budget pair ``shadowkv_full@all`` /
 ``shadowkv_full_tf32@all``: the reference path with the inputs of its matmuls rounded to TF32, as the Triton
 kernels compute them on a GPU for an fp32 model (``tl.dot`` on fp32 defaults to TF32 on tensor cores): the
@@ -49,6 +51,12 @@ The audit against the paper and the public code (FINDINGS.md): TF32 emulation, p
         --out benchmarks/results/shadowkv_needle_cpu-ablation-tf32-4k.json
     python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 4096 --trials 2 --budgets 512 --rank 192 \
         --tf32 --methods shadowkv@512 shadowkv_full@all --out benchmarks/results/shadowkv_needle_cpu-ablation-r192-4k.json
+
+Landmark chunk 4 against 8 (NOTES.md, "Needle retrieval: landmark chunk 4 (CPU proxy)"), seeds 0 and 1:
+
+    python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 4096 --trials 2 --budgets 512 \
+        --methods dense shadowkv_O48@512 shadowkv_O48@512/c4 quest_O48@512 --seed 0 \
+        --out benchmarks/results/shadowkv_needle_cpu-ablation-logprob-4k-c4.json
 """
 
 from __future__ import annotations
@@ -484,6 +492,8 @@ def answer_logprob(model, encode, args):
         methods["shadowkv_full_tf32@all"] = methods["shadowkv_full@all"]
         tf32_methods.add("shadowkv_full_tf32@all")
     if args.methods:
+        methods.update(chunk_methods(methods, args.methods))
+        tf32_methods |= {m for m in args.methods if m.partition("/c")[0] in tf32_methods}
         methods = {m: c for m, c in methods.items() if m in args.methods}
     res = {m: {"logprob": [], "exact": [], "length": [], "token_logprob": []} for m in methods}
     t_start = time.time()
@@ -503,7 +513,7 @@ def answer_logprob(model, encode, args):
                     cache = ShadowKVCache(model, ShadowKVConfig(rank=1, min_prompt_len=ids.shape[1] + 1))
                     cache.load_prompt(kv)
                 else:
-                    key = (cfg.selector, cfg.outlier_chunks)
+                    key = (cfg.selector, cfg.outlier_chunks, cfg.chunk_size, cfg.local_chunks)
                     if key not in bases:
                         bases[key] = ShadowKVCache(model, replace(cfg, min_prompt_len=1), impl="reference")
                         bases[key].load_prompt(kv)
@@ -537,6 +547,23 @@ def answer_logprob(model, encode, args):
     for k, v in summary.items():
         print(f"{k:>24} logprob {v['logprob']:8.3f} (first token {v['logprob_first']:8.3f}) exact {v['exact']:.3f} "
               f"n {v['n']}")
+
+
+def chunk_methods(methods, names):
+    """``<method>/c<k>`` in ``names`` (``--methods``): that method with landmark chunks of k tokens and the same
+    number of outlier and local tokens (e.g. ``shadowkv_O48@512/c4``: 96 outlier chunks of 4 and 8 local
+    chunks against 48 and 4 of 8); the budget in tokens is unchanged. Returns the new name -> config entries."""
+    out = {}
+    for name in names:
+        base, sep, k = name.partition("/c")
+        if not sep or methods.get(base) is None:
+            continue
+        cfg, k = methods[base], int(k)
+        o, loc = cfg.outlier_chunks * cfg.chunk_size, cfg.local_chunks * cfg.chunk_size
+        if o % k or loc % k:
+            raise ValueError(f"--methods {name}: {o} outlier and {loc} local tokens are not whole chunks of {k}")
+        out[name] = replace(cfg, chunk_size=k, outlier_chunks=o // k, local_chunks=loc // k)
+    return out
 
 
 def mean(xs):

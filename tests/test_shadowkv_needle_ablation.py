@@ -68,3 +68,31 @@ def test_tf32_rounding_and_patch_restores_reference():
     assert (R.landmark_scores, R.rebuild_keys, R.attend) == originals
     err = float((approx - exact).abs().max())
     assert 0 < err < 1e-2
+
+
+def test_chunk_methods_keep_outlier_and_local_tokens():
+    A = _module()
+    base = ShadowKVConfig(rank=32, chunk_size=8, sparse_budget=512, outlier_chunks=48, local_chunks=4,
+                          min_prompt_len=1)
+    methods = {"dense": None, "shadowkv_O48@512": base}
+    got = A.chunk_methods(methods, ["dense", "shadowkv_O48@512", "shadowkv_O48@512/c4", "dense/c4", "nope/c4"])
+    assert list(got) == ["shadowkv_O48@512/c4"]  # only named /c<k> entries of a sparse method
+    c4 = got["shadowkv_O48@512/c4"]
+    assert (c4.chunk_size, c4.outlier_chunks, c4.local_chunks, c4.sparse_budget) == (4, 96, 8, 512)
+    assert c4.dense_tokens == base.dense_tokens and c4.select_chunks * 4 == base.select_chunks * 8
+    assert methods["shadowkv_O48@512"] is base  # the c=8 method is left as it is
+    # a chunk-4 compression decodes on the reference path
+    torch.manual_seed(2)
+    B, H, G, T, D = 1, 2, 2, 1000, 16
+    k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)
+    cfg = A.replace(c4, rank=32)
+    st = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, cfg)
+    assert st.selectable.shape[-1] == T // 4 - 8  # the 8 local chunks are not selectable
+    out = R.decode_step(st, torch.randn(B, H * G, 1, D), torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), cfg,
+                        cos, sin, D ** -0.5)
+    assert out.shape == (B, H * G, 1, D) and torch.isfinite(out).all()
+    import pytest
+
+    with pytest.raises(ValueError, match="whole chunks of 3"):
+        A.chunk_methods(methods, ["shadowkv_O48@512/c3"])
