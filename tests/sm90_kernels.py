@@ -118,13 +118,13 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
     t = PTR[dtype]
     label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} qk{qk_bits} pv={pv}"
              + " smooth_k" * smooth_k + " smooth_v" * smooth_v + " smooth_q" * smooth_q + " lse" * return_lse)
+    has_stats = smooth_k or fp8_v or smooth_v
     sc = Q.STATS_CONFIG  # the statistics pass always runs: it also finds the non-finite keys
     yield entry(Q._kv_partial_stats_kernel, label,
                 dict(D=D, BLOCK_S=sc["block_s"], SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v),
                 {"k_ptr v_ptr": t, "part_ptr": "*fp32", "bad_ptr": "*i32"}, ones="k_sd v_sd",
                 num_warps=sc["num_warps"], num_stages=3)  # literal in quantize_kv
-    yield _finalize_entry(label, D, smooth_k, smooth_v, fp8_v)
-    yield _quantize_entry(label, D, dtype, cfg["block_n"], qmax, smooth_k, smooth_v, fp8_v)
+    yield _quantize_entry(label, D, dtype, cfg["block_n"], qmax, smooth_k, smooth_v, fp8_v, has_stats)
     fold = cfg["fold"] and cfg["fast_cvt"] and fp8_v and not smooth_q
     yield entry(A._sage_fwd_kernel, label,
                 dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], QMAX=qmax, CAUSAL=causal,
@@ -140,25 +140,15 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
                 else cfg["num_stages"])
 
 
-def _finalize_entry(label, D, smooth_k, smooth_v, fp8_v):
-    """quant_kernel._finalize_stats_kernel as quantize_kv launches it."""
-    from thrifty.attention import quant_kernel as Q
-
-    return entry(Q._finalize_stats_kernel, label,
-                 dict(D=D, DB=min(D, Q.FINALIZE_BLOCK), MAX_SPLIT=Q.MAX_SPLIT, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-                      V_FP8=fp8_v, V_QMAX=Q.FP8_MAX),
-                 {"part_ptr stats_ptr": "*fp32"}, num_warps=4, num_stages=1)  # literal in quantize_kv
-
-
-def _quantize_entry(label, D, dtype, block, qmax, smooth_k, smooth_v, fp8_v, v_perm16=False):
+def _quantize_entry(label, D, dtype, block, qmax, smooth_k, smooth_v, fp8_v, has_stats, v_perm16=False):
     """quant_kernel._quantize_kv_kernel as quantize_kv launches it."""
     from thrifty.attention import quant_kernel as Q
 
     t = PTR[dtype]
     return entry(Q._quantize_kv_kernel, label + " v_perm16" * v_perm16,
-                 dict(QMAX=qmax, D=D, BLOCK=block, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-                      V_FP8=fp8_v, PRE_ROUND=Q.INTERPRET, V_PERM16=v_perm16),
-                 {"k_ptr v_ptr": t, "stats_ptr k_scale_ptr": "*fp32", "k_out_ptr": "*i8",
+                 dict(QMAX=qmax, V_QMAX=Q.FP8_MAX, D=D, BLOCK=block, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
+                      V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET, V_PERM16=v_perm16),
+                 {"k_ptr v_ptr": t, "part_ptr stats_ptr k_scale_ptr": "*fp32", "k_out_ptr": "*i8",
                   "v_out_ptr": "*fp8e4nv" if fp8_v else t}, ones="k_sd v_sd",
                  num_warps=4, num_stages=3)  # literal in quantize_kv
 
@@ -212,7 +202,7 @@ def _attention_gluon():
         for dtype, smooth_v in ((bf16, False), (torch.float16, True), (torch.float32, True)):
             block = G.gluon_config(D)["scale_block"]
             yield _quantize_entry(f"D{D} {NAME[dtype]} gluon" + " smooth_v" * smooth_v, D, dtype, block, 127.0,
-                                  True, smooth_v, True, v_perm16=True)
+                                  True, smooth_v, True, True, v_perm16=True)
 
 
 def gluon_entry(D, causal, dtype, lse, smooth_v, variant) -> Spec:

@@ -117,56 +117,50 @@ def _kv_partial_stats_kernel(k_ptr, v_ptr, part_ptr, bad_ptr, H, S, chunk, n_spl
 
 
 @triton.jit
-def _finalize_stats_kernel(part_ptr, stats_ptr, S, n_split, plane, D: tl.constexpr, DB: tl.constexpr,
-                           MAX_SPLIT: tl.constexpr, SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr,
-                           V_FP8: tl.constexpr, V_QMAX: tl.constexpr):
-    """Program (b·h, c): channels [c·DB, (c+1)·DB) of stats[3, B·H, D] = K mean, V scale, V mean (zeros, ones,
-    zeros where unused), from the head's partials, each statistic's as one masked [MAX_SPLIT, DB] tile (one L2
-    round trip). Before, every quantization program summed the partials in a loop: one L2 round trip per partial
-    in each of S/BLOCK programs per head."""
-    pid_bh, pid_c = tl.program_id(0), tl.program_id(1)
-    BH = tl.num_programs(0)
-    cols = pid_c * DB + tl.arange(0, DB)
-    split = tl.arange(0, MAX_SPLIT)
-    at = part_ptr + (pid_bh * n_split + split[:, None]) * D + cols[None, :]
-    used = split[:, None] < n_split
-    n = tl.maximum(S, 1).to(tl.float32)
-    k_mean = tl.zeros((DB,), tl.float32)
-    center = tl.zeros((DB,), tl.float32)
-    v_scale = tl.full((DB,), 1.0, tl.float32)
-    if SMOOTH_K:
-        k_mean = tl.sum(tl.load(at, mask=used, other=0.0), axis=0) / n
-    if SMOOTH_V:
-        center = tl.sum(tl.load(at + plane, mask=used, other=0.0), axis=0) / n
-    if V_FP8:
-        v_min = tl.min(tl.load(at + 2 * plane, mask=used, other=float("inf")), axis=0)
-        v_max = tl.max(tl.load(at + 3 * plane, mask=used, other=float("-inf")), axis=0)
-        amax = tl.maximum(v_max - center, center - v_min)  # max |v − center| over tokens
-        v_scale = tl.maximum(amax / V_QMAX, 1e-12)
-    tl.store(stats_ptr + pid_bh * D + cols, k_mean)
-    tl.store(stats_ptr + (BH + pid_bh) * D + cols, v_scale)
-    tl.store(stats_ptr + (2 * BH + pid_bh) * D + cols, center)
-
-
-@triton.jit
-def _quantize_kv_kernel(k_ptr, v_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr,
-                        H, S, S_pad, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
-                        QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_ptr,
+                        H, S, S_pad, n_split, plane, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
+                        QMAX: tl.constexpr, V_QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                         SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_FP8: tl.constexpr,
-                        PRE_ROUND: tl.constexpr, V_PERM16: tl.constexpr):
-    """One program: BLOCK keys of one (b, h), with the head's statistics (``_finalize_stats_kernel``): K smoothed
-    and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed [D, S_pad]."""
+                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr, V_PERM16: tl.constexpr):
+    """One program: BLOCK keys of one (b, h). Adds up the partial statistics (a few KB, from L2), then K
+    smoothed and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed
+    [D, S_pad]. Program 0 of each head also writes stats[3, B·H, D] = K mean, V scale, V mean for the
+    attention kernel's epilogue and the LSE correction."""
     pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
-    BH = tl.num_programs(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_s * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     ok = rows[:, None] < S
+    k_mean = tl.zeros((D,), tl.float32)
+    center = tl.zeros((D,), tl.float32)
+    v_scale = tl.full((D,), 1.0, tl.float32)
+    if HAS_STATS:
+        k_sum = tl.zeros((D,), tl.float32)
+        v_sum = tl.zeros((D,), tl.float32)
+        v_min = tl.full((D,), float("inf"), tl.float32)
+        v_max = tl.full((D,), float("-inf"), tl.float32)
+        part = part_ptr + pid_bh * n_split * D + cols
+        for c in range(n_split):
+            k_sum += tl.load(part + c * D)
+            v_sum += tl.load(part + plane + c * D)
+            v_min = tl.minimum(v_min, tl.load(part + 2 * plane + c * D))
+            v_max = tl.maximum(v_max, tl.load(part + 3 * plane + c * D))
+        n = tl.maximum(S, 1).to(tl.float32)
+        k_mean = k_sum / n
+        if SMOOTH_V:
+            center = v_sum / n
+        if V_FP8:
+            amax = tl.maximum(v_max - center, center - v_min)  # max |v − center| over tokens
+            v_scale = tl.maximum(amax / V_QMAX, 1e-12)
+    if pid_s == 0:
+        tl.store(stats_ptr + pid_bh * D + cols, k_mean)
+        tl.store(stats_ptr + (tl.num_programs(1) + pid_bh) * D + cols, v_scale)
+        tl.store(stats_ptr + (2 * tl.num_programs(1) + pid_bh) * D + cols, center)
 
     k = tl.load(k_ptr + b * k_sb + h * k_sh + rows[:, None] * k_ss + cols[None, :] * k_sd, mask=ok, other=0.0)
     k = finite_or_zero(k.to(tl.float32))
     if SMOOTH_K:
-        k = tl.where(ok, k - tl.load(stats_ptr + pid_bh * D + cols)[None, :], 0.0)
+        k = tl.where(ok, k - k_mean[None, :], 0.0)
     scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
     kq = k / scale
     kq = tl.where(kq >= 0, kq + 0.5, kq - 0.5).to(tl.int8)  # round half away from zero, then truncate
@@ -176,9 +170,9 @@ def _quantize_kv_kernel(k_ptr, v_ptr, stats_ptr, k_out_ptr, k_scale_ptr, v_out_p
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
     v = finite_or_zero(v.to(tl.float32))
     if SMOOTH_V:
-        v = tl.where(ok, v - tl.load(stats_ptr + (2 * BH + pid_bh) * D + cols)[None, :], 0.0)
+        v = tl.where(ok, v - center[None, :], 0.0)
     if V_FP8:
-        v = to_e4m3(v / tl.load(stats_ptr + (BH + pid_bh) * D + cols)[None, :], PRE_ROUND)
+        v = to_e4m3(v / v_scale[None, :], PRE_ROUND)
     v_rows = v_slot(rows) if V_PERM16 else rows  # a permutation inside each 16 tokens (BLOCK is a multiple)
     tl.store(v_out_ptr + (pid_bh * D + cols[None, :]) * S_pad + v_rows[:, None], v.to(v_out_ptr.dtype.element_ty))
 
@@ -187,14 +181,10 @@ _STATS_LAUNCH = FastLauncher(_kv_partial_stats_kernel)
 # Statistics-pass launch shape on the GPU: token rows per step (4 fp32 (rows, D) accumulators live in
 # registers), warps, and the number of programs to aim for (token chunks per head follow from it).
 STATS_CONFIG = dict(block_s=16, num_warps=4, programs=512)  # H100 sweep: attention_prepass_h100.json
-_FINALIZE_LAUNCH = FastLauncher(_finalize_stats_kernel)
-FINALIZE_BLOCK = 32  # channels per finalize program
 _QUANT_LAUNCH = FastLauncher(_quantize_kv_kernel)
 
 
-# Partials per head at most: few heads (GQA, batch 1) get up to 64 token chunks each, so that the statistics pass
-# still has ~512 programs; the finalize kernel reads them once, the attention kernels read their first_bad.
-MAX_SPLIT = 64
+MAX_SPLIT = 16  # partials per head: every quantize program sums them, the attention kernel reads their first_bad
 
 
 def stats_split(S: int, BH: int, block_s: int, programs: int) -> tuple[int, int]:
@@ -215,14 +205,15 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     stats [3, B·Hkv, D] fp32 (K mean, V scale, V mean; zeros/ones where unused), vt [B·Hkv, D, S_pad] e4m3
     (or v's dtype; ``v_perm16``: tokens in :func:`v_slot` order within each 16), first_bad [B·Hkv, n_split]
     int32: per token chunk, the first key whose K or V row holds a NaN/±inf, else S; the attention kernel
-    takes their minimum; v_perm16). Three launches: partial statistics over token chunks (always run: it also
-    finds the non-finite keys), their sum per head, then quantization."""
+    takes their minimum; v_perm16). Two launches: partial statistics over token chunks (always run: it also
+    finds the non-finite keys), then quantization."""
     if v_perm16 and block_n % 16:
         raise ValueError(f"quantize_kv: v_perm16 permutes tokens within 16, block_n {block_n} is not a multiple")
     B, H, S, D = k.shape
     BH = B * H
     S_pad = _pad(S, block_n)
     dev = k.device
+    has_stats = smooth_k or fp8_v or smooth_v
     stats = torch.empty(3, BH, D, dtype=torch.float32, device=dev)
     sc = STATS_CONFIG
     block_s = 16 if INTERPRET else sc["block_s"]
@@ -232,17 +223,13 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
     launch_with(_STATS_LAUNCH, sig and (sig, sc["block_s"], sc["programs"], sc["num_warps"]), (BH, n_split),
         k, v, part, first_bad, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=sc["num_warps"], num_stages=3)
-    db = min(D, FINALIZE_BLOCK)
-    launch_with(_FINALIZE_LAUNCH, sig and (sig, "finalize"), (BH, D // db),
-        part, stats, S, n_split, BH * n_split * D, D=D, DB=db, MAX_SPLIT=MAX_SPLIT, SMOOTH_K=smooth_k,
-        SMOOTH_V=smooth_v, V_FP8=fp8_v, V_QMAX=FP8_MAX, num_warps=4, num_stages=1)
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
     k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, v_perm16), (S_pad // block_n, BH),
-        k, v, stats, k8, k_scale, vt, H, S, S_pad, *k.stride(), *v.stride(),
-        QMAX=qmax, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
-        PRE_ROUND=INTERPRET, V_PERM16=v_perm16, num_warps=4, num_stages=3)
+    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats, v_perm16), (S_pad // block_n, BH),
+        k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
+        QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
+        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, V_PERM16=v_perm16, num_warps=4, num_stages=3)
     return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, first_bad=first_bad, v_perm16=v_perm16)
 
 
