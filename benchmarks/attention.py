@@ -56,7 +56,6 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
     # two consumer warpgroups + a producer warp (FA3 layout), running freely, P̃ moved between lanes
     "thrifty8_gluon_ws2": dict(ws=True, consumers=2, pingpong=False, v_perm16=False),
     "thrifty8_gluon_ws2_vperm": dict(ws=True, consumers=2, pingpong=False, v_perm16=True),  # + P̃ as it lies
-    "thrifty8_gluon_1rel": dict(one_release=True),  # the default with one release of a K/V slot per tile
 }
 # head_dim 64: the structures above run on its default 128x128 tiles (gluon_kernel.D64_TILES; ws2_vperm is the
 # default there); beside them the 64x64 tiles, and FA3's ping-pong schedule on 64 query rows per consumer (128
@@ -65,9 +64,7 @@ GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(ws=True, consumers=2, **S
                       "thrifty8_gluon_n128": dict(block_m=64),
                       "thrifty8_gluon_pp_n128": dict(block_m=64, pingpong=True)}
 GLUON_D128_VARIANTS = {"thrifty8_gluon_pp": dict(pingpong=True, v_perm16=False),
-                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True),  # the D=128 causal default
-                       "thrifty8_gluon_pp_named": dict(pingpong=True, named_turns=True),
-                       "thrifty8_gluon_pp_1rel_named": dict(pingpong=True, one_release=True, named_turns=True)}
+                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True)}  # the D=128 causal default
 
 
 def gluon_structures(D):

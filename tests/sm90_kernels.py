@@ -195,11 +195,6 @@ def _attention_gluon():
     calls += [(128, causal, bf16, False, False, dict(v_perm16=False, pingpong=False)) for causal in (False, True)]
     calls += [(D, causal, bf16, False, False, dict(pingpong=True, **tiles)) for causal in (False, True)
               for D, tiles in PINGPONG_TILES]
-    # one release of a K/V slot per tile, and FA3's named barriers for the ping-pong turns
-    calls += [(D, causal, bf16, False, False, over) for causal in (False, True)
-              for D, over in ((128, dict(one_release=True)), (64, dict(one_release=True)),
-                              (128, dict(pingpong=True, named_turns=True)),
-                              (128, dict(pingpong=True, one_release=True, named_turns=True)))]
     for call in calls:
         yield gluon_entry(*call)
     # the pre-pass with Vᵀ in v_slot order (the Triton path's entries cover the rest of the Gluon pre-pass)
@@ -219,15 +214,14 @@ def gluon_entry(D, causal, dtype, lse, smooth_v, variant) -> Spec:
     t = PTR[dtype]
     label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"
              f" block_m={cfg['block_m']} block_n={cfg['block_n']}" + " v_perm16" * cfg["v_perm16"] + " lse" * lse
-             + " smooth_v" * smooth_v + " pingpong" * cfg["pingpong"] + " one_release" * cfg["one_release"]
-             + " named_turns" * cfg["named_turns"])
+             + " smooth_v" * smooth_v + " pingpong" * cfg["pingpong"])
     return entry(G._sage_fwd_gluon_kernel, label,
                  dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
                       STAGES=cfg["stages"], QMAX=127.0, CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse,
                       REVERSE=causal and cfg["reverse"], WS=cfg["ws"], CONSUMERS=cfg["consumers"],
                       PRODUCER_REGS=cfg["producer_regs"], CONSUMER_REGS=cfg["consumer_regs"],
                       LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT, V_PERM16=cfg["v_perm16"],
-                      PINGPONG=cfg["pingpong"], ONE_RELEASE=cfg["one_release"], NAMED_TURNS=cfg["named_turns"]),
+                      PINGPONG=cfg["pingpong"]),
                  {"Q Out": t, "Ks Stats": "*fp32", "FirstBad": "*i32", "Lse": "*fp32" if lse else t,
                   "k_desc": f"tensordesc<i8[{cfg['block_n']}, {D}],{k_layout!r}>",
                   "v_desc": f"tensordesc<fp8e4nv[{D}, {cfg['block_n']}],{v_layout!r}>"},

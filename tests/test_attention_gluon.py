@@ -16,13 +16,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # causal, free-running when not), the other warp structures, ping-pong on and off whatever the mask, and without
 # v_perm16
 VARIANTS = [dict(), dict(ws=False, consumers=1, pingpong=False), dict(ws=True, consumers=1, pingpong=False),
-            dict(pingpong=False, v_perm16=False), dict(pingpong=False), dict(pingpong=True), dict(v_perm16=False),
-            dict(one_release=True), dict(pingpong=True, named_turns=True),
-            dict(pingpong=True, one_release=True, named_turns=True)]
+            dict(pingpong=False, v_perm16=False), dict(pingpong=False), dict(pingpong=True), dict(v_perm16=False)]
 # head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with each warp structure, the 64x64 tiles, and
 # the ping-pong schedule on 64x128 tiles
 D64_VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), SMALL_D64_TILES,
-                dict(block_m=64, pingpong=True), dict(one_release=True)]
+                dict(block_m=64, pingpong=True)]
 
 
 def _vid(variant):

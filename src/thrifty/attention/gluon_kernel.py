@@ -87,18 +87,16 @@ def _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j, n_tiles, k_
 
 @gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0, v_row0,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ONE_RELEASE: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """WS producer partition (1 warp): tile j goes into slot j % STAGES once the consumer released its previous
-    occupant (tile j − STAGES); a fresh barrier counts as released (parity trick: wait on phase 1 first).
-    ``ONE_RELEASE``: the consumers release K and V of a slot together (``v_empty``, after P̃·V)."""
+    occupant (tile j − STAGES); a fresh barrier counts as released (parity trick: wait on phase 1 first)."""
     for j in range(n_tiles):
         slot = j % STAGES
         phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait((v_empty if ONE_RELEASE else k_empty).index(slot), phase)
+        mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        if not ONE_RELEASE:
-            mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [v_row0, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
 
@@ -189,7 +187,7 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
            STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr,
-           LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr, ONE_RELEASE: gl.constexpr):
+           LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr):
     """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles. A tile
     holds ``KSPLIT`` = BLOCK_N / KS_BLOCK blocks of the pre-pass's K scales (1, or 2 with BLOCK_N 128 at D=64:
     the per-row max, sum, α and the per-tile waits then cover 128 keys at the pre-pass's 64-key scales)."""
@@ -215,7 +213,7 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
         mbarrier.wait(k_ready.index(slot), phase)
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=(s_tok, ))
-        if WS and not ONE_RELEASE:
+        if WS:
             mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_new = _softmax_tile(s_i, j, m_i, offs_n, first, key_end, c0, c1, Sk, BLOCK_N, KSPLIT, MASKED,
                                         CAUSAL, LOG2_P_SCALE)
@@ -237,39 +235,10 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
 
 
 @gluon.jit
-def _turn(turns, t, WG: gl.constexpr, NAMED_TURNS: gl.constexpr):
+def _turn(turns, t, WG: gl.constexpr):
     """FA3's ping-pong: warpgroup WG issues its wgmma group t only after the other warpgroup issued its group
-    t − 1 (WG 0; group 0 goes at once: a fresh barrier passes a wait on phase 1) or t (WG 1).
-    ``NAMED_TURNS``: hardware named barriers 8 (WG 0's turn) and 9 (WG 1's), as FA3 does: ``bar.sync`` by the
-    128 threads whose turn it is completes with the other warpgroup's 128 ``bar.arrive``; no mbarrier, so no
-    warpgroup barrier before a leader thread's arrive. (Triton's own partitions use named barriers 0-2.)"""
-    if NAMED_TURNS:
-        if WG == 0:
-            _named_barrier("bar.sync 8, 256;")
-        else:
-            _named_barrier("bar.sync 9, 256;")
-    else:
-        mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG))
-
-
-@gluon.jit
-def _turn_done(turns, WG: gl.constexpr, NAMED_TURNS: gl.constexpr):
-    """This warpgroup issued its wgmma group: the other warpgroup's turn."""
-    if NAMED_TURNS:
-        if WG == 0:
-            _named_barrier("bar.arrive 9, 256;")
-        else:
-            _named_barrier("bar.arrive 8, 256;")
-    else:
-        mbarrier.arrive(turns.index(1 - WG), count=1)
-
-
-@gluon.jit
-def _named_barrier(ASM: gl.constexpr):
-    """One PTX named-barrier instruction by every thread of a 4-warp partition (one element per thread)."""
-    one_per_thread = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-    gl.inline_asm_elementwise(ASM + " mov.u32 $0, $1;", "=r,r", [one_per_thread], dtype=gl.int32, is_pure=False,
-                              pack=1)
+    t − 1 (WG 0; group 0 goes at once: a fresh barrier passes a wait on phase 1) or t (WG 1)."""
+    mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG))
 
 
 @gluon.jit
@@ -277,8 +246,7 @@ def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_sme
                    turns, ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row: gl.constexpr,
                    p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KSPLIT: gl.constexpr,
                    STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                   V_PERM16: gl.constexpr, WG: gl.constexpr, LAST: gl.constexpr, ONE_RELEASE: gl.constexpr,
-                   NAMED_TURNS: gl.constexpr):
+                   V_PERM16: gl.constexpr, WG: gl.constexpr, LAST: gl.constexpr):
     """Tile j's softmax (its scores ``s_i`` are in), then in turn j + 1 this warpgroup's P̃_j·V_j and (unless
     ``LAST``) Q·K_{j+1}; while they run, the other warpgroup has its softmax. Returns tile j + 1's scores and
     K scales (``c0``, ``c1``: tile j's, loaded a tile ahead so that their latency is not on the softmax's path)."""
@@ -293,11 +261,11 @@ def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_sme
     if not LAST:
         nxt = (j + 1) % STAGES
         mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) & 1)
-    _turn(turns, j + 1, WG, NAMED_TURNS)
+    _turn(turns, j + 1, WG)
     pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
     if not LAST:
         s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _turn_done(turns, WG, NAMED_TURNS)
+    mbarrier.arrive(turns.index(1 - WG), count=1)
     acc = acc * gl.convert_layout(alpha, o_row)[:, None]
     if LAST:
         pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
@@ -307,8 +275,7 @@ def _pingpong_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_sme
     acc = acc + pv
     if not LAST:
         s_i = warpgroup_mma_wait(0, deps=(s_tok, ))
-        if not ONE_RELEASE:
-            mbarrier.arrive(k_empty.index(nxt), count=1)
+        mbarrier.arrive(k_empty.index(nxt), count=1)
         c0, c1 = c0_next, c1_next
     return acc, l_i, m_i, s_i, c0, c1
 
@@ -319,7 +286,7 @@ def _tiles_pingpong(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, k_ready, v_r
                     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr,
-                    WG: gl.constexpr, ONE_RELEASE: gl.constexpr, NAMED_TURNS: gl.constexpr):
+                    WG: gl.constexpr):
     """KV tiles [0, hi) of consumer warpgroup WG (of two, with a producer warp) in FA3's ping-pong order: turn 0
     issues Q·K_0, turn j + 1 issues P̃_j·V_j with Q·K_{j+1}, and the warpgroups take turns, so that one
     warpgroup's softmax runs while the other's wgmma occupy the tensor cores. The last tile takes the masked
@@ -333,32 +300,29 @@ def _tiles_pingpong(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, k_ready, v_r
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
-    if NAMED_TURNS and WG == 1:  # WG 0's first turn needs no wait: one arrival from WG 1 before it starts
-        _turn_done(turns, WG, NAMED_TURNS)
     c0, c1 = _k_scales(q_scale, ks_base, 0, n_ks, KSPLIT)
     mbarrier.wait(k_ready.index(0), 0)
-    _turn(turns, 0, WG, NAMED_TURNS)
+    _turn(turns, 0, WG)
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _turn_done(turns, WG, NAMED_TURNS)
+    mbarrier.arrive(turns.index(1 - WG), count=1)
     s_i = warpgroup_mma_wait(0, deps=(s_tok, ))
-    if not ONE_RELEASE:
-        mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(0), count=1)
 
     split = gl.minimum(full_end, hi - 1)
     for j in range(0, split):
         acc, l_i, m_i, s_i, c0, c1 = _pingpong_step(
             acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
             ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
-            STAGES, False, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False, ONE_RELEASE, NAMED_TURNS)
+            STAGES, False, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False)
     for j in range(split, hi - 1):
         acc, l_i, m_i, s_i, c0, c1 = _pingpong_step(
             acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
             ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
-            STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False, ONE_RELEASE, NAMED_TURNS)
+            STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, False)
     acc, l_i, m_i, s_i, c0, c1 = _pingpong_step(
         acc, l_i, m_i, s_i, c0, c1, hi - 1, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
         ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
-        STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, True, ONE_RELEASE, NAMED_TURNS)
+        STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, True)
     return acc, l_i, m_i
 
 
@@ -384,8 +348,7 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr,
               RETURN_LSE: gl.constexpr, WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr, ONE_RELEASE: gl.constexpr,
-              NAMED_TURNS: gl.constexpr, WG: gl.constexpr):
+              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts BLOCK_M-row blocks): Q's
     quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
     that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
@@ -427,29 +390,27 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
         acc, l_i, m_i = _tiles_pingpong(acc, l_i, m_i, q_smem, c_scale, k_smem, v_smem, k_ready, v_ready, k_empty,
                                         v_empty, turns, ks_base, n_ks, offs_m, full_end_tile, hi_tile, Sk,
                                         causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                                        HEAD_DIM, STAGES, CAUSAL, LOG2_P_SCALE, V_PERM16, WG, ONE_RELEASE,
-                                        NAMED_TURNS)
+                                        HEAD_DIM, STAGES, CAUSAL, LOG2_P_SCALE, V_PERM16, WG)
     else:
         acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                                k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0,
                                Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                               HEAD_DIM, STAGES, False, CAUSAL, WS, LOG2_P_SCALE, V_PERM16, ONE_RELEASE)
+                               HEAD_DIM, STAGES, False, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
         acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                                k_empty, v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile, n_tiles, k_row0,
                                v_row0, Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                               HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE, V_PERM16, ONE_RELEASE)
+                               HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
     if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
         for j in range(hi_tile, n_tiles):
             slot = j % STAGES
             phase = (j // STAGES) & 1
             mbarrier.wait(k_ready.index(slot), phase)
-            if not ONE_RELEASE:
-                mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.arrive(k_empty.index(slot), count=1)
             mbarrier.wait(v_ready.index(slot), phase)
             mbarrier.arrive(v_empty.index(slot), count=1)
             if PINGPONG:  # keep the turns in step: the other warpgroup takes one turn per tile and one more
-                _turn(turns, j + 1, WG, NAMED_TURNS)
-                _turn_done(turns, WG, NAMED_TURNS)
+                _turn(turns, j + 1, WG)
+                mbarrier.arrive(turns.index(1 - WG), count=1)
 
     # Epilogue: 1/l (l holds 448·Σp) and V's per-channel scale once per row; rows that saw no key give zeros.
     offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_row)
@@ -493,8 +454,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
                            WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr,
-                           ONE_RELEASE: gl.constexpr, NAMED_TURNS: gl.constexpr):
+                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr):
     gl.static_assert(not PINGPONG or (WS and CONSUMERS == 2), "ping-pong needs two consumer warpgroups (WS)")
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
@@ -532,9 +492,9 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, ONE_RELEASE, NAMED_TURNS, 0)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
-                           v_row0, BLOCK_N, STAGES, ONE_RELEASE)),
+                           v_row0, BLOCK_N, STAGES)),
             ], [1], [PRODUCER_REGS])
         else:  # two consumer warpgroups (query blocks 2·pid_m and 2·pid_m + 1) sharing the K/V ring
             gl.warp_specialize([
@@ -542,14 +502,14 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, ONE_RELEASE, NAMED_TURNS, 0)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 0)),
                 (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
                            v_ready, k_empty, v_empty, turns, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
                            stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                            BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, ONE_RELEASE, NAMED_TURNS, 1)),
+                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 1)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
-                           v_row0, BLOCK_N, STAGES, ONE_RELEASE)),
+                           v_row0, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.static_assert(CONSUMERS == 1, "two consumer warpgroups need WS")
@@ -560,7 +520,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                   k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
                   stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
                   Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK, STAGES, CAUSAL,
-                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, ONE_RELEASE, NAMED_TURNS, 0)
+                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)
 
 
 _GLUON_LAUNCH = FastLauncher(_sage_fwd_gluon_kernel)
@@ -586,8 +546,7 @@ def gluon_config(head_dim: int, causal: bool = True) -> dict:
     # 821/815 at 32K; full 600/603 vs 636/636 at 2K, 718 vs 748 at 4K, 791/787 vs 817/824 at 8K, 856/834 vs 865/852
     # at 32K. Against the structure with neither, ping-pong + v_perm16 gained 1.03-1.11x at 8K-32K.
     cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, ws=True, consumers=2,
-               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=bool(causal),
-               one_release=False, named_turns=False)
+               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=bool(causal))
     if head_dim <= 64:
         cfg.update(D64_TILES)
     return cfg
@@ -679,8 +638,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
         WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
-        V_PERM16=cfg["v_perm16"], PINGPONG=cfg["pingpong"], ONE_RELEASE=cfg["one_release"],
-        NAMED_TURNS=cfg["named_turns"])
+        V_PERM16=cfg["v_perm16"], PINGPONG=cfg["pingpong"])
     if sig is None:
         _sage_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=cfg["num_warps"])
     else:
