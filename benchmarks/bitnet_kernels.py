@@ -229,6 +229,48 @@ def sweep_rows(args, device) -> list[dict]:
     return rows
 
 
+GEMM_TILES = [(bn, bm, warps, stages) for bn in (64, 128) for bm in (64, 128, 256) for warps in (4, 8)
+              for stages in (3, 4) if not (bm == 256 and warps == 4)]  # 256 tokens x 4 warps: 256+ int32 registers
+
+
+def gemm_sweep_rows(args, device) -> list[dict]:
+    """Prefill tiles on ready codes (``--gemm-sweep-tokens``): BLOCK_N (weight rows, the wgmma's M) x BLOCK_M
+    (tokens, its N) x warps x stages, unsplit, at every layer shape; each config must equal the planned one bit
+    for bit. The layer rows of the same run give bf16's time beside them."""
+    from thrifty.triton_utils import sm_count
+
+    rows = []
+    for model_name, shapes in args.shapes.items():
+        for n, k in shapes:
+            layer = random_packed(n, k, "int8", device)
+            rs = layer.row_scale()
+            groups = layer.packed.shape[1] // 64
+            for m in args.gemm_sweep_tokens:
+                codes, scale, sums = PK.quantize_codes(torch.randn(m, k, device=device, dtype=torch.bfloat16), "int8")
+                planned = PK.plan(m, n, k, sm_count(device))
+                want = PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, planned)
+                for bn, bm, warps, stages in GEMM_TILES:
+                    cfg = dict(planned, kernel="gemm", BLOCK_N=bn, BLOCK_M=bm, num_warps=warps, num_stages=stages,
+                               split=1, groups_per_split=groups, fused_epilogue=False)
+                    row = dict(what="gemm sweep", model=model_name, shape=f"{n}x{k}", tokens=m, BLOCK_N=bn,
+                               BLOCK_M=bm, num_warps=warps, num_stages=stages,
+                               planned=(bn, bm, warps, stages) == (planned["BLOCK_N"], planned["BLOCK_M"],
+                                                                   planned["num_warps"], planned["num_stages"]))
+
+                    def run():
+                        return PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg)
+
+                    try:
+                        row["match"] = bool(torch.equal(run(), want))
+                        row["gpu_ms"] = _timed(run, args, device)
+                    except Exception as err:  # noqa: BLE001
+                        row["error"] = f"{type(err).__name__}: {err}"[:300]
+                    rows.append(row)
+                    print(f"  gemm sweep {n}x{k} m={m} {bn}x{bm} w{warps} s{stages}: "
+                          f"{row.get('gpu_ms', float('nan')) * 1e3:.1f} us", flush=True)
+    return rows
+
+
 def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
     """The decode GEMVs side by side in one process: v3 (decode_plan's default at 1 token, on ready codes) at its
     plan and at other rows per program, warps (K chunk = 128 int32 words per warp) and pipeline stages; the layer
@@ -568,6 +610,7 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-tokens", type=int, default=64, help="new tokens per timed generate(cuda_graph=True)")
     ap.add_argument("--no-model", action="store_true", help="skip the 7B model decode")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
+    ap.add_argument("--gemm-sweep-tokens", default="", help="token counts of the prefill tile sweep (e.g. 2048)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", default=None)
@@ -579,6 +622,7 @@ def main(argv=None) -> int:
     if args.baseline_src is not None and not Path(args.baseline_src, "thrifty").is_dir():
         ap.error(f"--baseline-src: {args.baseline_src!r} holds no thrifty package (give the old tree's src/)")
     args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    args.gemm_sweep_tokens = [int(t) for t in str(args.gemm_sweep_tokens).split(",") if t]
     args.shapes = SHAPES
     args.model_config = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                              num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
@@ -612,6 +656,8 @@ def main(argv=None) -> int:
     rows += a48_rows(args, device)
     if not args.no_sweep:
         rows += sweep_rows(args, device)
+    if args.gemm_sweep_tokens:
+        rows += gemm_sweep_rows(args, device)
     if not args.no_model:
         rows += model_rows(args, device)
     summary = {**summarize(rows), "hbm_copy_gbs": hbm, "inline_ptx": PK.USE_ASM, **kv_cache_bytes(args.model_config)}
@@ -624,7 +670,7 @@ def main(argv=None) -> int:
     print_table([r for r in rows if "impl" in r],
                 ["tree", "model", "shape", "tokens", "impl", "gpu_ms", "host_ms", "weight_gbs", "pct_of_hbm",
                  "speedup_vs_bf16", "match"])
-    for what in ("a4.8 activation", "sweep", "decode"):
+    for what in ("a4.8 activation", "sweep", "gemm sweep", "decode"):
         part = [r for r in rows if r.get("what") == what]
         if part:
             print_table(part)
