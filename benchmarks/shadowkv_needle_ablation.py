@@ -498,9 +498,7 @@ def answer_logprob(model, encode, args):
     res = {m: {"logprob": [], "exact": [], "length": [], "token_logprob": []} for m in methods}
     t_start = time.time()
     for n in args.lengths:
-        tasks = [make_needle_task(task, encode, filler, n, rng.random() if d is None else d, rng, filler_sub=nl[0])
-                 for task in args.tasks for d in (args.depths if task == "single" else [None])
-                 for _ in range(args.trials)]
+        tasks = needle_tasks(encode, filler, n, args.tasks, args.depths, args.trials, rng, nl[0])
         for i in range(0, len(tasks), args.prefill_batch):
             batch = tasks[i:i + args.prefill_batch]
             ids = torch.cat([t.input_ids for t in batch])
@@ -547,6 +545,14 @@ def answer_logprob(model, encode, args):
     for k, v in summary.items():
         print(f"{k:>24} logprob {v['logprob']:8.3f} (first token {v['logprob_first']:8.3f}) exact {v['exact']:.3f} "
               f"n {v['n']}")
+
+
+def needle_tasks(encode, filler, length, tasks, depths, trials, rng, filler_sub):
+    """The prompts of ``--answer-logprob`` at one length, in its order: per task, per depth (``single``; one random
+    depth per prompt for the other tasks), ``trials`` each."""
+    return [make_needle_task(task, encode, filler, length, rng.random() if d is None else d, rng,
+                             filler_sub=filler_sub)
+            for task in tasks for d in (depths if task == "single" else [None]) for _ in range(trials)]
 
 
 def chunk_methods(methods, names):
