@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -25,38 +24,22 @@ SHAPES = {"mha": (2, 32), "8b": (1, 8)}  # (batch, KV heads)
 
 
 def copy_gbs(device) -> float:
-    """Device-to-device copy rate (bytes read + written per second) of 1 GiB, median of 10."""
+    """Device-to-device copy rate (bytes read + written per second) of 1 GiB, median of 10 timed copies."""
+    from thrifty.bench import time_fn
+
     src = torch.empty(1 << 29, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return 2 * src.numel() * 2 / statistics.median(times[2:]) / 1e9
+    t = time_fn(lambda: dst.copy_(src), warmup=2, reps=10, device=device)
+    return 2 * src.numel() * 2 / t.median_ms / 1e6
 
 
 def graph_us(fn, calls: int = 20) -> float:
-    """GPU µs per call: ``calls`` calls captured in one CUDA graph, replayed 5 times, median."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    """GPU µs per call: ``calls`` calls captured in one CUDA graph (``bench.capture_graph``), replayed 5 times,
+    median."""
+    from thrifty.bench import capture_graph, time_fn
+
+    graph, _ = capture_graph(fn, warmup=3, repeat=calls)
+    return time_fn(graph.replay, warmup=1, reps=5, device="cuda").median_ms * 1e3 / calls
 
 
 def measure(args) -> list:

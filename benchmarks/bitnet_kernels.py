@@ -185,6 +185,17 @@ def a48_rows(args, device) -> list[dict]:
     return rows
 
 
+def checked_timing(row: dict, fn, want, args, device) -> dict:
+    """``row`` with ``match`` (``fn()`` equal to ``want()`` bit for bit) and ``gpu_ms``, or the ``error`` either
+    raised: one sweep config that fails to compile or run does not end the sweep."""
+    try:
+        row["match"] = bool(torch.equal(fn(), want()))
+        row["gpu_ms"] = _timed(fn, args, device)
+    except Exception as err:  # noqa: BLE001
+        row["error"] = f"{type(err).__name__}: {err}"[:300]
+    return row
+
+
 def sweep_rows(args, device) -> list[dict]:
     """Other tiles and K splits at 1 and 16 tokens (the stacked 7B shapes at 1 token): is plan()'s choice the
     fastest?"""
@@ -219,13 +230,9 @@ def sweep_rows(args, device) -> list[dict]:
                     return PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg)
 
                 unsplit = dict(cfg, split=1, groups_per_split=groups, fused_epilogue=False)
-                try:  # the split (and the fused epilogue) must give the unsplit result bit for bit
-                    row["match"] = bool(torch.equal(run(), PK.matmul_codes(codes, scale, sums, layer.packed, rs, None,
-                                                                           torch.bfloat16, n, k, unsplit)))
-                    row["gpu_ms"] = _timed(run, args, device)
-                except Exception as err:  # noqa: BLE001
-                    row["error"] = f"{type(err).__name__}: {err}"[:300]
-                rows.append(row)
+                # the split (and the fused epilogue) must give the unsplit result bit for bit
+                rows.append(checked_timing(row, run, lambda: PK.matmul_codes(
+                    codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, unsplit), args, device))
     return rows
 
 
@@ -260,12 +267,7 @@ def gemm_sweep_rows(args, device) -> list[dict]:
                     def run():
                         return PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg)
 
-                    try:
-                        row["match"] = bool(torch.equal(run(), want))
-                        row["gpu_ms"] = _timed(run, args, device)
-                    except Exception as err:  # noqa: BLE001
-                        row["error"] = f"{type(err).__name__}: {err}"[:300]
-                    rows.append(row)
+                    rows.append(checked_timing(row, run, lambda: want, args, device))
                     print(f"  gemm sweep {n}x{k} m={m} {bn}x{bm} w{warps} s{stages}: "
                           f"{row.get('gpu_ms', float('nan')) * 1e3:.1f} us", flush=True)
     return rows
@@ -291,12 +293,7 @@ def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
         row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=kernel, BLOCK_N=cfg["BLOCK_N"],
                    rows_per_program=cfg.get("rows_per_program"), KW=cfg.get("KW"), num_warps=cfg["num_warps"],
                    num_stages=cfg["num_stages"], split=cfg["split"], planned=planned_row)
-        try:
-            row["match"] = bool(torch.equal(fn(), want))
-            row["gpu_ms"] = _timed(fn, args, device)
-        except Exception as err:  # noqa: BLE001
-            row["error"] = f"{type(err).__name__}: {err}"[:300]
-        rows.append(row)
+        rows.append(checked_timing(row, fn, lambda: want, args, device))
 
     for version in (1, 2):
         cfg = PK.decode_plan(m, n, k, sms, version=version)
