@@ -74,7 +74,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  tie_word_embeddings=False)
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=500000.0, max_position_embeddings=4096, tie_word_embeddings=False)
-PAPER_CFG = dict(rank=160, chunk_size=8, outlier_chunks=48, local_chunks=4)
+PAPER_CFG = dict(rank=160, chunk_size=8, local_chunks=4)  # outlier chunks: --outliers (ShadowKVConfig default)
 # Reuse rate of the selections between consecutive steps. Until benchmarks/shadowkv_hit_rate.py has measured it
 # on SmolLM2 (real text, the reuse buffer, 2K-8K), the paper's ~60% (arXiv 2410.21465 Fig. 5 right).
 DEFAULT_HIT_RATE = 0.6
@@ -319,12 +319,12 @@ def rope_table(n: int, D: int, theta: float, device) -> tuple[torch.Tensor, torc
     return emb.cos(), emb.sin()
 
 
-def stage_row(shape: dict, T: int, gen: int, hit_rate, device, smoke: bool) -> dict:
+def stage_row(shape: dict, T: int, gen: int, hit_rate, device, smoke: bool, outliers: int) -> dict:
     """One layer's ShadowKV stages at batch 1 and context T (``layer_breakdown``), after a few decode steps with
     fresh random queries (so the reuse buffer misses at the rate ``hit_rate`` leaves)."""
     Hq, H = shape["num_attention_heads"], shape["num_key_value_heads"]
     D = shape["hidden_size"] // Hq
-    cfg, _ = configs_for(T, gen, smoke)
+    cfg, _ = configs_for(T, gen, smoke, outliers)
     cos, sin = rope_table(T + gen, D, shape["rope_theta"], device)
     att = ShadowKVAttention(1, 1, H, D, T, cfg, device, cos, sin, None, hit_rate)
     g = torch.Generator(device=device).manual_seed(0)
@@ -343,10 +343,10 @@ def stage_row(shape: dict, T: int, gen: int, hit_rate, device, smoke: bool) -> d
     return row
 
 
-def stage_rows(shape, contexts, gen, hit_rate, device, smoke) -> list:
+def stage_rows(shape, contexts, gen, hit_rate, device, smoke, outliers) -> list:
     rows = []
     for T in contexts:
-        rows.append(stage_row(shape, T, gen, hit_rate, device, smoke))
+        rows.append(stage_row(shape, T, gen, hit_rate, device, smoke, outliers))
         print(rows[-1], flush=True)
     return rows
 
@@ -364,7 +364,7 @@ def baseline_stage_rows(src: str, argv: list) -> list:
 
 def stages_main(args, shape, contexts, gen, hit_rate, device) -> None:
     """``--stages-only``: per-stage rows of this tree (and of ``--baseline-src``), one table, one result file."""
-    rows = stage_rows(shape, contexts, gen, hit_rate, device, args.smoke)
+    rows = stage_rows(shape, contexts, gen, hit_rate, device, args.smoke, args.outliers)
     if args.rows_only:
         print(ROWS_MARK + json.dumps(rows), flush=True)
         return
@@ -467,9 +467,10 @@ def run_variant(name, batch, cfg, model, T, gen, steps, use_graph, arena, hit_ra
     return row
 
 
-def configs_for(T: int, gen: int, smoke: bool) -> tuple[ShadowKVConfig, ShadowKVConfig]:
+def configs_for(T: int, gen: int, smoke: bool, outliers: int) -> tuple[ShadowKVConfig, ShadowKVConfig]:
     budget = 32 if smoke else (1024 if T < 100_000 else 2048)  # the paper's 1.56% / 1.67%
-    base = dict(PAPER_CFG, sparse_budget=budget, max_generated=gen, min_prompt_len=min(T, 4096))
+    base = dict(PAPER_CFG, outlier_chunks=outliers, sparse_budget=budget, max_generated=gen,
+                min_prompt_len=min(T, 4096))
     if smoke:
         base.update(rank=32, outlier_chunks=4)
     return ShadowKVConfig(**base), ShadowKVConfig(**base, host_values="fp8")
@@ -491,6 +492,9 @@ def main():
                     help="only the per-stage times of one layer at batch 1 per context (no model, no host arena)")
     ap.add_argument("--baseline-src", default=None,
                     help="with --stages-only: src/ of another thrifty tree, timed in the same run (a subprocess)")
+    ap.add_argument("--outliers", type=int, default=ShadowKVConfig().outlier_chunks,
+                    help="outlier chunks per KV head kept exact (default: ShadowKVConfig's)")
+    ap.add_argument("--device-tag", default=None, help="file-name tag (default: detect_device())")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.baseline_src and not args.stages_only:
@@ -514,7 +518,7 @@ def main():
     # plan every variant first, so that one pinned arena of exactly the largest need serves them all
     plans = []
     for T in contexts:
-        cfg_n, cfg_8 = configs_for(T, gen, args.smoke)
+        cfg_n, cfg_8 = configs_for(T, gen, args.smoke, args.outliers)
         caps = max_batches(model, L, H, D, T, gen, cfg_n, cfg_8, host_limit, device)
         for name, why in caps["why"].items():
             print(f"max batch {name} at {T}: {caps[name]} ({why})", flush=True)
@@ -570,8 +574,8 @@ def main():
              "host_arena_gib": need / 2**30 if arena is not None else 0.0,
              "caps_why": {str(T): caps["why"] for T, _, _, caps in plans},
              "hit_rate": hit_rate, "hit_rate_source": HIT_RATE_SOURCE if hit_rate == DEFAULT_HIT_RATE else "--hit-rate",
-             "cuda_graphs": use_graph, "smoke": args.smoke}
-    bench.write_result("shadowkv", rows, summary, extra=extra,
+             "cuda_graphs": use_graph, "smoke": args.smoke, "outlier_chunks": cfg_n.outlier_chunks}
+    bench.write_result("shadowkv", rows, summary, extra=extra, device=args.device_tag,
                        results_dir=None if not args.smoke else os.environ.get("TMPDIR", "/tmp"),
                        plot=dict(x="setting", y="tokens_per_s", hue="method", title="decode tokens/s"))
 

@@ -67,7 +67,7 @@ def test_benchmark_host_limit_and_batch_caps(monkeypatch):
     with pytest.raises(MemoryError, match=r"--host-gib: needs 41\.00 GiB"):
         skv.host_limit_bytes(41, b)
     # the host cap is floor(limit / per-sequence bytes): Llama-3-8B shape at 122K, bf16 values = 7.62 GiB/seq
-    cfg_n, cfg_8 = skv.configs_for(124928, 36, smoke=False)
+    cfg_n, cfg_8 = skv.configs_for(124928, 36, smoke=False, outliers=48)
     per_seq = skv.host_seq_bytes(32, 8, 128, 124928, cfg_n)
     assert per_seq == 32 * 8 * 124928 * 128 * 2
     assert 40 * GiB // per_seq == 5
@@ -89,6 +89,7 @@ def test_benchmark_stage_row_counts_misses_before_the_breakdown():
     """``--stages-only``: one layer at batch 1. The hit rate is read before the breakdown (whose repeated select
     hits everything: it read 1.0), and the timed fill re-does the last step's misses."""
     skv = load_benchmark()
-    row = skv.stage_row(skv.TINY, 384, gen=16, hit_rate=0.5, device=torch.device("cpu"), smoke=True)
+    row = skv.stage_row(skv.TINY, 384, gen=16, hit_rate=0.5, device=torch.device("cpu"), smoke=True,
+                        outliers=4)
     assert 0.0 < row["hit_rate"] < 1.0 and row["fill_rows"] > 0
     assert all(row[f"{s}_ms_per_layer"] > 0 for s in ("select", "fill", "attention"))
