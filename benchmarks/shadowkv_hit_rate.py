@@ -50,6 +50,9 @@ def main():
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--cont", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--outliers", type=int, default=ShadowKVConfig().outlier_chunks,
+                    help="outlier chunks per KV head (default: ShadowKVConfig's)")
+    ap.add_argument("--device-tag", default=None, help="file-name tag (default: detect_device())")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, DynamicCache
@@ -68,7 +71,7 @@ def main():
                     ids = torch.from_numpy(ds.tokens[s:s + span].astype(np.int64))[None]
                     dense = DynamicCache(config=model.config)
                     model(input_ids=ids[:, :ctx], past_key_values=dense, use_cache=True)
-                    cfg = ShadowKVConfig(rank=160, chunk_size=8, sparse_budget=budget, outlier_chunks=8,
+                    cfg = ShadowKVConfig(rank=160, chunk_size=8, sparse_budget=budget, outlier_chunks=args.outliers,
                                          local_chunks=4, min_prompt_len=min(ctx, 1024), max_generated=args.cont + 1)
                     cache = ShadowKVCache(model, cfg, impl="reference")
                     cache.load_prompt([(layer.keys, layer.values) for layer in dense.layers])
@@ -85,7 +88,8 @@ def main():
     summary = {f"hit_rate_{r['ctx']}_{r['budget']}": r["hit_rate"] for r in rows}
     bench.write_result("shadowkv_hit_rate", rows, summary,
                        extra={"model": "SmolLM2-135M-Instruct (Q4_1 dequantized, fp32)", "cont": args.cont,
-                              "samples": args.samples, "teacher_forcing": True})
+                              "samples": args.samples, "teacher_forcing": True, "outlier_chunks": args.outliers},
+                       device=args.device_tag)
 
 
 if __name__ == "__main__":
