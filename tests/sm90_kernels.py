@@ -556,12 +556,13 @@ def _bitnet_packed():
             shift, key_bits = PK.KEYS[x_dtype]
             yield entry(PK._act_codes_kernel, f"{kind} {NAME[x_dtype]} D={D} norm={norm}",
                         dict(KIND=PK.KINDS[kind], HAS_NORM=norm, KEY_SHIFT=shift, KEY_BITS=key_bits, BLOCK_D=block,
-                             EPS_=EPS),
+                             EPS_=EPS, PDL=True),
                         {"x_ptr": PTR[x_dtype], "w_ptr scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
                         fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
         block = triton.next_power_of_2(padded_k(4096))  # a model in bf16: the sub-norm weight is bf16 too
         yield entry(PK._act_codes_kernel, f"{kind} bf16 D=4096 norm=True (bf16 norm weight)",
-                    dict(KIND=PK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=block, EPS_=EPS),
+                    dict(KIND=PK.KINDS[kind], HAS_NORM=True, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=block, EPS_=EPS,
+                         PDL=True),
                     {"x_ptr w_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
                     fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
     plans, decode, v3 = set(), set(), set()
@@ -596,9 +597,10 @@ def _bitnet_packed():
                         fp32="beta_scale norm_eps", num_warps=warps, num_stages=stages)
     # decode GEMV v3 at every 1-token plan: bf16 and fp32 outputs, with and without bias
     for bn, kw, warps, stages in sorted(v3):
-        for dtype, bias in ((bf16, False), (fp32, True)):
+        for dtype, bias, pdl in ((bf16, False, True), (fp32, True, True), (bf16, False, False)):
             yield entry(PK._decode_gemv_v3_kernel, f"decode v3 {bn}x1 KW={kw} stages={stages} {NAME[dtype]} "
-                        f"bias={bias}", dict(BLOCK_N=bn, KW=kw, STAGES=stages, HAS_BIAS=bias, USE_ASM=PK.USE_ASM),
+                        f"bias={bias} pdl={pdl}", dict(BLOCK_N=bn, KW=kw, STAGES=stages, HAS_BIAS=bias,
+                                                       USE_ASM=PK.USE_ASM, PDL=pdl),
                         {"codes_ptr sum_ptr w_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
                          "out_ptr": PTR[dtype]}, num_warps=warps, num_stages=stages)
     for kernel, bn, bm, split, warps, stages in sorted(plans):
@@ -628,7 +630,7 @@ def _bitnet_packed():
         launch, kp = _norm_launch(D), padded_k(D)
         tail = triton.next_power_of_2(kp - launch["BLOCK"]) if kp > launch["BLOCK"] else 0
         yield entry(PK._norm_codes_kernel, f"norm codes D={D} {NAME[dtype]} add={add} kind={kind}",
-                    dict(ADD=add, KIND=kind, BLOCK=launch["BLOCK"], TAIL=tail, EPS_=EPS),
+                    dict(ADD=add, KIND=kind, BLOCK=launch["BLOCK"], TAIL=tail, EPS_=EPS, PDL=True),
                     {"X R W S Y": PTR[dtype], "codes_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32"},
                     fp32="eps beta_scale", num_warps=launch["num_warps"], num_stages=1)
     bn, bm = PK.EPILOGUE_TILE

@@ -679,6 +679,37 @@ def test_decode_v3_on_cuda_equals_the_torch_path(n, k):
     assert torch.equal(got, want)
 
 
+@pytest.mark.cuda
+def test_decode_v3_launches_early_on_hopper_and_stays_exact_in_a_graph():
+    """sm_90: the v3 GEMV is launched with programmatic dependent launch (its compiled kernel carries the
+    attribute: the fast path ran) behind the codes kernel that lets it start; eager and CUDA-graph replays equal
+    the torch path bit for bit, also when the input changes between replays (the GEMV waits for its codes)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert PK.pdl_ok(torch.device("cuda"))
+    bl = layer(4096, 4096, "int8", bias=True, seed=3).cuda()
+    ref_layer = PackedBitLinear.from_bitlinear(bl, impl="reference")
+    p = PackedBitLinear.from_bitlinear(bl, impl="triton")
+    xs = [tokens(1, 4096, seed=s).cuda().to(torch.bfloat16) for s in range(3)]
+    with torch.no_grad():
+        want = [ref_layer(x) for x in xs]
+        assert torch.equal(p(xs[0]), want[0])
+        assert any(kernel.metadata.launch_pdl for kernel, _ in PK._DECODE_V3_LAUNCH.cache.values())
+        static = xs[0].clone()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = p(static)
+        for x, w in zip(xs[::-1], want[::-1]):
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, w)
+
+
 def test_norm_codes_refuses_bad_arguments_by_name():
     """Checked before any launch: the quantizer kind (TopK is not fused), the weight's shape, the residual's shape
     and dtype, and a row longer than the kernel's."""

@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent("""
     for kind, code in PK.KINDS.items():
         act = ptx(PK._act_codes_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "scale_ptr": "*fp32", "codes_ptr": "*i8",
                   "sum_ptr": "*i32", "beta_scale": "fp32", "norm_eps": "fp32"},
-                  dict(KIND=code, HAS_NORM=False, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=4096, EPS_=EPS),
+                  dict(KIND=code, HAS_NORM=False, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=4096, EPS_=EPS, PDL=True),
                   dict(num_warps=8, num_stages=3))
         out[f"act_{kind}_fma"] = sum("fma" in l for l in act.splitlines())
     for kind in (0, 1):  # the one-launch decode GEMV: its own INT8 / INT4-range codes, sub-norm and bias epilogue
@@ -94,7 +94,7 @@ SCRIPT = textwrap.dedent("""
         v3 = compiled(PK._decode_gemv_v3_kernel, {"codes_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
                       "w_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16"},
                       dict(BLOCK_N=cfg["BLOCK_N"], KW=cfg["KW"], STAGES=cfg["num_stages"], HAS_BIAS=True,
-                           USE_ASM=True), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                           USE_ASM=True, PDL=True), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
         lines = v3.asm["ptx"].splitlines()
         count = lambda text: sum(text in l for l in lines)
         out[f"v3_k{k}"] = dict(resources(v3), rows=cfg["BLOCK_N"], stages=cfg["num_stages"], dp4a=count("dp4a"),

@@ -140,15 +140,16 @@ class FastLauncher:
             return ("b", a)
         return (t,)
 
-    def __call__(self, grid, *args, num_warps: int, num_stages: int | None, **constexprs):
+    def __call__(self, grid, *args, num_warps: int, num_stages: int | None, launch_pdl: bool = False,
+                 **constexprs):
         if self.interpreted or not _direct_launch_allowed():
-            return self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages))
+            return self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages, launch_pdl))
         driver = _DRIVER or _load_driver()
         device = driver.active.get_current_device()
-        key = (device, num_warps, num_stages, tuple(constexprs.items()), tuple(map(self._spec, args)))
+        key = (device, num_warps, num_stages, launch_pdl, tuple(constexprs.items()), tuple(map(self._spec, args)))
         hit = self.cache.get(key)
         if hit is None:
-            kernel = self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages))
+            kernel = self.fn[grid](*args, **constexprs, **_options(num_warps, num_stages, launch_pdl))
             if len(self.cache) < 256:  # the constexprs, in signature order, follow the runtime arguments
                 self.cache[key] = (kernel, tuple(constexprs[n] for n in self.names[len(args):]))
             return kernel
@@ -184,9 +185,14 @@ class FastLauncher:
         return kernel
 
 
-def _options(num_warps: int, num_stages: int | None) -> dict:
-    """Launch options; ``num_stages=None`` leaves Triton's default (Gluon kernels pipeline by hand)."""
-    return dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+def _options(num_warps: int, num_stages: int | None, launch_pdl: bool = False) -> dict:
+    """Launch options; ``num_stages=None`` leaves Triton's default (Gluon kernels pipeline by hand).
+    ``launch_pdl``: programmatic dependent launch (sm_90): the kernel may start before the one ahead of it in the
+    stream has finished, and must wait for it (``gdc_wait``) before reading what it wrote."""
+    opts = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+    if launch_pdl:
+        opts["launch_pdl"] = True
+    return opts
 
 
 _DRIVER = None  # triton.runtime.driver.driver, looked up once: an import statement per launch costs ~2 µs

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..fused_layers import _check_norm_weight, _check_residual, _norm_launch, _rows, _store_add, _store_rms_norm
 from ..triton_utils import FastLauncher, interpreting
@@ -62,8 +63,11 @@ HIGH_FIELD = tl.constexpr(0xC0C0C0C0 - (1 << 32))  # bits 6-7 of every byte, as 
 @triton.jit
 def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride_x, stride_c, k_keep, beta_scale,
                       norm_eps, KIND: tl.constexpr, HAS_NORM: tl.constexpr, KEY_SHIFT: tl.constexpr,
-                      KEY_BITS: tl.constexpr, BLOCK_D: tl.constexpr, EPS_: tl.constexpr):
-    """Codes, scale and Σ codes of one token (the values of quant_kernel's input kernel, before the rescale)."""
+                      KEY_BITS: tl.constexpr, BLOCK_D: tl.constexpr, EPS_: tl.constexpr, PDL: tl.constexpr):
+    """Codes, scale and Σ codes of one token (the values of quant_kernel's input kernel, before the rescale).
+    ``PDL``: lets a decode GEMV launched with programmatic dependent launch start now (it waits for these codes)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -101,11 +105,14 @@ def _store_codes(x, cols, inside, D, KP, codes_row, scale_at, sum_at, k_keep, be
 @triton.jit
 def _norm_codes_kernel(X, R, W, S, Y, codes_ptr, scale_ptr, sum_ptr, D, KP, stride_x, stride_r, stride_s, stride_y,
                        stride_c, eps, beta_scale, ADD: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
-                       TAIL: tl.constexpr, EPS_: tl.constexpr):
+                       TAIL: tl.constexpr, EPS_: tl.constexpr, PDL: tl.constexpr):
     """One row of the reference model's RMSNorm (``ADD``: after the residual add) with ``fused_layers``' row code
     and launch shape, so y is that kernel's bit for bit, then the activation codes of y for the packed layer
     reading it (INT8 / INT4 range, ``_act_codes_kernel``'s quantizer): one launch where there were two.
-    ``TAIL``: a power of two ≥ KP − BLOCK, the zero codes of the padding past a short row's block."""
+    ``TAIL``: a power of two ≥ KP − BLOCK, the zero codes of the padding past a short row's block. ``PDL``: as in
+    ``_act_codes_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < D
@@ -498,16 +505,32 @@ def _dot_chunk(w, x_row, word, inside, acc64, acc16, ROWS: tl.constexpr, KW: tl.
 
 
 @triton.jit
+def _prefetch_rows_l2(w_ptr, rows, row_ok, w_row16, n_words, KW: tl.constexpr):
+    """``prefetch.global.L2`` of every 128-byte line of the program's packed weight rows (32 int32 words a line):
+    the loads that follow ``gdc_wait`` then hit L2. One prefetch per line and thread, no registers held."""
+    lines = tl.arange(0, KW // 32) * 32
+    for c in range(0, tl.cdiv(n_words, KW)):
+        word = c * KW + lines
+        ptrs = w_ptr + rows[:, None] * (w_row16 * 16) + word[None, :]
+        ok = (row_ok[:, None] & (word < n_words)[None, :]).to(tl.int32)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _decode_gemv_v3_kernel(codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
                            rows_per_program, x_row16, w_row16, stride_out, BLOCK_N: tl.constexpr, KW: tl.constexpr,
-                           STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
+                           STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """Decode GEMV v3 (NOTES.md "Decode GEMV v3"): one token (``program_id(1)``) on ready codes (int32 words of
     ``codes_ptr``, its scale and Σ codes), ``rows_per_program`` whole rows per program (a ``BLOCK_N`` tile, the
     rest masked), K in chunks of ``KW`` = 128 × warps int32 words per row: every thread loads one 16-byte vector
     per row and chunk, every warp 512 contiguous bytes of a row, and the activation words of its 4 columns per
     field in the same layout (16-byte vectors, L2/L1 hits), so nothing changes layout until the final reduction.
     ``STAGES`` > 1: ``tl.range`` software-pipelines the chunks (cp.async into shared memory, STAGES − 1 chunks in
-    flight ahead); 1 chunk per row: plain 16-byte loads, all issued before the first dot."""
+    flight ahead); 1 chunk per row: plain 16-byte loads, all issued before the first dot.
+    ``PDL`` (launched with programmatic dependent launch): the program starts while the kernel ahead (the codes
+    kernel) still runs, streams its weight rows into L2 (they do not depend on that kernel), and waits for it only
+    before the first read of the codes."""
     pid = tl.program_id(0)
     tok = tl.program_id(1)
     local = tl.arange(0, BLOCK_N)
@@ -518,6 +541,10 @@ def _decode_gemv_v3_kernel(codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias
     w_offs = rows[:, None] * (w_row16 * 16) + cols[None, :]
     x_row = codes_ptr + tok.to(tl.int64) * (x_row16 * 16)
     n_words = n_groups * WORDS_  # a multiple of 16 the compiler sees: the masks keep 16-byte vectors whole
+    if PDL:
+        _prefetch_rows_l2(w_ptr, rows, row_ok, w_row16, n_words, KW)
+        gdc_wait()  # the codes, Σ codes and scale are the kernel ahead's output
+        gdc_launch_dependents()
     acc64 = tl.zeros([BLOCK_N, KW // 4], dtype=tl.int32)
     acc16 = tl.zeros([BLOCK_N, KW // 4], dtype=tl.int32)
     for c in tl.range(0, tl.cdiv(n_words, KW), num_stages=STAGES):
@@ -753,6 +780,23 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
                 groups_per_split=per_split, num_warps=warps, num_stages=3, fused_epilogue=False)
 
 
+_PDL_OK: dict = {}  # CUDA device index -> programmatic dependent launch available
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """True when the decode GEMV launches with programmatic dependent launch (and the codes kernels ahead of it
+    let it start early): compiled kernels (not the interpreter) on an sm_90+ GPU. Why: a 1-token GEMV's own launch
+    and the first trip to HBM were ~2–3 µs of its 5.6–11 (NOTES.md "Decode GEMV v3, measured"); launched early, it
+    streams its weights into L2 while the codes kernel runs."""
+    if not USE_ASM or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_OK.get(index)
+    if ok is None:
+        ok = _PDL_OK[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return ok
+
+
 def _workspace(device: torch.device, numel: int, pool: dict | None = None) -> torch.Tensor:
     """An all-zero int32 buffer of at least ``numel`` per device (the kernels leave it zero). One stream: two
     matmuls running concurrently on different streams would share it."""
@@ -806,7 +850,8 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
         _ACT_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
                     x.stride(0), codes.stride(0), topk_count(d, topk_ratio), float(beta_scale), float(norm_eps),
                     KIND=KINDS[kind], HAS_NORM=norm_weight is not None, KEY_SHIFT=shift, KEY_BITS=key_bits,
-                    BLOCK_D=block, EPS_=EPS, num_warps=max(1, min(16, block // 512)), num_stages=3)
+                    BLOCK_D=block, EPS_=EPS, PDL=pdl_ok(x.device), num_warps=max(1, min(16, block // 512)),
+                    num_stages=3)
     return codes, scale, sums
 
 
@@ -840,8 +885,8 @@ def norm_codes(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, *, 
         _NORM_CODES_LAUNCH((m,), rows, res, weight, total, out, codes, scale, sums, D, kp, rows.stride(0),
                            res.stride(0), total.stride(0), out.stride(0), codes.stride(0), float(eps),
                            float(beta_scale), ADD=add, KIND=FUSED_KINDS[kind], BLOCK=block,
-                           TAIL=_pow2(kp - block) if kp > block else 0, EPS_=EPS, num_warps=launch["num_warps"],
-                           num_stages=1)
+                           TAIL=_pow2(kp - block) if kp > block else 0, EPS_=EPS, PDL=pdl_ok(x.device),
+                           num_warps=launch["num_warps"], num_stages=1)
     y = out.view(*x.shape[:-1], D)
     return (total.view(x.shape), y, (codes, scale, sums)) if add else (y, (codes, scale, sums))
 
@@ -938,11 +983,12 @@ def _decode_v3(cfg: dict, out, codes_words, scale, sums, w_words, alpha_rows, bi
         raise ValueError(f"packed: rows of {w_words.shape[1]} int32 words exceed the v3 decode GEMV's "
                          f"{V3_MAX_WORDS} (its int32 accumulators)")
     rpp = cfg["rows_per_program"]
+    pdl = pdl_ok(out.device)
     _DECODE_V3_LAUNCH((_cdiv(n, rpp), m), codes_words, sums, scale, w_words, alpha_rows,
                       bias if bias is not None else alpha_rows, out, n, m, w_words.shape[1] // 16, rpp,
                       codes_words.stride(0) // 16, w_words.stride(0) // 16, out.stride(0), BLOCK_N=cfg["BLOCK_N"],
                       KW=cfg["KW"], STAGES=cfg["num_stages"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM,
-                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                      PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl)
     return out
 
 
