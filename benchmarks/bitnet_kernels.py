@@ -471,6 +471,45 @@ def model_rows(args, device) -> list[dict]:
     return rows
 
 
+def pdl_ab_rows(args, device) -> list[dict]:
+    """``--pdl-ab ROUNDS``: the stacked ternary model's reused-graph decode at batch 1 with the decode GEMV's
+    programmatic dependent launch on and off (two ``GraphedDecoder``s captured once each, timed in alternation in
+    this process: a separate-process baseline drifts by ±5% on this box). Off = ``packed_kernel.pdl_ok`` answering
+    False while that decoder captures (the kernels then compile and launch as before PDL)."""
+    import thrifty.models as M
+    from thrifty.bitnet import stack_projections
+
+    if device.type != "cuda" or not PK.pdl_ok(device):
+        return [dict(what="decode_pdl_ab", error="needs an sm_90 GPU")]
+    _, model = build_models(args, device)
+    stack_projections(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
+    n = args.graph_tokens
+    decoders, real_ok = {}, PK.pdl_ok
+    for pdl in (True, False):
+        PK.pdl_ok = real_ok if pdl else (lambda _device: False)
+        try:
+            decoders[pdl] = M.GraphedDecoder(model, 1, args.context + n + 1)
+            decoders[pdl].generate(ids, n + 1)  # compiles and captures with this launch mode
+            decoders[pdl].generate(ids, 1)
+        finally:
+            PK.pdl_ok = real_ok
+    per_token = {True: [], False: []}
+    for _ in range(args.pdl_ab):
+        for pdl, decoder in decoders.items():
+            long = time_fn(lambda: decoder.generate(ids, n + 1), warmup=0, reps=3, device=device).median_ms
+            short = time_fn(lambda: decoder.generate(ids, 1), warmup=0, reps=3, device=device).median_ms
+            per_token[pdl].append((long - short) / n)
+    for decoder in decoders.values():
+        decoder.release()
+    med = {pdl: sorted(v)[len(v) // 2] for pdl, v in per_token.items()}
+    print(f"  PDL A/B, stacked ternary batch 1, reused graph ms/token: on {per_token[True]}, off {per_token[False]}",
+          flush=True)
+    return [dict(what="decode_pdl_ab", model="stacked ternary (random weights)", batch=1, pdl=pdl,
+                 graph_reuse_ms=med[pdl], rounds_ms=",".join(f"{t:.4f}" for t in per_token[pdl]))
+            for pdl in (True, False)]
+
+
 def baseline_rows(args) -> list[dict]:
     """:func:`layer_rows` of the tree at ``--baseline-src`` (this script run with that tree's thrifty), tagged
     ``tree="baseline"``: old and new kernels timed in one run on one box."""
@@ -497,6 +536,9 @@ def summarize(rows: list[dict]) -> dict:
                 and r.get("tokens") == m and "speedup_vs_bf16" in r and r.get("tree") != "baseline"]
 
     out = {}
+    ab = {r["pdl"]: r["graph_reuse_ms"] for r in rows if r.get("what") == "decode_pdl_ab" and "pdl" in r}
+    if len(ab) == 2:
+        out["decode_pdl_speedup_stacked_b1"] = ab[False] / ab[True]
     for r in rows:  # this tree's layer time over the baseline tree's (--baseline-src), per shape, 1 and 16 tokens
         if r.get("tree") == "baseline" and r.get("impl") == "thrifty" and r.get("tokens") in (1, 16) and "gpu_ms" in r:
             new = next((t for t in rows if t.get("tree") != "baseline" and t.get("impl") == "thrifty"
@@ -607,6 +649,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-tokens", type=int, default=64, help="new tokens per timed generate(cuda_graph=True)")
     ap.add_argument("--no-model", action="store_true", help="skip the 7B model decode")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
+    ap.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time the stacked model's decode with the GEMV's dependent launch on / off, alternating")
     ap.add_argument("--gemm-sweep-tokens", default="", help="token counts of the prefill tile sweep (e.g. 2048)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--label", default=None)
@@ -657,6 +701,8 @@ def main(argv=None) -> int:
         rows += gemm_sweep_rows(args, device)
     if not args.no_model:
         rows += model_rows(args, device)
+    if args.pdl_ab:
+        rows += pdl_ab_rows(args, device)
     summary = {**summarize(rows), "hbm_copy_gbs": hbm, "inline_ptx": PK.USE_ASM, **kv_cache_bytes(args.model_config)}
     extra = {"args": {k: v for k, v in vars(args).items()}, "inline_ptx_gate": asm_gate,
              "note": "smoke run: tiny shapes, measures nothing" if args.smoke else
