@@ -81,6 +81,67 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
 
 
 @triton.jit
+def _stream_chunk(x_row, w_ptr, cols, D, rstd, HAS_NORM: tl.constexpr, EVICT: tl.constexpr):
+    """Columns ``cols`` of one row as fp32 (0 past ``D``), after the sub-norm with ``rstd`` when ``HAS_NORM``:
+    :func:`subnorm` on the values the whole-row kernel gives it, so each value is its value bit for bit."""
+    inside = cols < D
+    x_in = tl.load(x_row + cols, mask=inside, other=0.0, eviction_policy=EVICT)
+    x = x_in.to(tl.float32)
+    if HAS_NORM:
+        x = subnorm(x, x_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
+    return x
+
+
+@triton.jit
+def _act_codes_stream_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride_x, stride_c, beta_scale,
+                             norm_eps, KIND: tl.constexpr, HAS_NORM: tl.constexpr, CHUNK: tl.constexpr,
+                             KEEP: tl.constexpr, EPS_: tl.constexpr):
+    """``_act_codes_kernel``'s codes, scale and Σ codes of one token (INT8 absmax / INT4-range absmean), the row
+    walked in ``CHUNK``-column chunks instead of held whole in registers: Σx² (sub-norm only), then max |x| (and
+    Σ|x| for INT4) of the (normed) values, then the codes, stored with Σ codes accumulated, and the zero padding
+    up to ``KP``. Per-lane accumulators, reduced once per pass; the second and third reads of a row come from
+    L1/L2. Few registers per thread, so many rows are in flight per SM and one row's loads overlap another's
+    arithmetic (NOTES.md "The streaming codes kernel"). Max |x| and Σ codes do not depend on the order, so INT8
+    without the sub-norm is the whole-row kernel's bit for bit; Σx² and Σ|x| are summed in another order."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    cols = tl.arange(0, CHUNK)
+    rstd = 0.0
+    if HAS_NORM:
+        sq = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, D, CHUNK):
+            x = tl.load(x_row + start + cols, mask=start + cols < D, other=0.0,
+                        eviction_policy="evict_last" if KEEP else "").to(tl.float32)
+            sq += x * x
+        rstd = subnorm_rstd(tl.sum(sq, axis=0), D, norm_eps)
+    top = tl.zeros([CHUNK], dtype=tl.int32)
+    abs_sum = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, D, CHUNK):
+        c = start + cols
+        x = _stream_chunk(x_row, w_ptr, c, D, rstd, HAS_NORM, "evict_last" if KEEP else "")
+        bits = tl.where(c < D, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        top = tl.maximum(top, bits)
+        if KIND == 1:
+            abs_sum += bits.to(tl.float32, bitcast=True)
+    top_all = tl.max(top, axis=0)
+    if KIND == 1:  # INT4 range, absmean
+        multiplier, scale = quant_scales(top_all, tl.sum(abs_sum, axis=0), D, beta_scale, KIND, EPS_, COMPILED_)
+    else:
+        multiplier, scale = quant_scales(top_all, 0.0, D, beta_scale, KIND, EPS_, COMPILED_)
+    finite = top_all < NAN_BITS  # a row holding NaN or ±inf: NaN scale, zero codes (as _store_codes)
+    codes_row = codes_ptr + row * stride_c
+    total = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in range(0, KP, CHUNK):
+        c = start + cols
+        x = _stream_chunk(x_row, w_ptr, c, D, rstd, HAS_NORM, "evict_first" if KEEP else "")
+        codes = tl.where((c < D) & finite, quant_code(x, multiplier, KIND, COMPILED_), 0)
+        tl.store(codes_row + c, codes.to(tl.int8), mask=c < KP)
+        total += codes
+    tl.store(scale_ptr + row, tl.where(finite, scale, float("nan")))
+    tl.store(sum_ptr + row, tl.sum(total, axis=0))
+
+
+@triton.jit
 def _store_codes(x, cols, inside, D, KP, codes_row, scale_at, sum_at, k_keep, beta_scale, KIND: tl.constexpr,
                  KEY_SHIFT: tl.constexpr, KEY_BITS: tl.constexpr, EPS_: tl.constexpr):
     """The quantizer ``KIND`` on one fp32 row ``x`` (zero where not ``inside``): int8 codes (zero up to ``KP``),
@@ -665,6 +726,7 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
 # --------------------------------------------------------------------------------------------- launchers
 
 _ACT_LAUNCH = FastLauncher(_act_codes_kernel)
+_ACT_STREAM_LAUNCH = FastLauncher(_act_codes_stream_kernel)
 _NORM_CODES_LAUNCH = FastLauncher(_norm_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
 _DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
@@ -684,6 +746,16 @@ def _pow2(n: int) -> int:
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
+
+# The streaming codes kernel (_act_codes_stream_kernel; NOTES.md "The streaming codes kernel"): INT8 / INT4 from
+# STREAM_MIN_ROWS rows on (prefill: many waves of rows, where the whole-row kernel leaves HBM idle while a wave
+# reduces and stores); fewer rows (decode, small batches: one wave, latency-bound) keep the whole-row kernel, whose
+# one load per row is in flight at once. Chunks of STREAM_CHUNK columns, STREAM_WARPS warps (8 values per thread).
+STREAM_KINDS = ("int8", "int4")
+STREAM_MIN_ROWS = 256
+STREAM_CHUNK = 1024
+STREAM_WARPS = 4
+STREAM_KEEP = False
 
 DECODE_VERSION = 3  # decode_plan's default at 1 token: 3 = _decode_gemv_v3_kernel (on ready codes)
 # v2 (_decode_gemv_kernel, quantizing its own input) stays selectable (version=2) until the GPU has timed v3 beside
@@ -846,7 +918,13 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
     codes = torch.empty((m, kp), dtype=torch.int8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     sums = torch.empty(m, dtype=torch.int32, device=x.device)
-    if m:
+    if m and kind in STREAM_KINDS and m >= STREAM_MIN_ROWS:
+        chunk = min(STREAM_CHUNK, _pow2(kp))
+        _ACT_STREAM_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
+                           x.stride(0), codes.stride(0), float(beta_scale), float(norm_eps), KIND=KINDS[kind],
+                           HAS_NORM=norm_weight is not None, CHUNK=chunk, KEEP=STREAM_KEEP, EPS_=EPS,
+                           num_warps=max(1, min(STREAM_WARPS, chunk // 256)), num_stages=1)
+    elif m:
         shift, key_bits = KEYS[x.dtype]
         block = _pow2(kp)
         _ACT_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
