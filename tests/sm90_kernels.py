@@ -581,7 +581,7 @@ def _bitnet_packed():
             chunk = min(PK.STREAM_CHUNK, triton.next_power_of_2(padded_k(D)))
             yield entry(PK._act_codes_stream_kernel, f"{kind} {NAME[x_dtype]} D={D} norm={norm}"
                         + f" ({NAME[w_dtype]} norm weight)" * (w_dtype != fp32),
-                        dict(KIND=PK.KINDS[kind], HAS_NORM=norm, CHUNK=chunk, KEEP=PK.STREAM_KEEP, EPS_=EPS),
+                        dict(KIND=PK.KINDS[kind], HAS_NORM=norm, CHUNK=chunk, EPS_=EPS),
                         {"x_ptr": PTR[x_dtype], "w_ptr": PTR[w_dtype], "scale_ptr": "*fp32", "codes_ptr": "*i8",
                          "sum_ptr": "*i32"},
                         fp32="beta_scale norm_eps", aligned="D KP stride_x stride_c",  # every width: 16·n
