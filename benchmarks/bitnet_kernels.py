@@ -186,7 +186,9 @@ def codes_row(base: dict, x: torch.Tensor, layer: PackedBitLinear, args, device,
         ms = _timed(lambda: PK.layer_codes(x, layer), args, device)
     except Exception as err:  # noqa: BLE001 - an error row, as the other impls
         return {**base, "impl": "codes", "error": f"{type(err).__name__}: {err}"[:300]}
-    return {**base, "impl": "codes", "gpu_ms": ms, "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms}
+    which = getattr(PK, "codes_kernel", None)  # older --baseline-src trees have one codes kernel
+    return {**base, "impl": "codes", "gpu_ms": ms, "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms,
+            "codes_kernel": which(layer.activation, m, k) if which else "whole-row"}
 
 
 def a48_rows(args, device) -> list[dict]:
