@@ -11,7 +11,9 @@ Otherwise a forward is two launches (one more when K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
    INT4-range absmean, TopK+INT8) with the arithmetic of ``quant_kernel._quantize_rows_kernel`` (its helpers),
-   writing int8 codes (zero-padded to whole 256-weight groups), the fp32 scale and Σ codes of the token.
+   writing int8 codes (zero-padded to whole 256-weight groups), the fp32 scale and Σ codes of the token. At
+   prefill on long rows (``codes_kernel``: INT8 / INT4 from 512 tokens where the row's block would be large)
+   ``_act_codes_stream_kernel`` instead: the row walked in 1024-column chunks in up to three passes, 4 warps.
 2. the matmul, weights unpacked in registers, ``acc = Σ c·x`` with the *codes* ``c = w + 1`` (the −1 is the
    per-token ``Σ x`` subtracted once in the epilogue), then ``((acc − Σx)·s_x)·α (+ b)`` in fp32:
 
@@ -100,9 +102,10 @@ def _act_codes_stream_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP,
     walked in ``CHUNK``-column chunks instead of held whole in registers: Σx² (sub-norm only), then max |x| (and
     Σ|x| for INT4) of the (normed) values, then the codes, stored with Σ codes accumulated, and the zero padding
     up to ``KP``. Per-lane accumulators, reduced once per pass; the second and third reads of a row come from
-    L1/L2. Few registers per thread, so many rows are in flight per SM and one row's loads overlap another's
-    arithmetic (NOTES.md "The streaming codes kernel"). Max |x| and Σ codes do not depend on the order, so INT8
-    without the sub-norm is the whole-row kernel's bit for bit; Σx² and Σ|x| are summed in another order."""
+    L1/L2. 32–40 registers, so 16 rows per SM: faster than the whole-row kernel only where that one's block is
+    large (``codes_kernel``; NOTES.md "The streaming codes kernel": a row's chunk loads are serial round trips).
+    Max |x| and Σ codes do not depend on the order, so INT8 without the sub-norm is the whole-row kernel's bit for
+    bit; Σx² and Σ|x| are summed in another order."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     cols = tl.arange(0, CHUNK)
