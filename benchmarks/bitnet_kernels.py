@@ -7,7 +7,9 @@
    2560×6912), tokens ∈ {1, 4, 16, 128, 2048}. Per row: GPU time (``gpu_only``: the host's launch path hidden
    behind a spin kernel, what a CUDA-graph decode sees) and host-inclusive time, effective weight GB/s and its
    share of the measured HBM bandwidth (a device-to-device copy). thrifty = activation quantization (b1.58:
-   INT8 per token) + matmul; ``thrifty_matmul`` = the matmul alone on ready codes. a4.8's quantizers (INT4, TopK)
+   INT8 per token) + matmul; ``thrifty_matmul`` = the matmul alone on ready codes; ``codes`` = the activation
+   quantizer alone as the layer calls it (``layer_codes``), with its byte floor (``floor_ms``: x read + codes
+   written at the measured copy bandwidth) and ``pct_of_floor`` (100 = at the floor). a4.8's quantizers (INT4, TopK)
    are timed at 1 and 16 tokens. ``torch._int_mm`` needs more than 16 rows: it runs on 17-row-padded inputs.
 3. **Sweep** (M = 1 and 16, 7B shapes): other tiles / K splits of the same kernels, so ``plan()`` can be checked.
 4. **Model decode**: a Llama-7B-shaped model (32 layers, 4096 / 11008, vocab 32000) with *random* ternary weights
@@ -165,9 +167,28 @@ def layer_rows(args, device, hbm_gbs: float) -> list[dict]:
                 for r in rows[-len(impls):]:
                     if "gpu_ms" in r and "bf16" in times:
                         r["speedup_vs_bf16"] = times["bf16"] / r["gpu_ms"]
+                rows.append(codes_row(base, x, layer, args, device, hbm_gbs))
+                if "gpu_ms" in rows[-1]:
+                    times["codes"] = rows[-1]["gpu_ms"]
                 print(f"  {model_name} {n}x{k} m={m}: " + ", ".join(f"{i} {t * 1e3:.1f} us" for i, t in times.items())
                       + (f"  match={gate.get('match')}" if gate else ""), flush=True)
     return rows
+
+
+def codes_row(base: dict, x: torch.Tensor, layer: PackedBitLinear, args, device, hbm_gbs: float) -> dict:
+    """The layer's activation quantizer alone (``PK.layer_codes``, as ``packed_linear`` calls it) against its
+    byte floor: x read once and the int8 codes (zero-padded to whole groups) written once at the measured copy
+    bandwidth (scales and sums, 8 bytes a row, left out). ``pct_of_floor`` = 100 · floor / time."""
+    m, k = x.shape
+    kp = -(-k // 256) * 256  # pack.padded_k (whole 256-weight groups), spelled out for older --baseline-src trees
+    floor_ms = (x.numel() * x.element_size() + m * kp) / hbm_gbs / 1e6
+    try:
+        ms = _timed(lambda: PK.layer_codes(x, layer), args, device)
+    except Exception as err:  # noqa: BLE001 - an error row, as the other impls
+        return {**base, "impl": "codes", "error": f"{type(err).__name__}: {err}"[:300]}
+    which = getattr(PK, "codes_kernel", None)  # older --baseline-src trees have one codes kernel
+    return {**base, "impl": "codes", "gpu_ms": ms, "floor_ms": floor_ms, "pct_of_floor": 100 * floor_ms / ms,
+            "codes_kernel": which(layer.activation, m, k) if which else "whole-row"}
 
 
 def a48_rows(args, device) -> list[dict]:
@@ -712,7 +733,7 @@ def main(argv=None) -> int:
     plot(rows, path.with_suffix(".png"), f"packed ternary W2A8 vs bf16, {label}")
     print_table([r for r in rows if "impl" in r],
                 ["tree", "model", "shape", "tokens", "impl", "gpu_ms", "host_ms", "weight_gbs", "pct_of_hbm",
-                 "speedup_vs_bf16", "match"])
+                 "pct_of_floor", "speedup_vs_bf16", "match"])
     for what in ("a4.8 activation", "sweep", "gemm sweep", "decode"):
         part = [r for r in rows if r.get("what") == what]
         if part:

@@ -63,6 +63,7 @@ class Spec:
     signature: dict  # argument name -> "*bf16", "i32", "fp32", "constexpr", ...
     constexprs: dict  # constexpr argument name -> value
     options: dict  # num_warps / num_stages as the launcher passes them (absent: Triton's defaults)
+    aligned: tuple = ()  # integer arguments the launcher passes as multiples of 16 (Triton specializes on that)
 
     @property
     def name(self) -> str:
@@ -70,15 +71,17 @@ class Spec:
 
     def key(self):
         return (self.name, tuple(self.signature.items()), tuple(self.constexprs.items()),
-                tuple(sorted(self.options.items())))
+                tuple(sorted(self.options.items())), self.aligned)
 
 
 def entry(kernel, label: str, consts: dict, ptrs: dict, *, fp32: str = "", i64: str = "", ones: str = "",
-          num_warps: int | None = None, num_stages: int | None = None) -> Spec:
+          aligned: str = "", num_warps: int | None = None, num_stages: int | None = None) -> Spec:
     """One compile entry. ``ptrs``: {"name1 name2": "*bf16", ...} (space-separated argument names per pointer
     type); ``fp32`` / ``i64``: space-separated names of float / 64-bit integer arguments; ``ones``: integer
-    arguments the launcher passes as 1 (innermost strides: Triton turns an int 1 into a constexpr); every other
-    runtime argument is an i32. ``consts``: a value for each constexpr argument. Names are checked."""
+    arguments the launcher passes as 1 (innermost strides: Triton turns an int 1 into a constexpr); ``aligned``:
+    integer arguments it passes as multiples of 16 (row lengths and strides of the widths listed: Triton then
+    knows their divisibility, which decides the vector width of loads and stores); every other runtime argument is
+    an i32. ``consts``: a value for each constexpr argument. Names are checked."""
     params = {p.name: p for p in kernel.params}
     sig = {}
     for names, typ in [*ptrs.items(), (fp32, "fp32"), (i64, "i64"), (ones, "constexpr")]:
@@ -92,7 +95,10 @@ def entry(kernel, label: str, consts: dict, ptrs: dict, *, fp32: str = "", i64: 
     sig = {n: "constexpr" if n in want else sig.get(n, "i32") for n in kernel.arg_names}
     consts = {n: 1 if n in ones.split() else consts[n] for n in kernel.arg_names if sig[n] == "constexpr"}
     options = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    return Spec(kernel, label, sig, consts, options)
+    for n in aligned.split():
+        if sig.get(n) not in ("i32", "i64"):
+            raise KeyError(f"{kernel_key(kernel)} [{label}]: aligned {n!r} is no integer argument")
+    return Spec(kernel, label, sig, consts, options, tuple(aligned.split()))
 
 
 def _unique(specs):
@@ -565,6 +571,21 @@ def _bitnet_packed():
                          PDL=True),
                     {"x_ptr w_ptr": "*bf16", "scale_ptr": "*fp32", "codes_ptr": "*i8", "sum_ptr": "*i32"},
                     fp32="beta_scale norm_eps", num_warps=max(1, min(16, block // 512)), num_stages=3)
+        if kind not in PK.STREAM_KINDS:
+            continue
+        # the streaming codes kernel (quantize_codes from PK.STREAM_MIN_ROWS rows on): the same widths and flags
+        for x_dtype, w_dtype, D, norm in ((bf16, fp32, 4096, False), (bf16, fp32, 11008, True),
+                                          (fp32, fp32, 2560, False), (bf16, fp32, 6912, True),
+                                          (bf16, fp32, PK.MAX_ROW[kind], False), (bf16, bf16, 4096, True),
+                                          (bf16, fp32, 4096, True), (bf16, fp32, 11008, False)):
+            chunk = min(PK.STREAM_CHUNK, triton.next_power_of_2(padded_k(D)))
+            yield entry(PK._act_codes_stream_kernel, f"{kind} {NAME[x_dtype]} D={D} norm={norm}"
+                        + f" ({NAME[w_dtype]} norm weight)" * (w_dtype != fp32),
+                        dict(KIND=PK.KINDS[kind], HAS_NORM=norm, CHUNK=chunk, EPS_=EPS),
+                        {"x_ptr": PTR[x_dtype], "w_ptr": PTR[w_dtype], "scale_ptr": "*fp32", "codes_ptr": "*i8",
+                         "sum_ptr": "*i32"},
+                        fp32="beta_scale norm_eps", aligned="D KP stride_x stride_c",  # every width: 16·n
+                        num_warps=max(1, min(PK.STREAM_WARPS, chunk // 256)), num_stages=1)  # quantize_codes
     plans, decode, v3 = set(), set(), set()
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912),
                  (12288, 4096), (22016, 4096), (1024, 2560), (64, 1100)):  # + the stacked 7B q/k/v, gate/up
@@ -745,7 +766,8 @@ def unlisted(kernels: dict, specs) -> list:
 # --------------------------------------------------------------------------------------------- compiling
 def compile_kernel(spec: Spec):
     """triton.compile of one entry for sm_90 (pointers 16-byte aligned, as fresh PyTorch allocations are)."""
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(spec.signature.values()) if t.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(spec.signature.items())
+             if t.startswith("*") or n in spec.aligned}
     source = GluonASTSource if spec.kernel.is_gluon() else ASTSource  # Gluon kernels are TTGIR already
     return triton.compile(source(spec.kernel, spec.signature, spec.constexprs, attrs), target=SM90,
                           options=spec.options)

@@ -776,3 +776,186 @@ def test_norm_codes_on_cuda_are_the_fused_norm_then_the_codes_kernel():
     y1, codes1 = PK.norm_codes(x, w, 1e-5, "int8")
     assert torch.equal(y1, FL.rms_norm(x, w, 1e-5))
     assert all(torch.equal(a, b) for a, b in zip(codes1, PK.quantize_codes(y1, "int8")))
+
+
+# ------------------------------------------------------------------------------- streaming codes kernel
+
+def _force_streaming(monkeypatch):
+    """quantize_codes takes the streaming kernel for INT8 / INT4 at any size."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    monkeypatch.setattr(PK, "STREAM_MIN_ROWS", 1)
+    monkeypatch.setattr(PK, "STREAM_MIN_BLOCK", {"int8": 1, "int4": 1})
+
+
+def _streaming_and_whole_row(monkeypatch, x, kind, *, norm_weight=None, chunk=None, beta_scale=1.0):
+    """quantize_codes(x) by the streaming kernel (``chunk`` columns per chunk) and by the whole-row kernel."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    _force_streaming(monkeypatch)
+    if chunk is not None:
+        monkeypatch.setattr(PK, "STREAM_CHUNK", chunk)
+    got = PK.quantize_codes(x, kind, beta_scale=beta_scale, norm_weight=norm_weight)
+    monkeypatch.setattr(PK, "STREAM_MIN_ROWS", 1 << 40)
+    want = PK.quantize_codes(x, kind, beta_scale=beta_scale, norm_weight=norm_weight)
+    return got, want
+
+
+def _torch_codes(x, kind, norm_weight=None, beta_scale=1.0):
+    """The PyTorch path's codes and scales of rows ``x`` (PackedBitLinear.quantize_input: the sub-norm, then
+    activation_codes)."""
+    bl = BitLinear(x.shape[1], 8, activation=kind, sub_norm=norm_weight is not None)
+    with torch.no_grad():
+        if norm_weight is not None:
+            bl.norm.weight.copy_(norm_weight)
+    p = PackedBitLinear.from_bitlinear(bl.to(x.device), impl="reference")
+    p.beta_scale = beta_scale
+    return p.quantize_input(x)
+
+
+def _check_streaming_codes(got, want, torch_codes, D, exact):
+    """``got`` (streaming kernel) against the whole-row kernel's ``want`` and the PyTorch path's codes: equal
+    (``exact``: INT8 without the sub-norm) or within one code at an exact half and the scales to an ulp (Σx², Σ|x|
+    summed in another order); Σ codes are the codes' sum, the padding past D is zero, a non-finite row has a NaN
+    scale and zero codes."""
+    codes, scale, sums = got
+    assert codes.shape == want[0].shape and codes.dtype == torch.int8
+    assert not codes[:, D:].any() and torch.equal(sums, codes.int().sum(1))
+    t_codes, t_scale = torch_codes
+    for other_codes, other_scale in ((want[0], want[1]), (t_codes, t_scale)):
+        other_codes = other_codes[:, :D]
+        if exact:
+            assert torch.equal(codes[:, :D], other_codes)
+            assert torch.allclose(scale, other_scale, rtol=0, atol=0, equal_nan=True)  # equal, NaN at NaN
+        else:
+            assert (codes[:, :D].int() - other_codes.int()).abs().max() <= 1
+            assert torch.allclose(scale, other_scale, rtol=1e-6, atol=0, equal_nan=True)
+    if exact:
+        assert torch.equal(sums, want[2])
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("D,chunk", [(37, None), (300, None), (1100, None), (1100, 256), (2563, None),
+                                     (2563, 512)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sub_norm", [False, True])
+def test_streaming_codes_kernel_is_the_whole_row_kernel(monkeypatch, kind, D, chunk, dtype, sub_norm):
+    """The prefill codes kernel (_act_codes_stream_kernel: the row in chunks, up to three passes) on odd widths,
+    below one chunk (37, 300) and over several with a partial last one (1100, 2563; chunks of 256-1024 columns):
+    INT8 without the sub-norm bit for bit against the whole-row kernel and the PyTorch path, INT4 and the sub-norm
+    within one code at an exact half (their sums in another order); a zero row, a NaN row, an inf row."""
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(5, D, generator=g) * torch.rand(5, 1, generator=g).mul(4).add(0.05)
+    x[0, -1] *= 20  # the max in the last (partial) chunk
+    x[2] = 0
+    x[3, D // 2] = float("nan")
+    x[4, 0] = float("-inf")
+    x = x.to(dtype)
+    w = torch.rand(D, generator=g).add(0.5) if sub_norm else None
+    got, want = _streaming_and_whole_row(monkeypatch, x, kind, norm_weight=w, chunk=chunk, beta_scale=1.5)
+    codes, scale, _ = got
+    assert torch.isnan(scale[3:]).all() and not codes[3:].any()
+    assert scale[2] == 0 and not codes[2].any()
+    _check_streaming_codes(got, want, _torch_codes(x, kind, w, 1.5), D, exact=kind == "int8" and not sub_norm)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("sub_norm", [False, True])
+def test_streaming_codes_kernel_on_one_row(monkeypatch, kind, sub_norm):
+    """M = 1, bf16, a width of several chunks with the max in the first one."""
+    x = tokens(1, 1100, seed=3).to(torch.bfloat16)
+    x[0, 3] = 50.0
+    w = torch.linspace(0.5, 1.5, 1100) if sub_norm else None
+    got, want = _streaming_and_whole_row(monkeypatch, x, kind, norm_weight=w, chunk=256)
+    _check_streaming_codes(got, want, _torch_codes(x, kind, w), 1100, exact=kind == "int8" and not sub_norm)
+
+
+def test_codes_kernel_streams_long_rows_at_prefill():
+    """The measured rule (H200): INT8 streams at 11008 but not at 4096 / 8192, INT4 from 6912; TopK, decode and
+    small batches never."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    m = max(PK.STREAM_MIN_ROWS, 2048)
+    assert [PK.codes_kernel("int8", m, d) for d in (2560, 4096, 8192, 11008)] == ["whole-row"] * 3 + ["stream"]
+    assert [PK.codes_kernel("int4", m, d) for d in (4096, 6912, 11008)] == ["whole-row", "stream", "stream"]
+    assert PK.codes_kernel("topk_int8", m, 11008) == "whole-row"
+    assert PK.codes_kernel("int8", PK.STREAM_MIN_ROWS - 1, 11008) == "whole-row"
+    assert PK.codes_kernel("int8", 1, 11008) == "whole-row"
+
+
+@needs_kernels
+def test_quantize_codes_launches_the_kernel_codes_kernel_names(monkeypatch):
+    """quantize_codes runs the kernel codes_kernel names: the streaming one for INT8 / INT4 from STREAM_MIN_ROWS rows
+    where the whole-row kernel's block reaches STREAM_MIN_BLOCK, the whole-row one for fewer rows, shorter rows
+    and TopK."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    launched = []
+    for name in ("_ACT_LAUNCH", "_ACT_STREAM_LAUNCH"):
+        real = getattr(PK, name)
+        monkeypatch.setattr(PK, name, lambda *a, _real=real, _name=name, **k: (launched.append(_name),
+                                                                                _real(*a, **k)))
+    monkeypatch.setattr(PK, "STREAM_MIN_ROWS", 4)
+    monkeypatch.setattr(PK, "STREAM_MIN_BLOCK", {"int8": 512, "int4": 256})
+    x = tokens(4, 300)
+    for kind, m, d, want in (("int8", 4, 300, "stream"), ("int4", 4, 300, "stream"), ("int8", 3, 300, "whole-row"),
+                             ("topk_int8", 4, 300, "whole-row"), ("int8", 4, 40, "whole-row"),
+                             ("int4", 4, 40, "stream")):
+        launched.clear()
+        PK.quantize_codes(x[:m, :d], kind)
+        assert PK.codes_kernel(kind, m, d) == want, (kind, m, d)
+        assert launched == ["_ACT_STREAM_LAUNCH" if want == "stream" else "_ACT_LAUNCH"], (kind, m, d)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_layer_on_streamed_codes_equals_the_torch_path(monkeypatch, kind):
+    """The layer forward (prefill GEMM) on the streaming kernel's codes, sub-norm and bias: as the whole-row
+    kernel's test (test_kernels_equal_the_torch_path) judges it."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    _force_streaming(monkeypatch)
+    monkeypatch.setattr(PK, "STREAM_CHUNK", 256)
+    bl = layer(513, 70, kind, seed=4)
+    got, want = _kernel_vs_torch(bl, tokens(70, 513, seed=4))
+    if kind == "int4":
+        assert ((got - want).abs() <= 1e-6 * want.abs().amax()).all()
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("D", [4096, 11008])
+@pytest.mark.parametrize("sub_norm", [False, True])
+def test_streaming_codes_kernel_on_cuda_at_prefill(monkeypatch, kind, D, sub_norm):
+    """The compiled streaming kernel at 2048 bf16 rows of the 7B widths (taken at both here; quantize_codes streams
+    only where it is faster): INT8 without the sub-norm bit for bit against the PyTorch path on the CPU (on CUDA,
+    PyTorch divides by a scalar through its reciprocal: not correctly rounded) and the whole-row kernel; INT4 and
+    the sub-norm within one code (sums in another order; the sub-norm's 1/√ is correctly rounded, PyTorch's rsqrt
+    is not, so a row's max may move by one bf16 step: a few rows' scales by ~0.4%)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    g = torch.Generator(device="cuda").manual_seed(D)
+    x = (torch.randn(2048, D, device="cuda", generator=g)
+         * torch.rand(2048, 1, device="cuda", generator=g).mul(4).add(0.05)).to(torch.bfloat16)
+    x[7, 100] = float("nan")
+    x[8] = 0
+    w = torch.rand(D, device="cuda", generator=g).add(0.5) if sub_norm else None
+    got, want = _streaming_and_whole_row(monkeypatch, x, kind, norm_weight=w)
+    codes, scale, sums = (t.cpu() for t in got)
+    t_codes, t_scale = _torch_codes(x.cpu(), kind, None if w is None else w.cpu())
+    assert torch.isnan(scale[7]) and not codes[7].any() and scale[8] == 0 and not codes[8].any()
+    assert not codes[:, D:].any() and torch.equal(sums, codes.int().sum(1))
+    if kind == "int8" and not sub_norm:
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        assert torch.allclose(got[1], want[1], rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(codes[:, :D], t_codes) and torch.allclose(scale, t_scale, rtol=0, atol=0, equal_nan=True)
+    else:
+        for other_codes, other_scale in ((want[0].cpu()[:, :D], want[1].cpu()), (t_codes, t_scale)):
+            assert (codes[:, :D].int() - other_codes.int()).abs().max() <= 1
+            close = torch.isclose(scale, other_scale, rtol=1e-6, atol=0, equal_nan=True)
+            assert close.float().mean() >= 0.99
+            assert torch.allclose(scale, other_scale, rtol=1e-2, atol=0, equal_nan=True)

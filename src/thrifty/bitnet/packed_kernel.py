@@ -11,7 +11,9 @@ Otherwise a forward is two launches (one more when K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
    INT4-range absmean, TopK+INT8) with the arithmetic of ``quant_kernel._quantize_rows_kernel`` (its helpers),
-   writing int8 codes (zero-padded to whole 256-weight groups), the fp32 scale and Σ codes of the token.
+   writing int8 codes (zero-padded to whole 256-weight groups), the fp32 scale and Σ codes of the token. At
+   prefill on long rows (``codes_kernel``: INT8 / INT4 from 512 tokens where the row's block would be large)
+   ``_act_codes_stream_kernel`` instead: the row walked in 1024-column chunks in up to three passes, 4 warps.
 2. the matmul, weights unpacked in registers, ``acc = Σ c·x`` with the *codes* ``c = w + 1`` (the −1 is the
    per-token ``Σ x`` subtracted once in the epilogue), then ``((acc − Σx)·s_x)·α (+ b)`` in fp32:
 
@@ -78,6 +80,67 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
         x = subnorm(x, x_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
     _store_codes(x, cols, inside, D, KP, codes_ptr + row * stride_c, scale_ptr + row, sum_ptr + row, k_keep,
                  beta_scale, KIND, KEY_SHIFT, KEY_BITS, EPS_)
+
+
+@triton.jit
+def _stream_chunk(x_row, w_ptr, cols, D, rstd, HAS_NORM: tl.constexpr):
+    """Columns ``cols`` of one row as fp32 (0 past ``D``), after the sub-norm with ``rstd`` when ``HAS_NORM``:
+    :func:`subnorm` on the values the whole-row kernel gives it, so each value is its value bit for bit."""
+    inside = cols < D
+    x_in = tl.load(x_row + cols, mask=inside, other=0.0)
+    x = x_in.to(tl.float32)
+    if HAS_NORM:
+        x = subnorm(x, x_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
+    return x
+
+
+@triton.jit
+def _act_codes_stream_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride_x, stride_c, beta_scale,
+                             norm_eps, KIND: tl.constexpr, HAS_NORM: tl.constexpr, CHUNK: tl.constexpr,
+                             EPS_: tl.constexpr):
+    """``_act_codes_kernel``'s codes, scale and Σ codes of one token (INT8 absmax / INT4-range absmean), the row
+    walked in ``CHUNK``-column chunks instead of held whole in registers: Σx² (sub-norm only), then max |x| (and
+    Σ|x| for INT4) of the (normed) values, then the codes, stored with Σ codes accumulated, and the zero padding
+    up to ``KP``. Per-lane accumulators, reduced once per pass; the second and third reads of a row come from
+    L1/L2. 32–40 registers, so 16 rows per SM: faster than the whole-row kernel only where that one's block is
+    large (``codes_kernel``; NOTES.md "The streaming codes kernel": a row's chunk loads are serial round trips).
+    Max |x| and Σ codes do not depend on the order, so INT8 without the sub-norm is the whole-row kernel's bit for
+    bit; Σx² and Σ|x| are summed in another order."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    cols = tl.arange(0, CHUNK)
+    rstd = 0.0
+    if HAS_NORM:
+        sq = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in range(0, D, CHUNK):
+            x = tl.load(x_row + start + cols, mask=start + cols < D, other=0.0).to(tl.float32)
+            sq += x * x
+        rstd = subnorm_rstd(tl.sum(sq, axis=0), D, norm_eps)
+    top = tl.zeros([CHUNK], dtype=tl.int32)
+    abs_sum = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, D, CHUNK):
+        c = start + cols
+        x = _stream_chunk(x_row, w_ptr, c, D, rstd, HAS_NORM)
+        bits = tl.where(c < D, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        top = tl.maximum(top, bits)
+        if KIND == 1:
+            abs_sum += bits.to(tl.float32, bitcast=True)
+    top_all = tl.max(top, axis=0)
+    if KIND == 1:  # INT4 range, absmean
+        multiplier, scale = quant_scales(top_all, tl.sum(abs_sum, axis=0), D, beta_scale, KIND, EPS_, COMPILED_)
+    else:
+        multiplier, scale = quant_scales(top_all, 0.0, D, beta_scale, KIND, EPS_, COMPILED_)
+    finite = top_all < NAN_BITS  # a row holding NaN or ±inf: NaN scale, zero codes (as _store_codes)
+    codes_row = codes_ptr + row * stride_c
+    total = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in range(0, KP, CHUNK):
+        c = start + cols
+        x = _stream_chunk(x_row, w_ptr, c, D, rstd, HAS_NORM)
+        codes = tl.where((c < D) & finite, quant_code(x, multiplier, KIND, COMPILED_), 0)
+        tl.store(codes_row + c, codes.to(tl.int8), mask=c < KP)
+        total += codes
+    tl.store(scale_ptr + row, tl.where(finite, scale, float("nan")))
+    tl.store(sum_ptr + row, tl.sum(total, axis=0))
 
 
 @triton.jit
@@ -665,6 +728,7 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
 # --------------------------------------------------------------------------------------------- launchers
 
 _ACT_LAUNCH = FastLauncher(_act_codes_kernel)
+_ACT_STREAM_LAUNCH = FastLauncher(_act_codes_stream_kernel)
 _NORM_CODES_LAUNCH = FastLauncher(_norm_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
 _DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
@@ -684,6 +748,21 @@ def _pow2(n: int) -> int:
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
+
+# The streaming codes kernel (_act_codes_stream_kernel; NOTES.md "The streaming codes kernel"), measured against the
+# whole-row kernel on the H200 at 512 and 2048 bf16 rows, D = 2560 / 4096 / 6912 / 8192 / 11008, with and without the
+# sub-norm: it wins where the whole-row kernel's block is large (BLOCK_D = next_pow2(padded_k(D)) at or above
+# STREAM_MIN_BLOCK: 16 warps, a third of the lanes idle at 11008, 1-2 programs per SM; INT4's extra Σ|x| reduction
+# already from 8192): 11008 INT8 31.1 -> 28.5 us, with the sub-norm 68.0 -> 46.1; INT4 at 6912 22.9 -> 16.6, at
+# 11008 48.2 -> 30.1. At D <= 4096 (INT8 also at 8192) it is slower (4096 INT8 10.2 -> 11.5 us: the whole-row
+# kernel's marginal rows already run at the copy bandwidth), and under STREAM_MIN_ROWS rows (decode, small
+# batches: one wave, latency-bound) the whole-row kernel's single load per row wins. Chunks of STREAM_CHUNK columns,
+# STREAM_WARPS warps (8 values per thread; 2048-column chunks and 8 warps measured no better).
+STREAM_KINDS = ("int8", "int4")
+STREAM_MIN_ROWS = 512
+STREAM_MIN_BLOCK = {"int8": 16384, "int4": 8192}
+STREAM_CHUNK = 1024
+STREAM_WARPS = 4
 
 DECODE_VERSION = 3  # decode_plan's default at 1 token: 3 = _decode_gemv_v3_kernel (on ready codes)
 # v2 (_decode_gemv_kernel, quantizing its own input) stays selectable (version=2) until the GPU has timed v3 beside
@@ -830,6 +909,15 @@ def scratch_nonzero(device: torch.device | str) -> dict:
     return counts
 
 
+def codes_kernel(kind: str, m: int, d: int) -> str:
+    """Which kernel :func:`quantize_codes` runs on ``m`` rows of ``d`` features for quantizer ``kind``: ``"stream"``
+    (``_act_codes_stream_kernel``: INT8 / INT4 from STREAM_MIN_ROWS rows where the whole-row kernel's block is at
+    least STREAM_MIN_BLOCK) or ``"whole-row"`` (``_act_codes_kernel``)."""
+    if kind in STREAM_KINDS and m >= STREAM_MIN_ROWS and _pow2(padded_k(d)) >= STREAM_MIN_BLOCK[kind]:
+        return "stream"
+    return "whole-row"
+
+
 def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_ratio: float = 0.5,
                    norm_weight=None, norm_eps: float = 1e-5):
     """(int8 codes (M, padded_k(D)), fp32 scales (M,), int32 Σ codes (M,)) of rows ``x`` (M, D) by the kernel."""
@@ -846,7 +934,13 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
     codes = torch.empty((m, kp), dtype=torch.int8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     sums = torch.empty(m, dtype=torch.int32, device=x.device)
-    if m:
+    if m and codes_kernel(kind, m, d) == "stream":
+        chunk = min(STREAM_CHUNK, _pow2(kp))
+        _ACT_STREAM_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
+                           x.stride(0), codes.stride(0), float(beta_scale), float(norm_eps), KIND=KINDS[kind],
+                           HAS_NORM=norm_weight is not None, CHUNK=chunk, EPS_=EPS,
+                           num_warps=max(1, min(STREAM_WARPS, chunk // 256)), num_stages=1)
+    elif m:
         shift, key_bits = KEYS[x.dtype]
         block = _pow2(kp)
         _ACT_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
