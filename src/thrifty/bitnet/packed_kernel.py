@@ -67,11 +67,9 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
                       norm_eps, KIND: tl.constexpr, HAS_NORM: tl.constexpr, KEY_SHIFT: tl.constexpr,
                       KEY_BITS: tl.constexpr, BLOCK_D: tl.constexpr, EPS_: tl.constexpr, PDL: tl.constexpr):
     """Codes, scale and Σ codes of one token (the values of quant_kernel's input kernel, before the rescale).
-    ``PDL`` (launched with programmatic dependent launch): lets the decode GEMV after it start now (the GEMV streams
-    its weights meanwhile and waits for these codes), then waits for the kernel ahead before any memory access."""
+    ``PDL``: lets a decode GEMV launched with programmatic dependent launch start now (it waits for these codes)."""
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -178,7 +176,6 @@ def _norm_codes_kernel(X, R, W, S, Y, codes_ptr, scale_ptr, sum_ptr, D, KP, stri
     ``_act_codes_kernel``."""
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < D
@@ -609,7 +606,10 @@ def _decode_gemv_v3_kernel(codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias
     n_words = n_groups * WORDS_  # a multiple of 16 the compiler sees: the masks keep 16-byte vectors whole
     if PDL:
         _prefetch_rows_l2(w_ptr, rows, row_ok, w_row16, n_words, KW)
-        gdc_wait()  # the codes, Σ codes and scale are the kernel ahead's output
+        # the codes, Σ codes and scale are the kernel ahead's output. No early start for the kernel after this
+        # one: a sibling GEMV started now would stream its weights against these (H200, 6962961: back-to-back
+        # GEMVs 5.5 -> 6.1 us at 4096x4096 with it)
+        gdc_wait()
     acc64 = tl.zeros([BLOCK_N, KW // 4], dtype=tl.int32)
     acc16 = tl.zeros([BLOCK_N, KW // 4], dtype=tl.int32)
     for c in tl.range(0, tl.cdiv(n_words, KW), num_stages=STAGES):
@@ -618,9 +618,6 @@ def _decode_gemv_v3_kernel(codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias
         w = tl.load(w_ptr + c * KW + w_offs, mask=row_ok[:, None] & inside[None, :], other=0,
                     eviction_policy="evict_first")
         acc64, acc16 = _dot_chunk(w, x_row, word, inside, acc64, acc16, BLOCK_N, KW, USE_ASM)
-    if PDL:  # the weights are streamed: the kernel after this one may start (not before the loop: a sibling GEMV
-        # started early streamed its weights against these, H200 6962961: 5.5 -> 6.1 us at 4096x4096)
-        gdc_launch_dependents()
     # every dp4a term of acc64 (acc16) is a multiple of 64 (16): the shifts are exact per lane, one reduction
     total = tl.sum((acc64 >> 6) + (acc16 >> 4), axis=1)
     toks = tok + tl.arange(0, 1)
@@ -946,12 +943,11 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
     elif m:
         shift, key_bits = KEYS[x.dtype]
         block = _pow2(kp)
-        pdl = pdl_ok(x.device)
         _ACT_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
                     x.stride(0), codes.stride(0), topk_count(d, topk_ratio), float(beta_scale), float(norm_eps),
                     KIND=KINDS[kind], HAS_NORM=norm_weight is not None, KEY_SHIFT=shift, KEY_BITS=key_bits,
-                    BLOCK_D=block, EPS_=EPS, PDL=pdl, num_warps=max(1, min(16, block // 512)), num_stages=3,
-                    launch_pdl=pdl)
+                    BLOCK_D=block, EPS_=EPS, PDL=pdl_ok(x.device), num_warps=max(1, min(16, block // 512)),
+                    num_stages=3)
     return codes, scale, sums
 
 
@@ -982,12 +978,11 @@ def norm_codes(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, *, 
     if m:
         launch = _norm_launch(D)
         block = launch["BLOCK"]
-        pdl = pdl_ok(x.device)
         _NORM_CODES_LAUNCH((m,), rows, res, weight, total, out, codes, scale, sums, D, kp, rows.stride(0),
                            res.stride(0), total.stride(0), out.stride(0), codes.stride(0), float(eps),
                            float(beta_scale), ADD=add, KIND=FUSED_KINDS[kind], BLOCK=block,
-                           TAIL=_pow2(kp - block) if kp > block else 0, EPS_=EPS, PDL=pdl,
-                           num_warps=launch["num_warps"], num_stages=1, launch_pdl=pdl)
+                           TAIL=_pow2(kp - block) if kp > block else 0, EPS_=EPS, PDL=pdl_ok(x.device),
+                           num_warps=launch["num_warps"], num_stages=1)
     y = out.view(*x.shape[:-1], D)
     return (total.view(x.shape), y, (codes, scale, sums)) if add else (y, (codes, scale, sums))
 
