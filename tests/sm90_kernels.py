@@ -631,13 +631,13 @@ def _bitnet_packed():
             w, x = ("*i32", "*i32") if kernel == "gemv" else ("*u8", "*i8")
             yield entry(fn, f"{kernel} {bn}x{bm} split={mode} {NAME[dtype]} bias={bias}",
                         dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=mode, HAS_BIAS=bias, USE_ASM=PK.USE_ASM,
-                             **(dict(STAGES=stages) if kernel == "gemv" else dict(PDL=True))),
+                             **(dict(STAGES=stages) if kernel == "gemv" else {})),
                         {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32",
                          "scale_ptr alpha_ptr bias_ptr": "*fp32", "out_ptr": PTR[dtype]}, num_warps=warps,
                         num_stages=stages)
     # the plain-Triton decode, which benchmarks/bitnet_kernels.py falls back to if the inline PTX were wrong
     for fn, w, x, bn, bm, extra in ((PK._gemv_kernel, "*i32", "*i32", 32, 1, dict(STAGES=4)),
-                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, dict(PDL=False))):
+                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, {})):
         yield entry(fn, f"USE_ASM=False {bn}x{bm}", dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=1, HAS_BIAS=False,
                                                          USE_ASM=False, **extra),
                     {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",

@@ -328,22 +328,10 @@ def _gemv_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, 
 
 
 @triton.jit
-def _prefetch_groups_l2(w_ptr, rows, row_ok, stride_w, g_start, g_end):
-    """``prefetch.global.L2`` of the packed weight groups [g_start, g_end) of ``rows`` (u8 rows of ``stride_w``
-    bytes, 64 bytes a group): one prefetch per 128-byte line (two groups)."""
-    for g in range(g_start, g_end, 2):
-        ptrs = w_ptr + rows.to(tl.int64) * stride_w + g * SLICE_
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                  "=r,l,r", [ptrs, row_ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemm_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
                  groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
-    """Int8 tensor cores, swap-AB: acc[n, m] += W_field(BLOCK_N, 64) @ Xᵀ_field(64, BLOCK_M) per 2-bit field.
-    ``PDL`` (launched with programmatic dependent launch): as the decode GEMV, the program starts while the codes
-    kernel ahead still runs, prefetches its weight rows into L2 and waits before reading the codes."""
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Int8 tensor cores, swap-AB: acc[n, m] += W_field(BLOCK_N, 64) @ Xᵀ_field(64, BLOCK_M) per 2-bit field."""
     # row strides come in units of 16 elements (rows are whole groups): the compiler then knows every row is
     # 16-byte aligned, so loads vectorize and the tensor-core loop pipelines (cp.async)
     stride_w = w_row16 * 16
@@ -358,9 +346,6 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
     g_start = tl.program_id(1) * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, n_groups)
-    if PDL:
-        _prefetch_groups_l2(w_ptr, rows, rows < N, stride_w, g_start, g_end)
-        gdc_wait()  # the codes, Σ codes and scales are the kernel ahead's output; the workspace its predecessor's
     for g in range(g_start, g_end):
         packed = tl.load(w_rows + g * SLICE_, mask=row_ok, other=0)
         for field in tl.static_range(4):
@@ -1033,12 +1018,10 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
                      USE_ASM=USE_ASM, STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
                      num_stages=cfg["num_stages"])
     else:
-        pdl = pdl_ok(out.device)
         _GEMM_LAUNCH(grid, packed, codes, ws, locks, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
                      cfg["groups_per_split"], packed.stride(0) // 16, codes.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=mode, HAS_BIAS=bias is not None,
-                     USE_ASM=USE_ASM, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                     launch_pdl=pdl)
+                     USE_ASM=USE_ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if mode == 1:
         bn, bm = EPILOGUE_TILE
         _EPILOGUE_LAUNCH((_cdiv(n, bn), _cdiv(m, bm)), ws, sums, scale, alpha_rows, bias_arg, out, n, m,
