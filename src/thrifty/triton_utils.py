@@ -61,6 +61,17 @@ def sm_count(device: torch.device | str | int | None) -> int:
     return n
 
 
+_CAPABILITY: dict = {}  # CUDA device index -> (major, minor): kernel routes read it per call
+
+
+def capability(device: torch.device) -> tuple:
+    """(major, minor) of a CUDA device (the current one when it has no index); one dict lookup after the first."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
 def kernels_available(device: torch.device | str) -> bool:
     """True when a Triton kernel can run on tensors of ``device``: CUDA, or any device under the interpreter."""
     if not HAVE_TRITON:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .._checks import check_bool, check_choice, check_config as _check_config, check_impl, check_range, check_tensor
 from ..kv.reference import causal_mask, nonfinite_rows
-from ..triton_utils import kernels_available
+from ..triton_utils import capability, kernels_available
 from .reference import empty_attention, sage_attention_reference
 from .routing import prefill_goes_to_gluon, short_query_goes_to_sdpa, training_goes_to_sdpa
 
@@ -117,18 +117,7 @@ def _choose_impl(impl, q, causal):
     # auto: a kernel on CUDA (the interpreter is for tests, never chosen implicitly); else the reference
     if not (q.is_cuda and kernels_available(q.device)):
         return "reference"
-    return "gluon" if prefill_goes_to_gluon(q.shape[-1], q.shape[2], causal, _capability(q.device)) else "triton"
-
-
-_CAPABILITY: dict = {}  # CUDA device index -> (major, minor): the kernel routes read it per call
-
-
-def _capability(device: torch.device) -> tuple:
-    """(major, minor) of a CUDA device (the current one when it has no index); one dict lookup after the first."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
+    return "gluon" if prefill_goes_to_gluon(q.shape[-1], q.shape[2], causal, capability(q.device)) else "triton"
 
 
 def _forward(q, k, v, causal, sm_scale, config, impl, return_lse):
@@ -178,7 +167,7 @@ def one_row_flash_fits(q, k, v) -> bool:
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    return _capability(q.device)[0] >= 8  # torch's FlashAttention-2 build: sm_80 or newer
+    return capability(q.device)[0] >= 8  # torch's FlashAttention-2 build: sm_80 or newer
 
 
 def one_row_flash(q, k, v, sm_scale: Optional[float]) -> torch.Tensor:

@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..fused_layers import _check_norm_weight, _check_residual, _norm_launch, _rows, _store_add, _store_rms_norm
-from ..triton_utils import FastLauncher, interpreting
+from ..triton_utils import FastLauncher, capability, interpreting
 from ..triton_utils import sm_count as _sm_count  # PK._sm_count: the benchmarks' name (older trees have it)
 from .pack import GROUP, SLICE, padded_k
 from .kernel_math import COMPILED as COMPILED_, cast_to, mul_rn, quant_code, quant_round, quant_scales, subnorm
@@ -113,7 +113,7 @@ def _act_codes_stream_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP,
     if HAS_NORM:
         sq = tl.zeros([CHUNK], dtype=tl.float32)
         for start in range(0, D, CHUNK):
-            x = tl.load(x_row + start + cols, mask=start + cols < D, other=0.0).to(tl.float32)
+            x = _stream_chunk(x_row, w_ptr, start + cols, D, 0.0, False)  # the raw values: Σx² is before the norm
             sq += x * x
         rstd = subnorm_rstd(tl.sum(sq, axis=0), D, norm_eps)
     top = tl.zeros([CHUNK], dtype=tl.int32)
@@ -861,21 +861,12 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
                 groups_per_split=per_split, num_warps=warps, num_stages=3, fused_epilogue=False)
 
 
-_PDL_OK: dict = {}  # CUDA device index -> programmatic dependent launch available
-
-
 def pdl_ok(device: torch.device) -> bool:
     """True when the decode GEMV launches with programmatic dependent launch (and the codes kernels ahead of it
     let it start early): compiled kernels (not the interpreter) on an sm_90+ GPU. Why: a 1-token GEMV's own launch
     and the first trip to HBM were ~2–3 µs of its 5.6–11 (NOTES.md "Decode GEMV v3, measured"); launched early, it
     streams its weights into L2 while the codes kernel runs."""
-    if not USE_ASM or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _PDL_OK.get(index)
-    if ok is None:
-        ok = _PDL_OK[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return ok
+    return USE_ASM and device.type == "cuda" and capability(device) >= (9, 0)
 
 
 def _workspace(device: torch.device, numel: int, pool: dict | None = None) -> torch.Tensor:
