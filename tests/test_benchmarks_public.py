@@ -7,7 +7,6 @@ neuzip_codec.py on pair-coded tensors). bitnet_profile.py (``bench.count_launche
 
 import ast
 import importlib
-import importlib.util
 import json
 import os
 import re
@@ -18,15 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py", f"bench_{name}")
 
 
 def _private(name: str) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from script_module import load_script
 from test_train_cuda_graph import stand_in_graphs  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,13 +60,10 @@ def test_step_times_give_eager_and_graph_rows(stand_in_graphs):
     """On CUDA every variant is timed eagerly and as a graph in the same rounds; the unsuffixed ratios are the
     graph's. The graph trainers here record StandInGraphs (CPU), reference quantizers (fast off the GPU)."""
     import argparse
-    import importlib.util
-
+    
     import torch
 
-    spec = importlib.util.spec_from_file_location("bitnet_step_under_test", ROOT / "benchmarks" / "bitnet_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bitnet_step.py", "bitnet_step_under_test")
     args = argparse.Namespace(preset="tiny", vocab_size=256, batch_size=1, seq_len=8, warmup=1, reps=2, rounds=2,
                               cuda_graph=True)
     rows, summary = bench.step_times(args, torch.device("cpu"), "reference")

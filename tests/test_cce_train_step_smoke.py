@@ -16,6 +16,8 @@ pytest.importorskip("transformers")
 
 from thrifty import bench  # noqa: E402
 
+from script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_ROW = {"shape": "D=2304 V=256000", "impl": "thrifty", "regime": "realistic", "tokens": 8192, "loss_grad_ms": 1.0}
 
@@ -72,9 +74,7 @@ def test_kernel_run_keeps_the_train_step_rows_and_keys(tmp_path):
                                               "train_step_ratio_vs_stock_1b": 1.25,
                                               "train_step_peak_mib_thrifty_1b": 9000.0}, [KERNEL_ROW, step_row],
                        extra={"train_step": {"shape": "1b"}})
-    spec = importlib.util.spec_from_file_location("cce_bench_under_test", ROOT / "benchmarks" / "cce.py")
-    cce = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cce)
+    cce = load_script("benchmarks/cce.py", "cce_bench_under_test")
     out = tmp_path / "out"
     cce.finalize([], 800.0, argparse.Namespace(out=str(out), merge_into=str(earlier)))
     doc = json.loads((out / "cce_cpu.json").read_text())

@@ -1,16 +1,11 @@
 """scripts/import_graph.py: the rooms, floors and cycles of the package, and no import cycle in src/thrifty."""
 
-import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from script_module import load_script
 
 def _load():
-    spec = importlib.util.spec_from_file_location("import_graph_under_test", ROOT / "scripts" / "import_graph.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/import_graph.py", "import_graph_under_test")
 
 
 def _package(root: Path, files: dict) -> Path:

@@ -1,17 +1,15 @@
 """Pinned host memory for ShadowKV is sized from /proc/meminfo minus a margin and refused with a MemoryError
 naming the numbers (the GPU box's OOM killer ends a process silently). CPU: the meminfo reader is replaced."""
 
-import importlib.util
-import pathlib
-
 import pytest
 import torch
 
 from thrifty.kvcache import host as hostmem
 from thrifty.kvcache import reference as ref
 
+from script_module import load_script
+
 GiB = 2**30
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def fake_meminfo(monkeypatch, available, total=128 * GiB):
@@ -52,10 +50,7 @@ def test_cache_host_values_checked_against_the_budget(monkeypatch):
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("shadowkv_bench", ROOT / "benchmarks" / "shadowkv.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/shadowkv.py", "shadowkv_bench")
 
 
 def test_benchmark_host_limit_and_batch_caps(monkeypatch):

@@ -1,18 +1,13 @@
 """CPU smoke run of benchmarks/neuzip_models.py's training part (tiny model, 3 steps per variant): every code path
 of the Table 1 rows runs, and lossless NeuZip keeps the losses of the same optimizer bit for bit."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from script_module import load_script
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("neuzip_models_bench", ROOT / "benchmarks" / "neuzip_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/neuzip_models.py", "neuzip_models_bench")
 
 
 def test_neuzip_models_training_smoke(capsys):

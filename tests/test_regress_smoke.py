@@ -6,7 +6,6 @@ repeated (new, old, new again), the other five sections without one. The whole s
 about 90 s on two busy cores.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,15 +15,14 @@ import pytest
 
 from thrifty import bench
 
+from script_module import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "regress.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("regress_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "regress_under_test")
 
 
 def _run(tmp_path, *args):

@@ -1,24 +1,18 @@
 """benchmarks/shadowkv_copy_probe.py: ``--trials``/``--pick`` select the ablation's prompts, the default keeps
 the old prompts, and the exact-key fields of a layer equal the rebuilt-key ones when the rank keeps every key."""
 
-import importlib.util
 import math
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from thrifty.kvcache.needle import make_needle_task
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from script_module import load_script
 
 def _module():
-    spec = importlib.util.spec_from_file_location("shadowkv_copy_probe", ROOT / "benchmarks" / "shadowkv_copy_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/shadowkv_copy_probe.py", "shadowkv_copy_probe")
 
 
 def _encode(s):

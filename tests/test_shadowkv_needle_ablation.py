@@ -1,24 +1,17 @@
 """benchmarks/shadowkv_needle_ablation.py: its baseline scorers are the library's (the ablation measures
 thrifty's ShadowKV and Quest, not a re-implementation), on random keys."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 
 from thrifty.kvcache import ShadowKVConfig
 from thrifty.kvcache import reference as R
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from script_module import load_script
 
 def _module():
-    spec = importlib.util.spec_from_file_location("shadowkv_needle_ablation",
-                                                  ROOT / "benchmarks" / "shadowkv_needle_ablation.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/shadowkv_needle_ablation.py", "shadowkv_needle_ablation")
 
 
 def test_ablation_scores_match_reference():
