@@ -236,7 +236,8 @@ def sage_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] =
     ``impl``: "triton" (CUDA, head_dim 64 or 128; other head dims warn and use exact SDPA), "gluon" (the
     Hopper Gluon kernel; what it does not implement runs on "triton"), "reference" (readable PyTorch, any device
     and head_dim), "auto" (on CUDA "gluon" where it was measured faster, ``routing.prefill_goes_to_gluon``: sm_90,
-    head_dim 64 or 128, ≥ 8192 query rows, ≥ 16384 causal; else "triton"; the reference off CUDA).
+    head_dim 64 or 128, from ``routing.GLUON_MIN_QUERIES[head_dim]`` query rows, causal from
+    ``GLUON_MIN_QUERIES_CAUSAL[head_dim]``; else "triton"; the reference off CUDA).
     ``return_lse``: also return the fp32 log-sum-exp of the scaled scores per query, (B, H, Sq).
     NaN/±inf in q, k or v: every output row that depends on one (its own query row, or a key/value row it
     attends to) is NaN, LSE too; the other rows are computed as if those elements were zero (so one bad key
