@@ -467,6 +467,48 @@ def gpu_busy_ms(step, device, steps: int = 5) -> dict:
         return {"gpu_busy_ms": None, "profiler_error": f"{type(err).__name__}: {err}"[:300]}
 
 
+def kernel_table_rows(args, device, steps: int = 5) -> list[dict]:
+    """``--kernel-table``: per kernel name, launches and GPU µs per eager decode step (batch 1, after
+    ``--context`` cached tokens) of the bf16 and the stacked ternary model, from torch.profiler: where a step's
+    busy time goes, and how many launches a graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from thrifty.bitnet import stack_projections
+    from thrifty.models.llama import KVCache
+
+    if device.type != "cuda":
+        return [dict(what="decode_kernels", error="needs a GPU")]
+    dense, ternary = build_models(args, device)
+    stack_projections(ternary)
+    rows = []
+    for name, model in (("bf16", dense), ("stacked ternary", ternary)):
+        ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
+        cache = KVCache()
+        with torch.no_grad():
+            model(ids, cache=cache, logits_to_keep=1)
+            nxt = ids[:, -1:]
+            for _ in range(3):
+                model(nxt, cache=cache, logits_to_keep=1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    model(nxt, cache=cache, logits_to_keep=1)
+                torch.cuda.synchronize()
+        table: dict = {}
+        for e in prof.events():
+            if e.device_type.name != "CUDA":
+                continue
+            t = table.setdefault(e.name[:90], [0, 0.0])
+            t[0] += 1
+            t[1] += e.time_range.elapsed_us()
+        for kernel, (count, us) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+            rows.append(dict(what="decode_kernels", model=name, kernel=kernel, per_step=count / steps,
+                             us_per_step=us / steps, us_per_launch=us / count))
+        print(f"  kernel table {name}: {sum(t[0] for t in table.values()) / steps:.0f} launches, "
+              f"{sum(t[1] for t in table.values()) / steps / 1e3:.3f} ms per step", flush=True)
+    return rows
+
+
 def model_rows(args, device) -> list[dict]:
     from thrifty.bitnet import stack_projections
 
@@ -672,6 +714,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
     ap.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS",
                     help="also time the stacked model's decode with the GEMV's dependent launch on / off, alternating")
+    ap.add_argument("--kernel-table", action="store_true",
+                    help="per-kernel launches and GPU time of one eager decode step (bf16 and stacked ternary)")
     ap.add_argument("--gemm-sweep-tokens", default="", help="token counts of the prefill tile sweep (e.g. 2048)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--label", default=None)
@@ -724,6 +768,8 @@ def main(argv=None) -> int:
         rows += model_rows(args, device)
     if args.pdl_ab:
         rows += pdl_ab_rows(args, device)
+    if args.kernel_table:
+        rows += kernel_table_rows(args, device)
     summary = {**summarize(rows), "hbm_copy_gbs": hbm, "inline_ptx": PK.USE_ASM, **kv_cache_bytes(args.model_config)}
     extra = {"args": {k: v for k, v in vars(args).items()}, "inline_ptx_gate": asm_gate,
              "note": "smoke run: tiny shapes, measures nothing" if args.smoke else
@@ -734,7 +780,7 @@ def main(argv=None) -> int:
     print_table([r for r in rows if "impl" in r],
                 ["tree", "model", "shape", "tokens", "impl", "gpu_ms", "host_ms", "weight_gbs", "pct_of_hbm",
                  "pct_of_floor", "speedup_vs_bf16", "match"])
-    for what in ("a4.8 activation", "sweep", "gemm sweep", "decode"):
+    for what in ("a4.8 activation", "sweep", "gemm sweep", "decode", "decode_kernels"):
         part = [r for r in rows if r.get("what") == what]
         if part:
             print_table(part)

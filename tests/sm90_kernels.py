@@ -654,6 +654,16 @@ def _bitnet_packed():
                     dict(ADD=add, KIND=kind, BLOCK=launch["BLOCK"], TAIL=tail, EPS_=EPS, PDL=True),
                     {"X R W S Y": PTR[dtype], "codes_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32"},
                     fp32="eps beta_scale", num_warps=launch["num_warps"], num_stages=1)
+    # the GLU in front of a packed down projection making its codes (packed_kernel.glu_codes): the 7B / 2B FFN
+    # widths and a short one, as the launcher specializes them (row lengths and strides multiples of 16)
+    for D, dtype, relu2, kind, norm in ((11008, bf16, True, 0, True), (11008, bf16, False, 1, True),
+                                        (6912, fp32, True, 0, False), (96, bf16, True, 0, True)):
+        block = triton.next_power_of_2(padded_k(D))
+        yield entry(PK._glu_codes_kernel, f"glu codes D={D} {NAME[dtype]} relu2={relu2} kind={kind} norm={norm}",
+                    dict(RELU2=relu2, KIND=kind, HAS_NORM=norm, BLOCK_D=block, EPS_=EPS, PDL=True),
+                    {"G U Y w_ptr": PTR[dtype], "codes_ptr": "*i8", "scale_ptr": "*fp32", "sum_ptr": "*i32"},
+                    fp32="beta_scale norm_eps", aligned="D KP stride_g stride_u stride_c",
+                    num_warps=max(1, min(16, block // 512)), num_stages=3)
     bn, bm = PK.EPILOGUE_TILE
     for dtype, bias in ((bf16, False), (fp32, True)):
         yield entry(PK._splitk_epilogue_kernel, f"{NAME[dtype]} bias={bias}", dict(BLOCK_N=bn, BLOCK_M=bm, HAS_BIAS=bias),
@@ -682,6 +692,9 @@ def _fused_layers():
         for half in (32, 64):
             yield entry(FL._rope_kernel, f"{NAME[dtype]} Dh={2 * half}", dict(HALF=half, BLOCK=half),
                         {"X Y": PTR[dtype], "COS SIN": "*fp32"}, num_warps=1)
+            # the static cache's one-launch RoPE + write (positions int64 from torch.arange, buffers of q's dtype)
+            yield entry(FL._rope_qk_into_cache_kernel, f"{NAME[dtype]} Dh={2 * half}", dict(HALF=half, BLOCK=half),
+                        {"Q K V QO KB VB": PTR[dtype], "COS SIN": "*fp32", "POS": "*i64"}, num_warps=1)
 
 
 SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_optim_lomo(),

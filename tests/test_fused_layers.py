@@ -121,7 +121,7 @@ def test_rope_matches_the_pytorch_form_and_float64(dtype, B, H, T, Dh, per_row):
     # (B, T, H, Dh) viewed as (B, H, T, Dh): the strides q and k have in the model
     x = torch.randn(B, T, H, Dh, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
     positions = (torch.randint(0, 5000, (B, T), generator=g) if per_row else torch.arange(7, 7 + T)).to(DEVICE)
-    cos, sin = rotary._cos_sin(positions)
+    cos, sin = rotary.cos_sin(positions)
     got = rope(x, cos, sin)
     want = torch_rope(rotary, x, positions)
     assert got.dtype == dtype and got.shape == (B, H, T, Dh) and got.is_contiguous()
@@ -143,6 +143,70 @@ def test_rope_refuses_tables_of_the_wrong_shape_or_dtype():
         rope(x, cos[:2], cos[:2])
     with pytest.raises(ValueError, match="cos, sin"):
         rope(x, cos.double(), cos.double())
+
+
+def unfused_step(rotary, q, k, v, keys, values, positions):
+    """What the static cache does on CUDA without the fused kernel: the RoPE kernel on q and on k, then two index
+    copies."""
+    from thrifty.fused_layers import rope
+
+    cos, sin = rotary.cos_sin(positions)
+    keys, values = keys.clone(), values.clone()
+    keys.index_copy_(2, positions, rope(k, cos, sin).to(keys.dtype))
+    values.index_copy_(2, positions, v.to(values.dtype))
+    return rope(q, cos, sin), keys, values
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, HQ, HK, T, Dh", [(1, 4, 2, 1, 64), (2, 3, 3, 3, 6), (2, 6, 2, 2, 130)])
+def test_rope_qk_into_cache_is_rope_then_index_copy_bit_for_bit(dtype, B, HQ, HK, T, Dh):
+    """q, k, v as strided views of one stacked projection output (as the model hands them over), positions in no
+    order; the rotated q and both buffers equal the RoPE kernel + index_copy_ exactly (what the cache runs on CUDA
+    without the fused kernel), other slots untouched; and against float64 within the dtype's rounding."""
+    from thrifty.fused_layers import rope_qk_into_cache
+
+    g = torch.Generator().manual_seed(B * 1000 + HQ * 100 + T * 10 + Dh)
+    rotary = RotaryEmbedding(Dh, 10000.0).to(DEVICE)
+    width = (HQ + 2 * HK) * Dh
+    y = torch.randn(B, T, width, generator=g).to(dtype).to(DEVICE)
+    q = y[..., : HQ * Dh].view(B, T, HQ, Dh).transpose(1, 2)
+    k = y[..., HQ * Dh: (HQ + HK) * Dh].view(B, T, HK, Dh).transpose(1, 2)
+    v = y[..., (HQ + HK) * Dh:].view(B, T, HK, Dh).transpose(1, 2)
+    capacity = 11
+    positions = torch.randperm(capacity, generator=g)[:T].to(DEVICE)
+    keys = torch.randn(B, HK, capacity, Dh, generator=g).to(dtype).to(DEVICE)
+    values = torch.randn(B, HK, capacity, Dh, generator=g).to(dtype).to(DEVICE)
+    want_q, want_k, want_v = unfused_step(rotary, q, k, v, keys, values, positions)
+    cos, sin = rotary.cos_sin(positions)
+    got_q = rope_qk_into_cache(q, k, v, cos, sin, keys, values, positions)
+    assert got_q.shape == (B, HQ, T, Dh) and got_q.is_contiguous() and got_q.dtype == dtype
+    assert torch.equal(got_q, want_q) and torch.equal(keys, want_k) and torch.equal(values, want_v)
+    exact = torch.cat((-k.double()[..., Dh // 2:], k.double()[..., : Dh // 2]), -1) * sin.double() + \
+        k.double() * cos.double()
+    written = keys.double()[:, :, positions]
+    assert (written - exact).abs().max().item() <= ULP[dtype] * 2 * exact.abs().max().item()
+
+
+@needs_kernels
+def test_rope_qk_into_cache_writes_nothing_outside_the_buffer_and_refuses_bad_input():
+    from thrifty.fused_layers import rope_qk_into_cache
+
+    rotary = RotaryEmbedding(8, 10000.0).to(DEVICE)
+    q, k, v = (torch.randn(1, h, 1, 8, device=DEVICE) for h in (2, 1, 1))
+    keys, values = torch.zeros(1, 1, 4, 8, device=DEVICE), torch.zeros(1, 1, 4, 8, device=DEVICE)
+    positions = torch.tensor([4], device=DEVICE)  # one past the end: the host checks refuse it before the kernel
+    cos, sin = rotary.cos_sin(positions)
+    rope_qk_into_cache(q, k, v, cos, sin, keys, values, positions)
+    assert not keys.any() and not values.any()
+    ok = (q, k, v, cos, sin, keys, values, positions)
+    for i, bad, name in ((1, k.half(), "k, v"), (2, v[..., :6], "k, v"), (3, cos.double(), "cos, sin"),
+                         (5, keys[:, :, :, :6], "keys, values"), (7, positions.float(), "positions"),
+                         (7, positions.view(1, 1), "positions")):
+        args = list(ok)
+        args[i] = bad
+        with pytest.raises(ValueError, match=name):
+            rope_qk_into_cache(*args)
 
 
 @pytest.mark.cuda

@@ -139,6 +139,44 @@ def test_a_seam_without_the_mask_contract_is_refused():
         generate(model, ids(), 4, cuda_graph=True)
 
 
+def test_update_with_query_is_rope_then_update_off_the_fast_path():
+    """On the CPU (or with autograd) the static cache's query-and-keys entry point is the two plain calls."""
+    model = tiny()
+    rope = model.model.rotary
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 3, 16, generator=g), torch.randn(2, 2, 3, 16,
+                                                                                                        generator=g)
+    positions = torch.arange(3)
+    fused, plain = StaticKVCache(8), StaticKVCache(8)
+    got = fused.update_with_query(0, q, k, v, positions, rope)
+    want = (rope(q, positions), *plain.update(0, k, v, positions, rope))
+    assert fused.fused_updates == 0 and len(fused) == len(plain) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_static_cache_takes_the_one_launch_rope_and_write(dtype):
+    """On CUDA the reference model's decode through a static cache rotates q and k and writes k/v in one launch
+    per layer (counted), prefill and graph-mode steps alike, with the logits of the unfused calls bit for bit."""
+    model = tiny(dtype=dtype).to("cuda")
+    x = ids(t=9).to("cuda")
+    fused = StaticKVCache(16)
+    with torch.no_grad():
+        got = [model(x, cache=fused)]
+        step = x[:, -1:]
+        for _ in range(3):
+            got.append(model(step, cache=fused))
+    assert fused.fused_updates == 4 * 2  # 4 forwards x 2 layers
+    plain = StaticKVCache(16)
+    plain.update_with_query = None  # the attention then takes rope + update, as a cache without the method
+    with torch.no_grad():
+        want = [model(x, cache=plain)]
+        for _ in range(3):
+            want.append(model(step, cache=plain))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["bf16", "stacked_a48"])
 def test_cuda_graphed_decoder_captures_once_across_calls(kind):

@@ -108,13 +108,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 @triton.jit
-def _glu_kernel(G, U, Y, F, stride_g, stride_u, RELU2: tl.constexpr, BLOCK: tl.constexpr):
-    """act(gate) * up for one block of one row: the activation rounded to the dtype, then the product, as the
-    PyTorch form's two ops. RELU2: relu(g)^2 (BitNet's ReLU²GLU), else SiLU."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < F
-    g_in = tl.load(G + row * stride_g + cols, mask=inside, other=0.0)
+def _glu_values(G_row, U_row, cols, inside, RELU2: tl.constexpr):
+    """act(gate) * up at ``cols`` of one row, in the gate's dtype: the activation rounded to the dtype, then the
+    product, as the PyTorch form's two ops. RELU2: relu(g)^2 (BitNet's ReLU²GLU), else SiLU."""
+    g_in = tl.load(G_row + cols, mask=inside, other=0.0)
     g = g_in.to(tl.float32)
     if RELU2:
         r = tl.maximum(g, 0.0)
@@ -122,20 +119,34 @@ def _glu_kernel(G, U, Y, F, stride_g, stride_u, RELU2: tl.constexpr, BLOCK: tl.c
     else:
         a = g / (1.0 + tl.exp(-g))
     a = a.to(g_in.dtype).to(tl.float32)
-    u = tl.load(U + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(Y + row * F + cols, (a * u).to(g_in.dtype), mask=inside)
+    u = tl.load(U_row + cols, mask=inside, other=0.0).to(tl.float32)
+    return (a * u).to(g_in.dtype)
+
+
+@triton.jit
+def _glu_kernel(G, U, Y, F, stride_g, stride_u, RELU2: tl.constexpr, BLOCK: tl.constexpr):
+    """act(gate) * up for one block of one row (``_glu_values``)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < F
+    y = _glu_values(G + row * stride_g, U + row * stride_u, cols, inside, RELU2)
+    tl.store(Y + row * F + cols, y, mask=inside)
 
 
 GLU_KINDS = ("silu", "relu2")
 
 
-def glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
-    """``act(gate) * up`` (kind "silu": F.silu; "relu2": relu(gate)**2) in one launch; rows may be strided
-    views (the halves of a stacked gate/up output)."""
+def check_glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> None:
     if kind not in GLU_KINDS:
         raise ValueError(f"kind: expected one of {GLU_KINDS}, got {kind!r}")
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"up: expected {gate.dtype} of shape {tuple(gate.shape)}, got {up.dtype} {tuple(up.shape)}")
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """``act(gate) * up`` (kind "silu": F.silu; "relu2": relu(gate)**2) in one launch; rows may be strided
+    views (the halves of a stacked gate/up output)."""
+    check_glu(gate, up, kind)
     F = gate.shape[-1]
     g, u = _rows(gate), _rows(up)
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
@@ -147,9 +158,24 @@ def glu(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 @triton.jit
+def _rope_row(x_row, c_row, COS, SIN, j, inside, HALF: tl.constexpr):
+    """One row of rotate-half RoPE in fp32: (first half, second half) of x*cos + rotate_half(x)*sin, each product
+    rounded on its own before the sum as in the PyTorch form (no fused multiply-add), and x's loaded dtype."""
+    x1_in = tl.load(x_row + j, mask=inside, other=0.0)
+    x1 = x1_in.to(tl.float32)
+    x2 = tl.load(x_row + HALF + j, mask=inside, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + c_row + j, mask=inside, other=0.0)
+    c2 = tl.load(COS + c_row + HALF + j, mask=inside, other=0.0)
+    s1 = tl.load(SIN + c_row + j, mask=inside, other=0.0)
+    s2 = tl.load(SIN + c_row + HALF + j, mask=inside, other=0.0)
+    lo = tl.fma(-x2, s1, 0.0)  # a product rounded on its own: keeps the compiler from fusing it into the add
+    hi = tl.fma(x1, s2, 0.0)
+    return (tl.fma(x1, c1, 0.0) + lo).to(x1_in.dtype), (tl.fma(x2, c2, 0.0) + hi).to(x1_in.dtype)
+
+
+@triton.jit
 def _rope_kernel(X, COS, SIN, Y, H, T, sx_b, sx_h, sx_t, sc_b, sc_t, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """One (batch, head, position) row of rotate-half RoPE: y = x*cos + rotate_half(x)*sin in fp32, cast back.
-    The two products are rounded before the sum, as in the PyTorch form (no fused multiply-add)."""
+    """One (batch, head, position) row of rotate-half RoPE: y = x*cos + rotate_half(x)*sin in fp32, cast back."""
     pid = tl.program_id(0)
     t = pid % T
     h = (pid // T) % H
@@ -158,18 +184,48 @@ def _rope_kernel(X, COS, SIN, Y, H, T, sx_b, sx_h, sx_t, sc_b, sc_t, HALF: tl.co
     inside = j < HALF
     x_row = X + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h + t.to(tl.int64) * sx_t
     c_row = b.to(tl.int64) * sc_b + t.to(tl.int64) * sc_t
-    x1_in = tl.load(x_row + j, mask=inside, other=0.0)
-    x1 = x1_in.to(tl.float32)
-    x2 = tl.load(x_row + HALF + j, mask=inside, other=0.0).to(tl.float32)
-    c1 = tl.load(COS + c_row + j, mask=inside, other=0.0)
-    c2 = tl.load(COS + c_row + HALF + j, mask=inside, other=0.0)
-    s1 = tl.load(SIN + c_row + j, mask=inside, other=0.0)
-    s2 = tl.load(SIN + c_row + HALF + j, mask=inside, other=0.0)
+    y1, y2 = _rope_row(x_row, c_row, COS, SIN, j, inside, HALF)
     y_row = Y + pid.to(tl.int64) * (2 * HALF)
-    lo = tl.fma(-x2, s1, 0.0)  # a product rounded on its own: keeps the compiler from fusing it into the add
-    hi = tl.fma(x1, s2, 0.0)
-    tl.store(y_row + j, (tl.fma(x1, c1, 0.0) + lo).to(x1_in.dtype), mask=inside)
-    tl.store(y_row + HALF + j, (tl.fma(x2, c2, 0.0) + hi).to(x1_in.dtype), mask=inside)
+    tl.store(y_row + j, y1, mask=inside)
+    tl.store(y_row + HALF + j, y2, mask=inside)
+
+
+@triton.jit
+def _rope_qk_into_cache_kernel(Q, K, V, COS, SIN, POS, QO, KB, VB, HQ, HK, T, CAP,
+                               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                               skb_b, skb_h, skb_t, svb_b, svb_h, svb_t,
+                               HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """One (batch, head, position) row: the first HQ heads rotate a query row into QO (contiguous); the next HK
+    rotate a key row into the key buffer at its position and copy the value row into the value buffer there.
+    Positions outside [0, CAP) write nothing (the callers check capacity on the host first)."""
+    pid = tl.program_id(0)
+    t = pid % T
+    h = (pid // T) % (HQ + HK)
+    b = pid // (T * (HQ + HK))
+    j = tl.arange(0, BLOCK)
+    inside = j < HALF
+    c_row = t.to(tl.int64) * (2 * HALF)
+    if h < HQ:
+        x_row = Q + b.to(tl.int64) * sq_b + h.to(tl.int64) * sq_h + t.to(tl.int64) * sq_t
+        y1, y2 = _rope_row(x_row, c_row, COS, SIN, j, inside, HALF)
+        y_row = QO + ((b.to(tl.int64) * HQ + h) * T + t) * (2 * HALF)
+        tl.store(y_row + j, y1, mask=inside)
+        tl.store(y_row + HALF + j, y2, mask=inside)
+    else:
+        hk = (h - HQ).to(tl.int64)
+        pos = tl.load(POS + t).to(tl.int64)
+        keep = inside & (pos >= 0) & (pos < CAP)
+        x_row = K + b.to(tl.int64) * sk_b + hk * sk_h + t.to(tl.int64) * sk_t
+        y1, y2 = _rope_row(x_row, c_row, COS, SIN, j, inside, HALF)
+        kb_row = KB + b.to(tl.int64) * skb_b + hk * skb_h + pos * skb_t
+        tl.store(kb_row + j, y1.to(KB.dtype.element_ty), mask=keep)
+        tl.store(kb_row + HALF + j, y2.to(KB.dtype.element_ty), mask=keep)
+        v_row = V + b.to(tl.int64) * sv_b + hk * sv_h + t.to(tl.int64) * sv_t
+        vb_row = VB + b.to(tl.int64) * svb_b + hk * svb_h + pos * svb_t
+        v1 = tl.load(v_row + j, mask=inside, other=0.0)
+        v2 = tl.load(v_row + HALF + j, mask=inside, other=0.0)
+        tl.store(vb_row + j, v1.to(VB.dtype.element_ty), mask=keep)
+        tl.store(vb_row + HALF + j, v2.to(VB.dtype.element_ty), mask=keep)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -193,4 +249,46 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["rms_norm", "add_rms_norm", "glu", "GLU_KINDS", "rope"]
+def rope_qk_into_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One launch for a decode step's RoPE and cache write: returns ``rope(q, cos, sin)`` and writes
+    ``rope(k, cos, sin)`` and ``v`` into ``keys`` / ``values`` (B, Hkv, capacity, Dh) at ``positions`` (T,), as
+    ``keys.index_copy_(2, positions, rope(k).to(keys.dtype))`` (and ``values`` with v) would, bit for bit.
+    q (B, Hq, T, Dh), k and v (B, Hkv, T, Dh): any strides with a unit last one (views of a stacked projection);
+    ``cos``/``sin`` fp32 (T, Dh). Why: ``thrifty.kv.StaticKVCache`` in a graphed decode step otherwise runs four
+    launches per layer here (two RoPEs, two copies), each ~1–2 µs of a step that is a few hundred launches."""
+    B, HQ, T, Dh = q.shape
+    HK = k.shape[1]
+    if k.shape != (B, HK, T, Dh) or v.shape != k.shape:
+        raise ValueError(f"k, v: expected two tensors of shape (B={B}, Hkv, T={T}, Dh={Dh}), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+    if Dh % 2:
+        raise ValueError(f"q: expected an even head_dim for rotate-half RoPE, got {Dh}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape != (T, Dh) or sin.shape != (T, Dh):
+        raise ValueError(f"cos, sin: expected two fp32 tensors of shape ({T}, {Dh}), got {cos.dtype} "
+                         f"{tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
+    if keys.ndim != 4 or keys.shape[:2] != (B, HK) or keys.shape[3] != Dh or values.shape != keys.shape:
+        raise ValueError(f"keys, values: expected two buffers of shape ({B}, {HK}, capacity, {Dh}), got "
+                         f"{tuple(keys.shape)} and {tuple(values.shape)}")
+    if positions.shape != (T,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions: expected integer positions of shape ({T},), got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("keys, values: expected buffers with a unit last stride")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(B, HQ, T, Dh, dtype=q.dtype, device=q.device)
+    if B * T:
+        half = Dh // 2
+        _rope_qk_into_cache_kernel[(B * (HQ + HK) * T,)](
+            q, k, v, cos, sin, positions, out, keys, values, HQ, HK, T, keys.shape[2],
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2),
+            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return out
+
+
+__all__ = ["rms_norm", "add_rms_norm", "glu", "GLU_KINDS", "rope", "rope_qk_into_cache"]

@@ -117,6 +117,7 @@ class PackedBitLinear(nn.Module):
         self.norm = RMSNorm(in_features, norm_eps).to(device) if sub_norm else None
         self.last_path: Optional[str] = None
         self.shared_input: Optional[SharedInput] = None  # siblings reading the same input (no sub-norm): q/k/v
+        self._glu_handover = SharedInput(2)  # codes made by the GLU in front (glu_input), taken once by forward
 
     @classmethod
     def from_bitlinear(cls, layer: BitLinear, *, impl: str = "auto") -> "PackedBitLinear":
@@ -198,6 +199,22 @@ class PackedBitLinear(nn.Module):
         y = self._forward_torch(x, self._input_codes(x, kernels))
         return y.view(*x.shape[:-1], self.out_features)
 
+    def glu_input(self, gate: torch.Tensor, up: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
+        """The GLU output this layer reads, ``act(gate) * up`` (``kind`` as ``fused_layers.glu``), with this layer's
+        activation codes made in the GLU's launch (``packed_kernel.glu_codes``; ``forward`` then takes them) where
+        the kernels would quantize that output in a launch of its own: no autograd, the kernel path, an INT8 /
+        INT4-range layer on the whole-row codes kernel (``packed_kernel.glu_takes_codes``: a decode step's 1 row).
+        None elsewhere: the caller runs its own GLU. The reference model's MLP asks its down projection."""
+        if torch.is_grad_enabled() or gate.shape[-1] != self.in_features or not self._use_kernels(gate):
+            return None
+        from . import packed_kernel
+
+        if not packed_kernel.glu_takes_codes(self, gate.numel() // self.in_features):
+            return None
+        y, codes = packed_kernel.glu_codes(gate, up, kind, self)
+        self._glu_handover.store(y, self.codes_key(True), codes, "packed")
+        return y
+
     def codes_key(self, kernels: bool) -> tuple:
         """What quantized input this layer can reuse from ``shared_input``: the path's codes, its quantizer settings."""
         return ("packed", kernels, self.activation, self.beta_scale, self.topk_ratio)
@@ -208,7 +225,7 @@ class PackedBitLinear(nn.Module):
         of a stacked projection, ``stacked.CodesRMSNorm``): fewer launches per layer."""
         shared = self.shared_input
         key = self.codes_key(kernels)
-        hit = shared.lookup(x, key) if shared is not None else None
+        hit = self._glu_handover.lookup(x, key) or (shared.lookup(x, key) if shared is not None else None)
         if hit is not None:
             return hit[0]
         if kernels:

@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..fused_layers import _check_norm_weight, _check_residual, _norm_launch, _rows, _store_add, _store_rms_norm
+from ..fused_layers import _check_norm_weight, _check_residual, _glu_values, _norm_launch, _rows, _store_add
+from ..fused_layers import _store_rms_norm, check_glu
 from ..triton_utils import FastLauncher, capability, interpreting
 from ..triton_utils import sm_count as _sm_count  # PK._sm_count: the benchmarks' name (older trees have it)
 from .pack import GROUP, SLICE, padded_k
@@ -80,6 +81,28 @@ def _act_codes_kernel(x_ptr, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride
         x = subnorm(x, x_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
     _store_codes(x, cols, inside, D, KP, codes_ptr + row * stride_c, scale_ptr + row, sum_ptr + row, k_keep,
                  beta_scale, KIND, KEY_SHIFT, KEY_BITS, EPS_)
+
+
+@triton.jit
+def _glu_codes_kernel(G, U, Y, w_ptr, codes_ptr, scale_ptr, sum_ptr, D, KP, stride_g, stride_u, stride_c, beta_scale,
+                      norm_eps, RELU2: tl.constexpr, KIND: tl.constexpr, HAS_NORM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, EPS_: tl.constexpr, PDL: tl.constexpr):
+    """One row of the GLU in front of a packed layer (``fused_layers._glu_values``: y stored, the plain GLU's bit
+    for bit) and that layer's activation codes of y (its sub-norm, then ``_act_codes_kernel``'s quantizer on the
+    same block and launch shape): one launch where the decode step ran two. ``PDL``: as in ``_act_codes_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    inside = cols < D
+    y_in = _glu_values(G + row * stride_g, U + row * stride_u, cols, inside, RELU2)
+    tl.store(Y + row * D + cols, y_in, mask=inside)
+    x = y_in.to(tl.float32)
+    if HAS_NORM:
+        rstd = subnorm_rstd(tl.sum(x * x, axis=0), D, norm_eps)
+        x = subnorm(x, y_in.dtype, rstd, tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32), COMPILED_)
+    _store_codes(x, cols, inside, D, KP, codes_ptr + row * stride_c, scale_ptr + row, sum_ptr + row, 0, beta_scale,
+                 KIND, 0, 1, EPS_)
 
 
 @triton.jit
@@ -730,6 +753,7 @@ def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out
 _ACT_LAUNCH = FastLauncher(_act_codes_kernel)
 _ACT_STREAM_LAUNCH = FastLauncher(_act_codes_stream_kernel)
 _NORM_CODES_LAUNCH = FastLauncher(_norm_codes_kernel)
+_GLU_CODES_LAUNCH = FastLauncher(_glu_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
 _DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
 _DECODE_V1_LAUNCH = FastLauncher(_decode_gemv_v1_kernel)
@@ -976,6 +1000,44 @@ def norm_codes(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, *, 
                            num_warps=launch["num_warps"], num_stages=1)
     y = out.view(*x.shape[:-1], D)
     return (total.view(x.shape), y, (codes, scale, sums)) if add else (y, (codes, scale, sums))
+
+
+def glu_takes_codes(layer, m: int) -> bool:
+    """True when ``layer`` (a PackedBitLinear) on ``m`` rows would run the whole-row codes kernel on its input
+    (INT8 / INT4 range, not a self-quantizing decode GEMV, not the streaming kernel): then :func:`glu_codes` can
+    make those codes in the GLU's launch."""
+    return (layer.activation in FUSED_KINDS and layer.in_features <= MAX_ROW[layer.activation] and m > 0
+            and not fuses(layer, m) and codes_kernel(layer.activation, m, layer.in_features) == "whole-row")
+
+
+def glu_codes(gate: torch.Tensor, up: torch.Tensor, kind: str, layer):
+    """``(act(gate) * up, codes)`` in one launch: the GLU output (``fused_layers.glu``'s bit for bit) and
+    :func:`layer_codes` of it for ``layer`` (a PackedBitLinear reading it: its sub-norm and INT8 / INT4-range
+    quantizer, the whole-row codes kernel's values bit for bit). gate/up (..., in_features), any row strides (the
+    halves of a stacked gate/up output)."""
+    check_glu(gate, up, kind)
+    if layer.activation not in FUSED_KINDS:
+        raise ValueError(f"layer: expected an INT8 / INT4-range layer ({list(FUSED_KINDS)}), got "
+                         f"{layer.activation!r}")
+    D = gate.shape[-1]
+    if D != layer.in_features or D > MAX_ROW[layer.activation]:
+        raise ValueError(f"gate: expected rows of layer.in_features={layer.in_features} features (at most "
+                         f"{MAX_ROW[layer.activation]}), got {D}")
+    g, u = _rows(gate), _rows(up)
+    m, kp = g.shape[0], padded_k(D)
+    y = torch.empty((m, D), dtype=gate.dtype, device=gate.device)
+    codes = torch.empty((m, kp), dtype=torch.int8, device=gate.device)
+    scale = torch.empty(m, dtype=torch.float32, device=gate.device)
+    sums = torch.empty(m, dtype=torch.int32, device=gate.device)
+    norm = layer.norm
+    if m:
+        block = _pow2(kp)
+        _GLU_CODES_LAUNCH((m,), g, u, y, norm.weight if norm is not None else scale, codes, scale, sums, D, kp,
+                          g.stride(0), u.stride(0), codes.stride(0), float(layer.beta_scale),
+                          float(norm.eps if norm is not None else 1e-5), RELU2=kind == "relu2",
+                          KIND=FUSED_KINDS[layer.activation], HAS_NORM=norm is not None, BLOCK_D=block, EPS_=EPS,
+                          PDL=pdl_ok(gate.device), num_warps=max(1, min(16, block // 512)), num_stages=3)
+    return y.view(gate.shape), (codes, scale, sums)
 
 
 def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int, k: int,

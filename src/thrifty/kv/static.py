@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_positive_int
-from ..layers import KEY_MASK_ATTR
+from ..layers import KEY_MASK_ATTR, fused_inference
 
 
 class StaticKVCache:
@@ -34,9 +34,38 @@ class StaticKVCache:
         self.lengths: dict[int, int] = {}
         self.graph_mode = False
         self._mask = None  # (positions tensor, its (version, capturing), the mask): see _key_mask
+        self.fused_updates = 0  # writes that took the one-launch RoPE + write (update_with_query)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions, rope):
         k = rope(k, positions)
+        keys, values = self._prepare(layer_idx, k, v, positions)
+        keys.index_copy_(2, positions, k.to(keys.dtype))
+        values.index_copy_(2, positions, v.to(values.dtype))
+        return self._hand_out(layer_idx, keys, values, positions, k.shape[2])
+
+    def update_with_query(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions,
+                          rope):
+        """``(rope(q), *update(...))``: on CUDA without autograd, with the model's ``RotaryEmbedding`` (its
+        ``cos_sin``), one launch rotates q and k and writes k and v at their slots
+        (``fused_layers.rope_qk_into_cache``: the same values bit for bit) where four would run; else the two
+        calls. The reference model's attention calls it when its cache has it."""
+        if not self._fuses(q, k, v, positions, rope):
+            return (rope(q, positions), *self.update(layer_idx, k, v, positions, rope))
+        from ..fused_layers import rope_qk_into_cache
+
+        keys, values = self._prepare(layer_idx, k, v, positions)
+        cos, sin = rope.cos_sin(positions)
+        q = rope_qk_into_cache(q, k, v, cos, sin, keys, values, positions)
+        self.fused_updates += 1
+        return (q, *self._hand_out(layer_idx, keys, values, positions, k.shape[2]))
+
+    @staticmethod
+    def _fuses(q, k, v, positions, rope) -> bool:
+        return (fused_inference(q) and hasattr(rope, "cos_sin") and positions.ndim == 1
+                and q.dtype == k.dtype == v.dtype and q.shape[-1] == k.shape[-1] == v.shape[-1])
+
+    def _prepare(self, layer_idx, k, v, positions):
+        """The layer's buffers for ``k``/``v`` (made at the first write), after the checks of a write."""
         if positions.ndim != 1:
             raise ValueError(f"positions: the static cache takes one row of positions (T,) shared by the batch, "
                              f"got shape {tuple(positions.shape)}")
@@ -46,13 +75,17 @@ class StaticKVCache:
         if not self.graph_mode and start + T > self.capacity:
             raise ValueError(f"capacity: {start} cached + {T} new tokens exceed the static cache's {self.capacity}; "
                              "build it with a larger capacity")
-        keys.index_copy_(2, positions, k.to(keys.dtype))
-        values.index_copy_(2, positions, v.to(values.dtype))
+        if self.graph_mode and T != 1:
+            raise ValueError(f"input_ids: graph_mode decodes one token per step, got {T}")
+        return keys, values
+
+    def _hand_out(self, layer_idx, keys, values, positions, T):
+        """What a write returns: the whole buffers with the mask of written slots in graph mode, else the filled
+        prefix (and the layer's length counts the new tokens)."""
         if self.graph_mode:
-            if T != 1:
-                raise ValueError(f"input_ids: graph_mode decodes one token per step, got {T}")
             setattr(keys, KEY_MASK_ATTR, self._key_mask(positions, keys.device))
             return keys, values
+        start = self.lengths[layer_idx]
         self.lengths[layer_idx] = start + T
         return keys[:, :, : start + T], values[:, :, : start + T]
 

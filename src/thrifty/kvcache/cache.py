@@ -195,7 +195,7 @@ class ThriftyModelShadowKVCache(ShadowKVCache):
         rope = model.model.rotary
 
         def table(n: int, device: torch.device):
-            return rope._cos_sin(torch.arange(n, device=device))
+            return rope.cos_sin(torch.arange(n, device=device))
 
         return table
 

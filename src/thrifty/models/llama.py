@@ -169,7 +169,9 @@ class RotaryEmbedding(nn.Module):
         # would freeze the rotation at the first position.
         self._last: Optional[tuple] = None
 
-    def _cos_sin(self, positions):
+    def cos_sin(self, positions):
+        """fp32 (cos, sin) at integer ``positions`` (T,) or (B, T): (T, Dh) or (B, T, Dh), what ``forward`` rotates
+        by (the fused kernels of a cache that rotates keys itself read them too)."""
         key = (positions, _version(positions), _capturing())
         if self._last is not None and self._last[0] is positions and self._last[1:3] == key[1:]:
             return self._last[3], self._last[4]
@@ -197,7 +199,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x, positions):
         """Rotates x: (B, H, T, Dh) at integer positions (T,) or (B, T)."""
-        cos, sin = self._cos_sin(positions)
+        cos, sin = self.cos_sin(positions)
         if fused_inference(x):
             from ..fused_layers import rope  # inference on the GPU: one launch instead of ~8 (no autograd)
 
@@ -226,11 +228,15 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q = rope(q, positions)
-        if cache is None:
-            k = rope(k, positions)
-        else:  # the cache gets pre-RoPE keys and decides how to store them
-            k, v = cache.update(self.layer_idx, k, v, positions, rope)
+        update_with_query = getattr(cache, "update_with_query", None)
+        if update_with_query is not None:  # a cache that rotates the query with its keys (one launch for both)
+            q, k, v = update_with_query(self.layer_idx, q, k, v, positions, rope)
+        else:
+            q = rope(q, positions)
+            if cache is None:
+                k = rope(k, positions)
+            else:  # the cache gets pre-RoPE keys and decides how to store them
+                k, v = cache.update(self.layer_idx, k, v, positions, rope)
         out = self.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -247,10 +253,16 @@ class MLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
         kind = glu_kind(self.act_fn)
-        if kind is not None and fused_inference(gate):
-            from ..fused_layers import glu  # inference on the GPU: activation and product in one launch
+        if kind is not None:
+            # a down projection that quantizes its input (packed BitNet) may make its codes in the GLU's launch
+            take = getattr(self.down_proj, "glu_input", None)
+            h = take(gate, up, kind) if take is not None else None
+            if h is not None:
+                return self.down_proj(h)
+            if fused_inference(gate):
+                from ..fused_layers import glu  # inference on the GPU: activation and product in one launch
 
-            return self.down_proj(glu(gate, up, kind))
+                return self.down_proj(glu(gate, up, kind))
         return self.down_proj(self.act_fn(gate) * up)
 
 
