@@ -212,8 +212,9 @@ def test_rope_qk_into_cache_writes_nothing_outside_the_buffer_and_refuses_bad_in
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_reference_model_inference_takes_the_fused_layers(monkeypatch, dtype):
-    """Under no_grad on CUDA every RMSNorm (the residual add with it), GLU and RoPE of the reference model is
-    one launch; with gradients on, none is; the logits agree to the dtype's rounding."""
+    """Under no_grad on CUDA every RMSNorm (with the residual add before it: the blocks' last adds are deferred
+    into the next norm), GLU and RoPE of the reference model is one launch; with gradients on, none is; the
+    logits agree to the dtype's rounding."""
     import thrifty.fused_layers as fused
 
     calls = {"rms_norm": 0, "add_rms_norm": 0, "glu": 0, "rope": 0}
@@ -228,8 +229,29 @@ def test_cuda_reference_model_inference_takes_the_fused_layers(monkeypatch, dtyp
     ids = torch.randint(0, 256, (2, 9), device="cuda")
     with torch.no_grad():
         fast = model(ids).float()
-    expected = {"rms_norm": 2 + 1, "add_rms_norm": 2, "glu": 2, "rope": 2 * 2}  # 2 layers + the final norm
+    # each block's last add goes into the next norm (the final norm included): only the first norm has no add
+    expected = {"rms_norm": 1, "add_rms_norm": 2 * 2, "glu": 2, "rope": 2 * 2}
     assert calls == expected
     slow = model(ids).float().detach()
     assert calls == expected
     assert (fast - slow).abs().max().item() <= (1e-4 if dtype == torch.float32 else 0.1) * slow.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_block_adds_give_the_same_hidden_states(dtype):
+    """The blocks run with ``defer=True`` (each block's last residual add handed to the next norm, as LlamaModel
+    does on the GPU at inference) give the plain loop's hidden states bit for bit (PyTorch forms here)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    ids = torch.randint(0, 256, (2, 7))
+    positions = torch.arange(7)
+    inner = model.model
+    with torch.no_grad():
+        want = inner(ids, positions)
+        x, pending = inner.embed_tokens(ids), None
+        for layer in inner.layers:
+            x, pending = layer(x, positions, inner.rotary, pending=pending, defer=True)
+        got = inner.norm.add_and_norm(x, pending)[1]
+    assert torch.equal(got, want)

@@ -283,15 +283,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer_idx, linear, activation)
 
-    def forward(self, x, positions, rope, cache=None):
-        attn = self.self_attn(self.input_layernorm(x), positions, rope, cache)
-        norm = self.post_attention_layernorm
-        if isinstance(norm, RMSNorm):  # the add fused into the norm's launch where it can be
-            x, h = norm.add_and_norm(x, attn)
-        else:  # a norm swapped in by the user
-            x = x + attn
-            h = norm(x)
-        return x + self.mlp(h)
+    def forward(self, x, positions, rope, cache=None, *, pending=None, defer: bool = False):
+        """The block's output ``x + mlp(...)``. ``pending``: an update still to be added to ``x`` (the previous
+        block's MLP output), added in this block's first norm's launch; ``defer``: return ``(x, mlp output)``
+        instead of their sum, for the next block (or the final norm) to add. ``LlamaModel`` defers on the GPU at
+        inference, where the adds fuse into the norms: one launch fewer per block."""
+        x, h = _add_and_norm(self.input_layernorm, x, pending)
+        attn = self.self_attn(h, positions, rope, cache)
+        x, h = _add_and_norm(self.post_attention_layernorm, x, attn)
+        out = self.mlp(h)
+        return (x, out) if defer else x + out
+
+
+def _add_and_norm(norm, x, residual):
+    """(x + residual, norm(x + residual)); the add fused into the norm's launch where it can be; no add when
+    ``residual`` is None."""
+    if residual is None:
+        return x, norm(x)
+    if isinstance(norm, RMSNorm):
+        return norm.add_and_norm(x, residual)
+    x = x + residual  # a norm swapped in by the user
+    return x, norm(x)
 
 
 class LlamaModel(nn.Module):
@@ -305,9 +317,14 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, cache=None):
         x = self.embed_tokens(input_ids)
+        defer = fused_inference(x)  # each block's last add goes into the next norm's launch (fused_layers)
+        pending = None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, cache)
-        return self.norm(x)
+            if defer:
+                x, pending = layer(x, positions, self.rotary, cache, pending=pending, defer=True)
+            else:
+                x = layer(x, positions, self.rotary, cache)
+        return _add_and_norm(self.norm, x, pending)[1]
 
 
 class KVCache:
