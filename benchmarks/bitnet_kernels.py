@@ -468,11 +468,11 @@ def gpu_busy_ms(step, device, steps: int = 5) -> dict:
 
 
 def kernel_table_rows(args, device, steps: int = 5) -> list[dict]:
-    """``--kernel-table``: per kernel name, launches and GPU µs per eager decode step (batch 1, after
-    ``--context`` cached tokens) of the bf16 and the stacked ternary model, from torch.profiler: where a step's
-    busy time goes, and how many launches a graph replays."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """``--kernel-table``: per kernel name, launches and GPU µs per decode token (batch 1, after ``--context``
+    cached tokens) of the bf16 and the stacked ternary model, from torch.profiler, in two modes: ``eager`` (steps
+    on the growing ``KVCache``) and ``graph`` (a reused ``GraphedDecoder``'s replays over its static cache, what the
+    headline decode figure times; the profiler sees the kernels inside a replay): where a token's time goes."""
+    import thrifty.models as M
     from thrifty.bitnet import stack_projections
     from thrifty.models.llama import KVCache
 
@@ -489,24 +489,42 @@ def kernel_table_rows(args, device, steps: int = 5) -> list[dict]:
             nxt = ids[:, -1:]
             for _ in range(3):
                 model(nxt, cache=cache, logits_to_keep=1)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    model(nxt, cache=cache, logits_to_keep=1)
-                torch.cuda.synchronize()
-        table: dict = {}
-        for e in prof.events():
-            if e.device_type.name != "CUDA":
-                continue
-            t = table.setdefault(e.name[:90], [0, 0.0])
-            t[0] += 1
-            t[1] += e.time_range.elapsed_us()
-        for kernel, (count, us) in sorted(table.items(), key=lambda kv: -kv[1][1]):
-            rows.append(dict(what="decode_kernels", model=name, kernel=kernel, per_step=count / steps,
-                             us_per_step=us / steps, us_per_launch=us / count))
-        print(f"  kernel table {name}: {sum(t[0] for t in table.values()) / steps:.0f} launches, "
-              f"{sum(t[1] for t in table.values()) / steps / 1e3:.3f} ms per step", flush=True)
+            eager = _kernel_table(lambda: [model(nxt, cache=cache, logits_to_keep=1) for _ in range(steps)], steps)
+        decoder = M.GraphedDecoder(model, 1, args.context + steps + 2)
+        decoder.generate(ids, steps + 1)  # captures; the profiled calls replay
+        # a call runs the prefill and the first token eagerly, then one replay per further token: the table of a
+        # 1-token call taken from that of a (steps + 1)-token call leaves the replays alone
+        long = _kernel_table(lambda: decoder.generate(ids, steps + 1), 1)
+        short = _kernel_table(lambda: decoder.generate(ids, 1), 1)
+        decoder.release()
+        graph = {k: [(v[0] - short.get(k, (0, 0))[0]) / steps, (v[1] - short.get(k, (0, 0))[1]) / steps]
+                 for k, v in long.items()}
+        graph = {k: v for k, v in graph.items() if v[0] > 0.5 / steps}
+        for mode, table in (("eager", eager), ("graph", graph)):
+            for kernel, (per_token, us) in sorted(table.items(), key=lambda kv: -kv[1][1]):
+                rows.append(dict(what="decode_kernels", model=name, mode=mode, kernel=kernel, per_step=per_token,
+                                 us_per_step=us, us_per_launch=us / per_token))
+            print(f"  kernel table {name} ({mode}): {sum(t[0] for t in table.values()):.0f} launches, "
+                  f"{sum(t[1] for t in table.values()) / 1e3:.3f} ms per token", flush=True)
     return rows
+
+
+def _kernel_table(run, tokens: int) -> dict:
+    """{kernel name: [launches, GPU µs]} per token of ``run`` (which decodes ``tokens`` tokens), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.no_grad():
+            run()
+        torch.cuda.synchronize()
+    table: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            t = table.setdefault(e.name[:90], [0.0, 0.0])
+            t[0] += 1 / tokens
+            t[1] += e.time_range.elapsed_us() / tokens
+    return table
 
 
 def model_rows(args, device) -> list[dict]:
