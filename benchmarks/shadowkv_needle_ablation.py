@@ -57,6 +57,20 @@ Landmark chunk 4 against 8 (NOTES.md, "Needle retrieval: landmark chunk 4 (CPU p
     python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 4096 --trials 2 --budgets 512 \
         --methods dense shadowkv_O48@512 shadowkv_O48@512/c4 quest_O48@512 --seed 0 \
         --out benchmarks/results/shadowkv_needle_cpu-ablation-logprob-4k-c4.json
+
+Chunk scorers with a few bytes of metadata beside the mean landmark (NOTES.md, "Needle retrieval: chunk scorers
+beside the mean landmark (CPU proxy)"; :data:`META_SCORERS`, bytes in :data:`META_BYTES`): ``radius`` (ball
+bound, one scalar per chunk: logit (q.m + lam ||q|| r) / sqrt(D)), ``maha`` (the same ball in a per-head whitened
+metric), ``far`` (the chunk's key farthest from its mean as a second landmark, max of the two logits) and
+``far8`` (that key in fp8 e4m3). Per-layer variants ``shadowkv_rad<lam>``, ``shadowkv_maha<lam>`` (lam 0.1, 0.25,
+0.5, 1), ``shadowkv_far``, ``shadowkv_far8``; end to end ``<shadowkv method>+<scorer>`` in ``--methods``, the
+scorer spelled ``rad<lam>``, ``maha<lam>``, ``far`` or ``far8`` (``shadowkv@256+rad0.25``), seeds 0 and 1
+(``-seed1``), and seed 2 with the two best lam only (``-rad-seed2``):
+
+    python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 4096 --trials 2 --budgets 256 512 \
+        --outliers 96 --methods dense shadowkv@256 shadowkv@512 quest@256 quest@512 shadowkv@256+rad0.1 \
+        shadowkv@256+rad0.25 ... shadowkv@512+far8 --seed 0 \
+        --out benchmarks/results/shadowkv_needle_cpu-ablation-logprob-4k-o96-scorers.json
 """
 
 from __future__ import annotations
@@ -107,7 +121,12 @@ def variants(args):
         "shadowkv_sink": dict(selector="shadowkv", outlier_chunks=O, force_sink=True),
         # the public code divides the landmark logits by sqrt(128) whatever the head dim (here 64)
         "shadowkv_scale128": dict(selector="shadowkv", outlier_chunks=O, logit_dim=128),
+        "shadowkv_far": dict(selector="shadowkv", outlier_chunks=O, scorer="far"),
+        "shadowkv_far8": dict(selector="shadowkv", outlier_chunks=O, scorer="far8"),
     }
+    for lam in (0.1, 0.25, 0.5, 1.0):  # shadowkv_rad0.5, shadowkv_maha0.25, ... (META_SCORERS)
+        v[f"shadowkv_rad{lam:g}"] = dict(selector="shadowkv", outlier_chunks=O, scorer="radius", lam=lam)
+        v[f"shadowkv_maha{lam:g}"] = dict(selector="shadowkv", outlier_chunks=O, scorer="maha", lam=lam)
     if args.variants:
         v = {k: v[k] for k in args.variants}
     return v
@@ -127,14 +146,19 @@ class Capture:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
 
-def chunk_scores(q, state, k_post_c, scorer, group, logit_dim=None):
-    """(B, H, C) scores like reference.landmark_scores, with a choice of chunk logit and group aggregation."""
+def chunk_scores(q, state, k_post_c, scorer, group, logit_dim=None, lam=None):
+    """(B, H, C) scores like reference.landmark_scores, with a choice of chunk logit and group aggregation.
+    ``scorer`` in :data:`META_SCORERS` (``lam``: their weight) scores from the chunk means plus the per-chunk
+    metadata of :func:`chunk_meta`, computed here from the exact post-RoPE keys ``k_post_c``."""
     B, Hq, _, D = q.shape
     H = state.selectable.shape[1]
     qg = q[:, :, 0].float().view(B, H, Hq // H, D)
     if scorer == "landmark":
         lm = k_post_c.mean(3)
         logits = torch.einsum("bhgd,bhcd->bhgc", qg, lm) / math.sqrt(logit_dim or D)
+    elif scorer in META_SCORERS:
+        lm = k_post_c.mean(3)
+        logits = meta_logits(qg, lm, chunk_meta(k_post_c.float(), lm, state.n_chunks), scorer, lam)
     elif scorer == "bound":
         lo = qg[:, :, :, None] * k_post_c.amin(3)[:, :, None]
         hi = qg[:, :, :, None] * k_post_c.amax(3)[:, :, None]
@@ -147,6 +171,128 @@ def chunk_scores(q, state, k_post_c, scorer, group, logit_dim=None):
     probs = logits.masked_fill(~sel, float("-inf")).softmax(-1)
     probs = torch.where(sel, probs, -1.0)
     return probs.amax(2) if group == "max_softmax" else probs.sum(2)
+
+
+# Scorers that add per-chunk metadata to the mean landmark (2D bytes per chunk per KV head in bf16; D = 64 on
+# SmolLM2, 128 on the Llama-3-8B shape). The extra bytes per chunk per KV head, stored as the kernels would:
+#   radius  r_c = max_i ||k_i - m_c|| (one bf16 scalar, +2 B): logit (q.m_c + lam ||q|| r_c) / sqrt(D); lam = 1 is an
+#           upper bound of max_i q.k_i (Cauchy-Schwarz), smaller lam a softer push towards spread chunks.
+#   maha    the same ball in a per-head whitened metric: sigma_h (D,) = per-channel RMS of k_i - m_c over the head's
+#           chunks (per head, not per chunk: D fp32 per head), r_c = max_i ||(k_i - m_c) / sigma||, logit
+#           (q.m_c + lam ||q * sigma|| r_c) / sqrt(D); lam = 1 is again an upper bound (+2 B per chunk).
+#   far     k_far = the chunk's key farthest from m_c, a second landmark: logit max(q.m_c, q.k_far) / sqrt(D)
+#           (+2D B in bf16: the landmark read doubles).
+#   far8    far with k_far rounded to fp8 e4m3 with one fp32 scale per vector (amax / 448): +D + 4 B (+50%).
+META_SCORERS = ("radius", "maha", "far", "far8")
+META_BYTES = {"radius": lambda D: 2, "maha": lambda D: 2, "far": lambda D: 2 * D, "far8": lambda D: D + 4}
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through float8_e4m3fn with one scale per vector (last dim): amax / 448, fp32."""
+    s = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 448.0
+    return (x / s).to(torch.float8_e4m3fn).float() * s
+
+
+def chunk_meta(keys_c: torch.Tensor, means: torch.Tensor, n_chunks: torch.Tensor) -> dict:
+    """Per-chunk metadata of the META_SCORERS from post-RoPE keys (B, H, C, c, D) and their means (B, H, C, D);
+    ``n_chunks`` (B,) the real chunks (sigma is taken over those)."""
+    keys_c, means = keys_c.float(), means.float()
+    dev = keys_c - means[:, :, :, None]  # (B, H, C, c, D)
+    dn = dev.norm(dim=-1)  # (B, H, C, c)
+    far = dn.argmax(-1)
+    k_far = keys_c.gather(3, far[..., None, None].expand(*far.shape, 1, keys_c.shape[-1]))[:, :, :, 0]
+    C = keys_c.shape[2]
+    real = (torch.arange(C, device=keys_c.device)[None, :] < n_chunks.to(keys_c.device)[:, None]).float()
+    w = real[:, None, :, None, None]
+    var = (dev.square() * w).sum((2, 3)) / (w.sum((2, 3)) * keys_c.shape[3]).clamp_min(1)  # (B, H, D)
+    sigma = var.sqrt().clamp_min(1e-6)
+    r_maha = (dev / sigma[:, :, None, None]).norm(dim=-1).amax(-1)
+    return {"radius": dn.amax(-1), "k_far": k_far, "k_far8": fp8_round(k_far), "sigma": sigma, "r_maha": r_maha}
+
+
+def meta_logits(qg: torch.Tensor, lm: torch.Tensor, meta: dict, scorer: str, lam) -> torch.Tensor:
+    """(B, H, G, C) chunk logits of a META_SCORERS scorer: qg (B, H, G, D) fp32, lm (B, H, C, D) the means."""
+    D = qg.shape[-1]
+    base = torch.einsum("bhgd,bhcd->bhgc", qg, lm.float())
+    if scorer == "radius":
+        base = base + lam * qg.norm(dim=-1, keepdim=True) * meta["radius"][:, :, None]
+    elif scorer == "maha":
+        qs = (qg * meta["sigma"][:, :, None]).norm(dim=-1, keepdim=True)
+        base = base + lam * qs * meta["r_maha"][:, :, None]
+    else:
+        kf = meta["k_far" if scorer == "far" else "k_far8"]
+        base = torch.maximum(base, torch.einsum("bhgd,bhcd->bhgc", qg, kf))
+    return base / math.sqrt(D)
+
+
+def parse_scorer(spec: str) -> tuple[str, float | None]:
+    """``rad0.5`` -> ("radius", 0.5), ``maha1`` -> ("maha", 1.0), ``far`` / ``far8`` -> (name, None)."""
+    for prefix, name in (("rad", "radius"), ("maha", "maha")):
+        if spec.startswith(prefix):
+            return name, float(spec[len(prefix):])
+    if spec in ("far", "far8"):
+        return spec, None
+    raise ValueError(f"scorer: expected rad<lam>, maha<lam>, far or far8, got {spec!r}")
+
+
+class MetaReference:
+    """End to end (``--answer-logprob``): ``R.compress_prompt`` wrapped for the whole run so that every ShadowKV
+    layer state gets its :func:`chunk_meta` (from the exact post-RoPE keys, as a prefill would compute it), kept
+    beside the state by the identity of its landmark tensor (forks share it); within ``scoring(spec)``,
+    ``R.landmark_scores`` scores with that scorer (the reference's softmax per query head and max over the group).
+    The library is not changed."""
+
+    def __init__(self):
+        self.meta = {}  # id(landmarks) -> (landmarks, meta): the tensor is held so that its id stays unique
+
+    def __enter__(self):
+        self.saved = R.compress_prompt
+
+        def compress_prompt(k_post, v, lengths, cos, sin, config, **kw):
+            st = self.saved(k_post, v, lengths, cos, sin, config, **kw)
+            if st.landmarks is not None:
+                B, H, _, D = k_post.shape
+                C, c = st.landmarks.shape[2], config.chunk_size
+                k = k_post[:, :, :C * c].float()
+                if k.shape[2] < C * c:
+                    k = torch.nn.functional.pad(k, (0, 0, 0, C * c - k.shape[2]))
+                self.meta[id(st.landmarks)] = (st.landmarks, chunk_meta(k.view(B, H, C, c, D), st.landmarks,
+                                                                        st.n_chunks))
+            return st
+
+        R.compress_prompt = compress_prompt
+        return self
+
+    def __exit__(self, *exc):
+        R.compress_prompt = self.saved
+        self.meta.clear()
+        return False
+
+    @contextlib.contextmanager
+    def scoring(self, spec: str):
+        scorer, lam = parse_scorer(spec)
+        saved = R.landmark_scores
+
+        def landmark_scores(q, state):
+            if state.landmarks is None:
+                return saved(q, state)
+            lm, meta = self.meta[id(state.landmarks)]
+            assert lm is state.landmarks
+            B, Hq, _, D = q.shape
+            H = state.selectable.shape[1]
+            qg = q[:, :, 0].float().view(B, H, Hq // H, D)
+            logits = meta_logits(qg, state.landmarks, meta, scorer, lam)
+            sel = state.selectable[:, :, None]
+            probs = logits.masked_fill(~sel, float("-inf")).softmax(-1)
+            probs = torch.where(sel, probs, -1.0)
+            probs = torch.where(probs.isnan(), -1.0, probs)
+            return probs.amax(2)
+
+        R.landmark_scores = landmark_scores
+        try:
+            yield
+        finally:
+            R.landmark_scores = saved
 
 
 _SVD = {}
@@ -235,7 +381,7 @@ def run_layer(var, state, q_steps, k, v, cos, sin, T0, args, budget, needle_pos)
         t = T0 + j  # position of this query; keys 0..t
         R.append_generated(state, k[:, :, t:t + 1], v[:, :, t:t + 1])
         q = q_steps[:, :, j:j + 1]
-        scores = chunk_scores(q, state, k_post_c, scorer, group, var.get("logit_dim"))
+        scores = chunk_scores(q, state, k_post_c, scorer, group, var.get("logit_dim"), var.get("lam"))
         if var.get("force_sink"):
             scores[..., 0] = torch.where(state.selectable[..., 0], 1e30, scores[..., 0])
         K = min(cfg.select_chunks, C)
@@ -465,10 +611,9 @@ def per_layer(model, cap, rot, tok, encode, filler, nl, rng, args):
 def answer_logprob(model, encode, args):
     """Each method decodes the last prompt token and the answer teacher-forced through its own cache (as
     ``needle.evaluate_batch`` does, greedy replaced by the right answer); per prompt the summed log-probability of
-    the answer tokens and whether every answer token is the argmax (exact match under teacher forcing)."""
-    from thrifty.kvcache import ShadowKVCache
-    from thrifty.kvcache.needle import dense_prefill
-
+    the answer tokens and whether every answer token is the argmax (exact match under teacher forcing).
+    ``<method>+<scorer>`` in ``--methods`` (a ShadowKV method, e.g. ``shadowkv@256+rad0.5``) decodes that method's
+    cache with the chunk scorer of :func:`parse_scorer` (:class:`MetaReference`)."""
     nl = encode("\n\n")
     filler = TokenDataset(data_dir() / "corpus", "validation").tokens
     rng = random.Random(args.seed)
@@ -491,15 +636,33 @@ def answer_logprob(model, encode, args):
                                                       outlier_chunks=args.outliers, **common)
         methods["shadowkv_full_tf32@all"] = methods["shadowkv_full@all"]
         tf32_methods.add("shadowkv_full_tf32@all")
+    scorer_methods = {}  # "<method>+<scorer>" -> scorer spec (META_SCORERS)
     if args.methods:
         methods.update(chunk_methods(methods, args.methods))
         tf32_methods |= {m for m in args.methods if m.partition("/c")[0] in tf32_methods}
+        for m in args.methods:
+            base, sep, spec = m.partition("+")
+            if sep and methods.get(base) is not None and methods[base].selector == "shadowkv":
+                parse_scorer(spec)  # refuse a bad spec before the run
+                methods[m], scorer_methods[m] = methods[base], spec
         methods = {m: c for m, c in methods.items() if m in args.methods}
     res = {m: {"logprob": [], "exact": [], "length": [], "token_logprob": []} for m in methods}
     t_start = time.time()
+    meta = MetaReference()
+    with (meta if scorer_methods else contextlib.nullcontext()):
+        answer_logprob_runs(model, encode, args, methods, tf32_methods, scorer_methods, meta, res, filler, rng, nl,
+                            t_start)
+
+
+def answer_logprob_runs(model, encode, args, methods, tf32_methods, scorer_methods, meta, res, filler, rng, nl,
+                        t_start):
+    from thrifty.kvcache import ShadowKVCache
+    from thrifty.kvcache.needle import dense_prefill
+
     for n in args.lengths:
         tasks = needle_tasks(encode, filler, n, args.tasks, args.depths, args.trials, rng, nl[0])
         for i in range(0, len(tasks), args.prefill_batch):
+            meta.meta.clear()
             batch = tasks[i:i + args.prefill_batch]
             ids = torch.cat([t.input_ids for t in batch])
             ans = torch.tensor([encode(" " + t.answers[0]) for t in batch])  # (B, A): same digit count
@@ -519,7 +682,8 @@ def answer_logprob(model, encode, args):
                 lp = torch.zeros(len(batch))
                 tok_lp = torch.zeros(len(batch), ans.shape[1])
                 ok = torch.ones(len(batch), dtype=torch.bool)
-                with (TF32Reference() if name in tf32_methods else contextlib.nullcontext()):
+                with (TF32Reference() if name in tf32_methods else contextlib.nullcontext()), \
+                        (meta.scoring(scorer_methods[name]) if name in scorer_methods else contextlib.nullcontext()):
                     for j in range(ans.shape[1]):
                         logits = model(input_ids=inputs[:, j:j + 1], past_key_values=cache, use_cache=True,
                                        logits_to_keep=1).logits[:, -1].float()

@@ -89,3 +89,45 @@ def test_chunk_methods_keep_outlier_and_local_tokens():
 
     with pytest.raises(ValueError, match="whole chunks of 3"):
         A.chunk_methods(methods, ["shadowkv_O48@512/c3"])
+
+
+def test_meta_scorers_bound_and_end_to_end_patch():
+    """radius / maha at lam = 1 bound the best exact q.k of each chunk (softmax is monotone, so compare logits),
+    lam = 0 is the landmark, far >= landmark; MetaReference restores the library's functions."""
+    A = _module()
+    torch.manual_seed(3)
+    B, H, G, T, D, c = 1, 2, 3, 160, 16, 8
+    k, v = torch.randn(B, H, T, D) * torch.linspace(0.2, 3, D), torch.randn(B, H, T, D)
+    C = T // c
+    kc = k.view(B, H, C, c, D)
+    lm = kc.mean(3)
+    meta = A.chunk_meta(kc, lm, torch.tensor([C]))
+    qg = torch.randn(B, H, G, D)
+    oracle = torch.einsum("bhgd,bhcnd->bhgcn", qg, kc).amax(-1) / math.sqrt(D)
+    land = torch.einsum("bhgd,bhcd->bhgc", qg, lm) / math.sqrt(D)
+    for scorer in ("radius", "maha"):
+        assert (A.meta_logits(qg, lm, meta, scorer, 1.0) >= oracle - 1e-5).all()
+        torch.testing.assert_close(A.meta_logits(qg, lm, meta, scorer, 0.0), land)
+    far = A.meta_logits(qg, lm, meta, "far", None)
+    assert (far >= land - 1e-6).all() and (far <= oracle + 1e-5).all()
+    assert ((A.fp8_round(meta["k_far"]) - meta["k_far"]).abs() <= meta["k_far"].abs() * 2 ** -3 + 1e-6).all()
+    assert A.parse_scorer("rad0.25") == ("radius", 0.25) and A.parse_scorer("far8") == ("far8", None)
+    originals = (R.compress_prompt, R.landmark_scores)
+    cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=16, outlier_chunks=1, local_chunks=1,
+                         min_prompt_len=1)
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)
+    q = torch.randn(B, H * G, 1, D)
+    with A.MetaReference() as m:
+        st = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, cfg)
+        with m.scoring("rad0"):  # lam 0: the library's scores
+            torch.testing.assert_close(R.landmark_scores(q, st), originals[1](q, st))
+        with m.scoring("far"):
+            assert R.landmark_scores is not originals[1]
+            out = R.decode_step(st, q, torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), cfg, cos, sin, D ** -0.5)
+        assert torch.isfinite(out).all()
+        # the ablation's chunk_scores agrees with the end-to-end scorer
+        Cs = st.selectable.shape[-1]
+        got = A.chunk_scores(q, st, k[:, :, :Cs * c].view(B, H, Cs, c, D), "radius", "max_softmax", lam=0.5)
+        with m.scoring("rad0.5"):
+            torch.testing.assert_close(got, R.landmark_scores(q, st))
+    assert (R.compress_prompt, R.landmark_scores) == originals
