@@ -198,7 +198,11 @@ def synthetic_state(batch, H, D, T, cfg: ShadowKVConfig, device, host_device, ar
                                 _host_tensor((batch, H, T), torch.float32, device, arena), bf)
     else:
         values = ref.HostValues(_host_tensor((batch, H, T, D), bf, device, arena), None, bf)
+    # the chunk radius beside the landmarks (trees with ShadowKVConfig.radius_weight): what the logits kernel reads
+    radius = ({"radius": torch.rand(batch, H, n_chunks, device=device) * D ** 0.5,
+               "radius_weight": cfg.radius_weight} if hasattr(cfg, "radius_weight") else {})
     return ref.LayerState(
+        **radius,
         lengths=torch.full((batch,), T, device=device), n_chunks=torch.full((batch,), n_chunks, device=device),
         u=torch.randn(batch, T, cfg.rank, dtype=bf, device=device) / T ** 0.5,
         sv=torch.randn(batch, H, cfg.rank, D, dtype=bf, device=device),
@@ -237,7 +241,7 @@ class ShadowKVAttention:
             return kernel_decode_step(self.engine, i, q, k, v, q.shape[-1] ** -0.5)
         e, st = self.engine, self.engine.states[i]
         fl = fast_layer(e, i, q.shape[1] // k.shape[1])
-        score_and_select(q, k, v, st.landmarks, st.selectable, st.landmarks.shape[-1] ** -0.5, fl)
+        score_and_select(q, k, v, st.landmarks, st.selectable, st.landmarks.shape[-1] ** -0.5, fl, **radius_args(st))
         fl.n_generated += 1
         fl.work.masked_fill_(self.hit_mask, -1)
         fill_slots(fl.work, st.u, st.sv, e.cos, e.sin, st.values.data, st.values.scale, fl.k, fl.v, fl.sel_base,
@@ -280,6 +284,12 @@ def graph_ms(fn, reps: int, device) -> float:
     return bench.time_fn(graph.replay, [()], warmup=2, reps=10, min_reps=3).median_ms / reps
 
 
+def radius_args(st) -> dict:
+    """``score_and_select``'s chunk-radius arguments where the tree has them (older trees: none)."""
+    return ({"radius": st.radius, "radius_weight": st.radius_weight}
+            if getattr(st, "radius_weight", 0.0) else {})
+
+
 def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
     """Milliseconds of each stage of layer 0's ShadowKV attention inside a CUDA graph (after the step ran):
     select = landmark logits + scores/histogram + marks/top-K/reuse plan (3 kernels; where the tree's
@@ -292,7 +302,8 @@ def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
     scale = q.shape[-1] ** -0.5
     work = fl.work.clone()  # the fill re-does the last step's work (the select below would leave none: all hits)
     timed = {
-        "select": lambda: score_and_select(q, k_new, v_new, st.landmarks, st.selectable, scale, fl),
+        "select": lambda: score_and_select(q, k_new, v_new, st.landmarks, st.selectable, scale, fl,
+                                           **radius_args(st)),
         "fill": lambda: fill_slots(work, st.u, st.sv, e.cos, e.sin, st.values.data, st.values.scale, fl.k, fl.v,
                                    fl.sel_base, fl.chunk_size),
         "attention": lambda: masked_decode_attention(q, fl.k, fl.v, fl.valid, scale),
@@ -300,10 +311,10 @@ def layer_breakdown(att: ShadowKVAttention, q, k_new, v_new) -> dict:
     if "stop_after" in inspect.signature(score_and_select).parameters:  # a tree that can stop early (v4 on)
         for part in ("logits", "scores"):  # the first kernels alone: select_logits <= select_scores <= select
             timed[f"select_{part}"] = functools.partial(score_and_select, q, k_new, v_new, st.landmarks,
-                                                        st.selectable, scale, fl, stop_after=part)
+                                                        st.selectable, scale, fl, stop_after=part, **radius_args(st))
     out = {name: graph_ms(fn, 20, dev) for name, fn in timed.items()}
     if "select_logits" in out:  # the step's state is the full select's again (the parts left it half done)
-        score_and_select(q, k_new, v_new, st.landmarks, st.selectable, scale, fl)
+        score_and_select(q, k_new, v_new, st.landmarks, st.selectable, scale, fl, **radius_args(st))
     out["fill_rows"] = int((work >= 0).sum()) * fl.chunk_size
     return out
 

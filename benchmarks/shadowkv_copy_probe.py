@@ -54,8 +54,16 @@ import shadowkv_needle_ablation as abl  # noqa: E402
 from thrifty import bench  # noqa: E402
 from thrifty.data import TokenDataset  # noqa: E402
 from thrifty.kvcache import ShadowKVConfig  # noqa: E402
+
 from thrifty.kvcache import reference as R  # noqa: E402
 from thrifty.paths import data_dir  # noqa: E402
+
+
+def paper_config(**kw) -> ShadowKVConfig:
+    """A config with the paper's mean-landmark chunk score (``radius_weight=0``): what this script studies (the
+    library's default adds a chunk-radius term)."""
+    return ShadowKVConfig(radius_weight=0.0, **kw)
+
 
 METHODS = ("shadowkv", "quest")
 FIELDS = ("chunks", "target_chunks", "needle_kept", "target_kept", "mass", "rank", "target_rank", "outlier", "err",
@@ -102,7 +110,7 @@ def probe_layer(q_steps, k, v, cos, sin, T0, needle, targets, args):
     for m in METHODS:
         var = dict(selector=m, outlier_chunks=args.outliers)
         states[m] = abl.compress(var, k, v, cos, sin, T0, args)
-        cfgs[m] = ShadowKVConfig(rank=args.rank, chunk_size=c, sparse_budget=args.budget,
+        cfgs[m] = paper_config(rank=args.rank, chunk_size=c, sparse_budget=args.budget,
                                  outlier_chunks=args.outliers, local_chunks=args.local, min_prompt_len=1, selector=m)
         if states[m].u is not None:
             rebuilt[m] = R.rebuild_keys(states[m], torch.arange(T0).expand(1, H, T0), cos, sin)[0].float()
@@ -274,7 +282,7 @@ def end_to_end(model, encode, nt, layers, needle_chunks, args, top=3):
             cache = ShadowKVCache(model, ShadowKVConfig(rank=1, min_prompt_len=ids.shape[1] + 1))
             cache.load_prompt(kv)
         else:
-            cfg = ShadowKVConfig(rank=args.rank, chunk_size=args.chunk, local_chunks=args.local, min_prompt_len=1,
+            cfg = paper_config(rank=args.rank, chunk_size=args.chunk, local_chunks=args.local, min_prompt_len=1,
                                  max_generated=32, sparse_budget=args.budget, selector=sel, outlier_chunks=outl)
             if (sel, outl) not in bases:
                 bases[sel, outl] = ShadowKVCache(model, cfg, impl="reference")

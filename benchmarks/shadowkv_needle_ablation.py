@@ -88,9 +88,17 @@ import torch
 
 from thrifty.data import TokenDataset
 from thrifty.kvcache import ShadowKVConfig
+
 from thrifty.kvcache import reference as R
 from thrifty.kvcache.needle import make_needle_task
 from thrifty.paths import data_dir
+
+
+def paper_config(**kw) -> ShadowKVConfig:
+    """A config with the paper's mean-landmark chunk score (``radius_weight=0``): what this script studies (the
+    library's default adds a chunk-radius term; the script's ``+rad<λ>`` methods add it themselves)."""
+    return ShadowKVConfig(radius_weight=0.0, **kw)
+
 
 # variant name -> (selector of the compression, overrides, scorer, keys)
 #   scorer: "landmark" (ShadowKV's), "bound" (Quest's min/max bound), "oracle" (max exact q.k in the chunk)
@@ -355,7 +363,7 @@ class TF32Reference:
 
 
 def compress(var, k, v, cos, sin, T0, args):
-    cfg = ShadowKVConfig(rank=var.get("rank", args.rank), chunk_size=args.chunk, sparse_budget=args.chunk,
+    cfg = paper_config(rank=var.get("rank", args.rank), chunk_size=args.chunk, sparse_budget=args.chunk,
                          outlier_chunks=var["outlier_chunks"], local_chunks=args.local, min_prompt_len=1,
                          selector=var["selector"])
     return R.compress_prompt(k[:, :, :T0], v[:, :, :T0], torch.tensor([T0]), cos[:T0], sin[:T0], cfg)
@@ -363,7 +371,7 @@ def compress(var, k, v, cos, sin, T0, args):
 
 def run_layer(var, state, q_steps, k, v, cos, sin, T0, args, budget, needle_pos):
     """One layer, one sequence. q_steps (1, Hq, A, D) post-RoPE at positions T0..T0+A-1; k/v (1, H, T0+A, D)."""
-    cfg = ShadowKVConfig(rank=var.get("rank", args.rank), chunk_size=args.chunk, sparse_budget=budget,
+    cfg = paper_config(rank=var.get("rank", args.rank), chunk_size=args.chunk, sparse_budget=budget,
                          outlier_chunks=var["outlier_chunks"], local_chunks=args.local, min_prompt_len=1,
                          selector=var["selector"])
     state.gen_k, state.gen_v = state.gen_k[:, :, :0], state.gen_v[:, :, :0]
@@ -571,7 +579,7 @@ def per_layer(model, cap, rot, tok, encode, filler, nl, rng, args):
                     var = dict(selector=name, outlier_chunks=args.outliers)
                     _SVD["layer"] = (len(out["prompts"]), li)
                     st = compress(var, k, v, cos, sin, T0, args)
-                    cfg = ShadowKVConfig(chunk_size=args.chunk, sparse_budget=b, outlier_chunks=args.outliers,
+                    cfg = paper_config(chunk_size=args.chunk, sparse_budget=b, outlier_chunks=args.outliers,
                                          local_chunks=args.local, selector=name)
                     C, c = st.selectable.shape[-1], args.chunk
                     kc = k[:, :, :C * c].float().view(1, H, C, c, D)
@@ -621,10 +629,10 @@ def answer_logprob(model, encode, args):
     methods = {"dense": None}
     for b in args.budgets:
         for sel in ("shadowkv", "quest"):
-            methods[f"{sel}@{b}"] = ShadowKVConfig(sparse_budget=b, selector=sel, outlier_chunks=args.outliers,
+            methods[f"{sel}@{b}"] = paper_config(sparse_budget=b, selector=sel, outlier_chunks=args.outliers,
                                                    **common)
     for sel in ("shadowkv", "quest"):
-        methods[f"{sel}_O48@{args.budgets[-1]}"] = ShadowKVConfig(sparse_budget=args.budgets[-1], selector=sel,
+        methods[f"{sel}_O48@{args.budgets[-1]}"] = paper_config(sparse_budget=args.budgets[-1], selector=sel,
                                                                   outlier_chunks=48, **common)
     tf32_methods = set()
     if args.tf32:
@@ -632,7 +640,7 @@ def answer_logprob(model, encode, args):
         for b in args.budgets:
             methods[f"shadowkv_tf32@{b}"] = methods[f"shadowkv@{b}"]
             tf32_methods.add(f"shadowkv_tf32@{b}")
-        methods["shadowkv_full@all"] = ShadowKVConfig(sparse_budget=full, selector="shadowkv",
+        methods["shadowkv_full@all"] = paper_config(sparse_budget=full, selector="shadowkv",
                                                       outlier_chunks=args.outliers, **common)
         methods["shadowkv_full_tf32@all"] = methods["shadowkv_full@all"]
         tf32_methods.add("shadowkv_full_tf32@all")

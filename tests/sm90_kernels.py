@@ -308,11 +308,12 @@ def _kvcache():
                 g_pad = SK.g_pads(G)[0]  # as score_and_select / masked_decode_attention (dot_rows)
                 assert g_pad == AK.dot_rows(G, 1)
                 label = f"D{D} {NAME[dtype]} G{G}"
-                yield entry(SK._landmark_logits_kernel, label,
-                            dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins),
-                            {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8",
-                             "logit_ptr part_m_ptr part_l_ptr": "*fp32", "hist_ptr": "*i32"},
-                            fp32="scale")
+                for radius in (True, False):
+                    yield entry(SK._landmark_logits_kernel, f"{label} radius={radius}",
+                                dict(G=G, G_PAD=g_pad, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins, RADIUS=radius),
+                                {"q_ptr lm_ptr": PTR[dtype], "sel_ptr": "*i8",
+                                 "rad_ptr logit_ptr part_m_ptr part_l_ptr": "*fp32", "hist_ptr": "*i32"},
+                                fp32="scale rad_w")
                 # BITS 0: float rows + validity; Sq = 1 and the innermost strides are 1 (Triton specializes them)
                 yield entry(AK._decode_split_kernel, f"{label} rows",
                             dict(G=G, ROWS=g_pad, HEAD_DIM=D, BLOCK_N=block_n, CAUSAL=False, BITS=0),

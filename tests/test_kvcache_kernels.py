@@ -70,10 +70,17 @@ def top_k_lowest_ids(scores, K):
     return order.sort(-1).values
 
 
+def radius_args(st):
+    """The chunk-radius arguments of a layer state, as the decode step passes them."""
+    return dict(radius=st.radius, radius_weight=st.radius_weight)
+
+
 def scores_f64(q, st):
     B, Hq, _, D = q.shape
     H = st.selectable.shape[1]
-    lg = torch.einsum("bhgd,bhcd->bhgc", q[:, :, 0].double().view(B, H, Hq // H, D), st.landmarks.double()) / D ** 0.5
+    qg = q[:, :, 0].double().view(B, H, Hq // H, D)
+    lg = torch.einsum("bhgd,bhcd->bhgc", qg, st.landmarks.double())
+    lg = (lg + st.radius_weight * qg.norm(dim=-1)[..., None] * st.radius.double()[:, :, None]) / D ** 0.5
     sel = st.selectable[:, :, None]
     p = lg.masked_fill(~sel, float("-inf")).softmax(-1)
     return torch.where(sel, p, -1.0).amax(2)
@@ -86,9 +93,11 @@ def scores_f64(q, st):
     (torch.float32, 2, [157, 30], 13, SMALL),  # the short sequence has fewer selectable chunks than K: -1 ties
     (torch.float32, 2, [157, 30], 13, None), (torch.float32, 3, [333], 13, RANKED),
     (torch.float32, 2, [157, 30], 13, RANKED)])
-def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tuning):
+@pytest.mark.parametrize("radius_weight", [0.0, 0.5])
+def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tuning, radius_weight):
+    """The chunk scores (with and without the radius term) against the reference and float64, and the picks."""
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * K, outlier_chunks=2, local_chunks=2,
-                         min_prompt_len=16, max_generated=8)
+                         min_prompt_len=16, max_generated=8, radius_weight=radius_weight)
     H, D = 3, 32
     e, fl = select_engine(lengths, H, G, D, cfg, dtype, seed=G, tuning=tuning)
     st = e.states[0]
@@ -96,7 +105,7 @@ def test_score_and_select_matches_reference_and_topk(dtype, G, lengths, K, tunin
     q = (torch.randn(len(lengths), H * G, 1, D, generator=g) * 3).to(DEV, dtype)
     kn = torch.randn(len(lengths), H, 1, D, generator=g).to(DEV, dtype)
     vn = torch.randn(len(lengths), H, 1, D, generator=g).to(DEV, dtype)
-    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl, **radius_args(st))
     got = fl.scratch.scores
     want = ref.landmark_scores(q, st)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -140,7 +149,7 @@ def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     st.landmarks[:, :, ::3] = st.landmarks[:, :, :1]  # a third of the chunks score exactly alike
     q = torch.randn(1, H * G, 1, D, generator=torch.Generator().manual_seed(1)).to(DEV) * 0.1
     kn = vn = torch.zeros(1, H, 1, D, device=DEV)
-    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl, **radius_args(st))
     scores = fl.scratch.scores
     ids = fl.slot_ids.long()
     assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct chunks
@@ -150,12 +159,12 @@ def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     assert_tail_path(fl, tuning)
     before = fl.slot_ids.clone()
     fl.n_generated += 1
-    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)  # same query: all hits
+    score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl, **radius_args(st))  # same query: all hits
     assert torch.equal(fl.slot_ids, before) and (fl.work == -1).all()
     q2 = q.clone()
     q2[:, :G] = torch.randn(1, G, 1, D, generator=torch.Generator().manual_seed(2)).to(DEV) * 4  # head 0 moves
     fl.n_generated += 1
-    score_and_select(q2, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+    score_and_select(q2, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl, **radius_args(st))
     now = fl.slot_ids
     kept = (now == before)
     assert kept[:, 1].all() and (fl.work[:, 1] == -1).all()  # head 1: same picks, same slots, no work
@@ -170,8 +179,9 @@ def test_select_ties_across_splits_and_clusters(tuning):
     reference's scores: ties straddling the threshold spread over every split (more candidates than a tail
     block), all picks clustered in a few splits (a long miss segment), K above the short sequence's selectable
     chunks, C not a multiple of any block; the slot maps stay each other's inverse and hits never move."""
+    # no radius term: the ties are made on the landmarks alone (the radius path: the test above)
     cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=4 * 21, outlier_chunks=2, local_chunks=1,
-                         min_prompt_len=16, max_generated=8)
+                         min_prompt_len=16, max_generated=8, radius_weight=0.0)
     H, G, D, K = 2, 1, 32, 21
     lengths = [515, 70]  # 127 and 16 chunks (16 - 3 selectable < K)
     e, fl = select_engine(lengths, H, G, D, cfg, torch.float32, seed=9, tuning=tuning)
@@ -187,7 +197,7 @@ def test_select_ties_across_splits_and_clusters(tuning):
         if step == 1:
             q[0, 0] = -q[0, 0]  # head 0 turns around: most picks change
         kn = vn = torch.zeros(2, H, 1, D, device=DEV)
-        score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl)
+        score_and_select(q, kn, vn, st.landmarks, st.selectable, D ** -0.5, fl, **radius_args(st))
         fl.n_generated += 1
         scores = fl.scratch.scores
         torch.testing.assert_close(scores, ref.landmark_scores(q, st), atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
 """benchmarks/shadowkv_needle_ablation.py: its baseline scorers are the library's (the ablation measures
 thrifty's ShadowKV and Quest, not a re-implementation), on random keys."""
 
+import dataclasses
 import math
 
 import torch
@@ -26,7 +27,7 @@ def test_ablation_scores_match_reference():
     q = torch.randn(B, H * G, 1, D)
     for selector, scorer in (("shadowkv", "landmark"), ("quest", "bound")):
         cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=32, outlier_chunks=2, local_chunks=1,
-                             min_prompt_len=1, selector=selector)
+                             min_prompt_len=1, selector=selector, radius_weight=0.0)  # the paper's scorer
         st = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, cfg)
         C = st.selectable.shape[-1]
         kc = k[:, :, :C * c].view(B, H, C, c, D)
@@ -114,7 +115,7 @@ def test_meta_scorers_bound_and_end_to_end_patch():
     assert A.parse_scorer("rad0.25") == ("radius", 0.25) and A.parse_scorer("far8") == ("far8", None)
     originals = (R.compress_prompt, R.landmark_scores)
     cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=16, outlier_chunks=1, local_chunks=1,
-                         min_prompt_len=1)
+                         min_prompt_len=1, radius_weight=0.0)  # the paper's scorer, which the script's variants extend
     cos, sin = torch.ones(T, D), torch.zeros(T, D)
     q = torch.randn(B, H * G, 1, D)
     with A.MetaReference() as m:
@@ -131,3 +132,6 @@ def test_meta_scorers_bound_and_end_to_end_patch():
         with m.scoring("rad0.5"):
             torch.testing.assert_close(got, R.landmark_scores(q, st))
     assert (R.compress_prompt, R.landmark_scores) == originals
+    # the library's radius term (ShadowKVConfig.radius_weight) is the script's rad<λ> scorer
+    lib = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, dataclasses.replace(cfg, radius_weight=0.5))
+    torch.testing.assert_close(R.landmark_scores(q, lib), got)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._checks import check_choice, check_positive_int
+from .._checks import check_choice, check_positive_int, check_range
 
 SELECTORS = ("shadowkv", "quest")
 HOST_VALUES = ("native", "fp8")
@@ -30,6 +30,12 @@ class ShadowKVConfig:
       head): half the pinned host bytes.
     * ``selector``: ``"shadowkv"`` (landmark scores, low-rank keys) or ``"quest"`` (the Quest-style baseline:
       chunk min/max bound, exact keys, no outliers, the outlier tokens added to its budget).
+    * ``radius_weight``: λ of the chunk logit ``(q·landmark + λ·‖q‖·r)/√D``, r = the chunk's largest distance
+      between a post-RoPE key and its landmark (one fp32 per chunk and KV head beside the landmark's D values).
+      0 is the paper's mean-landmark score. Why not 0: a chunk whose one key scores high among seven that score
+      low has a low mean, and is missed (a needle digit, a frequent token read by an early-layer head); r keeps
+      such chunks in reach. λ = 1 is a true upper bound of the chunk's best logit, and too loose (it prefers any
+      spread-out chunk); 0.5 measured best on SmolLM2's needle rows (``kvcache/NOTES.md``, "chunk scorers").
     """
 
     rank: int = 160
@@ -41,6 +47,7 @@ class ShadowKVConfig:
     max_generated: int = 1024
     host_values: str = "native"
     selector: str = "shadowkv"
+    radius_weight: float = 0.5
 
     def __post_init__(self):
         check_positive_int("rank", self.rank)
@@ -52,6 +59,7 @@ class ShadowKVConfig:
         check_positive_int("max_generated", self.max_generated)
         check_choice("host_values", self.host_values, HOST_VALUES)
         check_choice("selector", self.selector, SELECTORS)
+        check_range("radius_weight", self.radius_weight, 0.0, 1e3)
         if self.sparse_budget < self.chunk_size:
             raise ValueError(f"sparse_budget: expected at least one chunk ({self.chunk_size} tokens), "
                              f"got {self.sparse_budget}")

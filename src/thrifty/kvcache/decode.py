@@ -130,7 +130,8 @@ def kernel_decode_step(engine, layer: int, q: torch.Tensor, k_new: torch.Tensor,
         raise ValueError("selector: the kernel path implements ShadowKV's landmarks; use impl='reference' "
                          "for the Quest baseline")
     fl = fast_layer(engine, layer, q.shape[1] // k_new.shape[1])
-    score_and_select(q, k_new, v_new, st.landmarks, st.selectable, 1.0 / st.landmarks.shape[-1] ** 0.5, fl)
+    score_and_select(q, k_new, v_new, st.landmarks, st.selectable, 1.0 / st.landmarks.shape[-1] ** 0.5, fl,
+                     radius=st.radius, radius_weight=st.radius_weight)
     fl.n_generated += 1
     fill_slots(fl.work, st.u, st.sv, engine.cos, engine.sin, st.values.data, st.values.scale, fl.k, fl.v,
                fl.sel_base, fl.chunk_size)

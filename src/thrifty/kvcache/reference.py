@@ -124,6 +124,8 @@ class LayerState:
     u: Optional[torch.Tensor]  # (B, T, rank) low-rank factor of pre-RoPE keys, shared by the heads
     sv: Optional[torch.Tensor]  # (B, H, rank, D)
     landmarks: Optional[torch.Tensor]  # (B, H, C, D) chunk means of post-RoPE keys
+    radius: Optional[torch.Tensor]  # (B, H, C) fp32: a chunk's largest key-to-landmark distance (ShadowKV only)
+    radius_weight: float  # λ of the chunk logit (q.landmark + λ |q| r) / sqrt(D); 0: the paper's score
     chunk_min: Optional[torch.Tensor]  # (B, H, C, D) Quest baseline only
     chunk_max: Optional[torch.Tensor]
     keys_exact: Optional[torch.Tensor]  # (B, H, T, D) post-RoPE, Quest baseline only
@@ -137,7 +139,7 @@ class LayerState:
     gen_v: torch.Tensor
 
     def bytes_on_device_per_sequence(self) -> int:
-        parts = [self.u, self.sv, self.landmarks, self.chunk_min, self.chunk_max, self.keys_exact,
+        parts = [self.u, self.sv, self.landmarks, self.radius, self.chunk_min, self.chunk_max, self.keys_exact,
                  self.dense_k, self.dense_v, self.gen_k, self.gen_v]
         return sum(p.numel() * p.element_size() for p in parts if p is not None) // self.lengths.numel()
 
@@ -196,13 +198,14 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     keys_c = k_post[:, :, :C * c].float().view(B, H, C, c, D)
     means = keys_c.mean(3)
 
-    u = sv = landmarks = cmin = cmax = keys_exact = None
+    u = sv = landmarks = radius = cmin = cmax = keys_exact = None
     if config.selector == "shadowkv":
         if k_pre is None:
             k_pre = undo_rope(k_post, cos, sin)
         u, sv = low_rank_keys(k_pre, lengths, config.rank)
         u, sv = u.to(dtype), sv.to(dtype)
         landmarks = means.to(dtype)
+        radius = (keys_c - means[:, :, :, None]).norm(dim=-1).amax(-1)  # (B, H, C) fp32
     else:
         keys_exact = k_post
         cmin, cmax = keys_c.amin(3).to(dtype), keys_c.amax(3).to(dtype)
@@ -231,9 +234,9 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
 
     host = HostValues.store(v, config.host_values, host_device or dev)
     empty = k_post.new_zeros(B, H, 0, D)
-    return LayerState(lengths=lengths, n_chunks=n_chunks, u=u, sv=sv, landmarks=landmarks, chunk_min=cmin,
-                      chunk_max=cmax, keys_exact=keys_exact, selectable=selectable, outlier_ids=outlier_ids,
-                      dense_k=dense_k, dense_v=dense_v, dense_valid=valid, values=host, gen_k=empty,
+    return LayerState(lengths=lengths, n_chunks=n_chunks, u=u, sv=sv, landmarks=landmarks, radius=radius,
+                      radius_weight=config.radius_weight, chunk_min=cmin, chunk_max=cmax, keys_exact=keys_exact,
+                      selectable=selectable, outlier_ids=outlier_ids, dense_k=dense_k, dense_v=dense_v, dense_valid=valid, values=host, gen_k=empty,
                       gen_v=empty.clone())
 
 
@@ -268,13 +271,17 @@ def _gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- decode
 
 def landmark_scores(q: torch.Tensor, state: LayerState) -> torch.Tensor:
-    """(B, H, C) chunk scores: per query head the softmax over selectable chunks of q.landmark/sqrt(D), then
-    the max over the query heads of each KV head's group. Non-selectable chunks score -1."""
+    """(B, H, C) chunk scores: per query head the softmax over selectable chunks of
+    (q.landmark + λ |q| r)/sqrt(D) (λ = ``radius_weight``, r the chunk's ``radius``), then the max over the query
+    heads of each KV head's group. Non-selectable chunks score -1."""
     B, Hq, _, D = q.shape
     H = state.selectable.shape[1]
     qg = q[:, :, 0].float().view(B, H, Hq // H, D)
     if state.landmarks is not None:
-        logits = torch.einsum("bhgd,bhcd->bhgc", qg, state.landmarks.float()) / math.sqrt(D)
+        logits = torch.einsum("bhgd,bhcd->bhgc", qg, state.landmarks.float())
+        if state.radius_weight:
+            logits = logits + state.radius_weight * qg.norm(dim=-1)[..., None] * state.radius[:, :, None]
+        logits = logits / math.sqrt(D)
     else:  # Quest: an upper bound of q.k over the chunk from per-channel min/max
         lo = qg[:, :, :, None] * state.chunk_min.float()[:, :, None]
         hi = qg[:, :, :, None] * state.chunk_max.float()[:, :, None]

@@ -113,9 +113,10 @@ def logit_splits(rows: int, C: int, device: torch.device, block: int = TUNING.lo
 
 
 @triton.jit
-def _landmark_logits_kernel(q_ptr, lm_ptr, sel_ptr, logit_ptr, part_m_ptr, part_l_ptr, hist_ptr, C, SPAN,
-                            SPLITS, scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                            BLOCK_C: tl.constexpr, NB: tl.constexpr):
+def _landmark_logits_kernel(q_ptr, lm_ptr, rad_ptr, sel_ptr, logit_ptr, part_m_ptr, part_l_ptr, hist_ptr, C, SPAN,
+                            SPLITS, scale, rad_w, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                            BLOCK_C: tl.constexpr, NB: tl.constexpr, RADIUS: tl.constexpr):
+    """``RADIUS``: the logit is (q.landmark + rad_w |q| r) * scale, r the chunk's fp32 radius (one per chunk)."""
     pid = tl.program_id(0)  # b * H + h
     sp = tl.program_id(1)
     if sp == 0:  # kernel 2 adds into it; its previous users (the last step's mark and tail kernels) have finished
@@ -124,6 +125,9 @@ def _landmark_logits_kernel(q_ptr, lm_ptr, sel_ptr, logit_ptr, part_m_ptr, part_
     d = tl.arange(0, D)
     live = g < G
     q = tl.load(q_ptr + (pid * G + g)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)  # HF order
+    if RADIUS:
+        qf = q.to(tl.float32)
+        q_norm = tl.sqrt(tl.sum(qf * qf, 1)) * rad_w  # (G_PAD,)
     m = tl.full((G_PAD,), NEG, tl.float32)
     l = tl.zeros((G_PAD,), tl.float32)
     base = pid.to(tl.int64) * C
@@ -135,7 +139,11 @@ def _landmark_logits_kernel(q_ptr, lm_ptr, sel_ptr, logit_ptr, part_m_ptr, part_
         inb = cc < hi
         lm = tl.load(lm_ptr + (base + cc)[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
         sel = tl.load(sel_ptr + base + cc, mask=inb, other=0) != 0
-        s = mma(q, tl.trans(lm), tl.zeros((G_PAD, BLOCK_C), tl.float32)) * scale
+        s = mma(q, tl.trans(lm), tl.zeros((G_PAD, BLOCK_C), tl.float32))
+        if RADIUS:
+            r = tl.load(rad_ptr + base + cc, mask=inb, other=0.0)
+            s = s + q_norm[:, None] * r[None, :]
+        s = s * scale
         s = tl.where(sel[None, :], s, float("-inf"))
         tl.store(logits + cc[None, :], s, mask=live[:, None] & inb[None, :])
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -431,12 +439,15 @@ STAGES = ("logits", "scores", "select")
 
 
 def score_and_select(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, landmarks: torch.Tensor,
-                     selectable: torch.Tensor, scale: float, fl, stop_after: str = "select") -> None:
+                     selectable: torch.Tensor, scale: float, fl, stop_after: str = "select", *,
+                     radius: torch.Tensor | None = None, radius_weight: float = 0.0) -> None:
     """One decode step's scoring, selection and reuse plan into the layer buffers ``fl``
     (:class:`thrifty.kvcache.decode.FastLayer`), and the new token (k_new/v_new (B, H, 1, D)) appended to them.
-    q (B, Hq, 1, D), landmarks (B, H, C, D), selectable (B, H, C) bool. Fills ``fl.scratch.scores``, ``fl.work``, the
-    slot maps and the validity bytes. ``stop_after`` ("logits", "scores"): launch only the first kernels (the
-    benchmark times the kernels one by one; the state is then not a decode step's)."""
+    q (B, Hq, 1, D), landmarks (B, H, C, D), selectable (B, H, C) bool; ``radius`` (B, H, C) fp32 and
+    ``radius_weight`` λ: the chunk logit is (q.landmark + λ |q| r) * scale (λ = 0: no radius read). Fills
+    ``fl.scratch.scores``, ``fl.work``, the slot maps and the validity bytes. ``stop_after`` ("logits", "scores"):
+    launch only the first kernels (the benchmark times the kernels one by one; the state is then not a decode
+    step's)."""
     if stop_after not in STAGES:
         raise ValueError(f"stop_after must be one of {STAGES}, got {stop_after!r}")
     B, Hq, _, D = q.shape
@@ -449,9 +460,15 @@ def score_and_select(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     splits, span = sc.logit_splits
     s_pad = triton.next_power_of_2(splits)
     sel = selectable.view(torch.int8)
+    use_radius = bool(radius_weight)
+    if use_radius and (radius is None or radius.shape != selectable.shape or radius.dtype != torch.float32
+                       or not radius.is_contiguous()):
+        raise ValueError(f"radius: expected contiguous fp32 of shape {tuple(selectable.shape)} with radius_weight "
+                         f"{radius_weight}, got {None if radius is None else (radius.dtype, tuple(radius.shape))}")
     _landmark_logits_kernel[(B * H, splits)](
-        q.reshape(B * Hq, D).to(landmarks.dtype), landmarks, sel, sc.logits, sc.part_m, sc.part_l, sc.hist, C,
-        span, splits, scale, G=G, G_PAD=G_PAD, D=D, BLOCK_C=tu.logit_block, NB=tu.hist_bins)
+        q.reshape(B * Hq, D).to(landmarks.dtype), landmarks, radius if use_radius else sc.part_m, sel, sc.logits,
+        sc.part_m, sc.part_l, sc.hist, C, span, splits, scale, float(radius_weight), G=G, G_PAD=G_PAD, D=D,
+        BLOCK_C=tu.logit_block, NB=tu.hist_bins, RADIUS=use_radius)
     if stop_after == "logits":
         return
     _score_hist_kernel[(B * H, splits)](
