@@ -35,7 +35,7 @@ class ShadowKVConfig:
       0 is the paper's mean-landmark score. Why not 0: a chunk whose one key scores high among seven that score
       low has a low mean, and is missed (a needle digit, a frequent token read by an early-layer head); r keeps
       such chunks in reach. λ = 1 is a true upper bound of the chunk's best logit, and too loose (it prefers any
-      spread-out chunk); 0.5 measured best on SmolLM2's needle rows: on the GPU it took ShadowKV from 1.0 / 0.8 /
+      spread-out chunk); 0.5 measured best on SmolLM2's needle rows: on the GPU it took ShadowKV from 2.7 / 0.8 /
       1.4 points under the Quest-style selector at budgets 256 / 512 / 1024 to −1.1 / +0.4 / −0.1 (420 prompts;
       ``kvcache/NOTES.md``, "The chunk radius on the GPU").
     """
