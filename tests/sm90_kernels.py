@@ -304,7 +304,8 @@ def _kvcache():
                         dict(D=D, NB=tu.hist_bins, SHIFT=tu.hist_shift, BLOCK=tu.score_block),
                         mark | {"knew_ptr vnew_ptr kbuf_ptr vbuf_ptr": PTR[dtype], "ngen_ptr": "*i64"},
                         num_warps=SK.MARK_WARPS)
-            for G in ((3, 8) if dtype == torch.bfloat16 else (4,)):  # SmolLM2's 9/3 heads; Llama's 32/4, 64/8
+            # SmolLM2's 9/3 heads; Llama's 32/4, 64/8; MHA (the 7B reference model's static-cache decode)
+            for G in ((1, 3, 8) if dtype == torch.bfloat16 else (1, 4)):
                 g_pad = SK.g_pads(G)[0]  # as score_and_select / masked_decode_attention (dot_rows)
                 assert g_pad == AK.dot_rows(G, 1)
                 label = f"D{D} {NAME[dtype]} G{G}"

@@ -178,6 +178,31 @@ def test_cuda_static_cache_takes_the_one_launch_rope_and_write(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_attends_through_the_masked_decode_kernel(dtype, monkeypatch):
+    """head_dim 64 (the kernel's): every layer of every replayed step runs thrifty.kv's split-K decode kernel over
+    the masked static buffer (counted), and the tokens are what the model ranks first, near-ties aside."""
+    import torch.nn.functional as F
+
+    import thrifty.kv.decode_kernel as DK
+
+    calls, masked_sdpa = [], []
+    real, real_sdpa = DK.masked_decode_attention, F.scaled_dot_product_attention
+    monkeypatch.setattr(DK, "masked_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: masked_sdpa.append(kw.get("attn_mask") is not None) or real_sdpa(*a, **kw))
+    cfg = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).init_weights(seed=0).to("cuda", dtype).eval()
+    x = ids().to("cuda")
+    out = generate(model, x, 12, cuda_graph=True)
+    # every graph-mode call (warm-up and capture; the replays run what was recorded) took the kernel, none SDPA
+    assert len(calls) >= cfg.num_hidden_layers and len(calls) % cfg.num_hidden_layers == 0
+    assert not any(masked_sdpa)
+    assert_greedy_up_to_near_ties(model, out, x.shape[1], rel_tol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["bf16", "stacked_a48"])
 def test_cuda_graphed_decoder_captures_once_across_calls(kind):
     """Three calls of one decoder: one capture; each call's tokens are what the model ranks first (near-ties

@@ -268,6 +268,26 @@ def test_decode_attention_kernel_matches_reference(G, N, splits, merge_block):
     f64_error_ok(got, want, exact.reshape(B, H * G, 1, D), 1e-5)  # fp32 online softmax over the splits
 
 
+@pytest.mark.parametrize("G, N", [(1, 70), (2, 193)])
+def test_decode_attention_kernel_takes_one_mask_for_the_batch(G, N):
+    """The reference model's static cache hands one (capacity,) mask of written slots for every sequence and head:
+    an expanded (stride 0) view of it gives exact attention over the written prefix, empty slots unread."""
+    g = torch.Generator().manual_seed(G * 100 + N)
+    B, H, D = 2, 3, 64
+    q = torch.randn(B, H * G, 1, D, generator=g).to(DEV)
+    k = torch.randn(B, H, N, D, generator=g).to(DEV)
+    v = torch.randn(B, H, N, D, generator=g).to(DEV)
+    written = N // 2 + 3
+    mask = (torch.arange(N) < written).to(DEV)
+    k[:, :, written:] = float("nan")  # empty slots: never read into the result
+    v[:, :, written:] = float("nan")
+    got = masked_decode_attention(q, k, v, mask.view(1, 1, N).expand(B, H, N), 0.125)
+    kd, vd = k[:, :, :written].double(), v[:, :, :written].double()
+    s = torch.einsum("bhgd,bhnd->bhgn", q.double().view(B, H, G, D), kd) * 0.125
+    exact = torch.einsum("bhgn,bhnd->bhgd", s.softmax(-1), vd).reshape(B, H * G, 1, D)
+    assert (got.double() - exact).abs().max().item() <= 1e-5
+
+
 def _engines(cfg, lengths, H=2, G=3, D=32, seed=0):
     st, k, v, cos, sin = make_state(lengths, H=H, D=D, cfg=cfg, seed=seed)
     engines = []

@@ -101,8 +101,15 @@ class LlamaConfig:
 
 def sdpa_attention(q, k, v, *, causal: bool, scale: float):
     """torch SDPA with grouped-query heads; ``causal`` with fewer queries than keys means the queries are last.
-    Keys from a static cache in graph mode carry a mask of the slots written (``layers.KEY_MASK_ATTR``)."""
+    Keys from a static cache in graph mode carry a mask of the slots written (``layers.KEY_MASK_ATTR``); on CUDA
+    at inference that one query row goes to ``thrifty.kv``'s split-K decode kernel over the masked buffer
+    (:func:`_masked_decode_fits`)."""
     key_mask = getattr(k, KEY_MASK_ATTR, None)
+    if key_mask is not None and _masked_decode_fits(q, k, v, key_mask):
+        from ..kv.decode_kernel import masked_decode_attention
+
+        valid = key_mask.reshape(1, 1, -1).expand(k.shape[0], k.shape[1], -1)
+        return masked_decode_attention(q, k, v, valid, scale)
     if q.shape[1] != k.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
@@ -118,6 +125,18 @@ def sdpa_attention(q, k, v, *, causal: bool, scale: float):
 
 
 sdpa_attention.reads_key_mask = True
+
+
+def _masked_decode_fits(q, k, v, key_mask) -> bool:
+    """A graph-mode decode step the split-K kernel takes: one query row, CUDA without autograd, 16-bit or fp32 of
+    one dtype, head_dim 64 or 128, contiguous buffer rows, one mask for the batch. Why not SDPA there: with a
+    boolean mask it runs ~4 launches per layer (the mask converted and expanded, then the attention: ~10 µs at a
+    few hundred slots, bitnet NOTES "Decode: the masked attention"); the kernel takes the mask as it is, 2
+    launches."""
+    return (q.shape[2] == 1 and fused_inference(q) and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] in (64, 128)
+            and k.shape[-1] == q.shape[-1] and q.shape[1] % k.shape[1] == 0 and k.stride(-1) == 1
+            and v.stride() == k.stride() and key_mask.dtype == torch.bool and key_mask.numel() == k.shape[2])
 
 
 def default_linear(in_features: int, out_features: int, *, name: str) -> nn.Module:
