@@ -185,3 +185,21 @@ def test_spec_options_outliers_and_group():
             with m.scoring(spec):
                 s = R.landmark_scores(q, st)
             assert ((s >= 0) == st.selectable).all()
+
+
+def test_library_outlier_share_is_the_scripts_ohalf_rule():
+    """ShadowKVConfig(outlier_radius_share=0.5) picks the outlier chunks of the script's ``ohalf`` rule (what the
+    proxy measured), as sets per (sequence, KV head)."""
+    A = _module()
+    torch.manual_seed(1)
+    B, H, T, D, c, O = 1, 2, 240, 16, 8, 6
+    k, v = torch.randn(B, H, T, D) * torch.linspace(0.2, 3, D), torch.randn(B, H, T, D)
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)
+    cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=16, outlier_chunks=O, local_chunks=1,
+                         min_prompt_len=1, outlier_radius_share=0.5)
+    st = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, cfg)
+    C = st.selectable.shape[-1]
+    kc = k[:, :, :C * c].view(B, H, C, c, D)
+    want = A.choose_outliers("ohalf", kc, kc.mean(3), st.radius, torch.ones(B, C, dtype=torch.bool), O)
+    for h in range(H):
+        assert set(st.outlier_ids[0, h].tolist()) == set(want[0, h].tolist())
