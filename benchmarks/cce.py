@@ -238,20 +238,18 @@ def impls():
     }
     for name, kw in variants.items():
         out[name] = (lambda kw: lambda e, c, t: thrifty_lce(e, c, t, impl="triton", **kw))(kw)
-    out["thrifty_fused_fwd"] = fused_forward(lambda e, c, t: thrifty_lce(e, c, t, impl="triton"))
+    out["thrifty_fused_fwd"] = fused_forward(lambda e, c, t, **kw: thrifty_lce(e, c, t, impl="triton", **kw))
     return out
 
 
 def fused_forward(fn):
-    """fn with thrifty's forward kept on the fused Triton kernel (the default before the GEMM forward), through the
-    library's instrumentation hook ``thrifty.loss.cce.fused_forward()``; everything else is the default path. The
-    two forwards in one run: the data behind the GEMM forward's thresholds."""
-    from thrifty.loss import cce as cce_module
+    """fn with thrifty's forward kept on the fused Triton kernel (the default before the GEMM forward),
+    ``CCEKernelConfig(forward="fused")``; everything else is the default path. The two forwards in one run: the
+    data behind the GEMM forward's thresholds."""
+    from thrifty.loss import CCEKernelConfig
 
-    def call(e, c, t):
-        with cce_module.fused_forward():
-            return fn(e, c, t)
-    return call
+    config = CCEKernelConfig(forward="fused")
+    return lambda e, c, t: fn(e, c, t, config=config)
 
 
 def float64_reference(e, c, t):

@@ -71,6 +71,23 @@ scorer spelled ``rad<lam>``, ``maha<lam>``, ``far`` or ``far8`` (``shadowkv@256+
         --outliers 96 --methods dense shadowkv@256 shadowkv@512 quest@256 quest@512 shadowkv@256+rad0.1 \
         shadowkv@256+rad0.25 ... shadowkv@512+far8 --seed 0 \
         --out benchmarks/results/shadowkv_needle_cpu-ablation-logprob-4k-o96-scorers.json
+
+Outlier choice, group aggregation and a softer radius beside the ball scorer (NOTES.md, "Needle retrieval: outlier
+choice and group aggregation with the radius (CPU proxy)"): options after commas in the scorer spec
+(:data:`SPEC_OPTIONS`, documented above :func:`parse_spec`), e.g. ``shadowkv@256+rad0.5,orad`` (outliers = the
+chunks with the largest radius), ``,orel`` (largest radius / landmark norm), ``,ohalf`` (half min cosine, half
+largest radius), ``,owin`` / ``,owinh`` (all / half of the outliers by the attention mass of the last
+:data:`WINDOW` prompt queries, SnapKV's observation window; the queries captured at prefill by
+:class:`WindowQueries`), ``,gsum`` / ``,glogit`` (sum of the group's softmaxes / max of its logits instead of the
+max of its softmaxes), ``,r2`` (radius = mean of the two largest key-to-landmark distances). A method with an
+outlier option gets its own compression (same SVD, other outlier chunks); the others fork the library's.
+Seeds 0 and 1 with every option at both budgets (``-outgroup{,-seed1}``), then seeds 2 and 3 held out with the
+best ones (``-outgroup-seed2``: ohalf, orel, owinh, r2, orel+r2; ``-outgroup-seed3``: ohalf, orel, owinh):
+
+    python benchmarks/shadowkv_needle_ablation.py --answer-logprob --lengths 4096 --trials 2 --budgets 256 512 \
+        --outliers 96 --methods dense quest@256 quest@512 shadowkv@256+rad0.5 shadowkv@256+rad0.5,orad ... \
+        shadowkv@512+rad0.5,owinh shadowkv@256+rad0.75 --seed 0 \
+        --out benchmarks/results/shadowkv_needle_cpu-ablation-logprob-4k-o96-outgroup.json
 """
 
 from __future__ import annotations
@@ -215,7 +232,9 @@ def chunk_meta(keys_c: torch.Tensor, means: torch.Tensor, n_chunks: torch.Tensor
     var = (dev.square() * w).sum((2, 3)) / (w.sum((2, 3)) * keys_c.shape[3]).clamp_min(1)  # (B, H, D)
     sigma = var.sqrt().clamp_min(1e-6)
     r_maha = (dev / sigma[:, :, None, None]).norm(dim=-1).amax(-1)
-    return {"radius": dn.amax(-1), "k_far": k_far, "k_far8": fp8_round(k_far), "sigma": sigma, "r_maha": r_maha}
+    top2 = dn.topk(min(2, dn.shape[-1]), dim=-1).values.mean(-1)
+    return {"radius": dn.amax(-1), "radius2": top2, "mnorm": means.norm(dim=-1), "k_far": k_far,
+            "k_far8": fp8_round(k_far), "sigma": sigma, "r_maha": r_maha}
 
 
 def meta_logits(qg: torch.Tensor, lm: torch.Tensor, meta: dict, scorer: str, lam) -> torch.Tensor:
@@ -243,6 +262,142 @@ def parse_scorer(spec: str) -> tuple[str, float | None]:
     raise ValueError(f"scorer: expected rad<lam>, maha<lam>, far or far8, got {spec!r}")
 
 
+# Options of a ``+<scorer>`` spec, after commas (``shadowkv@256+rad0.5,orad,gsum``):
+#   outlier choice (at compression; the same number of outlier chunks, the radius scorers' metadata unchanged):
+#     orad   the chunks with the largest radius r (the least trustworthy ball scores) instead of the lowest min
+#            cosine to the landmark;
+#     orel   the largest r / ||m|| (the radius relative to the landmark's norm);
+#     ohalf  half by the lowest min cosine, the other half by the largest r among the rest;
+#     owin / owinh  the chunks with the largest attention mass from the last WINDOW prompt queries (SnapKV's
+#            observation window: softmax over the prompt per query head, summed over the window and the KV head's
+#            group), all of them / half of them (the other half by the lowest min cosine first). Needs the window
+#            queries at prefill (captured here by hooks on q_proj), no metadata and nothing per step.
+#   group aggregation (per KV head, over its G query heads): gsum  sum of the per-head softmaxes instead of their max;
+#     glogit  max of the logits, then one softmax.
+#   radius: r2  the mean of the two largest key-to-landmark distances instead of the largest (same 2 bytes).
+OUTLIER_RULES = ("orad", "orel", "ohalf", "owin", "owinh")
+SPEC_OPTIONS = OUTLIER_RULES + ("gsum", "glogit", "r2")
+WINDOW = 32
+
+
+def parse_spec(spec: str) -> tuple[str, float | None, tuple[str, ...]]:
+    """``rad0.5,orad,gsum`` -> ("radius", 0.5, ("orad", "gsum")): :func:`parse_scorer` plus :data:`SPEC_OPTIONS`."""
+    head, *opts = spec.split(",")
+    scorer, lam = parse_scorer(head)
+    bad = [o for o in opts if o not in SPEC_OPTIONS]
+    if bad or sum(o in OUTLIER_RULES for o in opts) > 1 or ("gsum" in opts and "glogit" in opts):
+        raise ValueError(f"scorer options: expected at most one of {OUTLIER_RULES}, one of gsum/glogit and r2, "
+                         f"got {spec!r}")
+    if "r2" in opts and scorer != "radius":
+        raise ValueError(f"scorer options: r2 applies to rad<lam>, got {spec!r}")
+    return scorer, lam, tuple(opts)
+
+
+def outlier_rule(spec: str) -> str:
+    """The outlier rule of a spec (``mincos``: the library's)."""
+    return next((o for o in parse_spec(spec)[2] if o in OUTLIER_RULES), "mincos")
+
+
+def choose_outliers(rule: str, keys_c, means, radius, chunk_real, O: int, window_mass=None) -> torch.Tensor:
+    """(B, H, O) outlier chunk ids by ``rule`` (:data:`OUTLIER_RULES` or ``mincos``, the library's). keys_c
+    (B, H, C, c, D) fp32, means (B, H, C, D), radius (B, H, C), chunk_real (B, C); window_mass (B, H, C) for
+    owin/owinh."""
+    B, H, C = radius.shape
+    real = chunk_real[:, None].expand(B, H, C)
+    min_cos = torch.nn.functional.cosine_similarity(keys_c, means[:, :, :, None], dim=-1).amin(-1)
+    low_first = {"mincos": min_cos, "orad": -radius, "orel": -radius / means.norm(dim=-1).clamp_min(1e-12),
+                 "owin": None if window_mass is None else -window_mass}
+    if rule in low_first:
+        return low_first[rule].masked_fill(~real, float("inf")).topk(O, dim=-1, largest=False).indices
+    second = -radius if rule == "ohalf" else -window_mass
+    first = min_cos.masked_fill(~real, float("inf")).topk(O // 2, dim=-1, largest=False).indices
+    rest = second.masked_fill(~real, float("inf")).scatter(2, first, float("inf"))
+    return torch.cat((first, rest.topk(O - O // 2, dim=-1, largest=False).indices), 2)
+
+
+def reselect_outliers(st, k_post, v, lengths, config, radius, rule, window_mass=None) -> None:
+    """Replaces ``st``'s outlier chunks (ids, selectable, exact tokens) by those of ``rule``, as
+    ``reference.compress_prompt`` lays them out (outlier tokens, then the local window)."""
+    B, H, C = st.selectable.shape
+    c, dev = config.chunk_size, k_post.device
+    n_chunks = st.n_chunks
+    chunk_real = torch.arange(C, device=dev)[None, :] < n_chunks[:, None]
+    k = k_post[:, :, :C * c].float()
+    if k.shape[2] < C * c:
+        k = torch.nn.functional.pad(k, (0, 0, 0, C * c - k.shape[2]))
+    keys_c = k.view(B, H, C, c, -1)
+    O = min(config.kept_outlier_chunks, C)
+    ids = choose_outliers(rule, keys_c, keys_c.mean(3), radius, chunk_real, O, window_mass)
+    real = chunk_real[:, None].expand(B, H, C)
+    out_real = real.gather(2, ids)
+    selectable = real.clone()
+    selectable.scatter_(2, ids, False)
+    out_pos = (ids[..., None] * c + torch.arange(c, device=dev)).flatten(2)
+    out_valid = out_real[..., None].expand(-1, -1, -1, c).flatten(2)
+    N_out = out_pos.shape[2]  # the local window's exact tokens (after the outliers') are unchanged: kept
+    dense_k = torch.cat((gather_tokens(k_post, out_pos), st.dense_k[:, :, N_out:]), 2)
+    dense_v = torch.cat((gather_tokens(v, out_pos), st.dense_v[:, :, N_out:]), 2)
+    valid = torch.cat((out_valid, st.dense_valid[:, :, N_out:]), 2)
+    st.outlier_ids, st.selectable, st.dense_k, st.dense_v, st.dense_valid = ids, selectable, dense_k, dense_v, valid
+
+
+def gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D) at token positions pos (B, H, N) -> (B, H, N, D), as compress_prompt gathers exact tokens."""
+    return x.gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+
+def window_mass(q_win: torch.Tensor, k_post: torch.Tensor, T: int, C: int, c: int) -> torch.Tensor:
+    """(B, H, C) SnapKV-style chunk mass: the last w prompt queries q_win (B, Hq, w, D) post-RoPE, at positions
+    T-w..T-1, attend causally over the prompt keys k_post (B, H, T, D); softmax per query head and query, summed
+    over the window and the group, then per chunk."""
+    B, Hq, w, D = q_win.shape
+    H = k_post.shape[1]
+    qg = q_win.float().view(B, H, Hq // H, w, D)
+    s = torch.einsum("bhgwd,bhtd->bhgwt", qg, k_post[:, :, :T].float()) / math.sqrt(D)
+    causal = torch.arange(T)[None, :] <= torch.arange(T - w, T)[:, None]  # (w, T)
+    p = s.masked_fill(~causal, float("-inf")).softmax(-1).sum((2, 3))  # (B, H, T)
+    p = torch.nn.functional.pad(p, (0, max(C * c - T, 0)))[:, :, :C * c]
+    return p.view(B, H, C, c).sum(-1)
+
+
+class WindowQueries:
+    """Within the block, hooks on every layer's ``q_proj`` keep the last :data:`WINDOW` queries of a prefill,
+    rotated as the model does (post-RoPE, (B, Hq, w, D)), by layer. Positions from 0, no padding: equal-length
+    prompts (the ablation's batches; ``lengths`` of :func:`reselect_outliers` is not consulted either)."""
+
+    def __init__(self, model):
+        self.model, self.q = model, {}
+
+    def __enter__(self):
+        self.handles = []
+        layers = self.model.model.layers
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+
+            def hook(mod, inp, out, i=i, attn=attn):
+                B, T, _ = out.shape
+                D = attn.head_dim
+                w = min(WINDOW, T)
+                q = out[:, T - w:].reshape(B, w, -1, D).transpose(1, 2).float()
+                pos = torch.arange(T - w, T)[None]
+                cos, sin = self.model.model.rotary_emb(q, pos)
+                self.q.setdefault(i, []).append(R.apply_rope(q, cos[0], sin[0]))
+
+            self.handles.append(attn.q_proj.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
+
+    def take(self) -> list:
+        """The captured window queries per layer (sub-batches of a prefill concatenated), then cleared."""
+        out = [torch.cat(self.q[i]) for i in sorted(self.q)]
+        self.q = {}
+        return out
+
+
 class MetaReference:
     """End to end (``--answer-logprob``): ``R.compress_prompt`` wrapped for the whole run so that every ShadowKV
     layer state gets its :func:`chunk_meta` (from the exact post-RoPE keys, as a prefill would compute it), kept
@@ -252,6 +407,8 @@ class MetaReference:
 
     def __init__(self):
         self.meta = {}  # id(landmarks) -> (landmarks, meta): the tensor is held so that its id stays unique
+        self.outlier_rule = "mincos"  # set around a compression: the outliers of that rule (OUTLIER_RULES)
+        self.window_q = {}  # id(prompt keys of a layer) -> (keys, window queries (B, Hq, w, D)): owin / owinh
 
     def __enter__(self):
         self.saved = R.compress_prompt
@@ -266,6 +423,14 @@ class MetaReference:
                     k = torch.nn.functional.pad(k, (0, 0, 0, C * c - k.shape[2]))
                 self.meta[id(st.landmarks)] = (st.landmarks, chunk_meta(k.view(B, H, C, c, D), st.landmarks,
                                                                         st.n_chunks))
+                if self.outlier_rule != "mincos":
+                    wm = None
+                    if self.outlier_rule in ("owin", "owinh"):
+                        kk, qw = self.window_q[id(k_post)]
+                        assert kk is k_post
+                        wm = window_mass(qw, k_post, int(lengths.max()), C, c)
+                    reselect_outliers(st, k_post, v, lengths, config, self.meta[id(st.landmarks)][1]["radius"],
+                                      self.outlier_rule, wm)
             return st
 
         R.compress_prompt = compress_prompt
@@ -278,7 +443,7 @@ class MetaReference:
 
     @contextlib.contextmanager
     def scoring(self, spec: str):
-        scorer, lam = parse_scorer(spec)
+        scorer, lam, opts = parse_spec(spec)
         saved = R.landmark_scores
 
         def landmark_scores(q, state):
@@ -289,11 +454,17 @@ class MetaReference:
             B, Hq, _, D = q.shape
             H = state.selectable.shape[1]
             qg = q[:, :, 0].float().view(B, H, Hq // H, D)
+            if "r2" in opts:
+                meta = {**meta, "radius": meta["radius2"]}
             logits = meta_logits(qg, state.landmarks, meta, scorer, lam)
             sel = state.selectable[:, :, None]
+            if "glogit" in opts:  # max of the logits over the group, one softmax (monotone: scores >= 0 stay picks)
+                logits = logits.masked_fill(~sel, float("-inf")).amax(2, keepdim=True)
             probs = logits.masked_fill(~sel, float("-inf")).softmax(-1)
             probs = torch.where(sel, probs, -1.0)
             probs = torch.where(probs.isnan(), -1.0, probs)
+            if "gsum" in opts:
+                return torch.where(state.selectable, probs.clamp_min(0).sum(2), -1.0)
             return probs.amax(2)
 
         R.landmark_scores = landmark_scores
@@ -651,7 +822,7 @@ def answer_logprob(model, encode, args):
         for m in args.methods:
             base, sep, spec = m.partition("+")
             if sep and methods.get(base) is not None and methods[base].selector == "shadowkv":
-                parse_scorer(spec)  # refuse a bad spec before the run
+                parse_spec(spec)  # refuse a bad spec before the run
                 methods[m], scorer_methods[m] = methods[base], spec
         methods = {m: c for m, c in methods.items() if m in args.methods}
     res = {m: {"logprob": [], "exact": [], "length": [], "token_logprob": []} for m in methods}
@@ -674,7 +845,11 @@ def answer_logprob_runs(model, encode, args, methods, tf32_methods, scorer_metho
             batch = tasks[i:i + args.prefill_batch]
             ids = torch.cat([t.input_ids for t in batch])
             ans = torch.tensor([encode(" " + t.answers[0]) for t in batch])  # (B, A): same digit count
-            kv = dense_prefill(model, ids[:, :-1], args.prefill_batch)
+            rules = {outlier_rule(spec) for spec in scorer_methods.values()}
+            with (WindowQueries(model) if rules & {"owin", "owinh"} else contextlib.nullcontext()) as wq:
+                kv = dense_prefill(model, ids[:, :-1], args.prefill_batch)
+            if wq is not None:
+                meta.window_q = {id(k): (k, q) for (k, _), q in zip(kv, wq.take())}
             inputs = torch.cat((ids[:, -1:], ans[:, :-1]), 1)
             bases = {}
             for name, cfg in methods.items():
@@ -682,10 +857,15 @@ def answer_logprob_runs(model, encode, args, methods, tf32_methods, scorer_metho
                     cache = ShadowKVCache(model, ShadowKVConfig(rank=1, min_prompt_len=ids.shape[1] + 1))
                     cache.load_prompt(kv)
                 else:
-                    key = (cfg.selector, cfg.outlier_chunks, cfg.chunk_size, cfg.local_chunks)
+                    rule = outlier_rule(scorer_methods[name]) if name in scorer_methods else "mincos"
+                    key = (cfg.selector, cfg.outlier_chunks, cfg.chunk_size, cfg.local_chunks, rule)
                     if key not in bases:
                         bases[key] = ShadowKVCache(model, replace(cfg, min_prompt_len=1), impl="reference")
-                        bases[key].load_prompt(kv)
+                        meta.outlier_rule = rule
+                        try:
+                            bases[key].load_prompt(kv)
+                        finally:
+                            meta.outlier_rule = "mincos"
                     cache = bases[key].fork(model, cfg)
                 lp = torch.zeros(len(batch))
                 tok_lp = torch.zeros(len(batch), ans.shape[1])

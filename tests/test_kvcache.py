@@ -136,6 +136,28 @@ def test_outliers_are_the_least_similar_chunks():
     assert not st.selectable[0, 0, 5]
 
 
+def test_a_share_of_the_outliers_goes_to_the_widest_chunks():
+    """outlier_radius_share: the min-cosine rule takes its share, the chunks of the largest radius among the rest
+    take the others (chunk 5: one opposite key, lowest cosine; chunk 9: every key scaled apart, cosine 1 but the
+    widest); with one outlier, share 0 is the min-cosine rule alone and share 1 the radius alone; the exact
+    tokens follow the ids."""
+    k, v, q, L, cos, sin = ragged_batch([64], H=1, D=4)
+    k[0, 0, :] = k[0, 0, :1]
+    k[0, 0, 21] = -k[0, 0, 21]  # chunk 5 (chunk_size 4)
+    k[0, 0, 36:40] *= torch.tensor([1.0, 9.0, 1.0, 9.0])[:, None]  # chunk 9: same direction, far from its mean
+    st = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(outlier_chunks=2, rank=4,
+                                                                       outlier_radius_share=0.5))
+    assert st.outlier_ids[0, 0].tolist() == [5, 9]
+    assert not st.selectable[0, 0, 5] and not st.selectable[0, 0, 9]
+    assert torch.equal(st.dense_k[0, 0, 4:8], k[0, 0, 36:40])  # (k is post-RoPE, as the cache gets it)
+    for share, want in ((0.0, [5]), (1.0, [9])):  # one outlier: min cosine alone, radius alone
+        one = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(outlier_chunks=1, rank=4,
+                                                                            outlier_radius_share=share))
+        assert one.outlier_ids[0, 0].tolist() == want, share
+    with pytest.raises(ValueError, match="outlier_radius_share"):
+        small_config(outlier_radius_share=1.5)
+
+
 def test_reuse_buffer_equals_no_reuse_over_steps():
     k, v, q, L, cos, sin = ragged_batch([120, 97], H=2, G=2, D=6)
     cfg = small_config(rank=8, sparse_budget=16)

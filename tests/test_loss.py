@@ -272,10 +272,10 @@ def test_cuda_small_hidden_sizes_keep_the_fused_forward(monkeypatch):
 @needs_kernels
 def test_fused_forward_when_the_classifier_gets_no_gradient(monkeypatch):
     """A frozen classifier (no dC to lend its bytes) keeps the fused forward, whose extra memory is a few
-    partials per row. With a classifier gradient inside ``cce.fused_forward()`` (benchmarks/cce.py's
-    thrifty_fused_fwd rows), the fused forward runs and the backward allocates dC itself; after the block the
-    GEMM forward is back (the interpreter takes it at every size)."""
-    from thrifty.loss import cce
+    partials per row. With a classifier gradient and ``CCEKernelConfig(forward="fused")`` (benchmarks/cce.py's
+    thrifty_fused_fwd rows), the fused forward runs and the backward allocates dC itself; with the default config
+    the GEMM forward runs (the interpreter takes it at every size)."""
+    from thrifty.loss import CCEKernelConfig
 
     spy = _Spy(monkeypatch)
     e, c, b, t = make(30, 24, 200, dtype=torch.bfloat16, device=DEVICE)
@@ -283,8 +283,7 @@ def test_fused_forward_when_the_classifier_gets_no_gradient(monkeypatch):
     linear_cross_entropy(e, c, t, impl="triton").backward()
     assert spy.calls == {"fused": 1, "gemm": 0} and e.grad is not None
     c.requires_grad_(True)
-    with cce.fused_forward():
-        got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", config=CCEKernelConfig(forward="fused"))
     assert spy.calls == {"fused": 2, "gemm": 0}
     assert_close(got, oracle(e, c, b, t), 1e-4 if DEVICE == "cpu" else 2e-3, GRAD_TOL[torch.bfloat16])
     if interpreting():

@@ -135,3 +135,71 @@ def test_meta_scorers_bound_and_end_to_end_patch():
     # the library's radius term (ShadowKVConfig.radius_weight) is the script's rad<λ> scorer
     lib = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, dataclasses.replace(cfg, radius_weight=0.5))
     torch.testing.assert_close(R.landmark_scores(q, lib), got)
+
+
+def test_spec_options_outliers_and_group():
+    """Scorer options: parse_spec; reselect_outliers with the library's rule reproduces compress_prompt's state,
+    other rules keep the outlier count and the local window; gsum / glogit pick only selectable chunks;
+    window_mass is the window's attention mass per chunk."""
+    A = _module()
+    assert A.parse_spec("rad0.5,orad,gsum") == ("radius", 0.5, ("orad", "gsum"))
+    assert A.outlier_rule("rad0.5,gsum") == "mincos" and A.outlier_rule("rad0.5,owinh") == "owinh"
+    for bad in ("rad0.5,orad,orel", "rad0.5,gsum,glogit", "far,r2", "rad0.5,nope"):
+        try:
+            A.parse_spec(bad)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+    torch.manual_seed(4)
+    B, H, G, T, D, c = 1, 2, 3, 203, 16, 8
+    k, v = torch.randn(B, H, T, D) * torch.linspace(0.2, 3, D), torch.randn(B, H, T, D)
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)
+    cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=32, outlier_chunks=4, local_chunks=2,
+                         min_prompt_len=1, radius_weight=0.0)
+    L = torch.tensor([T])
+    st = R.compress_prompt(k, v, L, cos, sin, cfg)
+    C = st.selectable.shape[-1]
+    qw = torch.randn(B, H * G, 5, D)
+    wm = A.window_mass(qw, k, T, C, c)
+    assert wm.shape == (B, H, C) and float(wm.sum()) <= H * G * 5 + 1e-4
+    same = dataclasses.replace(st)
+    A.reselect_outliers(same, k, v, L, cfg, st.radius, "mincos")
+    for f in ("outlier_ids", "selectable", "dense_k", "dense_v", "dense_valid"):
+        assert torch.equal(getattr(same, f), getattr(st, f)), f
+    for rule in A.OUTLIER_RULES:
+        s2 = dataclasses.replace(st)
+        A.reselect_outliers(s2, k, v, L, cfg, st.radius, rule, wm)
+        ids = s2.outlier_ids[0]
+        assert all(len(set(h.tolist())) == cfg.outlier_chunks for h in ids)
+        assert int(s2.selectable.sum()) == int(st.selectable.sum())
+        assert torch.equal(s2.dense_k[:, :, cfg.outlier_chunks * c:], st.dense_k[:, :, cfg.outlier_chunks * c:])
+        torch.testing.assert_close(s2.dense_k[0, 1, :c], k[0, 1, int(ids[1, 0]) * c:int(ids[1, 0] + 1) * c])
+    s2 = dataclasses.replace(st)
+    A.reselect_outliers(s2, k, v, L, cfg, st.radius, "orad")
+    real = st.radius[:, :, :int(st.n_chunks[0])]
+    assert set(s2.outlier_ids[0, 0].tolist()) == set(real[0, 0].topk(cfg.outlier_chunks).indices.tolist())
+    q = torch.randn(B, H * G, 1, D)
+    with A.MetaReference() as m:
+        st = R.compress_prompt(k, v, L, cos, sin, cfg)
+        for spec in ("rad0.5,gsum", "rad0.5,glogit", "rad0.5,r2"):
+            with m.scoring(spec):
+                s = R.landmark_scores(q, st)
+            assert ((s >= 0) == st.selectable).all()
+
+
+def test_library_outlier_share_is_the_scripts_ohalf_rule():
+    """ShadowKVConfig(outlier_radius_share=0.5) picks the outlier chunks of the script's ``ohalf`` rule (what the
+    proxy measured), as sets per (sequence, KV head)."""
+    A = _module()
+    torch.manual_seed(1)
+    B, H, T, D, c, O = 1, 2, 240, 16, 8, 6
+    k, v = torch.randn(B, H, T, D) * torch.linspace(0.2, 3, D), torch.randn(B, H, T, D)
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)
+    cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=16, outlier_chunks=O, local_chunks=1,
+                         min_prompt_len=1, outlier_radius_share=0.5)
+    st = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, cfg)
+    C = st.selectable.shape[-1]
+    kc = k[:, :, :C * c].view(B, H, C, c, D)
+    want = A.choose_outliers("ohalf", kc, kc.mean(3), st.radius, torch.ones(B, C, dtype=torch.bool), O)
+    for h in range(H):
+        assert set(st.outlier_ids[0, h].tolist()) == set(want[0, h].tolist())

@@ -30,6 +30,9 @@ class ShadowKVConfig:
       head): half the pinned host bytes.
     * ``selector``: ``"shadowkv"`` (landmark scores, low-rank keys) or ``"quest"`` (the Quest-style baseline:
       chunk min/max bound, exact keys, no outliers, the outlier tokens added to its budget).
+    * ``outlier_radius_share``: the share of the outlier chunks chosen by the largest chunk radius (among the chunks
+      the min-cosine rule did not take) instead of the lowest min cosine; 0: the paper's rule. Measured on the CPU
+      proxy only (0.5: level with the Quest-style selector at budget 256, ``kvcache/NOTES.md``, "outlier choice").
     * ``radius_weight``: λ of the chunk logit ``(q·landmark + λ·‖q‖·r)/√D``, r = the chunk's largest distance
       between a post-RoPE key and its landmark (one fp32 per chunk and KV head beside the landmark's D values).
       0 is the paper's mean-landmark score. Why not 0: a chunk whose one key scores high among seven that score
@@ -50,6 +53,7 @@ class ShadowKVConfig:
     host_values: str = "native"
     selector: str = "shadowkv"
     radius_weight: float = 0.5
+    outlier_radius_share: float = 0.0
 
     def __post_init__(self):
         check_positive_int("rank", self.rank)
@@ -62,6 +66,7 @@ class ShadowKVConfig:
         check_choice("host_values", self.host_values, HOST_VALUES)
         check_choice("selector", self.selector, SELECTORS)
         check_range("radius_weight", self.radius_weight, 0.0, 1e3)
+        check_range("outlier_radius_share", self.outlier_radius_share, 0.0, 1.0)
         if self.sparse_budget < self.chunk_size:
             raise ValueError(f"sparse_budget: expected at least one chunk ({self.chunk_size} tokens), "
                              f"got {self.sparse_budget}")

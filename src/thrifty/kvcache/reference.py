@@ -210,11 +210,16 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
         keys_exact = k_post
         cmin, cmax = keys_c.amin(3).to(dtype), keys_c.amax(3).to(dtype)
 
-    # outliers: the chunks whose least similar key is furthest from the landmark
+    # outliers: the chunks whose least similar key is furthest from the landmark (and, for a share of them, the
+    # chunks of the largest radius among the rest)
     min_cos = torch.nn.functional.cosine_similarity(keys_c, means[:, :, :, None], dim=-1).amin(-1)
     min_cos = min_cos.masked_fill(~chunk_real[:, None], float("inf"))
     O = min(config.kept_outlier_chunks, C)
-    outlier_ids = min_cos.topk(O, dim=-1, largest=False).indices  # (B, H, O)
+    by_cos = int(O * (1.0 - config.outlier_radius_share) + 1e-9) if radius is not None else O
+    outlier_ids = min_cos.topk(by_cos, dim=-1, largest=False).indices  # (B, H, by_cos)
+    if by_cos < O:
+        rest = radius.masked_fill(~chunk_real[:, None], -1.0).scatter(2, outlier_ids, -2.0)
+        outlier_ids = torch.cat((outlier_ids, rest.topk(O - by_cos, dim=-1).indices), 2)  # (B, H, O)
     outlier_real = chunk_real[:, None].expand(B, H, C).gather(2, outlier_ids)
     selectable = chunk_real[:, None].expand(B, H, C).clone()
     selectable.scatter_(2, outlier_ids, False)

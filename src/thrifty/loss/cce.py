@@ -1,17 +1,15 @@
 """Public entry points: ``linear_cross_entropy`` (dispatch) and its ``CCEKernelConfig``, the Triton autograd
-function, an ``nn.Module`` and the model's loss seam ``lm_loss(hidden, weight, labels)``; ``fused_forward()``, an
-instrumentation hook (the fused forward kept where the GEMM forward would run, for benchmarks)."""
+function, an ``nn.Module`` and the model's loss seam ``lm_loss(hidden, weight, labels)``."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from .._checks import check_bool, check_config as _check_config, check_impl
+from .._checks import check_bool, check_choice, check_config as _check_config, check_impl
 from ..triton_utils import interpreting, kernels_available
 from . import _spec, reference
 
@@ -39,10 +37,15 @@ class CCEKernelConfig:
         +82 MiB at D=576 V=49152), for fewer, larger vocabulary chunks: 4.47 vs 5.37 ms at SmolLM2's D=576
         V=49152, 61.6 vs 65.6 ms at 128k, 71.8 vs 73.5 ms at 256k. For small vocabularies when memory does not
         matter.
+    forward: "auto" (default): training calls at large hidden sizes take the GEMM forward (cuBLAS logits chunks
+        in dC's bytes, then a row pass: 69.4 vs 72.7 ms at 256k, N=8192, H200, v8), the rest the fused kernel.
+        "fused": the fused kernel always (the backward then allocates dC itself); ``benchmarks/cce.py`` times
+        both in one run, the data behind ``forward.gemm_min_d`` / ``gemm_min_cols``.
     """
 
     filter_eps: Union[float, str, None] = None
     scratch_in_dc: bool = True
+    forward: str = "auto"
 
     def __post_init__(self):
         eps = self.filter_eps
@@ -55,6 +58,7 @@ class CCEKernelConfig:
             if not (math.isfinite(eps) and eps > 0):
                 raise ValueError(f"filter_eps: expected None, 'auto' or a positive finite number, got {eps}")
         check_bool("scratch_in_dc", self.scratch_in_dc)
+        check_choice("forward", self.forward, ("auto", "fused"))
 
     def filter_threshold(self, dtype: torch.dtype) -> Optional[float]:
         """The tile-skip threshold for inputs of ``dtype`` (None: exact)."""
@@ -87,7 +91,7 @@ class _TritonLinearCE(torch.autograd.Function):
         # needs_input_grad says requires_grad even under torch.no_grad(); the dispatch recorded the grad mode
         need_c = grad_enabled and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         # dC is allocated here when the GEMM forward can use its bytes as scratch, and handed to the backward
-        ctx.dc = _gemm_forward_scratch(c, rows.numel()) if need_c else None
+        ctx.dc = _gemm_forward_scratch(c, rows.numel()) if need_c and config.forward == "auto" else None
         if ctx.dc is not None:
             lse, z_t, z_sum = lse_forward_gemm(e2d, c, bias, rows, targets, softcap, ctx.dc)
         else:
@@ -119,29 +123,6 @@ def _gemm_forward_scratch(c, nv):
     if nv == 0 or D < gemm_min_d(interpreting()) or not (cols == V or cols >= gemm_min_cols(interpreting())):
         return None
     return torch.empty_like(c, memory_format=torch.contiguous_format)
-
-
-def _no_gemm_forward(c, nv):
-    return None
-
-
-@contextlib.contextmanager
-def fused_forward():
-    """Inside the block the Triton path's forward stays on the fused kernel (``forward.lse_forward``, the default
-    before the GEMM forward) even where the GEMM forward would run (training calls at large hidden sizes); the
-    backward then allocates dC itself. Same values to rounding (tests); everything else is the default path.
-
-    Instrumentation: ``benchmarks/cce.py`` times the two forwards in one process with it (its
-    ``thrifty_fused_fwd`` rows, the ``gemm_forward_speedup_*`` keys), the data behind the GEMM forward's
-    thresholds (``forward.gemm_min_d`` / ``gemm_min_cols``). Not thread-safe: it swaps this module's choice of
-    forward for the duration of the block, for every call in the process."""
-    global _gemm_forward_scratch
-    real = _gemm_forward_scratch
-    _gemm_forward_scratch = _no_gemm_forward
-    try:
-        yield
-    finally:
-        _gemm_forward_scratch = real
 
 
 def _torch_impl(e, c, targets, bias, ignore_index, reduction, softcap, shift, label_smoothing, z_loss):
@@ -242,5 +223,4 @@ def lm_loss(hidden_states: torch.Tensor, classifier_weight: torch.Tensor, labels
     return linear_cross_entropy(hidden_states, classifier_weight, labels, **kw)
 
 
-__all__ = ["linear_cross_entropy", "CCEKernelConfig", "LinearCrossEntropy", "lm_loss", "interpreting",
-           "fused_forward"]
+__all__ = ["linear_cross_entropy", "CCEKernelConfig", "LinearCrossEntropy", "lm_loss", "interpreting"]
