@@ -335,15 +335,10 @@ def reselect_outliers(st, k_post, v, lengths, config, radius, rule, window_mass=
     out_pos = (ids[..., None] * c + torch.arange(c, device=dev)).flatten(2)
     out_valid = out_real[..., None].expand(-1, -1, -1, c).flatten(2)
     N_out = out_pos.shape[2]  # the local window's exact tokens (after the outliers') are unchanged: kept
-    dense_k = torch.cat((gather_tokens(k_post, out_pos), st.dense_k[:, :, N_out:]), 2)
-    dense_v = torch.cat((gather_tokens(v, out_pos), st.dense_v[:, :, N_out:]), 2)
+    dense_k = torch.cat((R.gather_tokens(k_post, out_pos), st.dense_k[:, :, N_out:]), 2)
+    dense_v = torch.cat((R.gather_tokens(v, out_pos), st.dense_v[:, :, N_out:]), 2)
     valid = torch.cat((out_valid, st.dense_valid[:, :, N_out:]), 2)
     st.outlier_ids, st.selectable, st.dense_k, st.dense_v, st.dense_valid = ids, selectable, dense_k, dense_v, valid
-
-
-def gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D) at token positions pos (B, H, N) -> (B, H, N, D), as compress_prompt gathers exact tokens."""
-    return x.gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1]))
 
 
 def window_mass(q_win: torch.Tensor, k_post: torch.Tensor, T: int, C: int, c: int) -> torch.Tensor:

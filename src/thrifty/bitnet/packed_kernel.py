@@ -933,6 +933,19 @@ def codes_kernel(kind: str, m: int, d: int) -> str:
     return "whole-row"
 
 
+def _code_buffers(m: int, kp: int, device) -> tuple:
+    """(int8 codes (m, kp), fp32 scales (m,), int32 Σ codes (m,)): what every codes launch writes."""
+    return (torch.empty((m, kp), dtype=torch.int8, device=device), torch.empty(m, dtype=torch.float32, device=device),
+            torch.empty(m, dtype=torch.int32, device=device))
+
+
+def _whole_row_launch(kp: int) -> dict:
+    """Block and launch shape of the whole-row codes kernel for rows padded to ``kp``; the GLU + codes kernel takes
+    the same, so its reductions run on the same layout and its codes are the codes kernel's bit for bit."""
+    block = _pow2(kp)
+    return dict(BLOCK_D=block, num_warps=max(1, min(16, block // 512)), num_stages=3)
+
+
 def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_ratio: float = 0.5,
                    norm_weight=None, norm_eps: float = 1e-5):
     """(int8 codes (M, padded_k(D)), fp32 scales (M,), int32 Σ codes (M,)) of rows ``x`` (M, D) by the kernel."""
@@ -946,9 +959,7 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
     kp = padded_k(d)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    codes = torch.empty((m, kp), dtype=torch.int8, device=x.device)
-    scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, dtype=torch.int32, device=x.device)
+    codes, scale, sums = _code_buffers(m, kp, x.device)
     if m and codes_kernel(kind, m, d) == "stream":
         chunk = min(STREAM_CHUNK, _pow2(kp))
         _ACT_STREAM_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
@@ -957,12 +968,10 @@ def quantize_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, topk_
                            num_warps=max(1, min(STREAM_WARPS, chunk // 256)), num_stages=1)
     elif m:
         shift, key_bits = KEYS[x.dtype]
-        block = _pow2(kp)
         _ACT_LAUNCH((m,), x, norm_weight if norm_weight is not None else scale, codes, scale, sums, d, kp,
                     x.stride(0), codes.stride(0), topk_count(d, topk_ratio), float(beta_scale), float(norm_eps),
                     KIND=KINDS[kind], HAS_NORM=norm_weight is not None, KEY_SHIFT=shift, KEY_BITS=key_bits,
-                    BLOCK_D=block, EPS_=EPS, PDL=pdl_ok(x.device), num_warps=max(1, min(16, block // 512)),
-                    num_stages=3)
+                    EPS_=EPS, PDL=pdl_ok(x.device), **_whole_row_launch(kp))
     return codes, scale, sums
 
 
@@ -987,9 +996,7 @@ def norm_codes(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, *, 
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if add else out
     m, kp = rows.shape[0], padded_k(D)
-    codes = torch.empty((m, kp), dtype=torch.int8, device=x.device)
-    scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, dtype=torch.int32, device=x.device)
+    codes, scale, sums = _code_buffers(m, kp, x.device)
     if m:
         launch = _norm_launch(D)
         block = launch["BLOCK"]
@@ -1026,17 +1033,14 @@ def glu_codes(gate: torch.Tensor, up: torch.Tensor, kind: str, layer):
     g, u = _rows(gate), _rows(up)
     m, kp = g.shape[0], padded_k(D)
     y = torch.empty((m, D), dtype=gate.dtype, device=gate.device)
-    codes = torch.empty((m, kp), dtype=torch.int8, device=gate.device)
-    scale = torch.empty(m, dtype=torch.float32, device=gate.device)
-    sums = torch.empty(m, dtype=torch.int32, device=gate.device)
+    codes, scale, sums = _code_buffers(m, kp, gate.device)
     norm = layer.norm
     if m:
-        block = _pow2(kp)
         _GLU_CODES_LAUNCH((m,), g, u, y, norm.weight if norm is not None else scale, codes, scale, sums, D, kp,
                           g.stride(0), u.stride(0), codes.stride(0), float(layer.beta_scale),
                           float(norm.eps if norm is not None else 1e-5), RELU2=kind == "relu2",
-                          KIND=FUSED_KINDS[layer.activation], HAS_NORM=norm is not None, BLOCK_D=block, EPS_=EPS,
-                          PDL=pdl_ok(gate.device), num_warps=max(1, min(16, block // 512)), num_stages=3)
+                          KIND=FUSED_KINDS[layer.activation], HAS_NORM=norm is not None, EPS_=EPS,
+                          PDL=pdl_ok(gate.device), **_whole_row_launch(kp))
     return y.view(gate.shape), (codes, scale, sums)
 
 

@@ -234,8 +234,8 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     loc_pos = torch.where(loc_valid, loc_pos, 0)[:, None].expand(B, H, L)
     pos = torch.cat((out_pos, loc_pos), 2)
     valid = torch.cat((out_valid, loc_valid[:, None].expand(B, H, L)), 2)
-    dense_k = _gather_tokens(k_post, pos)
-    dense_v = _gather_tokens(v, pos)
+    dense_k = gather_tokens(k_post, pos)
+    dense_v = gather_tokens(v, pos)
 
     host = HostValues.store(v, config.host_values, host_device or dev)
     empty = k_post.new_zeros(B, H, 0, D)
@@ -268,7 +268,7 @@ def _zero_padding(lengths: torch.Tensor, *xs: Optional[torch.Tensor]) -> tuple:
                  for x in xs)
 
 
-def _gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, D) at pos (B, H, N) -> (B, H, N, D)."""
     return x.gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1]))
 
@@ -317,7 +317,7 @@ def rebuild_keys(state: LayerState, positions: torch.Tensor, cos: torch.Tensor, 
     """Keys at ``positions`` (B, H, N): exact ones for the Quest baseline, else ``U[pos] @ SV[h]`` rotated at
     pos (fp32 arithmetic, returned in the cache dtype)."""
     if state.keys_exact is not None:
-        return _gather_tokens(state.keys_exact, positions)
+        return gather_tokens(state.keys_exact, positions)
     B, H, N = positions.shape
     u = state.u.float()
     rows = u.gather(1, positions.reshape(B, H * N, 1).expand(-1, -1, u.shape[-1])).view(B, H, N, -1)
