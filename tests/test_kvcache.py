@@ -45,6 +45,8 @@ def small_config(**kw):
     (dict(host_values="int4"), "host_values"),
     (dict(selector="h2o"), "selector"),
     (dict(max_generated=0), "max_generated"),
+    (dict(radius_weight=-0.5), "radius_weight"),
+    (dict(radius_weight=float("nan")), "radius_weight"),
 ])
 def test_bad_config_names_the_argument(kw, arg):
     with pytest.raises(ValueError, match=arg):

@@ -173,6 +173,18 @@ def test_select_breaks_ties_and_keeps_hits_in_place(tuning):
     assert set(fl.work[0, 0][fl.work[0, 0] >= 0].tolist()) == new_set - set(before[0, 0].tolist())
 
 
+def test_score_and_select_refuses_a_missing_or_malformed_radius():
+    cfg = ShadowKVConfig(rank=20, chunk_size=4, sparse_budget=20, outlier_chunks=2, local_chunks=2, min_prompt_len=16,
+                         max_generated=8)
+    e, fl = select_engine([157], 3, 2, 32, cfg, torch.float32, seed=1)
+    st = e.states[0]
+    q = torch.randn(1, 6, 1, 32).to(DEV)
+    kn = vn = torch.zeros(1, 3, 1, 32, device=DEV)
+    for radius in (None, st.radius.double(), st.radius[..., :-1]):
+        with pytest.raises(ValueError, match="radius"):
+            score_and_select(q, kn, vn, st.landmarks, st.selectable, 32 ** -0.5, fl, radius=radius, radius_weight=0.5)
+
+
 @pytest.mark.parametrize("tuning", [None, SMALL])
 def test_select_ties_across_splits_and_clusters(tuning):
     """Adversarial selections over several steps, against a stable sort of the kernel's scores and against the
