@@ -644,7 +644,7 @@ def summarize(rows: list[dict]) -> dict:
             new = next((t for t in rows if t.get("tree") != "baseline" and t.get("what") == "decode"
                         and t["model"] == r["model"] and t["batch"] == r["batch"]), None)
             tag = f"{r['model'].split()[0]}_b{r['batch']}"
-            for key in ("gpu_busy_ms", "graph_ms", "eager_ms"):
+            for key in ("gpu_busy_ms", "graph_reuse_ms", "graph_ms", "eager_ms"):
                 if new and r.get(key) and new.get(key):
                     out[f"decode_{key}_speedup_vs_baseline_{tag}"] = r[key] / new[key]
     dec = {(r["model"].split()[0], r["batch"]): r for r in rows
