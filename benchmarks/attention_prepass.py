@@ -54,7 +54,7 @@ def measure(args) -> list:
         for S in map(int, args.seqs.split(",")):
             for name, (B, H) in SHAPES.items():
                 gluon = not args.smoke and routing.prefill_goes_to_gluon(D, S, True, (9, 0))
-                block = G.gluon_config(D)["scale_block"] if gluon else kernel_config(D, dev)["block_n"]
+                block = G.gluon_config(D, True)["scale_block"] if gluon else kernel_config(D, dev)["block_n"]
                 g = torch.Generator(device=dev).manual_seed(0)
                 k, v = (torch.randn(B, H, S, D, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(2))
                 call = lambda: quantize_kv(k, v, qmax=127.0, block_n=block, smooth_k=True, fp8_v=True,

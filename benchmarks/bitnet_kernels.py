@@ -417,7 +417,10 @@ def graph_ms_per_token(model, ids, args, device) -> dict:
     """ms per new token of graph-replayed decoding: (time for n + 1 new tokens − time for 1) / n, n =
     ``--graph-tokens``. ``graph_ms``: ``generate(..., cuda_graph=True)``, one capture (two warm-up steps + the
     recording) per call, charged to the n tokens. ``graph_reuse_ms``: a ``GraphedDecoder`` called again (the
-    graph captured once and replayed across calls, what a server runs); absent from trees without it."""
+    graph captured once and replayed across calls, what a server runs); absent from trees without it. Both calls
+    of a difference prefill eagerly (host-bound, tens of ms that vary by ±30%), so the reused figure is the median
+    of ``--graph-rounds`` alternating long/short pairs over ``--graph-tokens`` tokens: at 64 tokens and 3 + 3
+    calls the stacked model's figure moved 1.10–1.79 ms between runs of one commit."""
     import thrifty.models as M
 
     if device.type != "cuda":
@@ -436,11 +439,14 @@ def graph_ms_per_token(model, ids, args, device) -> dict:
     if hasattr(M, "GraphedDecoder"):
         try:
             decoder = M.GraphedDecoder(model, ids.shape[0], ids.shape[1] + n + 1)
-            times = {}
-            for new in (n + 1, 1):  # the first call captures; the timed ones replay
-                decoder.generate(ids, new)
-                times[new] = time_fn(lambda: decoder.generate(ids, new), warmup=0, reps=3, device=device).median_ms
-            out.update(graph_reuse_ms=(times[n + 1] - times[1]) / n, graph_reuse_captures=decoder.captures)
+            decoder.generate(ids, n + 1)  # captures; every timed call replays
+            per_token = []
+            for _ in range(args.graph_rounds):  # long and short calls alternate, so drift hits both alike
+                long = time_fn(lambda: decoder.generate(ids, n + 1), warmup=0, reps=1, device=device).median_ms
+                short = time_fn(lambda: decoder.generate(ids, 1), warmup=0, reps=1, device=device).median_ms
+                per_token.append((long - short) / n)
+            out.update(graph_reuse_ms=sorted(per_token)[len(per_token) // 2], graph_reuse_captures=decoder.captures,
+                       graph_reuse_rounds_ms=",".join(f"{t:.4f}" for t in per_token))
             decoder.release()
         except Exception as err:  # noqa: BLE001
             out["graph_reuse_error"] = f"{type(err).__name__}: {err}"[:300]
@@ -591,7 +597,8 @@ def baseline_rows(args) -> list[dict]:
     from thrifty.bench import rows_from_tree
 
     passed = ["--rows-only", "--tokens", ",".join(map(str, args.tokens)), "--warmup", str(args.warmup), "--reps",
-              str(args.reps), "--device", args.device, "--graph-tokens", str(args.graph_tokens)] + \
+              str(args.reps), "--device", args.device, "--graph-tokens", str(args.graph_tokens), "--graph-rounds",
+              str(args.graph_rounds)] + \
         ["--smoke"] * args.smoke + ["--with-model"] * (not args.no_model)
     return rows_from_tree(__file__, args.baseline_src, passed, ROWS_MARK)
 
@@ -721,7 +728,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--context", type=int, default=128, help="cached tokens before the timed decode steps")
     ap.add_argument("--decode-steps", type=int, default=20)
-    ap.add_argument("--graph-tokens", type=int, default=64, help="new tokens per timed generate(cuda_graph=True)")
+    ap.add_argument("--graph-tokens", type=int, default=256, help="new tokens per timed generate(cuda_graph=True)")
+    ap.add_argument("--graph-rounds", type=int, default=7,
+                    help="alternating long/short GraphedDecoder calls whose median difference is graph_reuse_ms")
     ap.add_argument("--no-model", action="store_true", help="skip the 7B model decode")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
     ap.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS",

@@ -498,7 +498,9 @@ def main():
     ap.add_argument("--hit-rate", type=float, default=DEFAULT_HIT_RATE,
                     help="fraction of selected chunks reused from the previous step (random data gives ~0; real "
                          "text's rate is measured by benchmarks/shadowkv_hit_rate.py); negative: random data's own")
-    ap.add_argument("--needle-json", default=None, help="a shadowkv_needle result whose accuracies go in the summary")
+    ap.add_argument("--needle-json", nargs="+", default=None,
+                    help="shadowkv_needle results whose accuracies go in the summary (several: pooled over their "
+                         "prompts, e.g. two seeds)")
     ap.add_argument("--stages-only", action="store_true",
                     help="only the per-stage times of one layer at batch 1 per context (no model, no host arena)")
     ap.add_argument("--baseline-src", default=None,
@@ -572,11 +574,8 @@ def main():
         for name in ("dense", "shadowkv", "shadowkv_fp8"):  # the batch that ran (after any back-off)
             ran = results.get((name, False))
             summary[f"max_batch_{name}_{tag}"] = ran["batch"] if ran else 0
-    needle = {}
-    if args.needle_json:
-        needle = json.load(open(args.needle_json))["summary"]
-    for key in ("needle_acc_dense", "needle_acc_shadowkv", "needle_acc_quest", "needle_gap_vs_dense_points"):
-        summary[key] = needle.get(key)
+    needle, needle_sources = pooled_needle(args.needle_json or [])
+    summary.update(needle or {k: None for k in NEEDLE_KEYS})
     bench.print_table(rows, ["method", "context", "batch", "step_ms", "tokens_per_s", "hit_rate", "rest_ms",
                              "select_ms_per_layer", "fill_ms_per_layer", "attention_ms_per_layer", "error"])
     extra = {"model": "Llama-3-8B shape, random bf16 weights (speed does not depend on the values)",
@@ -585,10 +584,34 @@ def main():
              "host_arena_gib": need / 2**30 if arena is not None else 0.0,
              "caps_why": {str(T): caps["why"] for T, _, _, caps in plans},
              "hit_rate": hit_rate, "hit_rate_source": HIT_RATE_SOURCE if hit_rate == DEFAULT_HIT_RATE else "--hit-rate",
-             "cuda_graphs": use_graph, "smoke": args.smoke, "outlier_chunks": cfg_n.outlier_chunks}
+             "cuda_graphs": use_graph, "smoke": args.smoke, "outlier_chunks": cfg_n.outlier_chunks,
+             "needle_sources": needle_sources}
     bench.write_result("shadowkv", rows, summary, extra=extra, device=args.device_tag,
                        results_dir=None if not args.smoke else os.environ.get("TMPDIR", "/tmp"),
                        plot=dict(x="setting", y="tokens_per_s", hue="method", title="decode tokens/s"))
+
+
+NEEDLE_KEYS = ("needle_acc_dense", "needle_acc_shadowkv", "needle_acc_quest", "needle_gap_vs_dense_points")
+
+
+def pooled_needle(paths: list[str]) -> tuple[dict, list[dict]]:
+    """The needle summaries of ``paths`` pooled, each weighted by its prompts per method: the headline keys (at
+    the reference budget) and the per-budget accuracies and gaps; plus each file's name, commit and seed."""
+    runs = [json.load(open(p)) for p in paths]
+    if not runs:
+        return {}, []
+    budgets = {r["summary"]["needle_reference_budget"] for r in runs}
+    if len(budgets) != 1:
+        raise ValueError(f"--needle-json: the files use different reference budgets {sorted(budgets)}")
+    weights = [r["summary"]["trials_per_method"] for r in runs]
+    shared = set.intersection(*(set(k for k, v in r["summary"].items() if isinstance(v, float)) for r in runs))
+    pooled = {k: sum(w * r["summary"][k] for w, r in zip(weights, runs)) / sum(weights)
+              for k in sorted(shared) if k.startswith("needle_acc_") or k.startswith("needle_gap_")}
+    pooled["needle_trials_per_method"] = sum(weights)
+    sources = [{"file": os.path.basename(p), "commit": r["meta"].get("commit"),
+                "seed": r["extra"]["settings"].get("seed"), "trials_per_method": w}
+               for p, r, w in zip(paths, runs, weights)]
+    return pooled, sources
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ from thrifty.paths import data_dir
 def paper_config(**kw) -> ShadowKVConfig:
     """A config with the paper's mean-landmark chunk score (``radius_weight=0``): what this script studies (the
     library's default adds a chunk-radius term; the script's ``+rad<λ>`` methods add it themselves)."""
-    return ShadowKVConfig(radius_weight=0.0, **kw)
+    return ShadowKVConfig(radius_weight=0.0, outlier_radius_share=0.0, **kw)
 
 
 # variant name -> (selector of the compression, overrides, scorer, keys)

@@ -206,7 +206,7 @@ def _attention_gluon():
     # the pre-pass with Vᵀ in v_slot order (the Triton path's entries cover the rest of the Gluon pre-pass)
     for D in G.GLUON_HEAD_DIMS:
         for dtype, smooth_v in ((bf16, False), (torch.float16, True), (torch.float32, True)):
-            block = G.gluon_config(D)["scale_block"]
+            block = G.gluon_config(D, False)["scale_block"]  # the pre-pass: mask-independent
             yield _quantize_entry(f"D{D} {NAME[dtype]} gluon" + " smooth_v" * smooth_v, D, dtype, block, 127.0,
                                   True, smooth_v, True, True, v_perm16=True)
 

@@ -56,6 +56,7 @@ def test_bad_config_names_the_argument(kw, arg):
 def test_config_types_and_defaults():
     c = ShadowKVConfig()
     assert (c.rank, c.chunk_size, c.sparse_budget, c.outlier_chunks, c.local_chunks) == (160, 8, 2048, 96, 4)
+    assert (c.radius_weight, c.outlier_radius_share) == (0.5, 0.5)  # the library's two measured departures
     with pytest.raises(TypeError, match="rank"):
         ShadowKVConfig(rank=16.0)
     with pytest.raises(ValueError, match="rank"):

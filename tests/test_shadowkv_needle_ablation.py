@@ -27,7 +27,8 @@ def test_ablation_scores_match_reference():
     q = torch.randn(B, H * G, 1, D)
     for selector, scorer in (("shadowkv", "landmark"), ("quest", "bound")):
         cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=32, outlier_chunks=2, local_chunks=1,
-                             min_prompt_len=1, selector=selector, radius_weight=0.0)  # the paper's scorer
+                             min_prompt_len=1, selector=selector, radius_weight=0.0,
+                             outlier_radius_share=0.0)  # the paper's scorer and outlier rule
         st = R.compress_prompt(k, v, torch.tensor([T]), cos, sin, cfg)
         C = st.selectable.shape[-1]
         kc = k[:, :, :C * c].view(B, H, C, c, D)
@@ -115,7 +116,8 @@ def test_meta_scorers_bound_and_end_to_end_patch():
     assert A.parse_scorer("rad0.25") == ("radius", 0.25) and A.parse_scorer("far8") == ("far8", None)
     originals = (R.compress_prompt, R.landmark_scores)
     cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=16, outlier_chunks=1, local_chunks=1,
-                         min_prompt_len=1, radius_weight=0.0)  # the paper's scorer, which the script's variants extend
+                         min_prompt_len=1, radius_weight=0.0,  # the paper's scorer and outliers, which the
+                         outlier_radius_share=0.0)  # script's variants extend
     cos, sin = torch.ones(T, D), torch.zeros(T, D)
     q = torch.randn(B, H * G, 1, D)
     with A.MetaReference() as m:
@@ -155,7 +157,7 @@ def test_spec_options_outliers_and_group():
     k, v = torch.randn(B, H, T, D) * torch.linspace(0.2, 3, D), torch.randn(B, H, T, D)
     cos, sin = torch.ones(T, D), torch.zeros(T, D)
     cfg = ShadowKVConfig(rank=32, chunk_size=c, sparse_budget=32, outlier_chunks=4, local_chunks=2,
-                         min_prompt_len=1, radius_weight=0.0)
+                         min_prompt_len=1, radius_weight=0.0, outlier_radius_share=0.0)
     L = torch.tensor([T])
     st = R.compress_prompt(k, v, L, cos, sin, cfg)
     C = st.selectable.shape[-1]

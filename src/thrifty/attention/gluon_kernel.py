@@ -54,6 +54,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..triton_utils import LOG2E, FastLauncher, cdiv
 from .quant_kernel import FP8_MAX, MAX_SPLIT, quantize_kv, unsmoothed_lse
+from .routing import GLUON_HEAD_DIMS
 
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 MAGIC = 12582912.0  # 1.5·2^23: s + 0x4B400000 read as a float is MAGIC + s exactly for |s| < 2^22
@@ -527,7 +528,7 @@ _GLUON_LAUNCH = FastLauncher(_sage_fwd_gluon_kernel)
 
 
 # ------------------------------------------------------------------------------------------------- host side
-def gluon_config(head_dim: int, causal: bool = True) -> dict:
+def gluon_config(head_dim: int, causal: bool) -> dict:
     """Tile sizes and launch options. ``scale_block`` (keys per K scale, the pre-pass's block) equals the Triton
     kernel's BLOCK_N (``attn_kernel.kernel_config``), so both kernels quantize K alike; ``block_n`` (keys per
     tile) is ``scale_block`` or twice it (D=64: 128-key tiles with two K scales each). ``block_m``: query rows
@@ -552,7 +553,6 @@ def gluon_config(head_dim: int, causal: bool = True) -> dict:
     return cfg
 
 
-GLUON_HEAD_DIMS = (64, 128)
 # D=64: 128 query rows per consumer warpgroup and 128-key tiles (two 64-key K-scale blocks), P̃ taken from the
 # accumulator's registers as they lie (v_perm16). Against 64x64 tiles (H200, ad1a33c, attention_gluon_h200-d64.json,
 # B=2 H=32, TFLOP/s, full / causal): the kernel alone 446 vs 300 / 219 vs 187 at 2K, 554 vs 353 / 449 vs 333 at 8K,
@@ -565,7 +565,7 @@ D64_TILES = dict(block_m=128, block_n=128, scale_block=64, v_perm16=True, pingpo
 SMALL_D64_TILES = dict(block_m=64, block_n=64, scale_block=64, v_perm16=False, pingpong=False)
 
 
-def resolved_config(head_dim: int, config: dict | None = None, causal: bool = True):
+def resolved_config(head_dim: int, config: dict | None, causal: bool):
     """(``gluon_config(head_dim, causal)`` with the overrides of ``config`` applied, read-only; its launch key: the
     items sorted), made once per (head_dim, causal, overrides): a call's host path neither merges nor sorts them
     again."""
