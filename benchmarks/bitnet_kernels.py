@@ -236,22 +236,20 @@ def sweep_rows(args, device) -> list[dict]:
             if kernel == "decode":
                 rows += decode_sweep_rows(args, device, layer, m, planned)
                 continue
-            configs = [(bn, sp, fused) for bn in ((16, 32, 64) if kernel == "gemv" else (64, 128))
-                       for sp in args.sweep_splits for fused in ((False, True) if sp > 1 else (False,))]
-            for block_n, split, fused in configs:
+            configs = [(bn, sp) for bn in ((16, 32, 64) if kernel == "gemv" else (64, 128))
+                       for sp in args.sweep_splits]
+            for block_n, split in configs:
                 per = -(-groups // split)
-                cfg = dict(planned, BLOCK_N=block_n, split=-(-groups // per), groups_per_split=per,
-                           fused_epilogue=fused)
+                cfg = dict(planned, BLOCK_N=block_n, split=-(-groups // per), groups_per_split=per)
                 row = dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel=kernel, BLOCK_N=block_n,
-                           split=cfg["split"], fused_epilogue=fused,
-                           planned=(block_n, cfg["split"], fused) == (planned["BLOCK_N"], planned["split"],
-                                                                      planned["fused_epilogue"]))
+                           split=cfg["split"],
+                           planned=(block_n, cfg["split"]) == (planned["BLOCK_N"], planned["split"]))
 
                 def run():
                     return PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg)
 
-                unsplit = dict(cfg, split=1, groups_per_split=groups, fused_epilogue=False)
-                # the split (and the fused epilogue) must give the unsplit result bit for bit
+                unsplit = dict(cfg, split=1, groups_per_split=groups)
+                # the split must give the unsplit result bit for bit
                 rows.append(checked_timing(row, run, lambda: PK.matmul_codes(
                     codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, unsplit), args, device))
     return rows
@@ -279,7 +277,7 @@ def gemm_sweep_rows(args, device) -> list[dict]:
                 want = PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, planned)
                 for bn, bm, warps, stages in GEMM_TILES:
                     cfg = dict(planned, kernel="gemm", BLOCK_N=bn, BLOCK_M=bm, num_warps=warps, num_stages=stages,
-                               split=1, groups_per_split=groups, fused_epilogue=False)
+                               split=1, groups_per_split=groups)
                     row = dict(what="gemm sweep", model=model_name, shape=f"{n}x{k}", tokens=m, BLOCK_N=bn,
                                BLOCK_M=bm, num_warps=warps, num_stages=stages,
                                planned=(bn, bm, warps, stages) == (planned["BLOCK_N"], planned["BLOCK_M"],
@@ -342,7 +340,7 @@ def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
     while -(-n // 32) * split < 4 * sms and groups // (split * 2) >= 2:  # the old plan()'s split
         split *= 2
     per = -(-groups // split)
-    old.update(split=-(-groups // per), groups_per_split=per, fused_epilogue=False)
+    old.update(split=-(-groups // per), groups_per_split=per)
     rows.append(dict(what="sweep", shape=f"{n}x{k}", tokens=m, kernel="gemv split-K (old plan, ready codes)",
                      BLOCK_N=32, split=old["split"], planned=False,
                      gpu_ms=_timed(lambda: PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16,

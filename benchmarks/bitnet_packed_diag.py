@@ -9,10 +9,10 @@ For m ∈ {4 (decode GEMV control), 5, 16, 200} tokens of a 4096 × 4096 layer (
    (``--fp32-out``: fp32, where a 1-ulp epilogue difference such as an FMA shows), against float64-exact
    integer dots scaled as the PyTorch path does. Variants: the planned config (split-K with the epilogue kernel
    at these sizes); unsplit (one program per tile, in-kernel epilogue) with the inline PTX decode (USE_ASM) on
-   and off; split-K with the epilogue kernel (if the plan does not split); split-K with the fused last-arrival
-   epilogue. At 4 tokens (the decode GEMV's plan, no K split): the decode GEMV with USE_ASM on and off, and the
-   split-K GEMV it replaced there, unsplit and split. Each runs three times: outputs that differ between runs
-   mean a race. The workspace and lock buffers must be zero afterwards (``packed_kernel.scratch_nonzero``).
+   and off; split-K with the epilogue kernel (if the plan does not split). At 4 tokens (the decode GEMV's plan,
+   no K split): the decode GEMV with USE_ASM on and off, and the split-K GEMV it replaced there, unsplit and
+   split. Each runs three times: outputs that differ between runs
+   mean a race. The workspace must be zero afterwards (``packed_kernel.scratch_nonzero``).
 3. ``e2e``: ``packed_linear`` (codes kernel + matmul, bf16) against ``PackedBitLinear``'s PyTorch path.
 
 For every mismatch it prints how many outputs differ, the tokens (and token mod 4, mod 8: lane patterns) and
@@ -138,8 +138,7 @@ def mm(codes, scale, sums, layer, k, cfg, out_dtype=torch.float32):
 
 
 def buffers_zero(device) -> str:
-    """'' when the split-K workspace and lock buffers are all zero (as every matmul must leave them), else what is
-    left in them."""
+    """'' when the split-K workspace is all zero (as every matmul must leave it), else what is left in it."""
     return "; ".join(f"{name} has {count} non-zero entries"
                      for name, count in PK.scratch_nonzero(device).items() if count)
 
@@ -150,22 +149,20 @@ def variants(m, n, k, sms):
     if planned["kernel"] == "decode":
         # 1-4 tokens: the one-launch decode GEMV (no K split, no workspace), inline PTX on and off; beside it the
         # split-K CUDA-core GEMV it replaced there (still run when a config asks for it), unsplit and split, so
-        # that the workspace and lock checks run at this size too
+        # that the workspace check runs at this size too
         gemv = dict(kernel="gemv", BLOCK_N=32, BLOCK_M=1 << (m - 1).bit_length(), split=1, groups_per_split=groups,
-                    num_warps=4, num_stages=4, fused_epilogue=False)
+                    num_warps=4, num_stages=4)
         per = -(-groups // min(8, max(2, groups // 2)))
         s1 = dict(gemv, split=-(-groups // per), groups_per_split=per)
         return [("planned", planned, True), ("planned", planned, False), ("gemv unsplit", gemv, True),
-                ("gemv unsplit", gemv, False), ("gemv split-epilogue-kernel", s1, True),
-                ("gemv split-fused-epilogue", dict(s1, fused_epilogue=True), True)]
-    unsplit = dict(planned, split=1, groups_per_split=groups, fused_epilogue=False)
+                ("gemv unsplit", gemv, False), ("gemv split-epilogue-kernel", s1, True)]
+    unsplit = dict(planned, split=1, groups_per_split=groups)
     split = planned["split"] if planned["split"] > 1 else min(8, max(2, groups // 2))
     per = -(-groups // split)
-    s1 = dict(planned, split=-(-groups // per), groups_per_split=per, fused_epilogue=False)
+    s1 = dict(planned, split=-(-groups // per), groups_per_split=per)
     out = [("planned", planned, True), ("unsplit", unsplit, True), ("unsplit", unsplit, False)]
     if s1 != planned:
         out.append(("split-epilogue-kernel", s1, True))
-    out.append(("split-fused-epilogue", dict(s1, fused_epilogue=True), True))
     return out  # each distinct (config, USE_ASM) is one compile: ~4 per token count keeps the run under a minute
 
 
@@ -180,8 +177,7 @@ def stage_mm(x, kind, layer, k, report, out_dtype=torch.bfloat16) -> dict:
     for label, cfg, asm in variants(m, n, k, sm_count(x.device)):
         if asm and not default_asm:  # the interpreter has no inline PTX: its runs are the USE_ASM=False ones
             continue
-        tag = (f"{label} [{cfg['kernel']} {cfg['BLOCK_N']}x{cfg['BLOCK_M']} split={cfg['split']}"
-               f"{' fused' if cfg['split'] > 1 and cfg.get('fused_epilogue') else ''} USE_ASM={asm}]")
+        tag = f"{label} [{cfg['kernel']} {cfg['BLOCK_N']}x{cfg['BLOCK_M']} split={cfg['split']} USE_ASM={asm}]"
         PK.USE_ASM = asm
         try:
             outs = [mm(codes, scale, sums, layer, k, cfg, out_dtype) for _ in range(3)]

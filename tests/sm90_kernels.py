@@ -627,14 +627,14 @@ def _bitnet_packed():
                         {"codes_ptr sum_ptr w_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
                          "out_ptr": PTR[dtype]}, num_warps=warps, num_stages=stages)
     for kernel, bn, bm, split, warps, stages in sorted(plans):
-        # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel, 2 fused epilogue (sweep)
-        for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split)), (bf16, False, 2)):
+        # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel
+        for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split))):
             fn = PK._gemv_kernel if kernel == "gemv" else PK._gemm_kernel
             w, x = ("*i32", "*i32") if kernel == "gemv" else ("*u8", "*i8")
             yield entry(fn, f"{kernel} {bn}x{bm} split={mode} {NAME[dtype]} bias={bias}",
                         dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=mode, HAS_BIAS=bias, USE_ASM=PK.USE_ASM,
                              **(dict(STAGES=stages) if kernel == "gemv" else {})),
-                        {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32",
+                        {"w_ptr": w, "x_ptr": x, "ws_ptr sum_ptr": "*i32",
                          "scale_ptr alpha_ptr bias_ptr": "*fp32", "out_ptr": PTR[dtype]}, num_warps=warps,
                         num_stages=stages)
     # the plain-Triton decode, which benchmarks/bitnet_kernels.py falls back to if the inline PTX were wrong
@@ -642,7 +642,7 @@ def _bitnet_packed():
                                     (PK._gemm_kernel, "*u8", "*i8", 64, 16, {})):
         yield entry(fn, f"USE_ASM=False {bn}x{bm}", dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=1, HAS_BIAS=False,
                                                          USE_ASM=False, **extra),
-                    {"w_ptr": w, "x_ptr": x, "ws_ptr lock_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
+                    {"w_ptr": w, "x_ptr": x, "ws_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
                      "out_ptr": PTR[bf16]}, num_warps=4, num_stages=4)
     # the norm in front of a stacked INT8 projection writing its codes (stacked.CodesRMSNorm via norm_codes): the
     # fused RMSNorm's launch shape (fused_layers._norm_launch) at the 7B / 2B widths and a tiny one (zero tail)

@@ -174,7 +174,7 @@ def test_bitnet_packed_diag_at_4_tokens(capsys):
     out = capsys.readouterr().out
     assert "[int8 m=4] plan decode" in out and "int8      m=4    OK" in out
     labels = [label for label, cfg, asm in diag.variants(4, 96, 700, 132)]
-    assert labels[:2] == ["planned", "planned"] and "gemv split-fused-epilogue" in labels
+    assert labels[:2] == ["planned", "planned"] and "gemv split-epilogue-kernel" in labels
 
 
 def test_neuzip_codec_decodes_pair_coded_sets_as_single_symbols():

@@ -159,20 +159,17 @@ def test_kernels_equal_the_torch_path(kind, m, k, n):
 
 @needs_kernels
 @pytest.mark.parametrize("kernel,block_m", [("gemv", 2), ("gemm", 16)])
-@pytest.mark.parametrize("fused_epilogue", [False, True])
-def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m, fused_epilogue):
+def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m):
     from thrifty.bitnet import packed_kernel
 
     bl = layer(1100, 45, "int8", bias=True)
     x = tokens(2, 1100, seed=5).to(torch.bfloat16)
     cfg = dict(kernel=kernel, BLOCK_N=32 if kernel == "gemv" else 64, BLOCK_M=block_m, split=3,
-               groups_per_split=2, num_warps=4, num_stages=2, fused_epilogue=fused_epilogue)
+               groups_per_split=2, num_warps=4, num_stages=2)
     got, want = _kernel_vs_torch(bl, x, cfg)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert not packed_kernel._WORKSPACES[x.device].any()
-    if fused_epilogue:  # every tile's arrival counter is back at zero
-        assert not packed_kernel._LOCKS[x.device].any()
-    assert packed_kernel.scratch_nonzero(x.device) == {"workspace": 0, "locks": 0}  # the public check says so too
+    assert packed_kernel.scratch_nonzero(x.device) == {"workspace": 0}  # the public check says so too
     again, _ = _kernel_vs_torch(bl, x, cfg)  # a second split call starts from the zeroed workspace
     assert torch.equal(again, want)
 
@@ -181,24 +178,22 @@ def test_scratch_nonzero_counts_what_a_kernel_left_behind():
     """packed_kernel.scratch_nonzero: 0 for buffers not allocated; the count of entries a (broken) kernel left."""
     from thrifty.bitnet import packed_kernel
 
-    device = torch.device("meta")  # no kernel ever allocates here: the pools start empty for it
-    assert packed_kernel.scratch_nonzero(device) == {"workspace": 0, "locks": 0}
+    device = torch.device("meta")  # no kernel ever allocates here: the pool starts empty for it
+    assert packed_kernel.scratch_nonzero(device) == {"workspace": 0}
     with pytest.raises(TypeError, match="device"):
         packed_kernel.scratch_nonzero(0.5)
     with pytest.raises(ValueError, match="device"):
         packed_kernel.scratch_nonzero("not a device")
     cpu = torch.device("cpu")
-    saved = {name: pool.get(cpu) for name, pool in (("ws", packed_kernel._WORKSPACES), ("locks", packed_kernel._LOCKS))}
+    saved = packed_kernel._WORKSPACES.get(cpu)
     try:
         packed_kernel._WORKSPACES[cpu] = torch.tensor([0, 3, 0, -1], dtype=torch.int32)
-        packed_kernel._LOCKS[cpu] = torch.zeros(8, dtype=torch.int32)
-        assert packed_kernel.scratch_nonzero("cpu") == {"workspace": 2, "locks": 0}
+        assert packed_kernel.scratch_nonzero("cpu") == {"workspace": 2}
     finally:
-        for name, pool in (("ws", packed_kernel._WORKSPACES), ("locks", packed_kernel._LOCKS)):
-            if saved[name] is None:
-                pool.pop(cpu, None)
-            else:
-                pool[cpu] = saved[name]
+        if saved is None:
+            packed_kernel._WORKSPACES.pop(cpu, None)
+        else:
+            packed_kernel._WORKSPACES[cpu] = saved
 
 
 @needs_kernels
@@ -455,15 +450,14 @@ def test_compiled_kernels_equal_the_torch_path_on_cuda(kind, m):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel,m", [("gemv", 1), ("gemv", 4), ("gemm", 16)])
-@pytest.mark.parametrize("fused_epilogue", [False, True])
-def test_split_k_on_cuda_is_exact(kernel, m, fused_epilogue):
-    """Integer atomics (and the fused epilogue's per-tile semaphore) on real concurrent programs."""
+def test_split_k_on_cuda_is_exact(kernel, m):
+    """Integer atomics on real concurrent programs."""
     from thrifty.bitnet import packed_kernel
 
     bl = layer(11008, 256, "int8", bias=True).cuda()
     x = tokens(m, 11008, seed=9).cuda().to(torch.bfloat16)
     cfg = dict(kernel=kernel, BLOCK_N=32 if kernel == "gemv" else 64, BLOCK_M=max(m, 16) if kernel == "gemm" else m,
-               split=8, groups_per_split=6, num_warps=4, num_stages=4, fused_epilogue=fused_epilogue)
+               split=8, groups_per_split=6, num_warps=4, num_stages=4)
     for _ in range(3):  # repeated: a race would show as a mismatch in some run
         got, want = _kernel_vs_torch(bl, x, cfg)
         assert torch.equal(got, want)
@@ -492,8 +486,7 @@ def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias, vers
     cfg = PK.decode_plan(m, n, k, version=version)
     got = PK.fused_linear(x, p, cfg)
     two = PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(), p.bias, x.dtype, n, k,
-                          dict(cfg, kernel="gemv", BLOCK_N=32, split=1, groups_per_split=10 ** 6, num_stages=1,
-                               fused_epilogue=False))
+                          dict(cfg, kernel="gemv", BLOCK_N=32, split=1, groups_per_split=10 ** 6, num_stages=1))
     want = p(x)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan) and (nan.any(1) == torch.isnan(x).any(1)).all()
@@ -599,8 +592,7 @@ def test_decode_v3_on_ready_codes(kind, k, n, sub_norm, bias):
     assert cfg["version"] == 3
     codes = PK.layer_codes(x, p)
     got = PK.matmul_codes(*codes, p.packed, p.row_scale(), p.bias, x.dtype, n, k, cfg)
-    gemv = dict(kernel="gemv", BLOCK_N=32, BLOCK_M=1, split=1, groups_per_split=10 ** 6, num_warps=4, num_stages=1,
-                fused_epilogue=False)
+    gemv = dict(kernel="gemv", BLOCK_N=32, BLOCK_M=1, split=1, groups_per_split=10 ** 6, num_warps=4, num_stages=1)
     assert torch.equal(got, PK.matmul_codes(*codes, p.packed, p.row_scale(), p.bias, x.dtype, n, k, gemv))
     exact = _float64_output(codes[0][:, :k], codes[1], p)
     assert ((got.double() - exact).abs() <= 4 * torch.finfo(torch.float32).eps * exact.abs().amax()).all()

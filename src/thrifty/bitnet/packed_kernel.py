@@ -298,27 +298,17 @@ def _store_out(acc, sx, s, rows, row_ok, toks, N, M, alpha_ptr, bias_ptr, out_pt
 
 
 @triton.jit
-def _split_k_reduce(total, rows, toks, N, M, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr,
-                    stride_out, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Adds this K-slice's partial sums to the int32 workspace (integer atomics: exact in any order). SPLIT == 2:
-    the last program of the tile to arrive (a per-tile counter; barrier + acq_rel atomic, CUTLASS's split-K
-    semaphore pattern) takes the sums back with atomic exchanges (read at L2, left zero), resets the counter and
-    runs the epilogue, so no second launch is needed. SPLIT == 1: ``_splitk_epilogue_kernel`` does it."""
+def _add_partial_sums(total, rows, toks, N, M, ws_ptr):
+    """Adds this K-slice's partial sums to the int32 workspace (integer atomics: exact in any order);
+    ``_splitk_epilogue_kernel`` scales them. (A last-arrival epilogue in this launch, CUTLASS's split-K semaphore,
+    was 3.5–8 µs slower at 16 tokens on the H200 than the second launch: bitnet/NOTES.md.)"""
     mask = (rows < N)[:, None] & (toks < M)[None, :]
     ws = ws_ptr + toks.to(tl.int64)[None, :] * N + rows[:, None]
     tl.atomic_add(ws, total, mask=mask, sem="relaxed")
-    if SPLIT == 2:
-        tl.debug_barrier()  # every thread's partial sums are issued before the tile's counter moves
-        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
-            acc = tl.atomic_xchg(ws, tl.zeros_like(total), mask=mask)
-            tl.atomic_xchg(lock_ptr + tile, 0)
-            _epilogue(acc, rows, toks, N, M, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
+def _gemv_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
                  groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, STAGES: tl.constexpr):
     """1–4 tokens on CUDA cores: ``w_ptr`` int32 words of the packed rows, ``x_ptr`` int32 words of the codes."""
@@ -344,14 +334,13 @@ def _gemv_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, 
             acc = _dp4a(codes, tl.broadcast_to(x[None, :, :], acc.shape), acc, USE_ASM)
     total = tl.sum(acc, axis=2)
     if SPLIT:
-        _split_k_reduce(total, rows, toks, N, M, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr,
-                        stride_out, SPLIT, HAS_BIAS)
+        _add_partial_sums(total, rows, toks, N, M, ws_ptr)
     else:
         _epilogue(total, rows, toks, N, M, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
 
 
 @triton.jit
-def _gemm_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
+def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
                  groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
     """Int8 tensor cores, swap-AB: acc[n, m] += W_field(BLOCK_N, 64) @ Xᵀ_field(64, BLOCK_M) per 2-bit field."""
@@ -375,8 +364,7 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, 
             xt = tl.load(x_cols + g * GROUP_ + field * SLICE_, mask=tok_ok, other=0)
             acc = tl.dot(_decode_field(packed, field, USE_ASM), xt, acc, out_dtype=tl.int32)
     if SPLIT:
-        _split_k_reduce(acc, rows, toks, N, M, ws_ptr, lock_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr,
-                        stride_out, SPLIT, HAS_BIAS)
+        _add_partial_sums(acc, rows, toks, N, M, ws_ptr)
     else:
         _epilogue(acc, rows, toks, N, M, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
 
@@ -762,7 +750,6 @@ _GEMM_LAUNCH = FastLauncher(_gemm_kernel)
 _EPILOGUE_LAUNCH = FastLauncher(_splitk_epilogue_kernel)
 EPILOGUE_TILE = (64, 16)  # (BLOCK_N, BLOCK_M) of the split-K epilogue
 _WORKSPACES: dict = {}  # device -> int32 buffer kept all zero between calls (the split-K epilogue re-zeroes it)
-_LOCKS: dict = {}  # device -> int32 per-tile arrival counters of the fused split-K epilogue, kept zero likewise
 
 
 def _pow2(n: int) -> int:
@@ -879,10 +866,8 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     while m <= 128 and groups >= 24 and tiles * split < 3 * sms // 2 and groups // (split * 2) >= 4:
         split *= 2
     per_split = _cdiv(groups, split)
-    # fused_epilogue: the last K-slice of a tile applies the scales (one launch instead of two); off until the
-    # GPU benchmark has checked its exactness and timed it (benchmarks/bitnet_kernels.py's sweep)
     return dict(kernel="gemm", BLOCK_N=block_n, BLOCK_M=block_m, split=_cdiv(groups, per_split),
-                groups_per_split=per_split, num_warps=warps, num_stages=3, fused_epilogue=False)
+                groups_per_split=per_split, num_warps=warps, num_stages=3)
 
 
 def pdl_ok(device: torch.device) -> bool:
@@ -893,22 +878,20 @@ def pdl_ok(device: torch.device) -> bool:
     return USE_ASM and device.type == "cuda" and capability(device) >= (9, 0)
 
 
-def _workspace(device: torch.device, numel: int, pool: dict | None = None) -> torch.Tensor:
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     """An all-zero int32 buffer of at least ``numel`` per device (the kernels leave it zero). One stream: two
     matmuls running concurrently on different streams would share it."""
-    pool = _WORKSPACES if pool is None else pool
-    buf = pool.get(device)
+    buf = _WORKSPACES.get(device)
     if buf is None or buf.numel() < numel:
         buf = torch.zeros(max(numel, 1 << 16), dtype=torch.int32, device=device)
-        pool[device] = buf
+        _WORKSPACES[device] = buf
     return buf
 
 
 def scratch_nonzero(device: torch.device | str) -> dict:
-    """Non-zero entries in ``device``'s split-K scratch buffers: ``{"workspace": n, "locks": n}`` (0 for one not
-    allocated yet). Every matmul must leave both all zero: the next split-K call accumulates into the workspace and
-    counts tile arrivals in the locks from zero. A check for tests and diagnostics
-    (``benchmarks/bitnet_packed_diag.py``); it reads the buffers (a device sync)."""
+    """Non-zero entries in ``device``'s split-K scratch buffer: ``{"workspace": n}`` (0 when not allocated yet).
+    Every matmul must leave it all zero: the next split-K call accumulates into it from zero. A check for tests
+    and diagnostics (``benchmarks/bitnet_packed_diag.py``); it reads the buffer (a device sync)."""
     if not isinstance(device, (torch.device, str)):
         raise TypeError(f"device: expected a torch.device or a device string, got {type(device).__name__}")
     try:
@@ -918,9 +901,8 @@ def scratch_nonzero(device: torch.device | str) -> dict:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     counts = {}
-    for name, pool in (("workspace", _WORKSPACES), ("locks", _LOCKS)):
-        buf = pool.get(device)
-        counts[name] = 0 if buf is None else int((buf != 0).sum())
+    buf = _WORKSPACES.get(device)
+    counts["workspace"] = 0 if buf is None else int((buf != 0).sum())
     return counts
 
 
@@ -1061,21 +1043,19 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
                        n=n, k=k)
     groups = padded_k(k) // GROUP
     split = cfg["split"] > 1
-    mode = (2 if cfg.get("fused_epilogue") else 1) if split else 0
+    mode = 1 if split else 0  # 1: partial sums to the workspace, then the epilogue kernel
     ws = _workspace(codes.device, m * n) if split else sums
-    tiles = _cdiv(n, cfg["BLOCK_N"]) * _cdiv(m, cfg["BLOCK_M"])
-    locks = _workspace(codes.device, tiles, _LOCKS) if mode == 2 else sums
     bias_arg = bias if bias is not None else alpha_rows
     grid = (_cdiv(n, cfg["BLOCK_N"]), cfg["split"], _cdiv(m, cfg["BLOCK_M"]))
     if cfg["kernel"] == "gemv":
         w_words, x_words = packed.view(torch.int32), codes.view(torch.int32)
-        _GEMV_LAUNCH(grid, w_words, x_words, ws, locks, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
+        _GEMV_LAUNCH(grid, w_words, x_words, ws, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
                      cfg["groups_per_split"], w_words.stride(0) // 16, x_words.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=mode, HAS_BIAS=bias is not None,
                      USE_ASM=USE_ASM, STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
                      num_stages=cfg["num_stages"])
     else:
-        _GEMM_LAUNCH(grid, packed, codes, ws, locks, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
+        _GEMM_LAUNCH(grid, packed, codes, ws, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
                      cfg["groups_per_split"], packed.stride(0) // 16, codes.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=mode, HAS_BIAS=bias is not None,
                      USE_ASM=USE_ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
