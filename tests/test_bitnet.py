@@ -214,6 +214,21 @@ def test_fused_kernel_bf16_nan_ties_and_backward():
 
 
 @pytest.mark.cuda
+def test_reference_quantizers_give_the_cpu_bits_on_cuda():
+    """The spec divides (γ/127, γ/6): on CUDA the reference must not multiply by a reciprocal instead (PyTorch does
+    for a Python-number divisor: one ulp off for ~6% of tokens), and the packed path's codes and scales equal the
+    CPU's too. (INT4's mean|x| is a sum, added in another order on the GPU: not compared here.)"""
+    from thrifty.bitnet.packed import activation_codes
+
+    x = rows((512, 1000), seed=3) * torch.logspace(-3, 3, 512)[:, None]
+    for fn in (ref.quantize_int8, ref.quantize_fp4):
+        assert torch.equal(fn(x.cuda()).cpu(), fn(x)), fn.__name__
+    for kind in ("int8", "topk_int8"):
+        (codes, scale), (c_cpu, s_cpu) = activation_codes(x.cuda(), kind), activation_codes(x, kind)
+        assert torch.equal(codes.cpu(), c_cpu) and torch.equal(scale.cpu(), s_cpu), kind
+
+
+@pytest.mark.cuda
 def test_bitlinear_runs_the_fused_kernel_on_cuda():
     torch.manual_seed(3)
     for activation in ("int8", "int4", "topk_int8"):

@@ -54,11 +54,11 @@ def activation_codes(x: torch.Tensor, kind: str, *, beta_scale: float = 1.0, top
     if kind == "int4":
         beta = xf.abs().mean(dim=-1, keepdim=True) * beta_scale
         q = ref.round_clip(xf * (ref.SQRT7 / (beta + ref.EPS)), -8, 7)
-        scale = beta / ref.SQRT7
+        scale = ref.divide(beta, ref.SQRT7)
     else:
         gamma = xf.abs().amax(dim=-1, keepdim=True)
         q = ref.round_clip(xf * (127.0 / (gamma + ref.EPS)), -128, 127)
-        scale = gamma / 127.0
+        scale = ref.divide(gamma, 127.0)
     bad = (~torch.isfinite(x)).any(dim=-1, keepdim=True)
     codes = torch.where(bad, torch.zeros_like(q), q).to(torch.int8)
     return codes, torch.where(bad, torch.full_like(scale, float("nan")), scale).squeeze(-1)

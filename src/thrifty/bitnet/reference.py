@@ -39,6 +39,13 @@ def round_clip(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return torch.round(torch.clamp(x, lo, hi))
 
 
+def divide(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` rounded once, on every device. Why not ``t / c``: PyTorch's CUDA kernel multiplies by the reciprocal
+    of a Python-number divisor (two roundings), so γ/127 came out one ulp off for ~6% of tokens on the H200 while the
+    CPU and the Triton quantizers divide; a 0-dim tensor divisor takes the dividing kernel."""
+    return t / torch.full((), c, dtype=t.dtype, device=t.device)
+
+
 def _nan_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """A token holding a NaN or an infinity comes out all NaN (clamp would otherwise hide it in the rounded codes)."""
     bad = (~torch.isfinite(x)).any(dim=-1, keepdim=True)
@@ -64,7 +71,7 @@ def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     gamma = xf.abs().amax(dim=-1, keepdim=True)
     q = round_clip(xf * (127.0 / (gamma + EPS)), -128, 127)
-    return _nan_rows(xf, q * (gamma / 127.0)).to(x.dtype)
+    return _nan_rows(xf, q * divide(gamma, 127.0)).to(x.dtype)
 
 
 def quantize_int4(x: torch.Tensor, beta_scale: float = 1.0) -> torch.Tensor:
@@ -72,7 +79,7 @@ def quantize_int4(x: torch.Tensor, beta_scale: float = 1.0) -> torch.Tensor:
     xf = x.float()
     beta = xf.abs().mean(dim=-1, keepdim=True) * beta_scale
     q = round_clip(xf * (SQRT7 / (beta + EPS)), -8, 7)
-    return (q * (beta / SQRT7)).to(x.dtype)
+    return (q * divide(beta, SQRT7)).to(x.dtype)
 
 
 def round_e2m1(v: torch.Tensor) -> torch.Tensor:
@@ -91,7 +98,7 @@ def quantize_fp4(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     gamma = xf.abs().amax(dim=-1, keepdim=True)
     q = round_e2m1(xf * (6.0 / (gamma + EPS)))
-    return _nan_rows(xf, q * (gamma / 6.0)).to(x.dtype)
+    return _nan_rows(xf, q * divide(gamma, 6.0)).to(x.dtype)
 
 
 def topk_count(dim: int, ratio: float) -> int:
