@@ -197,3 +197,33 @@ def test_neuzip_codec_decodes_pair_coded_sets_as_single_symbols():
     decode_into(s["words"], s["lane_units"], s["group_offsets"], s["raw"], tables["ref"], out, 7, steps=64,
                 groups_per_prog=4, num_warps=4, kernel="v3", v3_table=tables["v3_16"], asm=False)
     assert torch.equal(out.view(torch.int16), x.reshape(-1).view(torch.int16))
+
+
+def test_shadowkv_pools_needle_files_by_their_prompts(tmp_path):
+    """shadowkv.py --needle-json A B: the summary's needle keys are the files' accuracies weighted by their prompts
+    per method (a gap pools like the accuracies it is made of), each file is named with its commit and seed, and
+    files of different reference budgets are refused."""
+    skv = _load("shadowkv")
+
+    def needle(name, trials, dense, shadowkv, quest_b256, budget=512, seed=0):
+        doc = {"meta": {"commit": f"c{seed}"}, "extra": {"settings": {"seed": seed}},
+               "summary": {"trials_per_method": trials, "needle_reference_budget": budget, "needle_acc_dense": dense,
+                           "needle_acc_shadowkv": shadowkv, "needle_gap_vs_dense_points": 100 * (shadowkv - dense),
+                           "needle_acc_quest_b256": quest_b256, "complete": True}}
+        path = tmp_path / name
+        path.write_text(json.dumps(doc))
+        return str(path)
+
+    a = needle("a.json", 420, 0.60, 0.62, 0.50, seed=0)
+    b = needle("b.json", 140, 0.80, 0.70, 0.90, seed=1)
+    pooled, sources = skv.pooled_needle([a, b])
+    assert pooled["needle_acc_dense"] == pytest.approx((420 * 0.60 + 140 * 0.80) / 560)
+    assert pooled["needle_acc_quest_b256"] == pytest.approx((420 * 0.50 + 140 * 0.90) / 560)
+    assert pooled["needle_gap_vs_dense_points"] == pytest.approx(
+        100 * (pooled["needle_acc_shadowkv"] - pooled["needle_acc_dense"]))
+    assert pooled["needle_trials_per_method"] == 560 and "complete" not in pooled
+    assert [(s["file"], s["commit"], s["seed"], s["trials_per_method"]) for s in sources] == [
+        ("a.json", "c0", 0, 420), ("b.json", "c1", 1, 140)]
+    assert skv.pooled_needle([]) == ({}, [])
+    with pytest.raises(ValueError, match="needle-json"):
+        skv.pooled_needle([a, needle("c.json", 420, 0.6, 0.6, 0.6, budget=1024)])
