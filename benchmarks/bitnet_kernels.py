@@ -236,7 +236,8 @@ def sweep_rows(args, device) -> list[dict]:
             if kernel == "decode":
                 rows += decode_sweep_rows(args, device, layer, m, planned)
                 continue
-            configs = [(bn, sp) for bn in ((16, 32, 64) if kernel == "gemv" else (64, 128))
+            # gemm below 64 rows: mma.sync instead of wgmma, but 2-4x the programs of a latency-bound 16-token tile
+            configs = [(bn, sp) for bn in ((16, 32, 64) if kernel == "gemv" else (16, 32, 64, 128))
                        for sp in args.sweep_splits]
             for block_n, split in configs:
                 per = -(-groups // split)
