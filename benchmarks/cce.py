@@ -235,21 +235,13 @@ def impls():
         "thrifty_filter": dict(config=CCEKernelConfig(filter_eps="auto")),
         # the previous default (v5): separate 64 MiB gradient-tile buffer + separate fp32 dE scratch
         "thrifty_sep64": dict(config=CCEKernelConfig(scratch_in_dc=False)),
+        # the forward kept on the fused kernel (the default before the GEMM forward), the rest the default path:
+        # the two forwards in one run, the data behind the GEMM forward's thresholds
+        "thrifty_fused_fwd": dict(config=CCEKernelConfig(forward="fused")),
     }
     for name, kw in variants.items():
         out[name] = (lambda kw: lambda e, c, t: thrifty_lce(e, c, t, impl="triton", **kw))(kw)
-    out["thrifty_fused_fwd"] = fused_forward(lambda e, c, t, **kw: thrifty_lce(e, c, t, impl="triton", **kw))
     return out
-
-
-def fused_forward(fn):
-    """fn with thrifty's forward kept on the fused Triton kernel (the default before the GEMM forward),
-    ``CCEKernelConfig(forward="fused")``; everything else is the default path. The two forwards in one run: the
-    data behind the GEMM forward's thresholds."""
-    from thrifty.loss import CCEKernelConfig
-
-    config = CCEKernelConfig(forward="fused")
-    return lambda e, c, t: fn(e, c, t, config=config)
 
 
 def float64_reference(e, c, t):

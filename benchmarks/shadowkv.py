@@ -597,7 +597,7 @@ NEEDLE_KEYS = ("needle_acc_dense", "needle_acc_shadowkv", "needle_acc_quest", "n
 def pooled_needle(paths: list[str]) -> tuple[dict, list[dict]]:
     """The needle summaries of ``paths`` pooled, each weighted by its prompts per method: the headline keys (at
     the reference budget) and the per-budget accuracies and gaps; plus each file's name, commit and seed."""
-    runs = [json.load(open(p)) for p in paths]
+    runs = [bench.read_result(p) for p in paths]
     if not runs:
         return {}, []
     budgets = {r["summary"]["needle_reference_budget"] for r in runs}

@@ -144,7 +144,8 @@ LOSS_MODULE_ARGS = ArgSpec(
          "impl": ["gpu"], "ignore_index": [0.5], "config": [{}]})
 LOSS_CONFIG_ARGS = ArgSpec(
     "loss.CCEKernelConfig", CCEKernelConfig, valid=dict,
-    bad={"filter_eps": ["x", True, 0.0, -1e-3, NAN, INF], "scratch_in_dc": [1, None, "yes"]})
+    bad={"filter_eps": ["x", True, 0.0, -1e-3, NAN, INF], "scratch_in_dc": [1, None, "yes"],
+         "forward": ["gemm", "", None, 1]})
 
 
 @st.composite

@@ -206,7 +206,8 @@ def test_shadowkv_pools_needle_files_by_their_prompts(tmp_path):
     skv = _load("shadowkv")
 
     def needle(name, trials, dense, shadowkv, quest_b256, budget=512, seed=0):
-        doc = {"meta": {"commit": f"c{seed}"}, "extra": {"settings": {"seed": seed}},
+        doc = {"schema": 1, "name": "shadowkv_needle", "device": "test", "rows": [],
+               "meta": {"commit": f"c{seed}"}, "extra": {"settings": {"seed": seed}},
                "summary": {"trials_per_method": trials, "needle_reference_budget": budget, "needle_acc_dense": dense,
                            "needle_acc_shadowkv": shadowkv, "needle_gap_vs_dense_points": 100 * (shadowkv - dense),
                            "needle_acc_quest_b256": quest_b256, "complete": True}}
