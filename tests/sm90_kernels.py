@@ -390,6 +390,10 @@ def _loss():
             yield entry(B._de_kernel, f"{NAME[dtype]} order={order} dE=fp32",
                         dict(HAS_ORDER=order, DE_BY_ROW=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=cfg["BLOCK_D_DE"]),
                         {"G": g_t, "CNT_DE LIST_DE": "*i32", "C": t, "ORDER ROWS": "*i64", "DE": "*fp32"}, **options)
+        if dtype != torch.float32:  # dE's fp32 accumulator rounded from its two halves (16-bit inputs)
+            for block, warps in ((1024, 4), (4096, 8), (16384, 16)):  # as _FP32Accumulator.round_into_de
+                yield entry(B._round_halves_kernel, f"{NAME[dtype]} BLOCK={block}", dict(BLOCK=block),
+                            {"LEFT RIGHT": "*fp32", "OUT": t}, num_warps=warps)
 
 
 # --------------------------------------------------------------------------------------------- NeuZip

@@ -412,6 +412,118 @@ def test_kernels_two_pass_ending_sums_all_of_de_in_fp32(monkeypatch, ignore_ever
         assert rel(db, db_s) < 1e-6
 
 
+@pytest.mark.parametrize("nv, D, V, left, in_dc", [
+    (8192, 2304, 256000, 0, True),  # the benchmark shapes keep the whole accumulator in dC
+    (8192, 4096, 128256, 0, True),
+    (16384, 4096, 128256, 2048, True),  # whole: 26.5% recomputed; right half in dC: 13.8%
+    (8192, 576, 49152, 288, False),  # not even the half fits: separate right half (nv x 288 fp32)
+    (16384, 577, 49152, 0, False),  # odd D: no half fits dE's rows, the whole accumulator separate
+])
+def test_in_dc_plan_splits_the_accumulator_where_dc_cannot_host_it(nv, D, V, left, in_dc):
+    """With an fp32 dE accumulator the in-dC schedule takes, in order: the whole accumulator in dC's last rows;
+    its right half there and its left half in dE's own bytes; a separate buffer (for the part not in dE) --
+    the first whose two-pass ending recomputes at most MAX_RECOMPUTED of the vocabulary."""
+    from thrifty.loss.backward import MAX_RECOMPUTED, in_dc_plan, plan_chunks, recomputed_fraction
+
+    step, buf = 256, max(256, (8 << 20) // (2 * nv) // 256 * 256)
+    plan, acc_off, got_left = in_dc_plan(V, D, nv, step, buf, True)
+    assert (got_left, acc_off is not None) == (left, in_dc)
+    assert recomputed_fraction(plan, V) <= MAX_RECOMPUTED
+    if acc_off is not None:
+        assert (plan, acc_off) == plan_chunks(V, D, nv, step, buf, 2 * nv * (D - left))
+        assert acc_off + 2 * nv * (D - left) <= V * D
+    if left:  # the split was needed: the whole accumulator would recompute too much or not fit
+        whole, whole_off = plan_chunks(V, D, nv, step, buf, 2 * nv * D)
+        assert whole_off is None or recomputed_fraction(whole, V) > MAX_RECOMPUTED
+    assert in_dc_plan(V, D, nv, step, buf, False)[1:] == (None, 0)  # fp32 inputs: no accumulator
+
+
+@needs_kernels
+@pytest.mark.parametrize("nv, D", [(1, 2), (7, 24), (33, 40), (5, 2304), (6, 7)])
+def test_split_accumulator_rounds_in_place_into_de(nv, D):
+    """The fp32 accumulator whose left half shares dE's bytes is rounded into dE row by row in place: every
+    element is its fp32 value rounded once, and the rows after the compact ones are untouched."""
+    from thrifty.loss.backward import _FP32Accumulator
+
+    gen = torch.Generator().manual_seed(nv * 1000 + D)
+    left = D // 2 if D % 2 == 0 else 0
+    want = (torch.randn(nv, D, generator=gen) * 3).to(DEVICE)
+    de = torch.full((nv + 3, D), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    right = torch.empty(nv, D - left, dtype=torch.float32, device=DEVICE)
+    acc = _FP32Accumulator(de[:nv], right, left)
+    for part, col in acc.parts:
+        part.copy_(want[:, col:col + part.shape[1]])
+    acc.round_into_de()
+    nearest = want.to(torch.bfloat16)
+    if interpreting():  # Triton 3.6's interpreter stores fp32 -> bf16 by truncation; the GPU rounds to nearest
+        toward_zero = (want.cpu().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+        assert ((de[:nv] == nearest) | (de[:nv] == toward_zero.to(DEVICE))).all()
+    else:
+        assert torch.equal(de[:nv], nearest)
+    assert (de[nv:] == 7.0).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("N, ignore_every, dtype, dense_above, in_dc", [
+    (30, 0, torch.bfloat16, 0.0, True),  # right half in dC's last rows (cuBLAS GEMMs per half)
+    (34, 6, torch.bfloat16, 2.0, True),  # ignored tokens + the sparse GEMMs, launched per half
+    (30, 0, torch.float16, 0.0, True),  # fp16: bf16 tiles, so the sparse GEMMs
+    (45, 0, torch.bfloat16, 0.0, False),  # not even the half fits: separate right half
+    (45, 5, torch.bfloat16, 2.0, False),
+])
+def test_kernels_split_accumulator_sums_all_of_de_in_fp32(monkeypatch, N, ignore_every, dtype, dense_above, in_dc):
+    """Where dC cannot host the whole fp32 dE accumulator (too many tokens for the vocabulary), its left half
+    lives in dE's own bytes: dE is still the fp32 sum over the whole vocabulary rounded once (as with the
+    separate scratch of scratch_in_dc=False: at most one 16-bit step apart), dC is computed once."""
+    from thrifty.loss.backward import backward_config, in_dc_plan
+    D, V = 24, 333
+    e, c, b, t = make(N, D, V, dtype=dtype, scale=3.0, device=DEVICE, seed=13, ignore_every=ignore_every)
+    nv = int((t != -100).sum())
+    cfg = backward_config(True)
+    _, acc_off, left = in_dc_plan(V, D, nv, cfg["BLOCK_V"] * cfg["SPLIT"], 32, True)
+    assert (left, acc_off is not None) == (D // 2, in_dc)
+    _force_backward(monkeypatch, tile_bytes=nv * 32 * 2, dense_above=dense_above)
+    from thrifty.loss import backward
+    rounded = []  # (left columns, storage of the right half) of each accumulator the backward rounds
+    plain = backward._FP32Accumulator.round_into_de
+    monkeypatch.setattr(backward._FP32Accumulator, "round_into_de",
+                        lambda acc: (rounded.append((acc.left, acc.right.untyped_storage().data_ptr())), plain(acc)))
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+    dc_storage = c.grad.untyped_storage().data_ptr()  # autograd keeps the backward's dC buffer as c.grad
+    assert rounded == [(D // 2, dc_storage)] if in_dc else len(rounded) == 1 and rounded[0][0] == D // 2
+    sep = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton",
+                         config=CCEKernelConfig(scratch_in_dc=False))
+    assert_close(got, oracle(e, c, b, t), 1e-4, 2e-2)
+    (_, (de, dc, _)), (_, (de_s, dc_s, _)) = got, sep
+    step = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    assert ((de - de_s).abs() <= de_s.abs() * step + 1e-12).all()  # one rounding of the same fp32 sum
+    assert rel(dc, dc_s) < 1e-6
+
+
+@pytest.mark.cuda
+def test_cuda_many_tokens_for_the_vocabulary_stay_near_the_memory_bound():
+    """16384 tokens, D=4096, V=128256 (issue #32's largest Llama-3 row): the whole fp32 dE accumulator would
+    recompute 26.5% of the vocabulary in dC, so before the split it took a separate 256 MiB buffer. Now the
+    peak over the inputs stays within 16 MiB of dE + dC, and dE is the fp32 sum rounded once."""
+    torch.manual_seed(0)
+    N, D, V = 16384, 4096, 128256
+    e = (torch.randn(N, D, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_()
+    c = (torch.randn(V, D, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (N,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    linear_cross_entropy(e, c, t).backward()
+    torch.cuda.synchronize()
+    bound = (N + V) * D * 2
+    assert torch.cuda.max_memory_allocated() - before - bound <= 16 * 2 ** 20
+    de, dc = e.grad.clone(), c.grad.clone()
+    e.grad = c.grad = None
+    linear_cross_entropy(e, c, t, config=CCEKernelConfig(scratch_in_dc=False)).backward()
+    assert ((de.float() - e.grad.float()).abs() <= e.grad.float().abs() * 2 ** -7 + 1e-30).all()
+    assert rel(dc, c.grad) < 1e-5
+
+
 @needs_kernels
 def test_kernel_shift_and_3d_input():
     e, c, b, t = make(4 * 9, 24, 100, dtype=torch.float32, device=DEVICE)

@@ -215,6 +215,51 @@ def _dense_de_update(de_acc, g, c_chunk):
         de_acc += (g.float() @ c_chunk.float())
 
 
+@triton.jit
+def _round_halves_kernel(LEFT, RIGHT, OUT, H, D, stride_right, BLOCK: tl.constexpr):
+    """Row r of the 16-bit dE from the fp32 accumulator's halves: columns [0, H) from LEFT, [H, D) from RIGHT.
+    LEFT's row r may occupy exactly OUT's row r bytes (the left half lives in dE's own buffer), so the whole
+    row is loaded before the barrier and stored after it; rows never share bytes, so programs are independent."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    left = tl.load(LEFT + row * H + d, mask=d < H, other=0.0)
+    right = tl.load(RIGHT + row * stride_right + tl.maximum(d - H, 0), mask=(d >= H) & (d < D), other=0.0)
+    x = tl.where(d < H, left, right)
+    tl.debug_barrier()
+    tl.store(OUT + row * D + d, x.to(OUT.dtype.element_ty), mask=d < D)
+
+
+class _FP32Accumulator:
+    """dE of 16-bit inputs summed in fp32 (nv x D x 4 bytes) without a buffer of that size: its first ``left``
+    columns live in dE's own bytes (an nv x D 16-bit buffer holds nv x D/2 fp32 exactly, row for row), the
+    other D - left columns in ``right`` (dC's free rows or a separate buffer). left = 0 (whole accumulator in
+    ``right``) or D/2; each contribution is then two GEMMs over the column halves of the chunk of C."""
+
+    def __init__(self, de_c: torch.Tensor, right: torch.Tensor, left: int):
+        self.de_c, self.right, self.left = de_c, right, left
+        self.parts = [(right, 0)]
+        if left:
+            self.parts = [(de_c.view(torch.float32), 0), (right, left)]
+        for acc, _ in self.parts:
+            acc.zero_()
+
+    def add_dense(self, g, c_chunk):
+        for acc, col in self.parts:
+            _dense_de_update(acc, g, c_chunk[:, col:col + acc.shape[1]])
+
+    def round_into_de(self):
+        """dE (16-bit, compact rows) = the fp32 sum, rounded once. The accumulator is gone afterwards."""
+        nv, D = self.de_c.shape
+        if not self.left:
+            self.de_c.copy_(self.right)
+        elif nv:
+            block = triton.next_power_of_2(D)
+            _round_halves_kernel[(nv,)](self.parts[0][0], self.right, self.de_c, self.left, D,
+                                        self.right.stride(0), BLOCK=block,
+                                        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+        self.parts = []
+
+
 # separate gradient-tile buffer once dC's free rows are too few. Budget (issue #3): 1% of the bound dE + dC, or
 # 16 MB where 1% is less: 8 MiB fits 1% from ~0.9 GiB up (256k: 11.6 MiB); smaller shapes get 12 MiB (< 15.26 MiB)
 TAIL_BYTES = 8 << 20
@@ -294,8 +339,24 @@ def recomputed_fraction(plan, V) -> float:
 
 
 # The two-pass ending of plan_chunks costs a second logit pass over its share of the vocabulary (in small
-# chunks); above this share a separate nv x D fp32 accumulator is cheaper (large token counts, small V).
+# chunks); above this share the accumulator (or the part of it dC cannot host) gets a separate buffer.
 MAX_RECOMPUTED = 0.25
+
+
+def in_dc_plan(V, D, nv, step, buf_cols, fp32_acc: bool):
+    """(plan, acc_off, left) of the in-dC schedule. With an fp32 dE accumulator (16-bit inputs): the whole
+    accumulator in dC's last 2*nv rows (left = 0) when its two-pass ending recomputes at most MAX_RECOMPUTED of
+    the vocabulary; else, for even D, only its right half in dC's last nv rows and the left half in dE's own
+    bytes (left = D/2: the ending recomputes about half as much; two GEMMs per dE update); else neither in dC
+    (acc_off None: the part not in dE gets a separate buffer)."""
+    if not fp32_acc:
+        return (*plan_chunks(V, D, nv, step, buf_cols, 0), 0)
+    lefts = (0, D // 2) if D % 2 == 0 else (0,)
+    for left in lefts:
+        plan, acc_off = plan_chunks(V, D, nv, step, buf_cols, 2 * nv * (D - left))
+        if acc_off is not None and recomputed_fraction(plan, V) <= MAX_RECOMPUTED:
+            return plan, acc_off, left
+    return plan_chunks(V, D, nv, step, buf_cols, 0)[0], None, lefts[-1]
 
 
 def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional[float], label_smoothing: float,
@@ -351,12 +412,10 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     # fp32 dE accumulation (16-bit inputs): in dC's free rows (in_dc) or a separate nv x D fp32 scratch
     fp32_acc = need_e and e2d.dtype != torch.float32
     if in_dc:
-        plan, acc_off = plan_chunks(V, D, nv, step, buf_cols, 2 * nv * D if fp32_acc else 0)
-        if fp32_acc and (acc_off is None or recomputed_fraction(plan, V) > MAX_RECOMPUTED):
-            plan, acc_off = plan_chunks(V, D, nv, step, buf_cols, 0)  # tiles in dC, accumulator separate
+        plan, acc_off, left = in_dc_plan(V, D, nv, step, buf_cols, fp32_acc)
     else:
         plan = [(s, min(buf_cols, V - s), None, False, "both") for s in range(0, V, buf_cols)]
-        acc_off = None
+        acc_off, left = None, 0
     vc = max(p[1] for p in plan)
     buf = None
     n_nb, n_vb = triton.cdiv(nv, bn), triton.cdiv(vc, bv)
@@ -365,13 +424,13 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     list_dc = torch.empty(n_vb, n_nb, dtype=torch.int32, device=e2d.device)
     list_de = torch.empty(n_nb, n_vb, dtype=torch.int32, device=e2d.device)
     de_c = de[:nv] if need_e else None  # compact: row i is valid token rows[i] (spread at the end)
-    if fp32_acc and acc_off is not None:
-        de_acc = dc.view(-1)[acc_off:acc_off + 2 * nv * D].view(torch.float32).view(nv, D)
-        de_acc.zero_()
-    elif fp32_acc:  # a separate fp32 accumulator: no dC, a sorted vocabulary, or dC too small to host it
-        de_acc = torch.zeros(nv, D, dtype=torch.float32, device=e2d.device)
-    else:  # fp32 inputs: in place (None when no dE is wanted)
-        de_acc = de_c
+    acc = None  # fp32 inputs: dE accumulates in place (de_c)
+    if fp32_acc:
+        if acc_off is not None:
+            right = dc.view(-1)[acc_off:acc_off + 2 * nv * (D - left)].view(torch.float32).view(nv, D - left)
+        else:  # no dC, a sorted vocabulary, or dC too small to host it
+            right = torch.empty(nv, D - left, dtype=torch.float32, device=e2d.device)
+        acc = _FP32Accumulator(de_c, right, left)
     order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
     # work lists only for the sparse GEMMs: with filtering, or when cuBLAS cannot take the tiles (fp16 inputs)
     lists = filtering or g_dtype != e2d.dtype or DENSE_ABOVE >= 1.0
@@ -380,9 +439,9 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)
     progress = _KeptTiles(n_chunks, e2d.device)
     for chunk, (start, cur, g_off, flush, mode) in enumerate(plan):
-        if flush and fp32_acc and de_acc is not de_c:  # its rows of dC come next: round it into dE (once)
-            de_c.copy_(de_acc)
-            de_acc = de_c
+        if flush and acc is not None:  # its rows of dC come next: round it into dE (once)
+            acc.round_into_de()
+            acc = None
         do_c, do_e = need_c and mode != "de", need_e and mode != "dc"
         if g_off is not None:
             g_buf = dc_flat.as_strided((nv, cur), (cur, 1), g_off)
@@ -423,7 +482,10 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
                     dc.index_copy_(0, vocab_chunk, torch.mm(g.T, e_valid))
             if do_e:
                 c_chunk = c[start:start + cur] if vocab_chunk is None else c.index_select(0, vocab_chunk)
-                _dense_de_update(de_acc, g, c_chunk)
+                if acc is not None:
+                    acc.add_dense(g, c_chunk)
+                else:
+                    _dense_de_update(de_c, g, c_chunk)
             continue
         if do_c:
             _dc_kernel[(triton.cdiv(cur, bv), triton.cdiv(D, bd_dc))](
@@ -431,15 +493,17 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
                 g_buf.stride(0), dc.stride(0), start, cur, n_nb, HAS_ORDER=order is not None,
                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_dc, **cfg)
         if do_e:
-            _de_kernel[(n_nb, triton.cdiv(D, bd_de))](
-                g_buf, cnt_de, list_de, c, order_arg, rows, de_acc, nv, D, c.stride(0), g_buf.stride(0),
-                de_acc.stride(0), start, cur, n_vb, HAS_ORDER=order is not None, DE_BY_ROW=False,
-                BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_de, **cfg)
+            for target, col in (acc.parts if acc is not None else [(de_c, 0)]):
+                width = target.shape[1]  # the accumulator's column part [col, col + width)
+                _de_kernel[(n_nb, triton.cdiv(width, bd_de))](
+                    g_buf, cnt_de, list_de, c[:, col:], order_arg, rows, target, nv, width, c.stride(0),
+                    g_buf.stride(0), target.stride(0), start, cur, n_vb, HAS_ORDER=order is not None,
+                    DE_BY_ROW=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_de, **cfg)
     del buf
     if need_e:
-        if de_acc is not de_c:
-            de_c.copy_(de_acc)
-            del de_acc
+        if acc is not None:
+            acc.round_into_de()
+            del acc
         if nv < N:
             _spread_rows(de, rows)
     return de, dc, (db.to(bias.dtype) if need_b else None)

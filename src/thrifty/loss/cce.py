@@ -31,8 +31,9 @@ class CCEKernelConfig:
         64 MiB tile buffer (peak +156-173 MiB over the bound at 256k). Off under label smoothing (it puts -ls/V
         on every element).
     scratch_in_dc: True (default): the gradient tiles and the fp32 dE accumulator live in the rows of dC not
-        yet written, so the backward needs one 8-12 MiB extra buffer (up to ~V/8 tokens per call; beyond, the
-        accumulator is a separate Nv x D fp32 buffer: +256 MiB at 16384 tokens, D=4096, V=128k, H200). False: a
+        yet written, so the backward needs one 8-12 MiB extra buffer. From ~V/8 tokens per call only the
+        accumulator's right half fits there (its left half lives in dE's own bytes); from ~V/4 that half is a
+        separate Nv x D/2 fp32 buffer (+9 MiB at 8192 tokens, D=576, V=49152). False: a
         separate 64 MiB tile buffer and an Nv x D fp32 dE accumulator (peak over the bound +136 MiB at 256k,
         +82 MiB at D=576 V=49152), for fewer, larger vocabulary chunks: 4.47 vs 5.37 ms at SmolLM2's D=576
         V=49152, 61.6 vs 65.6 ms at 128k, 71.8 vs 73.5 ms at 256k. For small vocabularies when memory does not
