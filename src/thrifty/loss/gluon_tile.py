@@ -214,19 +214,21 @@ def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g,
 # ------------------------------------------------------------------------------------------------- host side
 def gluon_tiles_ok(e2d: torch.Tensor, c: torch.Tensor, *, bias, filtering: bool, order, g_dtype: torch.dtype,
                    tiles: str = "auto") -> bool:
-    """Whether a backward's gradient tiles go to the Gluon kernel: ``tiles == "auto"``; a Hopper GPU (compute
-    capability 9.x), not the interpreter; bf16 E and C, bf16 tiles, no bias (no dbias either), no filtering or
-    sorted vocabulary (the dense path: no work lists); TMA-ready rows (unit inner stride, row strides and base
-    addresses 16-byte aligned, so D % 8 == 0). Every other call keeps ``backward._grad_tile_kernel``."""
-    if tiles != "auto" or interpreting() or not e2d.is_cuda:
+    """Whether a backward's gradient tiles go to the Gluon kernel: ``tiles == "auto"``; bf16 E and C, bf16 tiles,
+    no bias (no dbias either), no filtering or sorted vocabulary (the dense path: no work lists); TMA-ready rows
+    (unit inner stride, row strides and base addresses 16-byte aligned, so D % 8 == 0); a Hopper GPU
+    (``on_hopper``). Every other call keeps ``backward._grad_tile_kernel``."""
+    if tiles != "auto" or bias is not None or filtering or order is not None:
         return False
     if e2d.dtype != torch.bfloat16 or c.dtype != torch.bfloat16 or g_dtype != torch.bfloat16:
         return False
-    if bias is not None or filtering or order is not None:
-        return False
-    if not (_tma_rows(e2d) and _tma_rows(c)):
-        return False
-    return torch.cuda.get_device_capability(e2d.device)[0] == 9
+    return _tma_rows(e2d) and _tma_rows(c) and on_hopper(e2d.device)
+
+
+def on_hopper(device) -> bool:
+    """A CUDA device of compute capability 9.x (H100, H200) running compiled kernels (not the interpreter)."""
+    device = torch.device(device)
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _tma_rows(x: torch.Tensor) -> bool:
