@@ -731,7 +731,8 @@ def _fused_layers():
                         {"Q K V QO KB VB": PTR[dtype], "COS SIN": "*fp32", "POS": "*i64"}, num_warps=1)
 
 
-SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_loss_gluon(), *_neuzip(), *_optim_lomo(),
+SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_loss_gluon(),
+                 *_neuzip(), *_optim_lomo(),
                  *_bitnet(), *_bitnet_packed(), *_fused_layers()])
 
 

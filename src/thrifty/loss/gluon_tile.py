@@ -14,7 +14,7 @@ relaunches per tile. Here (NOTES.md "The Gluon gradient-tile kernel"):
   into a ``STAGES``-deep shared-memory ring;
 * two consumer warpgroups issue the ``wgmma`` and run the epilogue straight from the accumulator registers.
   ``PINGPONG`` (default): they take alternate tiles, so one warpgroup's epilogue runs while the other's MMAs keep
-  the tensor cores busy (the ring is filled in tile order, which staggers them by itself). Cooperative
+  the tensor cores busy (the mainloops go in tile order, one after the other: ``_mainloop``). Cooperative
   (``pingpong=False``): both work on one tile of twice the rows (less L2 traffic per FLOP, epilogue not hidden).
 """
 
@@ -91,10 +91,19 @@ def _producer(e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k
 
 
 @gluon.jit
-def _mainloop(a_smem, b_smem, ready, empty, step0, k_steps, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr, HALF: gl.constexpr):
+def _mainloop(a_smem, b_smem, ready, empty, turns, step0, k_steps, j, acc_layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr,
+              HALF: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """z = E_tile · C_tileᵀ in fp32 over the ring steps [step0, step0 + k_steps): one async wgmma group in flight,
-    each slot released as soon as the wgmma that read it retired."""
+    each slot released as soon as the wgmma that read it retired.
+
+    Ping-pong: this is warpgroup WG's j-th tile, local tile i = 2j + WG. A parity wait on a ready barrier is only
+    sound when the slot's previous fill has completed (two phases behind, the parity matches again and the wait
+    would pass on stale data), so the mainloop of tile i starts only after tile i − 1's mainloop has waited on
+    all its slots (``turns``: one barrier per warpgroup, arrived once per tile; a fresh barrier passes a wait on
+    phase 1, so warpgroup 0's first tile goes at once)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(1 - WG), (j + 1 - WG) & 1)
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
     for k in range(k_steps):
         step = step0 + k
@@ -104,6 +113,8 @@ def _mainloop(a_smem, b_smem, ready, empty, step0, k_steps, acc_layout: gl.const
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step − 1's slot
+    if PINGPONG:  # every slot of this tile waited on: the other warpgroup's next tile may start its waits
+        mbarrier.arrive(turns.index(WG), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index((step0 + k_steps - 1) % STAGES), count=1)
     return acc
@@ -155,7 +166,7 @@ def _store_grad(acc, cols, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+def _consumer(a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
               onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps,
               HAS_SOFTCAP: gl.constexpr, TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
@@ -171,8 +182,8 @@ def _consumer(a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_
     for t in range(pid + (WG if PINGPONG else 0) * n_prog, n_tiles, N_TURNS * n_prog):
         m, n = _tile_coords(t, n_m, n_n, GROUP_M)
         i = (t - pid) // n_prog
-        acc = _mainloop(a_smem, b_smem, ready, empty, i * k_steps, k_steps, acc_layout, BLOCK_M, BLOCK_N, STAGES,
-                        A_SUB, HALF)
+        acc = _mainloop(a_smem, b_smem, ready, empty, turns, i * k_steps, k_steps, i // N_TURNS, acc_layout,
+                        BLOCK_M, BLOCK_N, STAGES, A_SUB, HALF, PINGPONG, WG)
         _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, m * TILE_M + HALF * BLOCK_M, n * BLOCK_N,
                   softcap, z_loss, onehot_weight, uniform_weight, acc_layout, HAS_SOFTCAP, BLOCK_M, BLOCK_N)
 
@@ -198,12 +209,15 @@ def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g,
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=A_SUB)  # cooperative: both warpgroups read each slot
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: mainloop order
+    for wg in gl.static_range(2):
+        mbarrier.init(turns.index(wg), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+        (_consumer, (a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
                      onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
                      BLOCK_N, STAGES, A_SUB, GROUP_M, PINGPONG, 0)),
-        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+        (_consumer, (a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
                      onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
                      BLOCK_N, STAGES, A_SUB, GROUP_M, PINGPONG, 1)),
         (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, TILE_M, BLOCK_M,
