@@ -396,6 +396,38 @@ def _loss():
                             {"LEFT RIGHT": "*fp32", "OUT": t}, num_warps=warps)
 
 
+
+def _loss_gluon():
+    """loss.gluon_tile._grad_tile_gluon_kernel as gluon_tile.grad_tiles launches it (bf16 only): the default
+    config with softcap off and on, the chunk's width (the tiles' row stride too) a multiple of 16 (plan_chunks'
+    chunks: 4-byte stores) or not (the last chunk of an odd vocabulary: 2-byte stores), and the cooperative form
+    (``gluon_tile.COOPERATIVE_CONFIG``, no softcap: it spills 272 B there) that the GPU session times against it."""
+    from thrifty.loss import gluon_tile as GT
+
+    for softcap, aligned in ((False, True), (True, True), (False, False), (True, False)):
+        yield loss_gluon_entry(GT.TILE_CONFIG, softcap, aligned, "default")
+    yield loss_gluon_entry(GT.COOPERATIVE_CONFIG, False, True, "cooperative")
+
+
+def loss_gluon_entry(cfg, softcap: bool, aligned: bool, name: str) -> Spec:
+    """One launch of the Gluon tile kernel (``cfg``: a gluon_tile config), as gluon_tile.grad_tiles makes it."""
+    from thrifty.loss import gluon_tile as GT
+
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    e_layout, c_layout = GT.shared_layouts(bm, bn, bk)
+    tile_m = bm if cfg["pingpong"] else 2 * bm
+    label = (f"bf16 {name} block_m={bm} block_n={bn} stages={cfg['stages']} pingpong={cfg['pingpong']} "
+             f"softcap={softcap} cur%16={'0' if aligned else 'any'}")
+    return entry(GT._grad_tile_gluon_kernel, label,
+                 dict(HAS_SOFTCAP=softcap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
+                      PINGPONG=cfg["pingpong"], GROUP_M=max(1, GT.GROUP_ROWS // tile_m),
+                      CONSUMER_REGS=cfg["consumer_regs"], PRODUCER_REGS=cfg["producer_regs"]),
+                 {"TGT": "*i64", "LSE W": "*fp32", "G": "*bf16",
+                  "e_desc": f"tensordesc<bf16[{bm}, {bk}],{e_layout!r}>",
+                  "c_desc": f"tensordesc<bf16[{bn}, {bk}],{c_layout!r}>"},
+                 fp32="softcap z_loss onehot_weight uniform_weight", aligned="VC stride_g" if aligned else "",
+                 num_warps=cfg["num_warps"])
+
 # --------------------------------------------------------------------------------------------- NeuZip
 def _neuzip():
     """decode_kernel.decode_into (v3 default; v1/v2 on request), block_decode.BlockPack.decode_into and the
@@ -708,7 +740,8 @@ def _fused_layers():
                         {"Q K V QO KB VB": PTR[dtype], "COS SIN": "*fp32", "POS": "*i64"}, num_warps=1)
 
 
-SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_neuzip(), *_optim_lomo(),
+SPECS = _unique([*_attention(), *_attention_gluon(), *_attention_decode(), *_kvcache(), *_loss(), *_loss_gluon(),
+                 *_neuzip(), *_optim_lomo(),
                  *_bitnet(), *_bitnet_packed(), *_fused_layers()])
 
 

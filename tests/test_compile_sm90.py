@@ -75,6 +75,15 @@ def test_gluon_kernel_does_not_spill(report):
     assert not spilled, "\n".join(spilled)
 
 
+def test_gluon_tile_kernel_does_not_spill(report):
+    """Every listed variant of the CCE Gluon tile kernel fits its registers (the consumers' 240 from setmaxnreg
+    hold the 128-register accumulator and the epilogue; a softcapped 128x128 tile in one pass spilled)."""
+    rows = [r for r in report["results"] if r["kernel"].endswith("gluon_tile:_grad_tile_gluon_kernel") and r["ok"]]
+    assert rows
+    spilled = [f"[{r['label']}]: {r['stack']} B of stack" for r in rows if r["stack"]]
+    assert not spilled, "\n".join(spilled)
+
+
 def test_scanner_flags_a_kernel_without_an_entry(tmp_path):
     """A module with an entry kernel, the device helper it calls and an unlisted kernel: the same scanner
     the real test uses must name exactly the unlisted one. And the compile step fails where the GPU would, on

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ..triton_utils import interpreting
 from .forward import dot, logit_tile
+from .gluon_tile import gluon_tiles_ok, grad_tiles
 
 
 @triton.jit
@@ -361,7 +362,7 @@ def in_dc_plan(V, D, nv, step, buf_cols, fp32_acc: bool):
 
 def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional[float], label_smoothing: float,
                        z_loss: float, filter_eps: Optional[float], need_e: bool = True, need_c: bool = True,
-                       scratch_in_dc: bool = True, dc: Optional[torch.Tensor] = None):
+                       scratch_in_dc: bool = True, dc: Optional[torch.Tensor] = None, tiles: str = "auto"):
     """Returns (dE shaped like e2d or None, dC or None, dbias or None). ``w``: fp32 upstream grad per valid row.
     ``filter_eps``: None (exact) or the tile-skip threshold; filtering sorts the vocabulary (vocab_order).
 
@@ -374,7 +375,8 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     (TAIL_BYTES, or SMALL_TAIL_BYTES for small shapes) for the last chunks; otherwise a SEPARATE_BYTES tile
     buffer. dE is accumulated in compact valid-row order in dE's own first nv rows and spread to the token rows
     at the end when tokens are ignored. ``dc``: the dC buffer when the forward allocated it already (c's shape,
-    contiguous; its contents are overwritten).
+    contiguous; its contents are overwritten). ``tiles``: "auto" (the Gluon tile kernel where
+    ``gluon_tile.gluon_tiles_ok`` allows it) or "triton" (``_grad_tile_kernel`` always).
     """
     N, D = e2d.shape
     V = c.shape[0]
@@ -434,6 +436,9 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
     # work lists only for the sparse GEMMs: with filtering, or when cuBLAS cannot take the tiles (fp16 inputs)
     lists = filtering or g_dtype != e2d.dtype or DENSE_ABOVE >= 1.0
+    # the Gluon kernel writes the tiles only (no work lists, no dbias): the dense path, every tile kept
+    gluon = not lists and gluon_tiles_ok(e2d, c, bias=bias, filtering=filtering, order=order, g_dtype=g_dtype,
+                                         tiles=tiles)
     dc_flat = dc.view(-1).view(g_dtype) if in_dc else None  # per-chunk views: one as_strided (launch-bound shapes)
     cnt_dc = cnt_de = cnt_all = counts  # placeholders when no lists are kept
     e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)
@@ -451,16 +456,22 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
             g_buf = buf.as_strided((nv, cur), (cur, 1))
         if lists:
             cnt_dc, cnt_de, cnt_all = counts[chunk, :n_vb], counts[chunk, n_vb:-1], counts[chunk, -1:]
-        _grad_tile_kernel[(n_nb, triton.cdiv(cur, step))](
-            e2d, c, c if bias is None else bias, rows, targets, lse, w, order_arg, g_buf, db if need_b else w,
-            cnt_dc, list_dc, cnt_de, list_de, cnt_all,
-            nv, D, e2d.stride(0), c.stride(0), g_buf.stride(0), start, cur, n_vb, n_nb,
-            float(softcap or 1.0), float(z_loss), 1.0 - label_smoothing, label_smoothing / V,
-            float(filter_eps or 0.0), HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-            HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b and mode != "dc", SPLIT=split,
-            LISTS=lists,
-            BLOCK_N=bn, BLOCK_V=step,
-            BLOCK_D=bd_tile, **cfg)
+        if gluon:
+            if e_valid is None:
+                e_valid = e2d if nv == N else e2d.index_select(0, rows)
+            grad_tiles(e_valid, c[start:start + cur], targets, lse, w, g_buf, v_start=start, softcap=softcap,
+                       z_loss=z_loss, onehot_weight=1.0 - label_smoothing, uniform_weight=label_smoothing / V)
+        else:
+            _grad_tile_kernel[(n_nb, triton.cdiv(cur, step))](
+                e2d, c, c if bias is None else bias, rows, targets, lse, w, order_arg, g_buf, db if need_b else w,
+                cnt_dc, list_dc, cnt_de, list_de, cnt_all,
+                nv, D, e2d.stride(0), c.stride(0), g_buf.stride(0), start, cur, n_vb, n_nb,
+                float(softcap or 1.0), float(z_loss), 1.0 - label_smoothing, label_smoothing / V,
+                float(filter_eps or 0.0), HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+                HAS_ORDER=order is not None, FILTER=filtering, NEED_DBIAS=need_b and mode != "dc", SPLIT=split,
+                LISTS=lists,
+                BLOCK_N=bn, BLOCK_V=step,
+                BLOCK_D=bd_tile, **cfg)
         n_tiles = n_nb * triton.cdiv(cur, bv)
         kept = progress.kept(chunk, cnt_all, n_tiles) if filtering else n_tiles
         vocab_chunk = order[start:start + cur].long() if order is not None else None

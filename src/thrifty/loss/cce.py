@@ -42,11 +42,16 @@ class CCEKernelConfig:
         in dC's bytes, then a row pass: 69.4 vs 72.7 ms at 256k, N=8192, H200, v8), the rest the fused kernel.
         "fused": the fused kernel always (the backward then allocates dC itself); ``benchmarks/cce.py`` times
         both in one run, the data behind ``forward.gemm_min_d`` / ``gemm_min_cols``.
+    tiles: "auto" (default): the backward's gradient tiles come from the Gluon Hopper kernel
+        (``gluon_tile.py``) where it applies (sm_90 GPU, bf16 inputs, no bias, no filtering), else from the Triton
+        tile kernel. "triton": the Triton tile kernel always; ``benchmarks/cce.py`` times both in one run
+        (``thrifty_triton_tiles`` rows).
     """
 
     filter_eps: Union[float, str, None] = None
     scratch_in_dc: bool = True
     forward: str = "auto"
+    tiles: str = "auto"
 
     def __post_init__(self):
         eps = self.filter_eps
@@ -60,6 +65,7 @@ class CCEKernelConfig:
                 raise ValueError(f"filter_eps: expected None, 'auto' or a positive finite number, got {eps}")
         check_bool("scratch_in_dc", self.scratch_in_dc)
         check_choice("forward", self.forward, ("auto", "fused"))
+        check_choice("tiles", self.tiles, ("auto", "triton"))
 
     def filter_threshold(self, dtype: torch.dtype) -> Optional[float]:
         """The tile-skip threshold for inputs of ``dtype`` (None: exact)."""
@@ -111,7 +117,7 @@ class _TritonLinearCE(torch.autograd.Function):
         de, dc, db = linear_ce_backward(
             e2d, c, bias, rows, targets, lse, grad_losses.float().contiguous(), softcap=softcap,
             label_smoothing=ls, z_loss=z_loss, filter_eps=config.filter_threshold(e2d.dtype),
-            scratch_in_dc=config.scratch_in_dc, need_e=ctx.needs_input_grad[0],
+            scratch_in_dc=config.scratch_in_dc, tiles=config.tiles, need_e=ctx.needs_input_grad[0],
             need_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2], dc=dc_buffer)
         return de, (dc if ctx.needs_input_grad[1] else None), db, None, None, None, None, None, None, None
 def _gemm_forward_scratch(c, nv):

@@ -84,7 +84,8 @@ class _VocabParallelCE(torch.autograd.Function):
             de, dc, db = linear_ce_backward(
                 e2d, c, bias, rows, tgt, lse.float(), grad_losses.float().contiguous(), softcap=softcap,
                 label_smoothing=0.0, z_loss=z_loss, filter_eps=opts["config"].filter_threshold(e2d.dtype),
-                scratch_in_dc=opts["config"].scratch_in_dc, need_e=need_e, need_c=need_c or need_b)
+                scratch_in_dc=opts["config"].scratch_in_dc, tiles=opts["config"].tiles, need_e=need_e,
+                need_c=need_c or need_b)
         else:
             de, dc, db = accumulate_grads(e2d, c, bias, rows, tgt, lse, grad_losses, softcap=softcap,
                                           label_smoothing=0.0, z_loss=z_loss, chunk_size=opts["chunk"],

@@ -1,0 +1,286 @@
+"""The CCE backward's gradient tiles as a persistent, warp-specialized Gluon kernel for Hopper (sm_90, issue #32).
+
+Same output as ``backward._grad_tile_kernel`` on its dense path (bf16 E and C, no bias, no filtering or sorted
+vocabulary): per vocabulary chunk, g = w·[exp(z − lse)·(1 + 2·z_loss·lse) − onehot_weight·[col = tgt] −
+uniform_weight]·(1 − (z/softcap)² with a softcap, z = softcap·tanh(E·Cᵀ/softcap) then) as bf16 into the chunk's
+gradient buffer, columns/rows past ``cur``/``nv`` untouched. The Triton kernel runs the same tiles at ~0.69 of a
+cuBLAS matmul: its epilogue (exp, compares, a 64 KB store per tile) stalls the tensor cores, and its grid
+relaunches per tile. Here (NOTES.md "The Gluon gradient-tile kernel"):
+
+* one program per SM walks the chunk's tiles (``_tile_coords``: grouped order, a wave of programs covers a band of
+  ``GROUP_ROWS`` rows of E and a few vocabulary tiles, so each C tile comes from HBM once per band and the band of
+  E stays in L2);
+* a 1-warp producer partition issues the TMA loads (E rows and C rows, both K-major, zero-filled past the edges)
+  into a ``STAGES``-deep shared-memory ring;
+* two consumer warpgroups issue the ``wgmma`` and run the epilogue straight from the accumulator registers.
+  ``PINGPONG`` (default): they take alternate tiles, so one warpgroup's epilogue runs while the other's MMAs keep
+  the tensor cores busy (the mainloops go in tile order, one after the other: ``_mainloop``). Cooperative
+  (``pingpong=False``): both work on one tile of twice the rows (less L2 traffic per FLOP, epilogue not hidden).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..triton_utils import cdiv, interpreting, sm_count
+
+# Rows of E one wave shares (the band of the grouped tile order): 2048 rows are 9.4 MB at D=2304, 16.8 MB at
+# D=4096, which stay in L2 (50 MB) beside the wave's C tiles while the band sweeps the chunk.
+GROUP_ROWS = 2048
+
+# block_m: rows per consumer warpgroup tile (the accumulator is block_m x block_n fp32 in one warpgroup's registers:
+# 128 per thread at 128x128 or 64x256); stages: 6 x 32 KB (ping-pong 128x128x64) or 4 x 48 KB (cooperative
+# 2x64 rows x 256 columns) = 192 KB of the 227 KB; the consumers get 240 registers each, the producer 24.
+PINGPONG_CONFIG = dict(block_m=128, block_n=128, block_k=64, stages=6, pingpong=True, consumer_regs=240,
+                       producer_regs=24, num_warps=4)
+COOPERATIVE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=4, pingpong=False, consumer_regs=240,
+                          producer_regs=24, num_warps=4)
+TILE_CONFIG = PINGPONG_CONFIG
+
+launch_count = 0  # Gluon tile launches in this process: tests read it to see which kernel a backward took
+
+
+@gluon.jit
+def _tanh(x):
+    # the Triton path's form (forward._tanh), so that softcapped logits round alike
+    return 1.0 - 2.0 / (gl.exp(2.0 * x) + 1.0)
+
+
+@gluon.jit
+def _tile_coords(t, n_m, n_n, GROUP_M: gl.constexpr):
+    """(row block, vocabulary block) of tile t: bands of GROUP_M row blocks, each band walked vocabulary block by
+    vocabulary block with the row block fastest, so a wave of consecutive tiles shares its C tiles (and the band's
+    E rows) through L2."""
+    per_band = GROUP_M * n_n
+    band = t // per_band
+    first_m = band * GROUP_M
+    rows_in_band = gl.minimum(n_m - first_m, GROUP_M)
+    r = t - band * per_band
+    return first_m + r % rows_in_band, r // rows_in_band
+
+
+@gluon.jit
+def _producer(e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps,
+              TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr):
+    """1 warp: every k-step of this program's tiles, in order, into ring slot step % STAGES once its previous
+    occupant was released (a fresh barrier passes the wait on phase 1). A slot holds A_SUB blocks of E rows (the
+    cooperative tile's two halves) and one block of C rows."""
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    NBYTES: gl.constexpr = A_SUB * e_desc.block_type.nbytes + c_desc.block_type.nbytes
+    step = 0
+    for t in range(pid, n_tiles, n_prog):
+        m, n = _tile_coords(t, n_m, n_n, GROUP_M)
+        for k in range(k_steps):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), NBYTES)
+            for h in gl.static_range(A_SUB):
+                tma.async_copy_global_to_shared(e_desc, [m * TILE_M + h * BLOCK_M, k * BLOCK_K], ready.index(slot),
+                                                a_smem.index(slot * A_SUB + h))
+            tma.async_copy_global_to_shared(c_desc, [n * BLOCK_N, k * BLOCK_K], ready.index(slot), b_smem.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _mainloop(a_smem, b_smem, ready, empty, turns, step0, k_steps, j, acc_layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr,
+              HALF: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """z = E_tile · C_tileᵀ in fp32 over the ring steps [step0, step0 + k_steps): one async wgmma group in flight,
+    each slot released as soon as the wgmma that read it retired.
+
+    Ping-pong: this is warpgroup WG's j-th tile, local tile i = 2j + WG. A parity wait on a ready barrier is only
+    sound when the slot's previous fill has completed (two phases behind, the parity matches again and the wait
+    would pass on stale data), so the mainloop of tile i starts only after tile i − 1's mainloop has waited on
+    all its slots (``turns``: one barrier per warpgroup, arrived once per tile; a fresh barrier passes a wait on
+    phase 1, so warpgroup 0's first tile goes at once)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(1 - WG), (j + 1 - WG) & 1)
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for k in range(k_steps):
+        step = step0 + k
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_smem.index(slot * A_SUB + HALF), b_smem.index(slot).permute((1, 0)), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step − 1's slot
+    if PINGPONG:  # every slot of this tile waited on: the other warpgroup's next tile may start its waits
+        mbarrier.arrive(turns.index(WG), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((step0 + k_steps - 1) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, softcap, z_loss, onehot_weight,
+              uniform_weight, acc_layout: gl.constexpr, HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """The tile's gradient from its logits in registers. With a softcap, z and the running gradient are both live
+    per element (the factor 1 − (z/softcap)² needs z after the exp): for the whole tile that is 256 registers
+    beside the accumulator's 128 and spills, so the tile is done in two halves, the even and the odd columns (in
+    the wgmma layout a thread holds columns in pairs, so the split moves no data)."""
+    if HAS_SOFTCAP:
+        even, odd = gl.split(gl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        cols = 2 * gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(0, even.type.layout))
+        _store_grad(even, cols, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, softcap, z_loss,
+                    onehot_weight, uniform_weight, HAS_SOFTCAP, BLOCK_M)
+        _store_grad(odd, cols + 1, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, softcap, z_loss,
+                    onehot_weight, uniform_weight, HAS_SOFTCAP, BLOCK_M)
+    else:
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        _store_grad(acc, cols, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, softcap, z_loss,
+                    onehot_weight, uniform_weight, HAS_SOFTCAP, BLOCK_M)
+
+
+@gluon.jit
+def _store_grad(acc, cols, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, softcap, z_loss, onehot_weight,
+                uniform_weight, HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """g for logits ``acc`` at tile columns ``cols`` (in acc's column layout), as backward._grad_tile_kernel forms
+    it; stored as bf16 with masks (rows < NV, columns < VC), int64 row offsets."""
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+    row_ok = rows < NV
+    lse = gl.load(LSE + rows, mask=row_ok, other=0.0)
+    w = gl.load(W + rows, mask=row_ok, other=0.0)
+    # the target's column inside this tile (any value outside the tile matches no column)
+    tgt_col = (gl.load(TGT + rows, mask=row_ok, other=-1) - (v_start + off_n)).to(gl.int32)
+    z = acc
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(acc / softcap)
+    g = gl.exp(z - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None]
+    g = g - gl.where(cols[None, :] == tgt_col[:, None], onehot_weight, 0.0) - uniform_weight
+    if HAS_SOFTCAP:
+        zc = z / softcap
+        g = g * (1.0 - zc * zc)
+    g = g * w[:, None]
+    ptrs = G + (rows.to(gl.int64) * stride_g + off_n)[:, None] + cols[None, :]
+    gl.store(ptrs, g.to(G.dtype.element_ty), mask=row_ok[:, None] & (cols < VC - off_n)[None, :])
+
+
+@gluon.jit
+def _consumer(a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+              onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps,
+              HAS_SOFTCAP: gl.constexpr, TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
+              WG: gl.constexpr):
+    """Consumer warpgroup WG (of two). Ping-pong: this program's local tiles i ≡ WG (mod 2), whole; cooperative:
+    every local tile, rows [WG·BLOCK_M, +BLOCK_M) of it. Local tile i holds ring steps [i·k_steps, +k_steps)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    HALF: gl.constexpr = 0 if PINGPONG else WG  # which row half of the cooperative tile
+    N_TURNS: gl.constexpr = 2 if PINGPONG else 1  # this warpgroup takes every N_TURNS-th local tile
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    for t in range(pid + (WG if PINGPONG else 0) * n_prog, n_tiles, N_TURNS * n_prog):
+        m, n = _tile_coords(t, n_m, n_n, GROUP_M)
+        i = (t - pid) // n_prog
+        acc = _mainloop(a_smem, b_smem, ready, empty, turns, i * k_steps, k_steps, i // N_TURNS, acc_layout,
+                        BLOCK_M, BLOCK_N, STAGES, A_SUB, HALF, PINGPONG, WG)
+        _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, m * TILE_M + HALF * BLOCK_M, n * BLOCK_N,
+                  softcap, z_loss, onehot_weight, uniform_weight, acc_layout, HAS_SOFTCAP, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g, v_start,
+                            softcap, z_loss, onehot_weight, uniform_weight,
+                            HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                            GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Persistent over the chunk's tiles: E_valid rows (``e_desc``, nv x D) against the chunk's C rows
+    (``c_desc``, cur x D); G: the chunk's nv x cur gradient view (row stride ``stride_g``)."""
+    A_SUB: gl.constexpr = 1 if PINGPONG else 2  # E blocks per ring slot: the cooperative tile's two row halves
+    TILE_M: gl.constexpr = BLOCK_M * A_SUB  # rows of one scheduled tile
+    n_m = gl.cdiv(NV, TILE_M)
+    n_n = gl.cdiv(VC, BLOCK_N)
+    n_tiles = n_m * n_n
+    k_steps = gl.cdiv(D, BLOCK_K)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * A_SUB, BLOCK_M, BLOCK_K], e_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=A_SUB)  # cooperative: both warpgroups read each slot
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: mainloop order
+    for wg in gl.static_range(2):
+        mbarrier.init(turns.index(wg), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+                     onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
+                     BLOCK_N, STAGES, A_SUB, GROUP_M, PINGPONG, 0)),
+        (_consumer, (a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+                     onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
+                     BLOCK_N, STAGES, A_SUB, GROUP_M, PINGPONG, 1)),
+        (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, TILE_M, BLOCK_M,
+                     BLOCK_N, BLOCK_K, STAGES, A_SUB, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------- host side
+def gluon_tiles_ok(e2d: torch.Tensor, c: torch.Tensor, *, bias, filtering: bool, order, g_dtype: torch.dtype,
+                   tiles: str = "auto") -> bool:
+    """Whether a backward's gradient tiles go to the Gluon kernel: ``tiles == "auto"``; bf16 E and C, bf16 tiles,
+    no bias (no dbias either), no filtering or sorted vocabulary (the dense path: no work lists); TMA-ready rows
+    (unit inner stride, row strides and base addresses 16-byte aligned, so D % 8 == 0); a Hopper GPU
+    (``on_hopper``). Every other call keeps ``backward._grad_tile_kernel``."""
+    if tiles != "auto" or bias is not None or filtering or order is not None:
+        return False
+    if e2d.dtype != torch.bfloat16 or c.dtype != torch.bfloat16 or g_dtype != torch.bfloat16:
+        return False
+    return _tma_rows(e2d) and _tma_rows(c) and on_hopper(e2d.device)
+
+
+def on_hopper(device) -> bool:
+    """A CUDA device of compute capability 9.x (H100, H200) running compiled kernels (not the interpreter)."""
+    device = torch.device(device)
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _tma_rows(x: torch.Tensor) -> bool:
+    """A 2-D bf16 tensor a TMA descriptor can read by rows (and so can any row range of it)."""
+    return (x.dim() == 2 and x.shape[1] % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0
+            and x.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layouts(block_m: int, block_n: int, block_k: int):
+    """(E tile layout, C tile layout) of the TMA descriptors (also the compile test's signature)."""
+    return (gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
+
+
+def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+               w: torch.Tensor, g_buf: torch.Tensor, *, v_start: int, softcap, z_loss: float, onehot_weight: float,
+               uniform_weight: float, config: dict | None = None) -> None:
+    """g_buf (nv x cur bf16, unit inner stride) = the gradient tiles of rows ``e_valid`` (nv x D) against the
+    vocabulary rows ``c_chunk`` (cur x D, vocabulary ids v_start + j); targets, lse, w: per valid row.
+    ``config``: TILE_CONFIG overrides (tests and timing runs compare the ping-pong and cooperative forms)."""
+    global launch_count
+    cfg = dict(TILE_CONFIG, **(config or {}))
+    nv, D = e_valid.shape
+    cur = c_chunk.shape[0]
+    if nv == 0 or cur == 0:
+        return
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    tile_m = bm if cfg["pingpong"] else 2 * bm
+    e_layout, c_layout = shared_layouts(bm, bn, bk)
+    e_desc = TensorDescriptor(e_valid, [nv, D], [e_valid.stride(0), 1], [bm, bk], e_layout)
+    c_desc = TensorDescriptor(c_chunk, [cur, D], [c_chunk.stride(0), 1], [bn, bk], c_layout)
+    n_tiles = cdiv(nv, tile_m) * cdiv(cur, bn)
+    grid = (min(sm_count(e_valid.device), n_tiles), )
+    _grad_tile_gluon_kernel[grid](
+        e_desc, c_desc, targets, lse, w, g_buf, nv, cur, D, g_buf.stride(0), v_start,
+        float(softcap or 1.0), float(z_loss), float(onehot_weight), float(uniform_weight),
+        HAS_SOFTCAP=softcap is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
+        PINGPONG=cfg["pingpong"], GROUP_M=max(1, GROUP_ROWS // tile_m), CONSUMER_REGS=cfg["consumer_regs"],
+        PRODUCER_REGS=cfg["producer_regs"], num_warps=cfg["num_warps"])
+    launch_count += 1
