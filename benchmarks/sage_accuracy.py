@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from thrifty import bench
 from thrifty.attention import (SageConfig, accuracy_metrics, apply_plan, calibrate, exact_attention,
                                plan_from_scores, sage_seam, save_plan)
 from thrifty.attention.reference import K_GRANULARITY_4BIT, SMOOTH_Q_BLOCK, sage_attention_reference
@@ -171,7 +172,7 @@ def run_model(args, device):
                    cos_avg_4bit_kernel_config=pick("sage2-4b (kernel", "cos_avg"),
                    cos_min_4bit_paper_config=pick("sage2-4b per-thread", "cos_min"),
                    ppl=ppl, seconds=round(time.time() - t0, 1))
-    return dict(model=args.description or args.label, layers=len(scores), seq=args.seq,
+    return dict(model=args.description or args.label, meta=bench.env_info(str(device)), layers=len(scores), seq=args.seq,
                 eval_windows=args.eval_windows, device=str(device), text="thrifty corpus validation split",
                 reference="fp64 exact attention on the same captured Q/K/V", summary=summary, rows=rows,
                 calibration_scores={str(k): v for k, v in scores.items()}, plans=plans)
