@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from thrifty import bench
 from thrifty.attention import (SageConfig, accuracy_metrics, apply_plan, calibrate, exact_attention,
                                plan_from_scores, sage_seam, save_plan)
-from thrifty.attention.reference import sage_attention_reference
+from thrifty.attention.reference import K_GRANULARITY_4BIT, SMOOTH_Q_BLOCK, sage_attention_reference
 from thrifty.models import LlamaForCausalLM, sdpa_attention
 from thrifty.pretrained import ensure_converted
 
@@ -69,7 +70,9 @@ def variants():
     out["pv/e4m3/one-level-accum"] = dict(qk_format="fp32", pv="e4m3", two_level_accum=False)
     out["final/sage2-8b (kernel: Q token, K block, e4m3 PV, smooth K)"] = dict()
     out["final/sage2-8b per-warp"] = dict(q_granularity="warp")
-    out["final/sage2-4b (kernel: int4 Q token, K block, smooth K)"] = dict(qk_format="int4")
+    out["final/sage2-4b (kernel: int4 Q and K per token, smooth Q per 16 queries + K)"] = dict(
+        qk_format="int4", k_granularity=K_GRANULARITY_4BIT, smooth_q=True, block_m=SMOOTH_Q_BLOCK)
+    out["final/sage2-4b smooth K only (Q token, K block)"] = dict(qk_format="int4")
     out["final/sage2-4b per-thread + smooth Q+K (paper)"] = dict(qk_format="int4", q_granularity="thread",
                                                                   k_granularity="thread", smooth_q=True)
     out["final/sage2-8b + smooth V"] = dict(smooth_v=True)
@@ -166,9 +169,10 @@ def run_model(args, device):
     summary = dict(cos_min_8bit_kernel_config=pick("sage2-8b (kernel", "cos_min"),
                    cos_avg_8bit_kernel_config=pick("sage2-8b (kernel", "cos_avg"),
                    cos_min_4bit_kernel_config=pick("sage2-4b (kernel", "cos_min"),
+                   cos_avg_4bit_kernel_config=pick("sage2-4b (kernel", "cos_avg"),
                    cos_min_4bit_paper_config=pick("sage2-4b per-thread", "cos_min"),
                    ppl=ppl, seconds=round(time.time() - t0, 1))
-    return dict(model=args.description or args.label, layers=len(scores), seq=args.seq,
+    return dict(model=args.description or args.label, meta=bench.env_info(str(device)), layers=len(scores), seq=args.seq,
                 eval_windows=args.eval_windows, device=str(device), text="thrifty corpus validation split",
                 reference="fp64 exact attention on the same captured Q/K/V", summary=summary, rows=rows,
                 calibration_scores={str(k): v for k, v in scores.items()}, plans=plans)

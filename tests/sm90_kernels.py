@@ -131,15 +131,17 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
                 dict(D=D, BLOCK_S=sc["block_s"], SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v),
                 {"k_ptr v_ptr": t, "part_ptr": "*fp32", "bad_ptr": "*i32"}, ones="k_sd v_sd",
                 num_warps=sc["num_warps"], num_stages=3)  # literal in quantize_kv
-    yield _quantize_entry(label, D, dtype, cfg["block_n"], qmax, smooth_k, smooth_v, fp8_v, has_stats)
-    fold = cfg["fold"] and cfg["fast_cvt"] and fp8_v and not smooth_q
+    k_per_token = qk_bits == 4  # as attn_kernel.quantize_inputs
+    yield _quantize_entry(label, D, dtype, cfg["block_n"], qmax, smooth_k, smooth_v, fp8_v, has_stats,
+                          k_per_token=k_per_token)
+    fold = cfg["fold"] and cfg["fast_cvt"] and fp8_v and not smooth_q and not k_per_token
     yield entry(A._sage_fwd_kernel, label,
                 dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], QMAX=qmax, CAUSAL=causal,
                      PV_FP8=fp8_v, P_SCALE=Q.FP8_MAX if fp8_v else 1.0, HAS_VMEAN=smooth_v, RETURN_LSE=return_lse,
                      PRE_ROUND=Q.INTERPRET, FAST_CVT=cfg["fast_cvt"], REVERSE=causal and cfg["reverse"],
                      WS=cfg["ws"], FOLD=fold, FTZ=cfg["ftz"] and not Q.INTERPRET,
                      LOG2_P_SCALE=math.log2(Q.FP8_MAX) if fp8_v else 0.0, SMOOTH_Q=smooth_q,
-                     MAX_SPLIT=Q.MAX_SPLIT),
+                     SMOOTH_ROWS=A.SMOOTH_Q_BLOCK, K_PER_TOKEN=k_per_token, MAX_SPLIT=Q.MAX_SPLIT),
                 {"Q Out KR": t, "K": "*i8", "Ks Stats": "*fp32", "FirstBad": "*i32", "V": "*fp8e4nv" if fp8_v else t,
                  "Lse": "*fp32" if return_lse else t},
                 fp32="qk_scale", ones="stride_qd stride_od stride_kd", num_warps=cfg["num_warps"],
@@ -147,14 +149,16 @@ def _sage_call(D, dtype, *, causal=False, qk_bits=8, pv="fp8", smooth_k=True, sm
                 else cfg["num_stages"])
 
 
-def _quantize_entry(label, D, dtype, block, qmax, smooth_k, smooth_v, fp8_v, has_stats, v_perm16=False):
+def _quantize_entry(label, D, dtype, block, qmax, smooth_k, smooth_v, fp8_v, has_stats, v_perm16=False,
+                    k_per_token=False):
     """quant_kernel._quantize_kv_kernel as quantize_kv launches it."""
     from thrifty.attention import quant_kernel as Q
 
     t = PTR[dtype]
     return entry(Q._quantize_kv_kernel, label + " v_perm16" * v_perm16,
                  dict(QMAX=qmax, V_QMAX=Q.FP8_MAX, D=D, BLOCK=block, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v,
-                      V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET, V_PERM16=v_perm16),
+                      V_FP8=fp8_v, HAS_STATS=has_stats, PRE_ROUND=Q.INTERPRET, V_PERM16=v_perm16,
+                      K_PER_TOKEN=k_per_token),
                  {"k_ptr v_ptr": t, "part_ptr stats_ptr k_scale_ptr": "*fp32", "k_out_ptr": "*i8",
                   "v_out_ptr": "*fp8e4nv" if fp8_v else t}, ones="k_sd v_sd",
                  num_warps=4, num_stages=3)  # literal in quantize_kv
@@ -170,6 +174,7 @@ def _attention():
         yield from _sage_call(D, bf16, causal=True, pv="fp16")
         yield from _sage_call(D, bf16, causal=True, qk_bits=4, return_lse=True)  # SageAttention2-4b: smooth_q on
         yield from _sage_call(D, bf16, qk_bits=4, pv="fp16")
+        yield from _sage_call(D, bf16, causal=True, qk_bits=4, smooth_q=False)  # 4 bits, K smoothing only
         yield from _sage_call(D, bf16, causal=True, smooth_v=True, return_lse=True)
         yield from _sage_call(D, bf16, pv="fp16", smooth_k=False)  # no statistics pass
         yield from _sage_call(D, fp16, causal=True)

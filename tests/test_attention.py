@@ -245,7 +245,7 @@ def test_config_runs_what_the_reference_specifies(bits, causal):
 
     q, k, v = qkv(Sq=80, Sk=96, k_bias=4.0)
     spec = dict(causal=causal, qk_format=f"int{bits}", pv="fp8", smooth_k=True, smooth_q=bits == 4, smooth_v=False,
-                block_m=SMOOTH_Q_BLOCK, return_lse=True)
+                block_m=SMOOTH_Q_BLOCK, k_granularity="token" if bits == 4 else "block", return_lse=True)
     config = None if bits == 8 else SageConfig(qk_bits=4)
     out, lse = sage_attention(q, k, v, causal=causal, impl="reference", return_lse=True, config=config)
     want, want_lse = sage_attention_reference(q, k, v, **spec)

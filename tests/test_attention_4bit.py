@@ -1,11 +1,12 @@
-"""qk_bits=4 is SageAttention2-4b: Q and K in the INT4 range, K smoothed, Q smoothed per 64-query block with
-ΔS = mean(q_block)·γ(K)ᵀ added back in fp32. The kernel (interpreter on CPU) against the reference and float64;
+"""qk_bits=4 is SageAttention2-4b: Q and K in the INT4 range with per-token scales, K smoothed, Q smoothed per
+group of SMOOTH_Q_BLOCK (16) queries with ΔS = mean(q_group)·γ(K)ᵀ added back in fp32. The kernel (interpreter on CPU) against the reference and float64;
 the public API's 4-bit mode against the reference's spelled-out options."""
 
 import pytest
 import torch
 
 from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.attention.reference import K_GRANULARITY_4BIT
 from thrifty.attention.sage import SMOOTH_Q_BLOCK
 from thrifty.triton_utils import interpreting
 
@@ -29,7 +30,7 @@ def test_api_4bit_is_smoothed_q_and_k_with_delta_s():
     q, k, v = _inputs(1, 4, 2, 150, 150, 64)
     out = sage_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, config=SageConfig(qk_bits=4))
     ref = sage_attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=True, qk_format="int4", smooth_q=True,
-                                   block_m=SMOOTH_Q_BLOCK)
+                                   block_m=SMOOTH_Q_BLOCK, k_granularity=K_GRANULARITY_4BIT)
     assert torch.equal(out, ref)
     exact = exact_attention(q.cpu(), k.cpu(), v.cpu(), causal=True)
     no_q_smoothing = sage_attention(q.cpu(), k.cpu(), v.cpu(), causal=True,
@@ -60,9 +61,14 @@ def test_kernel_smooth_q_matches_reference_and_float64(B, H, Hkv, Sq, Sk, D, cau
     out, lse = sage_forward_triton(q, k, v, causal=causal, sm_scale=D ** -0.5, qk_bits=bits, smooth_q=True,
                                    return_lse=True, config=dict(fold=False))
     ref, ref_lse = sage_attention_reference(q, k, v, causal=causal, qk_format=fmt, smooth_q=True, return_lse=True,
-                                            block_m=cfg["block_m"], block_n=cfg["block_n"])
-    if interpreting():  # ΔS summed in another order: fp32 rounding only
-        assert (out - ref).abs().max() < 1e-3
+                                            block_m=SMOOTH_Q_BLOCK, block_n=cfg["block_n"],
+                                            k_granularity=K_GRANULARITY_4BIT if bits == 4 else "block")
+    if interpreting():
+        # ΔS and the group means are summed in another order: fp32 rounding, which can move one P̃ element of a
+        # row across an e4m3 rounding boundary (seen: 1 row of 90 at 2e-3; a flip moves that weight by one e4m3
+        # step, up to 1/8 of it). Every other row agrees to fp32 rounding.
+        row_err = (out - ref).abs().amax(-1)
+        assert (row_err >= 1e-3).sum() <= max(1, row_err.numel() // 50) and row_err.max() < 1e-2
     else:
         assert cos(out, ref) > 0.9999
     finite = ref_lse.isfinite()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
+from thrifty.attention.reference import K_GRANULARITY_4BIT, SMOOTH_Q_BLOCK
 from thrifty.triton_utils import interpreting
 
 pytestmark = pytest.mark.skipif(not (interpreting() or torch.cuda.is_available()),
@@ -86,12 +87,14 @@ def test_kernel_modes(opts):
     out = _kernel(q, k, v, True, **dict(opts))
     default = sage_attention(q, k, v, causal=True, impl="triton", config=SageConfig(**opts))
     ref_opts = dict(opts)
-    if "qk_bits" in ref_opts:
+    if "qk_bits" in ref_opts:  # 4 bits: one K scale per key
         ref_opts["qk_format"] = "int4" if ref_opts.pop("qk_bits") == 4 else "int8"
+        ref_opts["k_granularity"] = K_GRANULARITY_4BIT
     ref = sage_attention_reference(q, k, v, causal=True, **ref_opts, **_blocks(64))
     _assert_matches_reference(out, ref, 1e-3)
     if opts.get("qk_bits") == 4:  # SageConfig(qk_bits=4) is SageAttention2-4b: Q smoothed too (ΔS)
-        ref = sage_attention_reference(q, k, v, causal=True, smooth_q=True, **ref_opts, **_blocks(64))
+        ref = sage_attention_reference(q, k, v, causal=True, smooth_q=True, **ref_opts,
+                                       **dict(_blocks(64), block_m=SMOOTH_Q_BLOCK))
     assert accuracy_metrics(default, ref)["cos_sim"] > 0.99999
 
 
@@ -115,7 +118,7 @@ def test_smooth_q_runs_in_the_kernel_too():
     test_attention_4bit.py): impl="triton" with smooth_q runs the kernel and matches the reference."""
     q, k, v = _inputs(1, 2, 2, 40, 40, 64)
     out = sage_attention(q, k, v, impl="triton", config=SageConfig(smooth_q=True))
-    ref = sage_attention_reference(q, k, v, smooth_q=True, **_blocks(64))
+    ref = sage_attention_reference(q, k, v, smooth_q=True, **dict(_blocks(64), block_m=SMOOTH_Q_BLOCK))
     assert accuracy_metrics(out, ref)["cos_sim"] > 0.99999
     # honoured, not silently ignored: the result is the smoothed one, not the 8-bit default's
     plain = sage_attention(q, k, v, impl="triton", config=SageConfig(smooth_q=False))

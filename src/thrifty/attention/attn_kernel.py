@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..triton_utils import LOG2E, FastLauncher, cdiv, launch_with, mma
 from .quant_kernel import FP8_MAX, INTERPRET, MAX_SPLIT, quantize_kv, quantize_rows, to_e4m3, unsmoothed_lse
+from .reference import SMOOTH_Q_BLOCK
 
 LN2 = math.log(2.0)
 
@@ -44,13 +45,17 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
            PV_FP8: tl.constexpr, P_SCALE: tl.constexpr, PRE_ROUND: tl.constexpr, FAST_CVT: tl.constexpr,
            WS: tl.constexpr, FOLD: tl.constexpr, FTZ: tl.constexpr,
-           LOG2_P_SCALE: tl.constexpr, kr_base, kr_ss, kr_sd, q_bar, ds0, qk_scale, SMOOTH_Q: tl.constexpr):
+           LOG2_P_SCALE: tl.constexpr, kr_base, kr_ss, kr_sd, q_bar, ds0, qk_scale, SMOOTH_Q: tl.constexpr,
+           SMOOTH_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         cols = start_n + offs_n
         k = tl.load(k_base + cols[None, :] * HEAD_DIM + offs_d[:, None])  # (D, BLOCK_N), D contiguous
-        c = q_scale * tl.load(ks_base + start_n // BLOCK_N)  # per row: dequantization · sm_scale · log2e
+        if K_PER_TOKEN:  # per row: dequantization · sm_scale · log2e; the keys' scales multiply t below
+            c = q_scale
+        else:
+            c = q_scale * tl.load(ks_base + start_n // BLOCK_N)
         s_i = tl.dot(q, k)  # int32
         if FAST_CVT:
             # int32 → fp32 without I2F (a quarter-rate instruction, like ex2): the bit pattern of 1.5·2^23
@@ -60,13 +65,16 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
             t = f - 12582912.0
         else:
             t = s_i.to(tl.float32)
+        if K_PER_TOKEN:
+            t = t * tl.load(ks_base + cols)[None, :]
         if SMOOTH_Q:
-            # ΔS = mean(q_block)·(k − mean K) from the unquantized K (fp32, as the paper's GEMV), folded into
-            # t in units of the int32 dot product so that everything below is unchanged: t·c + ΔS·qk_scale.
+            # ΔS = mean(q_group)·(k − mean K) from the unquantized K (fp32, the paper's GEMV: one per group of
+            # SMOOTH_ROWS queries), folded into t in units of the dequantized dot product so that everything
+            # below is unchanged: t·c + ΔS·qk_scale.
             kr = tl.load(kr_base + cols[None, :] * kr_ss + offs_d[:, None] * kr_sd, mask=cols[None, :] < Sk,
                          other=0.0).to(tl.float32)
-            ds = (tl.sum(q_bar[:, None] * kr, axis=0) - ds0) * qk_scale
-            t = t + ds[None, :] * (1.0 / c)[:, None]
+            ds = _group_delta_s(q_bar, ds0, kr, acc.shape[0], SMOOTH_ROWS) * qk_scale
+            t = t + ds * (1.0 / c)[:, None]
         if MASKED:
             keep = cols[None, :] < Sk
             if CAUSAL:
@@ -75,7 +83,7 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
             m_new = tl.maximum(m_i, tl.max(t, axis=1) * c)
             # a row that has seen no key yet keeps m = -inf; exp2(-inf - 0) = 0 instead of nan
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        elif FAST_CVT and not SMOOTH_Q:
+        elif FAST_CVT and not SMOOTH_Q and not K_PER_TOKEN:
             m_new = tl.maximum(m_i, tl.max(s_i, axis=1).to(tl.float32) * c)  # c > 0: max commutes with ·c
         else:
             m_new = tl.maximum(m_i, tl.max(t, axis=1) * c)
@@ -108,6 +116,35 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
 
 
 @triton.jit
+def _group_delta_s(q_bar, ds0, kr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    """ΔS of one KV tile, (BLOCK_M, BLOCK_N): row r gets mean(q_group(r))·kr − ds0[group(r)], from each group's
+    mean (q_bar: (G, D), ds0: (G,)) and the tile's unquantized, smoothed keys (kr: (D, BLOCK_N)). One GEMV per
+    group of ROWS queries."""
+    G: tl.constexpr = BLOCK_M // ROWS
+    group = tl.arange(0, G)
+    row_group = tl.arange(0, BLOCK_M) // ROWS
+    ds = tl.zeros((BLOCK_M, kr.shape[1]), tl.float32)
+    for g in tl.static_range(G):
+        mean_g = tl.sum(tl.where(group[:, None] == g, q_bar, 0.0), axis=0)
+        ds_g = tl.sum(mean_g[:, None] * kr, axis=0) - tl.sum(tl.where(group == g, ds0, 0.0), axis=0)
+        ds = tl.where(row_group[:, None] == g, ds_g[None, :], ds)
+    return ds
+
+
+@triton.jit
+def _smooth_q(qf, row_ok, n_rows, k_mean, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """SageAttention2's Q smoothing per group of ROWS queries: (qf minus its group's mean, the means (G, D),
+    ds0 = mean·mean(K) (G,)). ``n_rows``: this block's valid rows (the means are over those only)."""
+    G: tl.constexpr = BLOCK_M // ROWS
+    sums = tl.sum(tl.reshape(qf, (G, ROWS, HEAD_DIM)), axis=1)
+    count = tl.minimum(tl.maximum(n_rows - tl.arange(0, G) * ROWS, 1), ROWS).to(tl.float32)
+    q_bar = sums / count[:, None]
+    per_row = tl.reshape(tl.broadcast_to(q_bar[:, None, :], (G, ROWS, HEAD_DIM)), (BLOCK_M, HEAD_DIM))
+    qf = tl.where(row_ok[:, None], qf - per_row, 0.0)
+    return qf, q_bar, tl.sum(q_bar * k_mean[None, :], axis=1)
+
+
+@triton.jit
 def _sees_bad_key(first_bad_base, n_split, Sk, offs_m, causal_offset, CAUSAL: tl.constexpr,
                   MAX_SPLIT: tl.constexpr):
     """Rows that attend to a key whose K or V row holds NaN/inf: the statistics pass wrote each token chunk's
@@ -131,7 +168,8 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, FirstBad, n_split, Out, Lse,
                      HAS_VMEAN: tl.constexpr, RETURN_LSE: tl.constexpr, PRE_ROUND: tl.constexpr,
                      FAST_CVT: tl.constexpr, REVERSE: tl.constexpr, WS: tl.constexpr,
                      FOLD: tl.constexpr, FTZ: tl.constexpr, LOG2_P_SCALE: tl.constexpr,
-                     SMOOTH_Q: tl.constexpr, MAX_SPLIT: tl.constexpr):
+                     SMOOTH_Q: tl.constexpr, SMOOTH_ROWS: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+                     MAX_SPLIT: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -146,22 +184,22 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, FirstBad, n_split, Out, Lse,
     # NaN in -> NaN out (reference.nonfinite_rows) for queries: a row holding NaN/inf gets a non-finite scale
     # from quantize_rows; its arithmetic stays in its own row and the epilogue writes it as NaN.
     q_bad = offs_m < 0  # no row, unless Q smoothing zeroes the bad elements below (then the scale is finite)
-    if SMOOTH_Q:  # SageAttention2 Q smoothing: this block's mean removed, ΔS added back per tile
-        q_ok = tl.abs(qf) < float("inf")  # bad elements as zeros: they cannot spread through the block mean
+    if SMOOTH_Q:  # SageAttention2 Q smoothing: each group's mean removed, ΔS added back per tile
+        q_ok = tl.abs(qf) < float("inf")  # bad elements as zeros: they cannot spread through the group mean
         q_bad = tl.max(tl.where(q_ok, 0, 1), axis=1) > 0
         qf = tl.where(q_ok, qf, 0.0)
-        q_bar = tl.sum(qf, axis=0) / tl.minimum(Sq - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
-        qf = tl.where(row_ok[:, None], qf - q_bar[None, :], 0.0)
-        ds0 = tl.sum(q_bar * tl.load(Stats + bh_kv * HEAD_DIM + offs_d))  # q̄·mean(K): ΔS uses γ(K)
+        # ΔS uses γ(K) = K − mean(K): ds0 = q̄·mean(K) per group
+        qf, q_bar, ds0 = _smooth_q(qf, row_ok, Sq - pid_m * BLOCK_M, tl.load(Stats + bh_kv * HEAD_DIM + offs_d),
+                                   BLOCK_M, HEAD_DIM, SMOOTH_ROWS)
     else:
-        q_bar = tl.zeros((HEAD_DIM,), tl.float32)
-        ds0 = 0.0
+        q_bar = tl.zeros((BLOCK_M // SMOOTH_ROWS, HEAD_DIM), tl.float32)
+        ds0 = tl.zeros((BLOCK_M // SMOOTH_ROWS,), tl.float32)
     q, q_scale = quantize_rows(qf, QMAX)
     q_scale = q_scale * qk_scale
     kr_base = KR + b.to(tl.int64) * stride_kb + (h // (H // H_KV)) * stride_kh
     k_base = K + bh_kv.to(tl.int64) * Sk_pad * HEAD_DIM
     v_base = V + bh_kv.to(tl.int64) * HEAD_DIM * Sk_pad
-    ks_base = Ks + bh_kv * (Sk_pad // BLOCK_N)
+    ks_base = Ks + bh_kv * (Sk_pad if K_PER_TOKEN else Sk_pad // BLOCK_N)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -177,11 +215,11 @@ def _sage_fwd_kernel(Q, K, Ks, V, Stats, FirstBad, n_split, Out, Lse,
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, 0, full_end, Sk,
                            Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, False, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
                            FAST_CVT, WS, FOLD, FTZ, LOG2_P_SCALE, kr_base, stride_ks, stride_kd, q_bar, ds0,
-                           qk_scale, SMOOTH_Q)
+                           qk_scale, SMOOTH_Q, SMOOTH_ROWS, K_PER_TOKEN)
     acc, l_i, m_i = _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, full_end, hi, Sk,
                            Sk_pad, causal_offset, HEAD_DIM, BLOCK_N, True, CAUSAL, PV_FP8, P_SCALE, PRE_ROUND,
                            FAST_CVT, False, FOLD, FTZ, LOG2_P_SCALE, kr_base, stride_ks, stride_kd, q_bar, ds0,
-                           qk_scale, SMOOTH_Q)
+                           qk_scale, SMOOTH_Q, SMOOTH_ROWS, K_PER_TOKEN)
 
     # Epilogue: 1/(l·P_SCALE) and V's per-channel scale once per row; rows that saw no key output zeros.
     l_norm = l_i if FOLD else l_i * P_SCALE  # FOLD's l already holds P_SCALE·Σp
@@ -251,10 +289,11 @@ def quantize_inputs(q, k, v, *, sm_scale: float, qk_bits: int = 8, pv: str = "fp
     kernel reads, quantized and laid out (see quant_kernel)."""
     cfg = _config(q.shape[-1], q.device, config)
     qmax = 127.0 if qk_bits == 8 else 7.0
+    k_per_token = qk_bits == 4  # SageAttention2-4b here: one K scale per key (reference: k_granularity="token")
     kv = quantize_kv(k, v, qmax=qmax, block_n=cfg["block_n"], smooth_k=smooth_k, fp8_v=pv == "fp8",
-                     smooth_v=smooth_v, sig=sig)
+                     smooth_v=smooth_v, sig=sig, k_per_token=k_per_token)
     return dict(q=q, qmax=qmax, sm_scale=sm_scale, **kv, pv_fp8=pv == "fp8", smooth_v=smooth_v, cfg=cfg,
-                k_raw=k, smooth_q=smooth_q)
+                k_raw=k, smooth_q=smooth_q, k_per_token=k_per_token)
 
 
 def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causal: bool, H: int, H_kv: int,
@@ -265,7 +304,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
     q = p["q"]
     B, D = out.shape[0], out.shape[-1]
     block_m = cfg["block_m"]
-    fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"] and not p["smooth_q"]
+    fold = cfg["fold"] and cfg["fast_cvt"] and p["pv_fp8"] and not p["smooth_q"] and not p["k_per_token"]
     ftz = cfg["ftz"] and not INTERPRET
     grid = (cdiv(max(Sq, 1), block_m), B * H)
     return launch_with(_FWD_LAUNCH, sig, grid,
@@ -277,7 +316,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         RETURN_LSE=lse is not None, PRE_ROUND=INTERPRET, FAST_CVT=cfg["fast_cvt"],
         REVERSE=causal and cfg["reverse"], WS=cfg["ws"], FOLD=fold, FTZ=ftz,
         LOG2_P_SCALE=math.log2(FP8_MAX) if p["pv_fp8"] else 0.0, SMOOTH_Q=p["smooth_q"],
-        MAX_SPLIT=MAX_SPLIT, num_warps=cfg["num_warps"],
+        SMOOTH_ROWS=SMOOTH_Q_BLOCK, K_PER_TOKEN=p["k_per_token"], MAX_SPLIT=MAX_SPLIT, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"] if p["vt"].element_size() < 4 else min(cfg["num_stages"], FP32_V_MAX_STAGES))
 
 

@@ -586,7 +586,8 @@ def _resolved_config(head_dim: int, causal: bool, overrides: tuple):
 
 def supports(*, head_dim: int, qk_bits: int, pv: str, smooth_q: bool) -> bool:
     """Whether the Gluon kernel implements this call (else the Triton kernel runs it)."""
-    return head_dim in GLUON_HEAD_DIMS and pv == "fp8" and not smooth_q and qk_bits in (8, 4)
+    # 4 bits stay on the Triton kernel (per-token K scales; an accuracy mode on Hopper's int8 tensor cores)
+    return head_dim in GLUON_HEAD_DIMS and pv == "fp8" and not smooth_q and qk_bits == 8
 
 
 @functools.lru_cache(maxsize=None)

@@ -121,9 +121,10 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
                         H, S, S_pad, n_split, plane, k_sb, k_sh, k_ss, k_sd, v_sb, v_sh, v_ss, v_sd,
                         QMAX: tl.constexpr, V_QMAX: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                         SMOOTH_K: tl.constexpr, SMOOTH_V: tl.constexpr, V_FP8: tl.constexpr,
-                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr, V_PERM16: tl.constexpr):
+                        HAS_STATS: tl.constexpr, PRE_ROUND: tl.constexpr, V_PERM16: tl.constexpr,
+                        K_PER_TOKEN: tl.constexpr):
     """One program: BLOCK keys of one (b, h). Adds up the partial statistics (a few KB, from L2), then K
-    smoothed and int8 with one scale; V scaled per channel, in e4m3 (or 16-bit), written transposed
+    smoothed and int8 with one scale (K_PER_TOKEN: one per key); V scaled per channel, in e4m3 (or 16-bit), written transposed
     [D, S_pad]. Program 0 of each head also writes stats[3, B·H, D] = K mean, V scale, V mean for the
     attention kernel's epilogue and the LSE correction."""
     pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -161,11 +162,16 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     k = finite_or_zero(k.to(tl.float32))
     if SMOOTH_K:
         k = tl.where(ok, k - k_mean[None, :], 0.0)
-    scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
-    kq = k / scale
+    if K_PER_TOKEN:
+        scale = tl.maximum(tl.max(tl.abs(k), axis=1) / QMAX, 1e-12)
+        kq = k / scale[:, None]
+        tl.store(k_scale_ptr + pid_bh * S_pad + rows, scale)
+    else:
+        scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
+        kq = k / scale
+        tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
     kq = tl.where(kq >= 0, kq + 0.5, kq - 0.5).to(tl.int8)  # round half away from zero, then truncate
     tl.store(k_out_ptr + (pid_bh * S_pad + rows[:, None]) * D + cols[None, :], kq)
-    tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
 
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
     v = finite_or_zero(v.to(tl.float32))
@@ -200,8 +206,9 @@ def _pad(n: int, block: int) -> int:
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, smooth_k: bool, fp8_v: bool,
-                smooth_v: bool, sig=None, v_perm16: bool = False) -> dict:
-    """(B, Hkv, S, D) K and V → dict(k8 [B·Hkv, S_pad, D] int8, k_scale [B·Hkv, S_pad/block_n],
+                smooth_v: bool, sig=None, v_perm16: bool = False, k_per_token: bool = False) -> dict:
+    """(B, Hkv, S, D) K and V → dict(k8 [B·Hkv, S_pad, D] int8, k_scale [B·Hkv, S_pad/block_n] (``k_per_token``:
+    [B·Hkv, S_pad], one scale per key),
     stats [3, B·Hkv, D] fp32 (K mean, V scale, V mean; zeros/ones where unused), vt [B·Hkv, D, S_pad] e4m3
     (or v's dtype; ``v_perm16``: tokens in :func:`v_slot` order within each 16), first_bad [B·Hkv, n_split]
     int32: per token chunk, the first key whose K or V row holds a NaN/±inf, else S; the attention kernel
@@ -224,12 +231,13 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, qmax: float, block_n: int, 
         k, v, part, first_bad, H, S, per * block_s, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         D=D, BLOCK_S=block_s, SMOOTH_K=smooth_k, V_STATS=fp8_v or smooth_v, num_warps=sc["num_warps"], num_stages=3)
     k8 = torch.empty(BH, S_pad, D, dtype=torch.int8, device=dev)
-    k_scale = torch.empty(BH, S_pad // block_n, dtype=torch.float32, device=dev)
+    k_scale = torch.empty(BH, S_pad if k_per_token else S_pad // block_n, dtype=torch.float32, device=dev)
     vt = torch.empty(BH, D, S_pad, dtype=torch.float8_e4m3fn if fp8_v else v.dtype, device=dev)
-    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats, v_perm16), (S_pad // block_n, BH),
+    launch_with(_QUANT_LAUNCH, sig and (sig, block_n, has_stats, v_perm16, k_per_token), (S_pad // block_n, BH),
         k, v, part, stats, k8, k_scale, vt, H, S, S_pad, n_split, BH * n_split * D, *k.stride(), *v.stride(),
         QMAX=qmax, V_QMAX=FP8_MAX, D=D, BLOCK=block_n, SMOOTH_K=smooth_k, SMOOTH_V=smooth_v, V_FP8=fp8_v,
-        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, V_PERM16=v_perm16, num_warps=4, num_stages=3)
+        HAS_STATS=has_stats, PRE_ROUND=INTERPRET, V_PERM16=v_perm16, K_PER_TOKEN=k_per_token, num_warps=4,
+        num_stages=3)
     return dict(k8=k8, k_scale=k_scale, stats=stats, vt=vt, first_bad=first_bad, v_perm16=v_perm16)
 
 

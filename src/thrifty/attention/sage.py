@@ -14,14 +14,13 @@ import torch.nn.functional as F
 from .._checks import check_bool, check_choice, check_config as _check_config, check_impl, check_range, check_tensor
 from ..kv.reference import causal_mask, nonfinite_rows
 from ..triton_utils import capability, kernels_available
-from .reference import empty_attention, sage_attention_reference
+from .reference import K_GRANULARITY_4BIT, SMOOTH_Q_BLOCK, empty_attention, sage_attention_reference
 from .routing import prefill_goes_to_gluon, short_query_goes_to_sdpa, training_goes_to_sdpa
 
-# qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per block of SMOOTH_Q_BLOCK queries (one CTA
-# tile of the GPU kernel) with ΔS = mean(q_block)·γ(K)ᵀ added back in fp32, K smoothed and quantized per KV
-# block. Q scales per token, finer than the paper's per-warp (16 rows): free in Triton, and more accurate on
-# the real SmolLM2 (worst layer 0.9587 vs 0.9513, benchmarks/results/attention_4bit_cosine_cpu.json).
-SMOOTH_Q_BLOCK = 64
+# qk_bits=4 is SageAttention2-4b (arXiv 2411.10958): Q smoothed per group of SMOOTH_Q_BLOCK queries with
+# ΔS = mean(q_group)·γ(K)ᵀ added back in fp32, K smoothed; Q and K scaled per token (finer than the paper's
+# per-warp/per-thread: more accurate on the real SmolLM2, benchmarks/results/attention_4bit_cosine_cpu.json).
+# The 8-bit mode keeps one K scale per KV block (its exponent is folded into one FFMA per score).
 
 KERNEL_HEAD_DIMS = (64, 128)
 EXTRA_IMPLS = ("gluon",)  # beyond the library's IMPLS: the Gluon (sm_90) kernel, opt-in
@@ -32,14 +31,15 @@ class SageConfig:
     """How :func:`sage_attention` quantizes (SageAttention2); validated when built, so a call does no checks of
     its own on these. The defaults are SageAttention2-8b.
 
-    qk_bits: 8 (INT8 Q·Kᵀ), or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed (ΔS added back), Q scales
-        per token (finer than the paper's per-warp, see NOTES.md); still run on the int8 tensor cores (Hopper
-        has no INT4 MMA: an accuracy mode, not a speed-up). Worst real SmolLM2 layer cos 0.959 at 4 bits vs
-        0.999 at 8: use 4 bits through a calibrated per-layer plan (:func:`thrifty.attention.calibrate`).
+    qk_bits: 8 (INT8 Q·Kᵀ), or 4: SageAttention2-4b, Q and K in [-7, 7] with Q smoothed per 16 queries (ΔS added
+        back), Q and K scales per token (finer than the paper's per-warp, see NOTES.md); still run on the int8
+        tensor cores (Hopper has no INT4 MMA: an accuracy mode, not a speed-up). Real SmolLM2 layers: cos mean
+        0.991, worst 0.985 at 4 bits against 0.9995 / 0.9991 at 8; use 4 bits through a calibrated per-layer plan
+        (:func:`thrifty.attention.calibrate`).
     pv: "fp8" (e4m3 P̃ and per-channel V) or "fp16" (16-bit P·V).
     smooth_k: subtract K's per-channel mean over the keys before quantizing (default; free, and exact for the
         output: softmax cancels the shift).
-    smooth_q: remove the mean of each 64-query block from Q and add ΔS = mean·γ(K)ᵀ back in fp32. None (default):
+    smooth_q: remove the mean of each group of 16 queries from Q and add ΔS = mean·γ(K)ᵀ back in fp32. None (default):
         on for 4 bits, off for 8 (``q_smoothed`` holds the resolved choice).
     smooth_v: subtract V's per-channel mean before quantizing and add it to the output.
     """
@@ -130,7 +130,7 @@ def _forward(q, k, v, causal, sm_scale, config, impl, return_lse):
             return gluon_kernel.sage_forward_gluon(q, k, v, causal=causal, sm_scale=sm_scale, qk_bits=qk_bits, pv=pv,
                                                    smooth_k=config.smooth_k, smooth_v=config.smooth_v,
                                                    return_lse=return_lse)
-        impl = "triton"  # what the Gluon kernel does not implement (pv="fp16", smooth_q, other head dims)
+        impl = "triton"  # what the Gluon kernel does not implement (pv="fp16", 4 bits, smooth_q, other head dims)
     if impl == "triton":
         if q.shape[-1] not in KERNEL_HEAD_DIMS:
             warnings.warn(f"sage_attention: head_dim {q.shape[-1]} has no kernel (only {KERNEL_HEAD_DIMS}); "
@@ -146,7 +146,7 @@ def _forward(q, k, v, causal, sm_scale, config, impl, return_lse):
     return sage_attention_reference(
         q, k, v, causal=causal, sm_scale=sm_scale, qk_format="int8" if qk_bits == 8 else "int4",
         pv="fp8" if pv == "fp8" else "fp16", smooth_k=config.smooth_k, smooth_q=smooth_q, smooth_v=config.smooth_v,
-        return_lse=return_lse, block_m=SMOOTH_Q_BLOCK)
+        return_lse=return_lse, block_m=SMOOTH_Q_BLOCK, k_granularity=K_GRANULARITY_4BIT if qk_bits == 4 else "block")
 
 
 def _nan_rows(result, bad_rows, return_lse):
