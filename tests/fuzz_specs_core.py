@@ -145,7 +145,7 @@ LOSS_MODULE_ARGS = ArgSpec(
 LOSS_CONFIG_ARGS = ArgSpec(
     "loss.CCEKernelConfig", CCEKernelConfig, valid=dict,
     bad={"filter_eps": ["x", True, 0.0, -1e-3, NAN, INF], "scratch_in_dc": [1, None, "yes"],
-         "forward": ["gemm", "", None, 1], "tiles": ["gluon", "Triton", "", None, 1]})
+         "forward": ["gluon", "Gemm", "", None, 1], "tiles": ["gluon", "Triton", "", None, 1]})
 
 
 @st.composite

@@ -412,6 +412,8 @@ def _loss_gluon():
     for softcap, aligned in ((False, True), (True, True), (False, False), (True, False)):
         yield loss_gluon_entry(GT.TILE_CONFIG, softcap, aligned, "default")
     yield loss_gluon_entry(GT.COOPERATIVE_CONFIG, False, True, "cooperative")
+    for softcap in (False, True):
+        yield loss_gluon_lse_entry(GT.LSE_CONFIG, softcap)
 
 
 def loss_gluon_entry(cfg, softcap: bool, aligned: bool, name: str) -> Spec:
@@ -432,6 +434,25 @@ def loss_gluon_entry(cfg, softcap: bool, aligned: bool, name: str) -> Spec:
                   "c_desc": f"tensordesc<bf16[{bn}, {bk}],{c_layout!r}>"},
                  fp32="softcap z_loss onehot_weight uniform_weight", aligned="VC stride_g" if aligned else "",
                  num_warps=cfg["num_warps"])
+
+
+def loss_gluon_lse_entry(cfg, softcap: bool) -> Spec:
+    """One launch of the Gluon LSE forward kernel (``cfg``: a gluon_tile config), as
+    gluon_tile.lse_forward_gluon makes it (softcap off and on)."""
+    from thrifty.loss import gluon_tile as GT
+
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    e_layout, c_layout = GT.shared_layouts(bm, bn, bk)
+    label = f"bf16 lse block_m={bm} block_n={bn} stages={cfg['stages']} softcap={softcap}"
+    return entry(GT._lse_gluon_kernel, label,
+                 dict(HAS_SOFTCAP=softcap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
+                      GROUP_M=max(1, GT.GROUP_ROWS // bm), CONSUMER_REGS=cfg["consumer_regs"],
+                      PRODUCER_REGS=cfg["producer_regs"]),
+                 {"TGT": "*i64", "PART": "*fp32",
+                  "e_desc": f"tensordesc<bf16[{bm}, {bk}],{e_layout!r}>",
+                  "c_desc": f"tensordesc<bf16[{bn}, {bk}],{c_layout!r}>"},
+                 fp32="softcap", num_warps=cfg["num_warps"])
+
 
 # --------------------------------------------------------------------------------------------- NeuZip
 def _neuzip():

@@ -352,3 +352,247 @@ def test_backward_takes_the_gluon_route_unless_told_otherwise():
     linear_cross_entropy(e, c, t, config=CCEKernelConfig(filter_eps="auto")).backward()
     linear_cross_entropy(e.detach().half().requires_grad_(), c.detach().half().requires_grad_(), t).backward()
     assert GT.launch_count == before
+
+
+# =============================================================================== the forward's Gluon LSE kernel
+def lse_reference(e2d, c, rows, targets, softcap, chunk=8192):
+    """(lse, target logit, logit sum) of rows ``rows`` of e2d against c in float64, softcap applied first, the
+    vocabulary in chunks (no N x V float64 matrix)."""
+    e = e2d[rows].double()
+    V = c.shape[0]
+    m = torch.full((e.shape[0], ), -math.inf, dtype=torch.float64, device=e.device)
+    s = torch.zeros_like(m)
+    z_t = torch.zeros_like(m)
+    z_sum = torch.zeros_like(m)
+    for start in range(0, V, chunk):
+        z = e @ c[start:start + chunk].double().T
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        m_new = torch.maximum(m, z.max(1).values)
+        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(1)
+        m = m_new
+        inside = (targets >= start) & (targets < start + z.shape[1])
+        z_t += torch.where(inside, z.gather(1, (targets - start).clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+        z_sum += z.sum(1)
+    return m + torch.log(s), z_t, z_sum
+
+
+# ---------------------------------------------------------------------------------------- CPU: routing, options
+def _lse_ok(e, c, **kw):
+    args = dict(bias=None, nv=e.shape[0], forward="auto")
+    args.update(kw)
+    return GT.gluon_lse_ok(e, c, **args)
+
+
+def test_lse_routing_takes_only_bf16_unbiased_calls(monkeypatch):
+    """With the hardware check passing (patched) and 132 SMs, each condition alone keeps forward.py's paths."""
+    monkeypatch.setattr(GT, "on_hopper", lambda device: True)
+    monkeypatch.setattr(GT, "sm_count", lambda device: 132)
+    e, c = _routable(N=64, D=64, V=4096)
+    assert _lse_ok(e, c)
+    assert _lse_ok(e, c, nv=40)  # ignored tokens: the valid rows are gathered
+    for forward in ("gemm", "fused"):
+        assert not _lse_ok(e, c, forward=forward)
+    assert not _lse_ok(e, c, bias=torch.zeros(c.shape[0], dtype=BF16))
+    assert not _lse_ok(e, c, nv=0)
+    for dtype in (torch.float16, torch.float32):
+        assert not _lse_ok(*_routable(N=64, D=64, V=4096, dtype=dtype))
+    assert not _lse_ok(e, c.float())
+    assert not _lse_ok(e[:, :60].contiguous(), c[:, :60].contiguous())  # D % 8 != 0
+    assert not _lse_ok(e, c[:, 1:57])  # C's base off by 2 bytes
+    odd_rows = torch.randn(64, 84).to(BF16)[:, :64]  # 168-byte rows: not TMA-ready ...
+    assert not _lse_ok(odd_rows, c)
+    assert _lse_ok(odd_rows, c, nv=40)  # ... unless the valid rows are gathered into a contiguous copy
+    monkeypatch.setattr(GT, "on_hopper", lambda device: False)
+    assert not _lse_ok(e, c)
+
+
+def test_lse_partial_buffer_stays_within_the_classifier_size(monkeypatch):
+    """Two slots per program, 4 fp32 per row: 34.6 MB at 132 SMs and 8192 rows; a call whose partials (twice,
+    plus the gathered rows) would pass the classifier's bytes keeps the old forward (its dC is that size)."""
+    monkeypatch.setattr(GT, "on_hopper", lambda device: True)
+    monkeypatch.setattr(GT, "sm_count", lambda device: 132)
+    assert GT.lse_partial_bytes(8192, 256000, "cuda") == 2 * 132 * 4 * 8192 * 4 == 34_603_008
+    assert GT.lse_programs(100, 300, "cuda") == 3  # fewer tiles than SMs: one program per tile
+    assert GT.lse_partial_bytes(100, 300, "cuda") == 2 * 3 * 4 * 100 * 4
+    # 8192 rows at D=64: 2 x 34.6 MB of partials against 64 KB x V of classifier
+    e = torch.empty(8192, 64, dtype=BF16)
+    assert not _lse_ok(e, torch.empty(1000, 64, dtype=BF16))
+    assert _lse_ok(e, torch.empty(540_672, 64, dtype=BF16))  # 69.2 MB of classifier: just enough
+    assert not _lse_ok(e, torch.empty(540_544, 64, dtype=BF16))
+    big_e = torch.empty(8192, 2304, dtype=BF16)
+    assert _lse_ok(big_e, torch.empty(256000, 2304, dtype=BF16), nv=8000)  # the issue's shape, ignored rows
+
+
+def test_forward_option_is_validated():
+    assert CCEKernelConfig().forward == "auto"
+    for value in ("auto", "gemm", "fused"):
+        assert CCEKernelConfig(forward=value).forward == value
+    for bad in ("gluon", "Gemm", "", None, 1):
+        with pytest.raises(ValueError, match="forward"):
+            CCEKernelConfig(forward=bad)
+
+
+def test_lse_kernel_takes_only_the_pingpong_schedule():
+    e, c = _routable(N=8, D=64, V=256)
+    rows = torch.arange(8)
+    for bad in (GT.COOPERATIVE_CONFIG, dict(block_m=64)):
+        with pytest.raises(ValueError, match="config"):
+            GT.lse_forward_gluon(e, c, rows, rows, None, config=bad)
+
+
+def fake_lse_forward_gluon(calls):
+    """A float64 stand-in for gluon_tile.lse_forward_gluon (the CPU cannot run Gluon) that records its calls."""
+    def run(e2d, c, rows, targets, softcap, config=None):
+        calls.append(dict(nv=rows.numel(), V=c.shape[0], softcap=softcap))
+        return tuple(x.float() for x in lse_reference(e2d, c, rows, targets, softcap))
+    return run
+
+
+@needs_interpreter
+@pytest.mark.parametrize("opts", [{}, dict(softcap=3.0, z_loss=1e-2, label_smoothing=0.1)])
+@pytest.mark.parametrize("ignore_every", [0, 4])
+def test_forward_routes_the_lse_through_the_gluon_call(monkeypatch, opts, ignore_every):
+    """With the hardware check forced on (and the kernel replaced by its float64 statistics), a bf16 call's
+    forward hands the whole vocabulary to ``lse_forward_gluon`` once, allocates no GEMM scratch (the backward
+    allocates dC itself), and the loss and gradients equal forward="gemm"'s; "gemm", "fused" and a bias never
+    ask for it."""
+    from thrifty.loss import cce
+
+    e, c, t = _make(ignore_every=ignore_every)
+    want = _grads(e, c, t, impl="triton", config=CCEKernelConfig(forward="gemm"), **opts)
+    calls, scratch, handed = [], [], []
+    monkeypatch.setattr(GT, "on_hopper", lambda device: True)
+    monkeypatch.setattr(B, "gluon_tiles_ok", lambda *a, **k: False)  # the backward keeps the Triton tiles
+    monkeypatch.setattr(GT, "lse_forward_gluon", fake_lse_forward_gluon(calls))
+    real_scratch, real_backward = cce._gemm_forward_scratch, B.linear_ce_backward
+    monkeypatch.setattr(cce, "_gemm_forward_scratch", lambda *a: scratch.append(1) or real_scratch(*a))
+    monkeypatch.setattr(B, "linear_ce_backward", lambda *a, **k: handed.append(k["dc"]) or real_backward(*a, **k))
+    got = _grads(e, c, t, impl="triton", **opts)
+    nv = int((t != -100).sum())
+    assert calls == [dict(nv=nv, V=c.shape[0], softcap=opts.get("softcap"))]
+    assert not scratch and handed == [None]
+    assert _rel(got[0], want[0]) < 1e-6
+    for a, b in zip(got[1:], want[1:]):
+        assert _rel(a, b) < 1e-2, _rel(a, b)
+    calls.clear()
+    for cfg in (CCEKernelConfig(forward="gemm"), CCEKernelConfig(forward="fused")):
+        _grads(e, c, t, impl="triton", config=cfg, **opts)
+    e.grad = c.grad = None
+    linear_cross_entropy(e, c, t, bias=torch.zeros(c.shape[0], dtype=BF16), impl="triton", **opts).backward()
+    assert not calls
+    assert len(scratch) == 2  # "gemm" and the bias call took the GEMM forward's scratch (the interpreter's rule)
+
+
+@needs_interpreter
+def test_interpreter_forward_keeps_the_old_paths():
+    """Unpatched, a bf16 forward under the interpreter takes no Gluon launch."""
+    e, c, t = _make()
+    before = GT.lse_launch_count
+    _grads(e, c, t, impl="triton")
+    assert GT.lse_launch_count == before
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+def _lse_inputs(N, nv, V, D, seed=0):
+    """bf16 E (N rows, nv of them valid, in a scattered order) and C with peaky logits (std ~4), targets of the
+    valid rows: from each row's likely tokens, uniform, and the last column V - 1."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(N, D, generator=g).to(BF16)
+    c = (torch.randn(V, D, generator=g) * (4.0 / math.sqrt(D))).to(BF16)
+    rows = torch.randperm(N, generator=g)[:nv].sort().values if nv < N else torch.arange(N)
+    targets = torch.randint(0, V, (nv, ), generator=g)
+    targets[::3] = V - 1
+    return e.cuda(), c.cuda(), rows.cuda(), targets.cuda()
+
+
+LSE_SHAPES = [(1, 1, 1000, 64), (200, 127, 4097, 200), (300, 300, 50000, 2304), (9000, 8200, 128256, 4096),
+              (127, 127, 128256, 2304), (8200, 8200, 4097, 64), (400, 300, 1000, 4096), (130, 129, 50000, 200)]
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("N, nv, V, D", LSE_SHAPES)
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_gluon_lse_matches_fused_kernel_and_float64(N, nv, V, D, softcap):
+    """lse, target logit and logit sum against float64 within fp32 accumulation error, and no worse than the fused
+    Triton kernel's by more than a little; two launches give the same bits (fixed tiles per slot, fixed merge)."""
+    from thrifty.loss.forward import lse_forward
+
+    e, c, rows, targets = _lse_inputs(N, nv, V, D)
+    before = GT.lse_launch_count
+    got = GT.lse_forward_gluon(e, c, rows, targets, softcap)
+    assert GT.lse_launch_count == before + 1
+    again = GT.lse_forward_gluon(e, c, rows, targets, softcap)
+    fused = lse_forward(e, c, None, rows, targets, softcap)
+    ref = lse_reference(e, c, rows, targets, softcap)
+    for name, g, a, f, r in zip(("lse", "z_t", "z_sum"), got, again, fused, ref):
+        assert g.dtype == torch.float32 and g.shape == (nv, )
+        assert torch.equal(g, a), name
+        # fp32 logits of D bf16 products: |error| ~ 1e-6 of the logits' size; the sum adds V of them
+        tol = (1e-4 if name != "z_sum" else 1e-6 * V + 1e-3) + 2e-6 * r.abs()
+        err_g, err_f = (g.double() - r).abs(), (f.double() - r).abs()
+        assert (err_g <= tol).all(), (name, err_g.max().item(), err_f.max().item())
+        assert err_g.max() <= 2 * err_f.max() + tol.min(), (name, err_g.max().item(), err_f.max().item())
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("ignore_every, opts", [(0, {}), (7, dict(softcap=30.0, z_loss=1e-4,
+                                                                  label_smoothing=0.1))])
+def test_whole_loss_with_the_gluon_forward_vs_reference(ignore_every, opts):
+    """linear_cross_entropy's loss, dE and dC with the Gluon LSE forward (and Gluon tiles) against
+    impl="reference" and against forward="gemm"."""
+    e, c, t = _realistic(1000, 2304, 50000, ignore_every)
+    before = GT.lse_launch_count
+    got = _grads(e, c, t, impl="triton", **opts)
+    assert GT.lse_launch_count == before + 1, "the Gluon LSE kernel did not run"
+    gemm = _grads(e, c, t, impl="triton", config=CCEKernelConfig(forward="gemm"), **opts)
+    assert GT.lse_launch_count == before + 1
+    ref = _grads(e, c, t, impl="reference", **opts)
+    assert abs(got[0] - ref[0]) <= 1e-5 * abs(ref[0]) + 1e-6, (got[0].item(), ref[0].item())
+    assert abs(got[0] - gemm[0]) <= 1e-5 * abs(gemm[0]) + 1e-6
+    for a, b, r in zip(got[1:], gemm[1:], ref[1:]):
+        assert _rel(a, r) <= 1.2 * _rel(b, r) + 1e-4, (_rel(a, r), _rel(b, r))
+        assert _rel(a, r) <= 1e-2
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_forward_takes_the_gluon_route_unless_told_otherwise():
+    """A bf16 training forward on sm_90 takes the Gluon LSE kernel; forward="gemm" / "fused", a bias and fp16
+    do not; a no-grad call does too (it needs no scratch)."""
+    e, c, t = _realistic(512, 2304, 8192, ignore_every=3)
+    before = GT.lse_launch_count
+    _grads(e, c, t)  # impl="auto" on CUDA: the Triton path
+    assert GT.lse_launch_count == before + 1
+    with torch.no_grad():
+        linear_cross_entropy(e, c, t)
+    assert GT.lse_launch_count == before + 2
+    before = GT.lse_launch_count
+    for cfg in (CCEKernelConfig(forward="gemm"), CCEKernelConfig(forward="fused")):
+        _grads(e, c, t, config=cfg)
+    b = torch.zeros(c.shape[0], dtype=BF16, device="cuda", requires_grad=True)
+    linear_cross_entropy(e, c, t, bias=b).backward()
+    linear_cross_entropy(e.detach().half().requires_grad_(), c.detach().half().requires_grad_(), t).backward()
+    assert GT.lse_launch_count == before
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_gluon_lse_in_a_cuda_graph():
+    """Captured once (descriptors by value, persistent grid, the partial buffer from the graph's pool), replayed
+    on new contents of the same inputs."""
+    N, nv, V, D = 700, 600, 30000, 2304
+    e, c, rows, targets = _lse_inputs(N, nv, V, D)
+    GT.lse_forward_gluon(e, c, rows, targets, None)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = GT.lse_forward_gluon(e, c, rows, targets, None)
+    e2, c2, _, targets2 = _lse_inputs(N, nv, V, D, seed=1)
+    for dst, src in ((e, e2), (c, c2), (targets, targets2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, r in zip(out, lse_reference(e, c, rows, targets, None)):
+        assert ((g.double() - r).abs() <= 1e-3 + 2e-6 * r.abs()).all()

@@ -222,8 +222,13 @@ class _Spy:
 
 def _gemm_forward_case(monkeypatch, N, D, V, dtype, opts, chunked):
     """Loss and gradients of a training call against float64 and against the fused forward's loss; the GEMM
-    forward must have run (the chunk rule of thrifty.loss.forward), in several chunks when ``chunked``."""
+    forward must have run (the chunk rule of thrifty.loss.forward), in several chunks when ``chunked``.
+    ``CCEKernelConfig(forward="gemm")``: that rule without the Gluon LSE route, which "auto" takes first on sm_90
+    for bf16 (tests/test_cce_gluon.py)."""
+    from thrifty.loss import CCEKernelConfig
     from thrifty.loss.forward import gemm_chunk_cols, gemm_min_cols, gemm_min_d
+
+    gemm = CCEKernelConfig(forward="gemm")
 
     opts = dict(opts)
     spy = _Spy(monkeypatch)
@@ -231,12 +236,12 @@ def _gemm_forward_case(monkeypatch, N, D, V, dtype, opts, chunked):
     cols = gemm_chunk_cols(V * D * e.element_size(), int((t != -100).sum()), V)
     assert (cols < V) == chunked and (cols == V or cols >= gemm_min_cols(interpreting()))
     assert D >= gemm_min_d(interpreting())
-    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", reduction="none", **opts)
+    got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", reduction="none", config=gemm, **opts)
     assert spy.calls == {"fused": 0, "gemm": 1}
     assert_close(got, oracle(e, c, b, t, reduction="none", **opts), 1e-4 if dtype == torch.float32 else 2e-3,
                  GRAD_TOL[dtype])
     with torch.no_grad():
-        fused = linear_cross_entropy(e, c, t, bias=b, impl="triton", reduction="none", **opts)
+        fused = linear_cross_entropy(e, c, t, bias=b, impl="triton", reduction="none", config=gemm, **opts)
     assert spy.calls == {"fused": 1, "gemm": 1}
     assert torch.allclose(got[0], fused.double(), rtol=1e-5, atol=1e-5)
 
@@ -262,10 +267,13 @@ def test_cuda_gemm_forward_in_chunks_matches_float64(monkeypatch, dtype, opts):
 
 @pytest.mark.cuda
 def test_cuda_small_hidden_sizes_keep_the_fused_forward(monkeypatch):
-    """Below gemm_min_d the fused forward runs even for training calls (the GEMM path measured slower there)."""
+    """Below gemm_min_d the fused forward runs even for training calls (the GEMM path measured slower there);
+    forward="gemm": the rule without the Gluon LSE route that "auto" takes first on sm_90."""
+    from thrifty.loss import CCEKernelConfig
+
     spy = _Spy(monkeypatch)
     e, c, b, t = make(8192, 576, 49152, dtype=torch.bfloat16, device=DEVICE)
-    linear_cross_entropy(e, c, t, impl="triton").backward()
+    linear_cross_entropy(e, c, t, impl="triton", config=CCEKernelConfig(forward="gemm")).backward()
     assert spy.calls == {"fused": 1, "gemm": 0} and c.grad is not None
 
 
@@ -273,21 +281,23 @@ def test_cuda_small_hidden_sizes_keep_the_fused_forward(monkeypatch):
 def test_fused_forward_when_the_classifier_gets_no_gradient(monkeypatch):
     """A frozen classifier (no dC to lend its bytes) keeps the fused forward, whose extra memory is a few
     partials per row. With a classifier gradient and ``CCEKernelConfig(forward="fused")`` (benchmarks/cce.py's
-    thrifty_fused_fwd rows), the fused forward runs and the backward allocates dC itself; with the default config
-    the GEMM forward runs (the interpreter takes it at every size)."""
+    thrifty_fused_fwd rows), the fused forward runs and the backward allocates dC itself; with forward="gemm" (the
+    default's rule where the Gluon LSE route does not apply: the interpreter, or not sm_90) the GEMM forward runs
+    (the interpreter takes it at every size)."""
     from thrifty.loss import CCEKernelConfig
 
     spy = _Spy(monkeypatch)
     e, c, b, t = make(30, 24, 200, dtype=torch.bfloat16, device=DEVICE)
     c.requires_grad_(False)
-    linear_cross_entropy(e, c, t, impl="triton").backward()
+    linear_cross_entropy(e, c, t, impl="triton", config=CCEKernelConfig(forward="gemm")).backward()
     assert spy.calls == {"fused": 1, "gemm": 0} and e.grad is not None
     c.requires_grad_(True)
     got = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton", config=CCEKernelConfig(forward="fused"))
     assert spy.calls == {"fused": 2, "gemm": 0}
     assert_close(got, oracle(e, c, b, t), 1e-4 if DEVICE == "cpu" else 2e-3, GRAD_TOL[torch.bfloat16])
     if interpreting():
-        again = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton")
+        again = loss_and_grads(linear_cross_entropy, e, c, b, t, impl="triton",
+                               config=CCEKernelConfig(forward="gemm"))
         assert spy.calls == {"fused": 2, "gemm": 1}
         assert_close(again, got, 1e-5, GRAD_TOL[torch.bfloat16])
 

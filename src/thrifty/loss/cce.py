@@ -38,10 +38,14 @@ class CCEKernelConfig:
         +82 MiB at D=576 V=49152), for fewer, larger vocabulary chunks: 4.47 vs 5.37 ms at SmolLM2's D=576
         V=49152, 61.6 vs 65.6 ms at 128k, 71.8 vs 73.5 ms at 256k. For small vocabularies when memory does not
         matter.
-    forward: "auto" (default): training calls at large hidden sizes take the GEMM forward (cuBLAS logits chunks
-        in dC's bytes, then a row pass: 69.4 vs 72.7 ms at 256k, N=8192, H200, v8), the rest the fused kernel.
-        "fused": the fused kernel always (the backward then allocates dC itself); ``benchmarks/cce.py`` times
-        both in one run, the data behind ``forward.gemm_min_d`` / ``gemm_min_cols``.
+    forward: "auto" (default): the Gluon Hopper LSE kernel (``gluon_tile.lse_forward_gluon``: one persistent
+        warp-specialized pass over the whole vocabulary, no scratch) where it applies (sm_90 GPU, bf16 inputs, no
+        bias, its partial buffer within the classifier's size), else the "gemm" rule. "gemm": training calls at
+        large hidden sizes take the GEMM forward (cuBLAS logits chunks in dC's bytes, then a row pass: 69.4 vs
+        72.7 ms at 256k, N=8192, H200, v8), the rest the fused kernel (the rule before the Gluon forward).
+        "fused": the fused kernel always (the backward then allocates dC itself). ``benchmarks/cce.py`` times
+        the three in one run (``thrifty_gemm_fwd`` and ``thrifty_fused_fwd`` rows), the data behind
+        ``forward.gemm_min_d`` / ``gemm_min_cols`` and the Gluon route.
     tiles: "auto" (default): the backward's gradient tiles come from the Gluon Hopper kernel
         (``gluon_tile.py``) where it applies (sm_90 GPU, bf16 inputs, no bias, no filtering), else from the Triton
         tile kernel. "triton": the Triton tile kernel always; ``benchmarks/cce.py`` times both in one run
@@ -64,7 +68,7 @@ class CCEKernelConfig:
             if not (math.isfinite(eps) and eps > 0):
                 raise ValueError(f"filter_eps: expected None, 'auto' or a positive finite number, got {eps}")
         check_bool("scratch_in_dc", self.scratch_in_dc)
-        check_choice("forward", self.forward, ("auto", "fused"))
+        check_choice("forward", self.forward, ("auto", "gemm", "fused"))
         check_choice("tiles", self.tiles, ("auto", "triton"))
 
     def filter_threshold(self, dtype: torch.dtype) -> Optional[float]:
@@ -94,15 +98,23 @@ class _TritonLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e2d, c, bias, rows, targets, softcap, label_smoothing, z_loss, config, grad_enabled):
         from .forward import lse_forward, lse_forward_gemm
+        from .gluon_tile import lse_forward_gluon
 
         # needs_input_grad says requires_grad even under torch.no_grad(); the dispatch recorded the grad mode
         need_c = grad_enabled and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        # dC is allocated here when the GEMM forward can use its bytes as scratch, and handed to the backward
-        ctx.dc = _gemm_forward_scratch(c, rows.numel()) if need_c and config.forward == "auto" else None
-        if ctx.dc is not None:
-            lse, z_t, z_sum = lse_forward_gemm(e2d, c, bias, rows, targets, softcap, ctx.dc)
+        ctx.dc = None
+        if _gluon_forward(e2d, c, bias, rows.numel(), config):
+            # no scratch: the backward allocates dC itself when it starts, as on the fused route; the peak
+            # (dE + dC + the tile buffers, in the backward) is the GEMM route's
+            lse, z_t, z_sum = lse_forward_gluon(e2d, c, rows, targets, softcap)
         else:
-            lse, z_t, z_sum = lse_forward(e2d, c, bias, rows, targets, softcap)
+            if need_c and config.forward != "fused":
+                # dC allocated here when the GEMM forward can use its bytes as scratch, and handed to the backward
+                ctx.dc = _gemm_forward_scratch(c, rows.numel())
+            if ctx.dc is not None:
+                lse, z_t, z_sum = lse_forward_gemm(e2d, c, bias, rows, targets, softcap, ctx.dc)
+            else:
+                lse, z_t, z_sum = lse_forward(e2d, c, bias, rows, targets, softcap)
         ctx.save_for_backward(e2d, c, bias, rows, targets, lse)
         ctx.opts = (softcap, label_smoothing, z_loss, config)
         return _spec.token_loss(lse, z_t, z_sum, c.shape[0], label_smoothing, z_loss)
@@ -120,6 +132,14 @@ class _TritonLinearCE(torch.autograd.Function):
             scratch_in_dc=config.scratch_in_dc, tiles=config.tiles, need_e=ctx.needs_input_grad[0],
             need_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2], dc=dc_buffer)
         return de, (dc if ctx.needs_input_grad[1] else None), db, None, None, None, None, None, None, None
+def _gluon_forward(e2d, c, bias, nv, config) -> bool:
+    """Whether this call's LSE comes from the Gluon kernel (``gluon_tile.gluon_lse_ok``: forward="auto", bf16, no
+    bias, sm_90); a seam the CPU tests patch to reach the route's wiring."""
+    from .gluon_tile import gluon_lse_ok
+
+    return gluon_lse_ok(e2d, c, bias=bias, nv=nv, forward=config.forward)
+
+
 def _gemm_forward_scratch(c, nv):
     """The dC buffer (uninitialised, c's shape) when the GEMM forward pays at this hidden size and fits its
     chunks in it, else None."""

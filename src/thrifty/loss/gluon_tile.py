@@ -189,6 +189,26 @@ def _consumer(a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, strid
 
 
 @gluon.jit
+def _ring(e_desc, c_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          STAGES: gl.constexpr, A_SUB: gl.constexpr):
+    """The shared-memory ring (A_SUB blocks of E rows and one block of C rows per slot), its ready/empty
+    mbarriers and the ping-pong turn barriers, initialised: what every kernel of this module feeds ``_producer``
+    and ``_mainloop`` with."""
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * A_SUB, BLOCK_M, BLOCK_K], e_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=A_SUB)  # cooperative: both warpgroups read each slot
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: mainloop order
+    for wg in gl.static_range(2):
+        mbarrier.init(turns.index(wg), count=1)
+    fence_async_shared()
+    return a_smem, b_smem, ready, empty, turns
+
+
+@gluon.jit
 def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g, v_start,
                             softcap, z_loss, onehot_weight, uniform_weight,
                             HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -202,17 +222,7 @@ def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g,
     n_n = gl.cdiv(VC, BLOCK_N)
     n_tiles = n_m * n_n
     k_steps = gl.cdiv(D, BLOCK_K)
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * A_SUB, BLOCK_M, BLOCK_K], e_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=A_SUB)  # cooperative: both warpgroups read each slot
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: mainloop order
-    for wg in gl.static_range(2):
-        mbarrier.init(turns.index(wg), count=1)
-    fence_async_shared()
+    a_smem, b_smem, ready, empty, turns = _ring(e_desc, c_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, A_SUB)
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
                      onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
@@ -222,6 +232,95 @@ def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g,
                      BLOCK_N, STAGES, A_SUB, GROUP_M, PINGPONG, 1)),
         (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, TILE_M, BLOCK_M,
                      BLOCK_N, BLOCK_K, STAGES, A_SUB, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---------------------------------------------------------------------------- the forward's log-sum-exp
+NEG_BIG = gl.constexpr(-1.0e30)  # forward.NEG_BIG: a finite "minus infinity" (exp(NEG_BIG - NEG_BIG) is 1, not NaN)
+
+
+@gluon.jit
+def _lse_epilogue(acc, TGT, PART, NV, V, slot, off_m, off_n, softcap, acc_layout: gl.constexpr,
+                  HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The tile's per-row statistics (max m, Σ exp(z − m), target logit, Σ z over columns < V; softcap first, as
+    forward._row_stats_kernel), merged (online max/sum) into partial slot ``slot`` of PART (slots x 4 x NV fp32).
+
+    The slot belongs to this (program, warpgroup) alone, so the read-modify-write needs no lock. Its tiles run one
+    after the other, and the statistics go to a layout with exactly one thread per row (BLOCK_M = 128 rows over the
+    warpgroup's 128 threads) for the read-modify-write: a row's slot entry is only ever read and written by the same
+    thread, so program order alone orders one tile's update before the next (the wgmma layout holds each row in 4
+    lanes, whose stores Triton would leave to one of them)."""
+    z = acc
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(acc / softcap)
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    # the target's column inside this tile (targets outside it, and rows past NV (-1), match no column)
+    tgt_col = (gl.load(TGT + rows, mask=rows < NV, other=-1) - off_n).to(gl.int32)
+    inside = (cols < V - off_n)[None, :]  # columns past V hold TMA's zero fill
+    t_z = gl.sum(gl.where(cols[None, :] == tgt_col[:, None], z, 0.0), axis=1)
+    t_sum = gl.sum(gl.where(inside, z, 0.0), axis=1)
+    z = gl.where(inside, z, NEG_BIG)
+    t_m = gl.max(z, axis=1)
+    t_s = gl.sum(gl.exp(z - t_m[:, None]), axis=1)
+
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    t_m = gl.convert_layout(t_m, row_layout)
+    t_s = gl.convert_layout(t_s, row_layout)
+    t_z = gl.convert_layout(t_z, row_layout)
+    t_sum = gl.convert_layout(t_sum, row_layout)
+    r = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    ok = r < NV
+    mine = PART + slot.to(gl.int64) * 4 * NV + r
+    m_old = gl.load(mine, mask=ok, other=NEG_BIG)
+    m_new = gl.maximum(m_old, t_m)
+    s_new = gl.load(mine + NV, mask=ok, other=0.0) * gl.exp(m_old - m_new) + t_s * gl.exp(t_m - m_new)
+    gl.store(mine, m_new, mask=ok)
+    gl.store(mine + NV, s_new, mask=ok)
+    gl.store(mine + 2 * NV, gl.load(mine + 2 * NV, mask=ok, other=0.0) + t_z, mask=ok)
+    gl.store(mine + 3 * NV, gl.load(mine + 3 * NV, mask=ok, other=0.0) + t_sum, mask=ok)
+
+
+@gluon.jit
+def _lse_consumer(a_smem, b_smem, ready, empty, turns, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
+                  HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG of the ping-pong schedule: this program's local tiles i ≡ WG (mod 2), whole, in
+    order; its statistics go to partial slot 2·program + WG (the two warpgroups of a program never share one)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    slot = 2 * pid + WG
+    for t in range(pid + WG * n_prog, n_tiles, 2 * n_prog):
+        m, n = _tile_coords(t, n_m, n_n, GROUP_M)
+        i = (t - pid) // n_prog
+        acc = _mainloop(a_smem, b_smem, ready, empty, turns, i * k_steps, k_steps, i // 2, acc_layout, BLOCK_M,
+                        BLOCK_N, STAGES, 1, 0, True, WG)
+        _lse_epilogue(acc, TGT, PART, NV, V, slot, m * BLOCK_M, n * BLOCK_N, softcap, acc_layout, HAS_SOFTCAP,
+                      BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _lse_gluon_kernel(e_desc, c_desc, TGT, PART, NV, V, D, softcap,
+                      HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Persistent over all tiles of z = E_valid · Cᵀ (``e_desc``: nv x D, ``c_desc``: the whole V x D
+    classifier), ping-pong only; per-row partial statistics into PART (2·programs x 4 x NV, initialised to
+    (NEG_BIG, 0, 0, 0) by the host, merged there)."""
+    n_m = gl.cdiv(NV, BLOCK_M)
+    n_n = gl.cdiv(V, BLOCK_N)
+    n_tiles = n_m * n_n
+    k_steps = gl.cdiv(D, BLOCK_K)
+    a_smem, b_smem, ready, empty, turns = _ring(e_desc, c_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1)
+    gl.warp_specialize([
+        (_lse_consumer, (a_smem, b_smem, ready, empty, turns, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
+                         HAS_SOFTCAP, BLOCK_M, BLOCK_N, STAGES, GROUP_M, 0)),
+        (_lse_consumer, (a_smem, b_smem, ready, empty, turns, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
+                         HAS_SOFTCAP, BLOCK_M, BLOCK_N, STAGES, GROUP_M, 1)),
+        (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, BLOCK_M, BLOCK_M,
+                     BLOCK_N, BLOCK_K, STAGES, 1, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -258,6 +357,15 @@ def shared_layouts(block_m: int, block_n: int, block_k: int):
             gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
 
 
+def _descriptors(e_rows: torch.Tensor, c_rows: torch.Tensor, block_m: int, block_n: int, block_k: int):
+    """TMA descriptors over E rows (block_m x block_k boxes) and C rows (block_n x block_k), both K-major; boxes
+    past the tensors' edges arrive zero-filled."""
+    e_layout, c_layout = shared_layouts(block_m, block_n, block_k)
+    D = e_rows.shape[1]
+    return (TensorDescriptor(e_rows, [e_rows.shape[0], D], [e_rows.stride(0), 1], [block_m, block_k], e_layout),
+            TensorDescriptor(c_rows, [c_rows.shape[0], D], [c_rows.stride(0), 1], [block_n, block_k], c_layout))
+
+
 def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                w: torch.Tensor, g_buf: torch.Tensor, *, v_start: int, softcap, z_loss: float, onehot_weight: float,
                uniform_weight: float, config: dict | None = None) -> None:
@@ -272,9 +380,7 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
         return
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     tile_m = bm if cfg["pingpong"] else 2 * bm
-    e_layout, c_layout = shared_layouts(bm, bn, bk)
-    e_desc = TensorDescriptor(e_valid, [nv, D], [e_valid.stride(0), 1], [bm, bk], e_layout)
-    c_desc = TensorDescriptor(c_chunk, [cur, D], [c_chunk.stride(0), 1], [bn, bk], c_layout)
+    e_desc, c_desc = _descriptors(e_valid, c_chunk, bm, bn, bk)
     n_tiles = cdiv(nv, tile_m) * cdiv(cur, bn)
     grid = (min(sm_count(e_valid.device), n_tiles), )
     _grad_tile_gluon_kernel[grid](
@@ -284,3 +390,75 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
         PINGPONG=cfg["pingpong"], GROUP_M=max(1, GROUP_ROWS // tile_m), CONSUMER_REGS=cfg["consumer_regs"],
         PRODUCER_REGS=cfg["producer_regs"], num_warps=cfg["num_warps"])
     launch_count += 1
+
+
+# ------------------------------------------------------------------------------ host side: the forward's LSE
+# the forward's tiles: the ping-pong schedule of the gradient tiles (the statistics epilogue is lighter than the
+# gradient's: no store of the tile, a 2 KB read-modify-write of the slot)
+LSE_CONFIG = dict(PINGPONG_CONFIG)
+
+lse_launch_count = 0  # Gluon LSE launches in this process: tests read it to see which forward a call took
+
+
+def lse_programs(nv: int, V: int, device, config: dict | None = None) -> int:
+    """Programs of the persistent LSE grid: one per SM, fewer when there are fewer tiles."""
+    cfg = dict(LSE_CONFIG, **(config or {}))
+    return min(sm_count(device), cdiv(nv, cfg["block_m"]) * cdiv(V, cfg["block_n"]))
+
+
+def lse_partial_bytes(nv: int, V: int, device) -> int:
+    """Bytes of the partial-statistics buffer: 2 slots (one per consumer warpgroup) per program, 4 fp32 per row
+    each: 34.6 MB at 132 SMs and nv = 8192."""
+    return 2 * lse_programs(nv, V, device) * 4 * nv * 4
+
+
+def gluon_lse_ok(e2d: torch.Tensor, c: torch.Tensor, *, bias, nv: int, forward: str = "auto") -> bool:
+    """Whether a forward's log-sum-exp goes to the Gluon kernel: ``forward == "auto"``; bf16 E and C, no bias,
+    at least one valid row; TMA-ready rows (C, and E unless its valid rows are gathered into a contiguous copy:
+    D % 8 == 0); a Hopper GPU (``on_hopper``); and the forward's extra memory within the classifier's size: the
+    partial buffer twice (merge_partials' temporaries are smaller than it) plus the gathered valid rows when tokens
+    are ignored. A training call's backward allocates dC (that size) anyway, so the forward never raises the
+    peak; small V·D with many tokens (D=64, V=1000: 128 KB of C against 35 MB of partials) keeps the fused
+    kernel. Every other call keeps forward.py's paths."""
+    if forward != "auto" or bias is not None or nv == 0:
+        return False
+    if e2d.dtype != torch.bfloat16 or c.dtype != torch.bfloat16:
+        return False
+    gathered = nv != e2d.shape[0]
+    if not (_tma_rows(c) and (e2d.shape[1] % 8 == 0 if gathered else _tma_rows(e2d))):
+        return False
+    if not on_hopper(e2d.device):
+        return False
+    extra = 2 * lse_partial_bytes(nv, c.shape[0], e2d.device) + (nv * e2d.shape[1] * 2 if gathered else 0)
+    return extra <= c.numel() * c.element_size()
+
+
+def lse_forward_gluon(e2d: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, softcap,
+                      config: dict | None = None):
+    """forward.lse_forward's result (lse, target logit, logit sum; fp32, one per valid row) with no bias, from
+    the Gluon kernel over the whole vocabulary: rows ``rows`` of e2d (N x D bf16), classifier c (V x D bf16),
+    ``targets`` (int64, one per valid row). ``config``: LSE_CONFIG overrides (ping-pong only)."""
+    from .forward import merge_partials
+
+    global lse_launch_count
+    cfg = dict(LSE_CONFIG, **(config or {}))
+    if not cfg["pingpong"] or cfg["block_m"] != 32 * cfg["num_warps"]:
+        raise ValueError("config: the Gluon LSE kernel runs the ping-pong schedule only (pingpong=True), with one "
+                         f"row per consumer thread (block_m = 32 * num_warps), got {config!r}")
+    nv = rows.numel()
+    V, D = c.shape
+    if nv == 0:
+        empty = torch.empty(0, dtype=torch.float32, device=e2d.device)
+        return empty, empty.clone(), empty.clone()
+    e_valid = e2d if nv == e2d.shape[0] else e2d.index_select(0, rows)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    e_desc, c_desc = _descriptors(e_valid, c, bm, bn, bk)
+    programs = lse_programs(nv, V, e2d.device, cfg)
+    part = torch.zeros(2 * programs, 4, nv, dtype=torch.float32, device=e2d.device)
+    part[:, 0].fill_(NEG_BIG.value)  # (max, sum, z_t, z_sum) = (NEG_BIG, 0, 0, 0): a slot no tile reached adds nothing
+    _lse_gluon_kernel[(programs, )](
+        e_desc, c_desc, targets, part, nv, V, D, float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"], GROUP_M=max(1, GROUP_ROWS // bm),
+        CONSUMER_REGS=cfg["consumer_regs"], PRODUCER_REGS=cfg["producer_regs"], num_warps=cfg["num_warps"])
+    lse_launch_count += 1
+    return merge_partials(part)
