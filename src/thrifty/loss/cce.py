@@ -132,6 +132,8 @@ class _TritonLinearCE(torch.autograd.Function):
             scratch_in_dc=config.scratch_in_dc, tiles=config.tiles, need_e=ctx.needs_input_grad[0],
             need_c=ctx.needs_input_grad[1] or ctx.needs_input_grad[2], dc=dc_buffer)
         return de, (dc if ctx.needs_input_grad[1] else None), db, None, None, None, None, None, None, None
+
+
 def _gluon_forward(e2d, c, bias, nv, config) -> bool:
     """Whether this call's LSE comes from the Gluon kernel (``gluon_tile.gluon_lse_ok``: forward="auto", bf16, no
     bias, sm_90); a seam the CPU tests patch to reach the route's wiring."""
