@@ -165,13 +165,15 @@ def _quantize_kv_kernel(k_ptr, v_ptr, part_ptr, stats_ptr, k_out_ptr, k_scale_pt
     if K_PER_TOKEN:
         scale = tl.maximum(tl.max(tl.abs(k), axis=1) / QMAX, 1e-12)
         kq = k / scale[:, None]
-        tl.store(k_scale_ptr + pid_bh * S_pad + rows, scale)
     else:
         scale = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0) / QMAX, 1e-12)
         kq = k / scale
-        tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
     kq = tl.where(kq >= 0, kq + 0.5, kq - 0.5).to(tl.int8)  # round half away from zero, then truncate
     tl.store(k_out_ptr + (pid_bh * S_pad + rows[:, None]) * D + cols[None, :], kq)
+    if K_PER_TOKEN:
+        tl.store(k_scale_ptr + pid_bh * S_pad + rows, scale)
+    else:
+        tl.store(k_scale_ptr + pid_bh * (S_pad // BLOCK) + pid_s, scale)
 
     v = tl.load(v_ptr + b * v_sb + h * v_sh + rows[:, None] * v_ss + cols[None, :] * v_sd, mask=ok, other=0.0)
     v = finite_or_zero(v.to(tl.float32))
