@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import importlib
 import inspect
 import itertools
@@ -29,6 +30,7 @@ import math
 import multiprocessing
 import os
 import pkgutil
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -877,13 +879,25 @@ def resources(cubin: bytes) -> dict:
     return dict(regs=int(m.group(1)), stack=int(m.group(2))) if m else {}
 
 
+def code_hash(ptx: str) -> str:
+    """A hash of the PTX's instructions only (no debug sections, line markers or comments; the kernel's mangled
+    name normalised): equal across two trees when a change left this variant's machine code as it was, which
+    needs no GPU run to show (compare the ``code`` fields of two reports by label)."""
+    ptx = ptx.split(".section\t.debug", 1)[0]
+    lines = [line for line in ptx.splitlines() if not re.match(r"\s*(\.loc|//|\.file)", line)]
+    body = re.sub(r"\b[A-Za-z_]\w*_kernel\w*", "KERNEL", "\n".join(lines))
+    return hashlib.sha1(body.encode()).hexdigest()[:16]
+
+
 def compile_spec(spec: Spec) -> dict:
-    """Compiles one entry for sm_90; the report's row (shared memory, registers, stack bytes, or the error)."""
+    """Compiles one entry for sm_90; the report's row (shared memory, registers, stack bytes, the instructions'
+    hash, or the error)."""
     t0 = time.perf_counter()
     out = dict(kernel=spec.name, label=spec.label, options=spec.options)
     try:
         k = compile_kernel(spec)
-        out.update(ok=True, shared=k.metadata.shared, num_warps=k.metadata.num_warps, **resources(k.asm["cubin"]))
+        out.update(ok=True, shared=k.metadata.shared, num_warps=k.metadata.num_warps, **resources(k.asm["cubin"]),
+                   code=code_hash(k.asm["ptx"]))
     except Exception as e:  # noqa: BLE001 - the compiler's message is the report
         out.update(ok=False, error=f"{type(e).__name__}: {e}"[-3000:])
     out["seconds"] = round(time.perf_counter() - t0, 2)
