@@ -257,4 +257,4 @@ def lse_shift_for_smoothing(q, k_mean, sm_scale):
 
 __all__ = ["QMAX", "GRANULARITIES", "PV_FORMATS", "round_to_format", "token_groups", "quantize_tokens",
            "quantize_channels", "sage_attention_reference",
-           "accuracy_metrics", "lse_shift_for_smoothing", "empty_attention"]
+           "accuracy_metrics", "lse_shift_for_smoothing", "empty_attention", "SMOOTH_Q_BLOCK", "K_GRANULARITY_4BIT"]
