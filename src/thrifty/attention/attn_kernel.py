@@ -118,8 +118,8 @@ def _tiles(acc, l_i, m_i, q, q_scale, k_base, ks_base, v_base, offs_m, lo, hi, S
 @triton.jit
 def _group_delta_s(q_bar, ds0, kr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
     """ΔS of one KV tile, (BLOCK_M, BLOCK_N): row r gets mean(q_group(r))·kr − ds0[group(r)], from each group's
-    mean (q_bar: (G, D), ds0: (G,)) and the tile's unquantized, smoothed keys (kr: (D, BLOCK_N)). One GEMV per
-    group of ROWS queries."""
+    mean (q_bar: (G, D)), the tile's unquantized keys (kr: (D, BLOCK_N)) and ds0 = mean·mean(K) per group (G,),
+    which makes the product one with the smoothed keys K − mean(K). One GEMV per group of ROWS queries."""
     G: tl.constexpr = BLOCK_M // ROWS
     group = tl.arange(0, G)
     row_group = tl.arange(0, BLOCK_M) // ROWS

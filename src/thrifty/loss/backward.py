@@ -234,7 +234,7 @@ class _FP32Accumulator:
     """dE of 16-bit inputs summed in fp32 (nv x D x 4 bytes) without a buffer of that size: its first ``left``
     columns live in dE's own bytes (an nv x D 16-bit buffer holds nv x D/2 fp32 exactly, row for row), the
     other D - left columns in ``right`` (dC's free rows or a separate buffer). left = 0 (whole accumulator in
-    ``right``) or D/2; each contribution is then two GEMMs over the column halves of the chunk of C."""
+    ``right``) or D/2; each contribution is then one GEMM per (part, first column) of ``parts``."""
 
     def __init__(self, de_c: torch.Tensor, right: torch.Tensor, left: int):
         self.de_c, self.right, self.left = de_c, right, left
@@ -243,10 +243,6 @@ class _FP32Accumulator:
             self.parts = [(de_c.view(torch.float32), 0), (right, left)]
         for acc, _ in self.parts:
             acc.zero_()
-
-    def add_dense(self, g, c_chunk):
-        for acc, col in self.parts:
-            _dense_de_update(acc, g, c_chunk[:, col:col + acc.shape[1]])
 
     def round_into_de(self):
         """dE (16-bit, compact rows) = the fp32 sum, rounded once. The accumulator is gone afterwards."""
@@ -426,13 +422,15 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     list_dc = torch.empty(n_vb, n_nb, dtype=torch.int32, device=e2d.device)
     list_de = torch.empty(n_nb, n_vb, dtype=torch.int32, device=e2d.device)
     de_c = de[:nv] if need_e else None  # compact: row i is valid token rows[i] (spread at the end)
-    acc = None  # fp32 inputs: dE accumulates in place (de_c)
+    acc = None
+    de_parts = [(de_c, 0)]  # (target, first column of C) of each dE GEMM; fp32 inputs: dE in place
     if fp32_acc:
         if acc_off is not None:
             right = dc.view(-1)[acc_off:acc_off + 2 * nv * (D - left)].view(torch.float32).view(nv, D - left)
         else:  # no dC, a sorted vocabulary, or dC too small to host it
             right = torch.empty(nv, D - left, dtype=torch.float32, device=e2d.device)
         acc = _FP32Accumulator(de_c, right, left)
+        de_parts = acc.parts
     order_arg = order if order is not None else rows  # any int tensor; unused when HAS_ORDER is False
     # work lists only for the sparse GEMMs: with filtering, or when cuBLAS cannot take the tiles (fp16 inputs)
     lists = filtering or g_dtype != e2d.dtype or DENSE_ABOVE >= 1.0
@@ -493,10 +491,8 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
                     dc.index_copy_(0, vocab_chunk, torch.mm(g.T, e_valid))
             if do_e:
                 c_chunk = c[start:start + cur] if vocab_chunk is None else c.index_select(0, vocab_chunk)
-                if acc is not None:
-                    acc.add_dense(g, c_chunk)
-                else:
-                    _dense_de_update(de_c, g, c_chunk)
+                for target, col in de_parts:
+                    _dense_de_update(target, g, c_chunk[:, col:col + target.shape[1]])
             continue
         if do_c:
             _dc_kernel[(triton.cdiv(cur, bv), triton.cdiv(D, bd_dc))](
@@ -504,7 +500,7 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
                 g_buf.stride(0), dc.stride(0), start, cur, n_nb, HAS_ORDER=order is not None,
                 BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd_dc, **cfg)
         if do_e:
-            for target, col in (acc.parts if acc is not None else [(de_c, 0)]):
+            for target, col in de_parts:
                 width = target.shape[1]  # the accumulator's column part [col, col + width)
                 _de_kernel[(n_nb, triton.cdiv(width, bd_de))](
                     g_buf, cnt_de, list_de, c[:, col:], order_arg, rows, target, nv, width, c.stride(0),
