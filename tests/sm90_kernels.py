@@ -407,13 +407,11 @@ def _loss():
 def _loss_gluon():
     """loss.gluon_tile._grad_tile_gluon_kernel as gluon_tile.grad_tiles launches it (bf16 only): the default
     config with softcap off and on, the chunk's width (the tiles' row stride too) a multiple of 16 (plan_chunks'
-    chunks: 4-byte stores) or not (the last chunk of an odd vocabulary: 2-byte stores), and the cooperative form
-    (``gluon_tile.COOPERATIVE_CONFIG``, no softcap: it spills 272 B there) that the GPU session times against it."""
+    chunks: 4-byte stores) or not (the last chunk of an odd vocabulary: 2-byte stores)."""
     from thrifty.loss import gluon_tile as GT
 
     for softcap, aligned in ((False, True), (True, True), (False, False), (True, False)):
         yield loss_gluon_entry(GT.TILE_CONFIG, softcap, aligned, "default")
-    yield loss_gluon_entry(GT.COOPERATIVE_CONFIG, False, True, "cooperative")
     for softcap in (False, True):
         yield loss_gluon_lse_entry(GT.LSE_CONFIG, softcap)
 
@@ -424,12 +422,12 @@ def loss_gluon_entry(cfg, softcap: bool, aligned: bool, name: str) -> Spec:
 
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     e_layout, c_layout = GT.shared_layouts(bm, bn, bk)
-    tile_m = bm if cfg["pingpong"] else 2 * bm
-    label = (f"bf16 {name} block_m={bm} block_n={bn} stages={cfg['stages']} pingpong={cfg['pingpong']} "
+    tile_m = GT.HALVES * bm
+    label = (f"bf16 {name} block_m={bm} block_n={bn} stages={cfg['stages']} "
              f"softcap={softcap} cur%16={'0' if aligned else 'any'}")
     return entry(GT._grad_tile_gluon_kernel, label,
                  dict(HAS_SOFTCAP=softcap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
-                      PINGPONG=cfg["pingpong"], GROUP_M=max(1, GT.GROUP_ROWS // tile_m),
+                      A_SUB=GT.HALVES, GROUP_M=max(1, GT.GROUP_ROWS // tile_m),
                       CONSUMER_REGS=cfg["consumer_regs"], PRODUCER_REGS=cfg["producer_regs"]),
                  {"TGT": "*i64", "LSE W": "*fp32", "G": "*bf16",
                   "e_desc": f"tensordesc<bf16[{bm}, {bk}],{e_layout!r}>",
@@ -448,7 +446,8 @@ def loss_gluon_lse_entry(cfg, softcap: bool) -> Spec:
     label = f"bf16 lse block_m={bm} block_n={bn} stages={cfg['stages']} softcap={softcap}"
     return entry(GT._lse_gluon_kernel, label,
                  dict(HAS_SOFTCAP=softcap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
-                      GROUP_M=max(1, GT.GROUP_ROWS // bm), CONSUMER_REGS=cfg["consumer_regs"],
+                      A_SUB=GT.HALVES, GROUP_M=max(1, GT.GROUP_ROWS // (GT.HALVES * bm)),
+                      CONSUMER_REGS=cfg["consumer_regs"],
                       PRODUCER_REGS=cfg["producer_regs"]),
                  {"TGT": "*i64", "PART": "*fp32",
                   "e_desc": f"tensordesc<bf16[{bm}, {bk}],{e_layout!r}>",

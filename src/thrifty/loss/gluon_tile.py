@@ -12,10 +12,10 @@ relaunches per tile. Here (NOTES.md "The Gluon gradient-tile kernel"):
   E stays in L2);
 * a 1-warp producer partition issues the TMA loads (E rows and C rows, both K-major, zero-filled past the edges)
   into a ``STAGES``-deep shared-memory ring;
-* two consumer warpgroups issue the ``wgmma`` and run the epilogue straight from the accumulator registers.
-  ``PINGPONG`` (default): they take alternate tiles, so one warpgroup's epilogue runs while the other's MMAs keep
-  the tensor cores busy (the mainloops go in tile order, one after the other: ``_mainloop``). Cooperative
-  (``pingpong=False``): both work on one tile of twice the rows (less L2 traffic per FLOP, epilogue not hidden).
+* two consumer warpgroups issue the ``wgmma`` and run the epilogue straight from the accumulator registers,
+  cooperatively: both work on every 128 x 256 tile, one 64-row half each. (A ping-pong schedule, alternate
+  128 x 128 tiles per warpgroup with one's epilogue under the other's MMAs, measured 15–35% slower on the H100 and
+  was removed: NOTES.md.)
 """
 
 from __future__ import annotations
@@ -35,14 +35,11 @@ from ..triton_utils import cdiv, interpreting, sm_count
 # D=4096, which stay in L2 (50 MB) beside the wave's C tiles while the band sweeps the chunk.
 GROUP_ROWS = 2048
 
-# block_m: rows per consumer warpgroup tile (the accumulator is block_m x block_n fp32 in one warpgroup's registers:
-# 128 per thread at 128x128 or 64x256); stages: 6 x 32 KB (ping-pong 128x128x64) or 4 x 48 KB (cooperative
-# 2x64 rows x 256 columns) = 192 KB of the 227 KB; the consumers get 240 registers each, the producer 24.
-PINGPONG_CONFIG = dict(block_m=128, block_n=128, block_k=64, stages=6, pingpong=True, consumer_regs=240,
-                       producer_regs=24, num_warps=4)
-COOPERATIVE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=4, pingpong=False, consumer_regs=240,
-                          producer_regs=24, num_warps=4)
-TILE_CONFIG = PINGPONG_CONFIG
+# block_m: rows per consumer warpgroup (its accumulator is block_m x block_n fp32: 128 registers per thread at
+# 64 x 256); a tile is HALVES * block_m rows; stages: 4 x 48 KB (two 64-row E blocks and one 256-row C block of 64
+# columns) = 192 KB of the 227 KB; the consumers get 240 registers each, the producer 24.
+TILE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=4, consumer_regs=240, producer_regs=24, num_warps=4)
+HALVES = 2  # consumer warpgroups, each on its own row half of every tile
 
 launch_count = 0  # Gluon tile launches in this process: tests read it to see which kernel a backward took
 
@@ -71,8 +68,8 @@ def _producer(e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k
               TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr):
     """1 warp: every k-step of this program's tiles, in order, into ring slot step % STAGES once its previous
-    occupant was released (a fresh barrier passes the wait on phase 1). A slot holds A_SUB blocks of E rows (the
-    cooperative tile's two halves) and one block of C rows."""
+    occupant was released by both consumers (a fresh barrier passes the wait on phase 1). A slot holds A_SUB
+    blocks of E rows (the tile's row halves) and one block of C rows."""
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
     NBYTES: gl.constexpr = A_SUB * e_desc.block_type.nbytes + c_desc.block_type.nbytes
@@ -91,19 +88,14 @@ def _producer(e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k
 
 
 @gluon.jit
-def _mainloop(a_smem, b_smem, ready, empty, turns, step0, k_steps, j, acc_layout: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr,
-              HALF: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    """z = E_tile · C_tileᵀ in fp32 over the ring steps [step0, step0 + k_steps): one async wgmma group in flight,
-    each slot released as soon as the wgmma that read it retired.
+def _mainloop(a_smem, b_smem, ready, empty, step0, k_steps, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr, HALF: gl.constexpr):
+    """Row half HALF of z = E_tile · C_tileᵀ in fp32 over the ring steps [step0, step0 + k_steps): one async
+    wgmma group in flight, each slot released as soon as the wgmma that read it retired.
 
-    Ping-pong: this is warpgroup WG's j-th tile, local tile i = 2j + WG. A parity wait on a ready barrier is only
-    sound when the slot's previous fill has completed (two phases behind, the parity matches again and the wait
-    would pass on stale data), so the mainloop of tile i starts only after tile i − 1's mainloop has waited on
-    all its slots (``turns``: one barrier per warpgroup, arrived once per tile; a fresh barrier passes a wait on
-    phase 1, so warpgroup 0's first tile goes at once)."""
-    if PINGPONG:
-        mbarrier.wait(turns.index(1 - WG), (j + 1 - WG) & 1)
+    A parity wait on a ready barrier is only sound when the slot's previous fill has completed (two phases
+    behind, the parity would match again and the wait pass on stale data). It has: this warpgroup consumed that
+    fill itself, and the producer refills a slot only after both warpgroups released it."""
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
     for k in range(k_steps):
         step = step0 + k
@@ -113,8 +105,6 @@ def _mainloop(a_smem, b_smem, ready, empty, turns, step0, k_steps, j, acc_layout
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=k > 0)  # step − 1's slot
-    if PINGPONG:  # every slot of this tile waited on: the other warpgroup's next tile may start its waits
-        mbarrier.arrive(turns.index(WG), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index((step0 + k_steps - 1) % STAGES), count=1)
     return acc
@@ -166,70 +156,62 @@ def _store_grad(acc, cols, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+def _consumer(a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
               onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps,
               HAS_SOFTCAP: gl.constexpr, TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
-              WG: gl.constexpr):
-    """Consumer warpgroup WG (of two). Ping-pong: this program's local tiles i ≡ WG (mod 2), whole; cooperative:
-    every local tile, rows [WG·BLOCK_M, +BLOCK_M) of it. Local tile i holds ring steps [i·k_steps, +k_steps)."""
+              STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG (of A_SUB): rows [WG·BLOCK_M, +BLOCK_M) of every local tile; local tile i holds ring
+    steps [i·k_steps, +k_steps)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    HALF: gl.constexpr = 0 if PINGPONG else WG  # which row half of the cooperative tile
-    N_TURNS: gl.constexpr = 2 if PINGPONG else 1  # this warpgroup takes every N_TURNS-th local tile
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
-    for t in range(pid + (WG if PINGPONG else 0) * n_prog, n_tiles, N_TURNS * n_prog):
+    for t in range(pid, n_tiles, n_prog):
         m, n = _tile_coords(t, n_m, n_n, GROUP_M)
         i = (t - pid) // n_prog
-        acc = _mainloop(a_smem, b_smem, ready, empty, turns, i * k_steps, k_steps, i // N_TURNS, acc_layout,
-                        BLOCK_M, BLOCK_N, STAGES, A_SUB, HALF, PINGPONG, WG)
-        _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, m * TILE_M + HALF * BLOCK_M, n * BLOCK_N,
+        acc = _mainloop(a_smem, b_smem, ready, empty, i * k_steps, k_steps, acc_layout, BLOCK_M, BLOCK_N, STAGES,
+                        A_SUB, WG)
+        _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, m * TILE_M + WG * BLOCK_M, n * BLOCK_N,
                   softcap, z_loss, onehot_weight, uniform_weight, acc_layout, HAS_SOFTCAP, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
 def _ring(e_desc, c_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
           STAGES: gl.constexpr, A_SUB: gl.constexpr):
-    """The shared-memory ring (A_SUB blocks of E rows and one block of C rows per slot), its ready/empty
-    mbarriers and the ping-pong turn barriers, initialised: what every kernel of this module feeds ``_producer``
-    and ``_mainloop`` with."""
+    """The shared-memory ring (A_SUB blocks of E rows and one block of C rows per slot) and its ready/empty
+    mbarriers, initialised: what every kernel of this module feeds ``_producer`` and ``_mainloop`` with."""
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * A_SUB, BLOCK_M, BLOCK_K], e_desc.layout)
     b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=A_SUB)  # cooperative: both warpgroups read each slot
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: mainloop order
-    for wg in gl.static_range(2):
-        mbarrier.init(turns.index(wg), count=1)
+        mbarrier.init(empty.index(s), count=A_SUB)  # every consumer warpgroup reads each slot
     fence_async_shared()
-    return a_smem, b_smem, ready, empty, turns
+    return a_smem, b_smem, ready, empty
 
 
 @gluon.jit
 def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g, v_start,
                             softcap, z_loss, onehot_weight, uniform_weight,
                             HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr,
                             GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Persistent over the chunk's tiles: E_valid rows (``e_desc``, nv x D) against the chunk's C rows
     (``c_desc``, cur x D); G: the chunk's nv x cur gradient view (row stride ``stride_g``)."""
-    A_SUB: gl.constexpr = 1 if PINGPONG else 2  # E blocks per ring slot: the cooperative tile's two row halves
-    TILE_M: gl.constexpr = BLOCK_M * A_SUB  # rows of one scheduled tile
+    TILE_M: gl.constexpr = BLOCK_M * A_SUB  # rows of one scheduled tile (A_SUB = 2 warpgroup halves)
     n_m = gl.cdiv(NV, TILE_M)
     n_n = gl.cdiv(VC, BLOCK_N)
     n_tiles = n_m * n_n
     k_steps = gl.cdiv(D, BLOCK_K)
-    a_smem, b_smem, ready, empty, turns = _ring(e_desc, c_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, A_SUB)
+    a_smem, b_smem, ready, empty = _ring(e_desc, c_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, A_SUB)
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
                      onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
-                     BLOCK_N, STAGES, A_SUB, GROUP_M, PINGPONG, 0)),
-        (_consumer, (a_smem, b_smem, ready, empty, turns, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
+                     BLOCK_N, STAGES, A_SUB, GROUP_M, 0)),
+        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
                      onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
-                     BLOCK_N, STAGES, A_SUB, GROUP_M, PINGPONG, 1)),
+                     BLOCK_N, STAGES, A_SUB, GROUP_M, 1)),
         (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, TILE_M, BLOCK_M,
                      BLOCK_N, BLOCK_K, STAGES, A_SUB, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -245,11 +227,12 @@ def _lse_epilogue(acc, TGT, PART, NV, V, slot, off_m, off_n, softcap, acc_layout
     """The tile's per-row statistics (max m, Σ exp(z − m), target logit, Σ z over columns < V; softcap first, as
     forward._row_stats_kernel), merged (online max/sum) into partial slot ``slot`` of PART (slots x 4 x NV fp32).
 
-    The slot belongs to this (program, warpgroup) alone, so the read-modify-write needs no lock. Its tiles run one
-    after the other, and the statistics go to a layout with exactly one thread per row (BLOCK_M = 128 rows over the
-    warpgroup's 128 threads) for the read-modify-write: a row's slot entry is only ever read and written by the same
-    thread, so program order alone orders one tile's update before the next (the wgmma layout holds each row in 4
-    lanes, whose stores Triton would leave to one of them)."""
+    The slot belongs to this program, and its rows [off_m, +BLOCK_M) to this warpgroup alone, so the
+    read-modify-write needs no lock. Its tiles run one after the other, and the statistics go to a layout of one
+    element per thread, BLOCK_M = 64 rows over the warpgroup's 128 threads: each row is held by two threads (in
+    different warps) of which Triton lets a fixed one store (the one whose replica bits are 0). That thread reads
+    back only what it wrote itself, so program order alone orders one tile's update before the next; the other
+    copy's reads are never stored."""
     z = acc
     if HAS_SOFTCAP:
         z = softcap * _tanh(acc / softcap)
@@ -282,45 +265,45 @@ def _lse_epilogue(acc, TGT, PART, NV, V, slot, off_m, off_n, softcap, acc_layout
 
 
 @gluon.jit
-def _lse_consumer(a_smem, b_smem, ready, empty, turns, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
-                  HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, WG: gl.constexpr):
-    """Consumer warpgroup WG of the ping-pong schedule: this program's local tiles i ≡ WG (mod 2), whole, in
-    order; its statistics go to partial slot 2·program + WG (the two warpgroups of a program never share one)."""
+def _lse_consumer(a_smem, b_smem, ready, empty, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
+                  HAS_SOFTCAP: gl.constexpr, TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG: rows [WG·BLOCK_M, +BLOCK_M) of every local tile, in order; statistics into partial
+    slot ``program`` (the warpgroups' rows never overlap)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     pid = gl.program_id(0)
     n_prog = gl.num_programs(0)
-    slot = 2 * pid + WG
-    for t in range(pid + WG * n_prog, n_tiles, 2 * n_prog):
+    for t in range(pid, n_tiles, n_prog):
         m, n = _tile_coords(t, n_m, n_n, GROUP_M)
         i = (t - pid) // n_prog
-        acc = _mainloop(a_smem, b_smem, ready, empty, turns, i * k_steps, k_steps, i // 2, acc_layout, BLOCK_M,
-                        BLOCK_N, STAGES, 1, 0, True, WG)
-        _lse_epilogue(acc, TGT, PART, NV, V, slot, m * BLOCK_M, n * BLOCK_N, softcap, acc_layout, HAS_SOFTCAP,
-                      BLOCK_M, BLOCK_N)
+        acc = _mainloop(a_smem, b_smem, ready, empty, i * k_steps, k_steps, acc_layout, BLOCK_M, BLOCK_N, STAGES,
+                        A_SUB, WG)
+        _lse_epilogue(acc, TGT, PART, NV, V, pid, m * TILE_M + WG * BLOCK_M, n * BLOCK_N, softcap, acc_layout,
+                      HAS_SOFTCAP, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
 def _lse_gluon_kernel(e_desc, c_desc, TGT, PART, NV, V, D, softcap,
                       HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Persistent over all tiles of z = E_valid · Cᵀ (``e_desc``: nv x D, ``c_desc``: the whole V x D
-    classifier), ping-pong only; per-row partial statistics into PART (2·programs x 4 x NV, initialised to
-    (NEG_BIG, 0, 0, 0) by the host, merged there)."""
-    n_m = gl.cdiv(NV, BLOCK_M)
+    classifier), the gradient tiles' schedule; per-row partial statistics into PART (programs x 4 x NV,
+    initialised to (NEG_BIG, 0, 0, 0) by the host, merged there)."""
+    TILE_M: gl.constexpr = BLOCK_M * A_SUB
+    n_m = gl.cdiv(NV, TILE_M)
     n_n = gl.cdiv(V, BLOCK_N)
     n_tiles = n_m * n_n
     k_steps = gl.cdiv(D, BLOCK_K)
-    a_smem, b_smem, ready, empty, turns = _ring(e_desc, c_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1)
+    a_smem, b_smem, ready, empty = _ring(e_desc, c_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, A_SUB)
     gl.warp_specialize([
-        (_lse_consumer, (a_smem, b_smem, ready, empty, turns, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
-                         HAS_SOFTCAP, BLOCK_M, BLOCK_N, STAGES, GROUP_M, 0)),
-        (_lse_consumer, (a_smem, b_smem, ready, empty, turns, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
-                         HAS_SOFTCAP, BLOCK_M, BLOCK_N, STAGES, GROUP_M, 1)),
-        (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, BLOCK_M, BLOCK_M,
-                     BLOCK_N, BLOCK_K, STAGES, 1, GROUP_M)),
+        (_lse_consumer, (a_smem, b_smem, ready, empty, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
+                         HAS_SOFTCAP, TILE_M, BLOCK_M, BLOCK_N, STAGES, A_SUB, GROUP_M, 0)),
+        (_lse_consumer, (a_smem, b_smem, ready, empty, TGT, PART, NV, V, softcap, n_tiles, n_m, n_n, k_steps,
+                         HAS_SOFTCAP, TILE_M, BLOCK_M, BLOCK_N, STAGES, A_SUB, GROUP_M, 1)),
+        (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, TILE_M, BLOCK_M,
+                     BLOCK_N, BLOCK_K, STAGES, A_SUB, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -371,15 +354,15 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
                uniform_weight: float, config: dict | None = None) -> None:
     """g_buf (nv x cur bf16, unit inner stride) = the gradient tiles of rows ``e_valid`` (nv x D) against the
     vocabulary rows ``c_chunk`` (cur x D, vocabulary ids v_start + j); targets, lse, w: per valid row.
-    ``config``: TILE_CONFIG overrides (tests and timing runs compare the ping-pong and cooperative forms)."""
+    ``config``: TILE_CONFIG overrides (tests and timing runs)."""
     global launch_count
-    cfg = dict(TILE_CONFIG, **(config or {}))
+    cfg = tile_config(config)
     nv, D = e_valid.shape
     cur = c_chunk.shape[0]
     if nv == 0 or cur == 0:
         return
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    tile_m = bm if cfg["pingpong"] else 2 * bm
+    tile_m = HALVES * bm
     e_desc, c_desc = _descriptors(e_valid, c_chunk, bm, bn, bk)
     n_tiles = cdiv(nv, tile_m) * cdiv(cur, bn)
     grid = (min(sm_count(e_valid.device), n_tiles), )
@@ -387,29 +370,40 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
         e_desc, c_desc, targets, lse, w, g_buf, nv, cur, D, g_buf.stride(0), v_start,
         float(softcap or 1.0), float(z_loss), float(onehot_weight), float(uniform_weight),
         HAS_SOFTCAP=softcap is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
-        PINGPONG=cfg["pingpong"], GROUP_M=max(1, GROUP_ROWS // tile_m), CONSUMER_REGS=cfg["consumer_regs"],
+        A_SUB=HALVES, GROUP_M=max(1, GROUP_ROWS // tile_m), CONSUMER_REGS=cfg["consumer_regs"],
         PRODUCER_REGS=cfg["producer_regs"], num_warps=cfg["num_warps"])
     launch_count += 1
 
 
 # ------------------------------------------------------------------------------ host side: the forward's LSE
-# the forward's tiles: the ping-pong schedule of the gradient tiles (the statistics epilogue is lighter than the
-# gradient's: no store of the tile, a 2 KB read-modify-write of the slot)
-LSE_CONFIG = dict(PINGPONG_CONFIG)
+# the forward's tiles: the gradient tiles' schedule (the statistics epilogue is lighter than the gradient's: no
+# store of the tile, a 1 KB read-modify-write of the slot per warpgroup)
+LSE_CONFIG = dict(TILE_CONFIG)
+
+
+def tile_config(overrides: dict | None = None, base: dict = TILE_CONFIG) -> dict:
+    """``base`` with ``overrides`` (tests and timing runs), checked: known keys only, and block_m a multiple of
+    the wgmma's 16 rows per warp times num_warps."""
+    cfg = dict(base, **(overrides or {}))
+    unknown = sorted(set(cfg) - set(base))
+    if unknown or cfg["block_m"] % (16 * cfg["num_warps"]) or cfg["block_m"] > 32 * cfg["num_warps"]:
+        raise ValueError(f"config: keys of {sorted(base)} with block_m a multiple of 16 * num_warps and at most "
+                         f"32 * num_warps (one warpgroup's rows of a tile), got {overrides!r}")
+    return cfg
 
 lse_launch_count = 0  # Gluon LSE launches in this process: tests read it to see which forward a call took
 
 
 def lse_programs(nv: int, V: int, device, config: dict | None = None) -> int:
     """Programs of the persistent LSE grid: one per SM, fewer when there are fewer tiles."""
-    cfg = dict(LSE_CONFIG, **(config or {}))
-    return min(sm_count(device), cdiv(nv, cfg["block_m"]) * cdiv(V, cfg["block_n"]))
+    cfg = tile_config(config, LSE_CONFIG)
+    return min(sm_count(device), cdiv(nv, HALVES * cfg["block_m"]) * cdiv(V, cfg["block_n"]))
 
 
 def lse_partial_bytes(nv: int, V: int, device) -> int:
-    """Bytes of the partial-statistics buffer: 2 slots (one per consumer warpgroup) per program, 4 fp32 per row
-    each: 34.6 MB at 132 SMs and nv = 8192."""
-    return 2 * lse_programs(nv, V, device) * 4 * nv * 4
+    """Bytes of the partial-statistics buffer: one slot per program, 4 fp32 per row each: 17.3 MB at 132 SMs and
+    nv = 8192."""
+    return lse_programs(nv, V, device) * 4 * nv * 4
 
 
 def gluon_lse_ok(e2d: torch.Tensor, c: torch.Tensor, *, bias, nv: int, forward: str = "auto") -> bool:
@@ -437,14 +431,11 @@ def lse_forward_gluon(e2d: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, ta
                       config: dict | None = None):
     """forward.lse_forward's result (lse, target logit, logit sum; fp32, one per valid row) with no bias, from
     the Gluon kernel over the whole vocabulary: rows ``rows`` of e2d (N x D bf16), classifier c (V x D bf16),
-    ``targets`` (int64, one per valid row). ``config``: LSE_CONFIG overrides (ping-pong only)."""
+    ``targets`` (int64, one per valid row). ``config``: LSE_CONFIG overrides (``tile_config``)."""
     from .forward import merge_partials
 
     global lse_launch_count
-    cfg = dict(LSE_CONFIG, **(config or {}))
-    if not cfg["pingpong"] or cfg["block_m"] != 32 * cfg["num_warps"]:
-        raise ValueError("config: the Gluon LSE kernel runs the ping-pong schedule only (pingpong=True), with one "
-                         f"row per consumer thread (block_m = 32 * num_warps), got {config!r}")
+    cfg = tile_config(config, LSE_CONFIG)
     nv = rows.numel()
     V, D = c.shape
     if nv == 0:
@@ -454,11 +445,12 @@ def lse_forward_gluon(e2d: torch.Tensor, c: torch.Tensor, rows: torch.Tensor, ta
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     e_desc, c_desc = _descriptors(e_valid, c, bm, bn, bk)
     programs = lse_programs(nv, V, e2d.device, cfg)
-    part = torch.zeros(2 * programs, 4, nv, dtype=torch.float32, device=e2d.device)
+    part = torch.zeros(programs, 4, nv, dtype=torch.float32, device=e2d.device)
     part[:, 0].fill_(NEG_BIG.value)  # (max, sum, z_t, z_sum) = (NEG_BIG, 0, 0, 0): a slot no tile reached adds nothing
     _lse_gluon_kernel[(programs, )](
         e_desc, c_desc, targets, part, nv, V, D, float(softcap or 1.0), HAS_SOFTCAP=softcap is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"], GROUP_M=max(1, GROUP_ROWS // bm),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"], A_SUB=HALVES,
+        GROUP_M=max(1, GROUP_ROWS // (HALVES * bm)),
         CONSUMER_REGS=cfg["consumer_regs"], PRODUCER_REGS=cfg["producer_regs"], num_warps=cfg["num_warps"])
     lse_launch_count += 1
     return merge_partials(part)
