@@ -52,7 +52,6 @@ SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB
 CUDA = torch.device("cuda")  # what the launchers' config functions are asked about (no GPU needed)
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-GEMM_SWEEP_SMALL_N = (16, 32)  # weight rows per tile that benchmarks/bitnet_kernels.py's sweep adds below plan()'s 64
 
 
 def kernel_key(fn) -> str:
@@ -668,10 +667,6 @@ def _bitnet_packed():
                 continue
             plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
                        cfg["num_stages"]))
-            if m == 16:  # benchmarks/bitnet_kernels.py's sweep also runs 16- and 32-row tiles at 16 tokens
-                for bn in GEMM_SWEEP_SMALL_N:
-                    plans.update((cfg["kernel"], bn, cfg["BLOCK_M"], split, cfg["num_warps"], cfg["num_stages"])
-                                 for split in (False, True))
     # the one-launch decode GEMV: quantizing its input (INT8 / INT4 range, sub-norm or not, bf16 / fp32 rows) at
     # every decode plan, and on ready codes (TopK rows, shared inputs)
     for version, bn, bm, kw, sb, warps, stages in sorted(decode):
