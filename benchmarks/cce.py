@@ -284,6 +284,19 @@ def kept_tile_fraction(e, c, t, lse, eps, sort, tile=128):
     return kept / total
 
 
+def same_shape_matmul_ms(e, c):
+    """cuBLAS's time for the logits product E·Cᵀ (bf16 out) at this very shape: each of the exact form's four
+    products has its FLOPs, so 4x this is what four cuBLAS calls would take, the shape's practical floor (the
+    square 8192³ rate flatters thin or wide shapes)."""
+    from thrifty.bench import time_fn
+
+    out = torch.empty(e.shape[0], c.shape[0], dtype=e.dtype, device=e.device)
+    ms = time_fn(lambda: torch.mm(e, c.T, out=out), warmup=3, reps=20).median_ms
+    del out
+    torch.cuda.empty_cache()
+    return ms
+
+
 def measure(name, fn, e, c, t, ref, rate_tflops, shape_info, budget_s=3.0):
     from thrifty.bench import peak_memory, time_fn
 
@@ -876,7 +889,8 @@ def main():
             from thrifty.loss.reference import linear_cross_entropy as ref_lce  # noqa: F401
 
             lse = torch.logsumexp((e.float() @ c.float().T), -1) if V * n * 4 < 20e9 else None
-        info = dict(regime=regime, tokens=n, entropy=st["entropy"], top1=st["top1"])
+        info = dict(regime=regime, tokens=n, entropy=st["entropy"], top1=st["top1"],
+                    same_shape_matmul_ms=same_shape_matmul_ms(e, c))
         if lse is not None:
             info["kept_tiles_sorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, True)
             info["kept_tiles_unsorted"] = kept_tile_fraction(e, c, t, lse, 2.0**-7 / 32, False)
@@ -919,6 +933,10 @@ def finalize(rows, rate, args):
         return lambda shape, n: ratio(get(shape, "realistic", impl, "roofline_ms", n),
                                       get(shape, "realistic", impl, "loss_grad_ms", n))
 
+    def same_shape_fraction(shape, n):  # four same-shape cuBLAS products / thrifty's loss+grad
+        mm = get(shape, "realistic", "thrifty", "same_shape_matmul_ms", n)
+        return ratio(4 * mm if mm else None, get(shape, "realistic", "thrifty", "loss_grad_ms", n))
+
     def time_ratio(impl, other):
         return lambda shape, n: ratio(get(shape, "realistic", impl, "loss_grad_ms", n),
                                       get(shape, "realistic", other, "loss_grad_ms", n))
@@ -960,6 +978,7 @@ def finalize(rows, rate, args):
                                                                 get(big, "random", "apple_cce", "loss_grad_ms")),
         bf16_matmul_tflops=rate,
         matmul_ceiling_fraction_min=over_cases(ceiling_fraction("thrifty"), min),
+        same_shape_cublas_fraction_min=over_cases(same_shape_fraction, min),
         matmul_ceiling_fraction_min_fused_forward=over_cases(ceiling_fraction("thrifty_fused_fwd"), min),
         gemm_forward_speedup_min=over_cases(time_ratio("thrifty_fused_fwd", "thrifty_gemm_fwd"), min),
         gemm_forward_speedup_max=over_cases(time_ratio("thrifty_fused_fwd", "thrifty_gemm_fwd"), max),
