@@ -309,12 +309,13 @@ def _lse_gluon_kernel(e_desc, c_desc, TGT, PART, NV, V, D, softcap,
 
 # ------------------------------------------------------------------------------------------------- host side
 def gluon_tiles_ok(e2d: torch.Tensor, c: torch.Tensor, *, bias, filtering: bool, order, g_dtype: torch.dtype,
-                   tiles: str = "auto") -> bool:
+                   softcap=None, tiles: str = "auto") -> bool:
     """Whether a backward's gradient tiles go to the Gluon kernel: ``tiles == "auto"``; bf16 E and C, bf16 tiles,
-    no bias (no dbias either), no filtering or sorted vocabulary (the dense path: no work lists); TMA-ready rows
-    (unit inner stride, row strides and base addresses 16-byte aligned, so D % 8 == 0); a Hopper GPU
-    (``on_hopper``). Every other call keeps ``backward._grad_tile_kernel``."""
-    if tiles != "auto" or bias is not None or filtering or order is not None:
+    no bias (no dbias either), no filtering or sorted vocabulary (the dense path: no work lists); no softcap (its
+    two-pass epilogue spills 272 B of stack at the 64 x 256 warpgroup tile: correct on the GPU, never timed);
+    TMA-ready rows (unit inner stride, row strides and base addresses 16-byte aligned, so D % 8 == 0); a Hopper
+    GPU (``on_hopper``). Every other call keeps ``backward._grad_tile_kernel``."""
+    if tiles != "auto" or bias is not None or filtering or order is not None or softcap is not None:
         return False
     if e2d.dtype != torch.bfloat16 or c.dtype != torch.bfloat16 or g_dtype != torch.bfloat16:
         return False
