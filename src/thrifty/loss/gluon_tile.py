@@ -350,6 +350,17 @@ def _descriptors(e_rows: torch.Tensor, c_rows: torch.Tensor, block_m: int, block
             TensorDescriptor(c_rows, [c_rows.shape[0], D], [c_rows.stride(0), 1], [block_n, block_k], c_layout))
 
 
+def tile_config(overrides: dict | None = None, base: dict = TILE_CONFIG) -> dict:
+    """``base`` with ``overrides`` (tests and timing runs), checked: known keys only, and block_m a multiple of
+    the wgmma's 16 rows per warp times num_warps."""
+    cfg = dict(base, **(overrides or {}))
+    unknown = sorted(set(cfg) - set(base))
+    if unknown or cfg["block_m"] % (16 * cfg["num_warps"]) or cfg["block_m"] > 32 * cfg["num_warps"]:
+        raise ValueError(f"config: keys of {sorted(base)} with block_m a multiple of 16 * num_warps and at most "
+                         f"32 * num_warps (one warpgroup's rows of a tile), got {overrides!r}")
+    return cfg
+
+
 def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
                w: torch.Tensor, g_buf: torch.Tensor, *, v_start: int, softcap, z_loss: float, onehot_weight: float,
                uniform_weight: float, config: dict | None = None) -> None:
@@ -380,17 +391,6 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
 # the forward's tiles: the gradient tiles' schedule (the statistics epilogue is lighter than the gradient's: no
 # store of the tile, a 1 KB read-modify-write of the slot per warpgroup)
 LSE_CONFIG = dict(TILE_CONFIG)
-
-
-def tile_config(overrides: dict | None = None, base: dict = TILE_CONFIG) -> dict:
-    """``base`` with ``overrides`` (tests and timing runs), checked: known keys only, and block_m a multiple of
-    the wgmma's 16 rows per warp times num_warps."""
-    cfg = dict(base, **(overrides or {}))
-    unknown = sorted(set(cfg) - set(base))
-    if unknown or cfg["block_m"] % (16 * cfg["num_warps"]) or cfg["block_m"] > 32 * cfg["num_warps"]:
-        raise ValueError(f"config: keys of {sorted(base)} with block_m a multiple of 16 * num_warps and at most "
-                         f"32 * num_warps (one warpgroup's rows of a tile), got {overrides!r}")
-    return cfg
 
 lse_launch_count = 0  # Gluon LSE launches in this process: tests read it to see which forward a call took
 
