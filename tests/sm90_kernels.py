@@ -406,12 +406,12 @@ def _loss():
 def _loss_gluon():
     """loss.gluon_tile._grad_tile_gluon_kernel as gluon_tile.grad_tiles launches it (bf16 only): the default
     config, the chunk's width (the tiles' row stride too) a multiple of 16 (plan_chunks' chunks: 4-byte stores) or
-    not (the last chunk of an odd vocabulary: 2-byte stores). Softcapped calls keep the Triton tiles
-    (``gluon_tiles_ok``), so the kernel's softcap form is not launched by the library and not listed."""
+    not (the last chunk of an odd vocabulary: 2-byte stores); softcapped calls with SOFTCAP_TILE_CONFIG."""
     from thrifty.loss import gluon_tile as GT
 
     for aligned in (True, False):
         yield loss_gluon_entry(GT.TILE_CONFIG, False, aligned, "default")
+        yield loss_gluon_entry(GT.SOFTCAP_TILE_CONFIG, True, aligned, "softcap")
     for softcap in (False, True):
         yield loss_gluon_lse_entry(GT.LSE_CONFIG, softcap)
 

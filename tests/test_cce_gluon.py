@@ -67,7 +67,7 @@ def test_routing_takes_only_the_dense_bf16_calls(monkeypatch):
     assert not _ok(e, c, filtering=True)
     assert not _ok(e, c, order=torch.arange(c.shape[0], dtype=torch.int32))
     assert not _ok(e, c, g_dtype=torch.float32)
-    assert not _ok(e, c, softcap=30.0)  # its epilogue spills at the 64 x 256 warpgroup tile
+    assert _ok(e, c, softcap=30.0)  # on SOFTCAP_TILE_CONFIG's 64 x 128 tiles
     for dtype in (torch.float16, torch.float32):
         assert not _ok(*_routable(dtype=dtype), g_dtype=BF16)
     assert not _ok(e, c.float())
@@ -125,7 +125,7 @@ def _rel(a, b):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("opts", [{}, dict(z_loss=1e-2, label_smoothing=0.1)])
+@pytest.mark.parametrize("opts", [{}, dict(z_loss=1e-2, label_smoothing=0.1), dict(softcap=20.0)])
 @pytest.mark.parametrize("scratch_in_dc, tile_bytes", [(True, None), (True, 4096), (False, 4096)])
 @pytest.mark.parametrize("ignore_every", [0, 4])
 def test_backward_routes_tiles_through_the_gluon_call(monkeypatch, opts, scratch_in_dc, tile_bytes, ignore_every):
@@ -139,7 +139,7 @@ def test_backward_routes_tiles_through_the_gluon_call(monkeypatch, opts, scratch
             monkeypatch.setattr(B, name, tile_bytes)
     want = _grads(e, c, t, impl="triton", config=cfg, **opts)
     calls = []
-    monkeypatch.setattr(B, "gluon_tiles_ok", lambda *a, **k: k["tiles"] == "auto" and k["softcap"] is None)
+    monkeypatch.setattr(B, "gluon_tiles_ok", lambda *a, **k: k["tiles"] == "auto")
     monkeypatch.setattr(B, "grad_tiles", fake_grad_tiles(calls))
     got = _grads(e, c, t, impl="triton", config=cfg, **opts)
     nv = int((t != -100).sum())
@@ -154,7 +154,7 @@ def test_backward_routes_tiles_through_the_gluon_call(monkeypatch, opts, scratch
     assert times.min() >= 1 and times.max() <= 2
     ls = opts.get("label_smoothing", 0.0)
     assert all(k["onehot_weight"] == 1.0 - ls and k["uniform_weight"] == ls / V for k in calls)
-    assert all(k["softcap"] is None and k["z_loss"] == opts.get("z_loss", 0.0) for k in calls)
+    assert all(k["softcap"] == opts.get("softcap") and k["z_loss"] == opts.get("z_loss", 0.0) for k in calls)
     assert got[0].equal(want[0])
     for a, b in zip(got[1:], want[1:]):
         assert _rel(a, b) < 1e-2, _rel(a, b)
@@ -335,11 +335,17 @@ def test_backward_takes_the_gluon_route_unless_told_otherwise():
     assert GT.launch_count == before
     for a, b in zip(got[1:], tri[1:]):
         assert _rel(a, b) < 1e-2
-    # routes that stay on the Triton tile kernel: a bias, filtering, fp16, a softcap
+    # a softcap (Gemma-2's 30) takes the Gluon tiles too, on SOFTCAP_TILE_CONFIG
+    before = GT.launch_count
+    got = _grads(e, c, t, softcap=30.0)
+    assert GT.launch_count > before
+    tri = _grads(e, c, t, softcap=30.0, config=CCEKernelConfig(tiles="triton"))
+    for a, b in zip(got[1:], tri[1:]):
+        assert _rel(a, b) < 1e-2
+    # routes that stay on the Triton tile kernel: a bias, filtering, fp16
     before = GT.launch_count
     b = torch.zeros(c.shape[0], dtype=BF16, device="cuda", requires_grad=True)
     linear_cross_entropy(e, c, t, bias=b).backward()
-    linear_cross_entropy(e, c, t, softcap=30.0).backward()
     linear_cross_entropy(e, c, t, config=CCEKernelConfig(filter_eps="auto")).backward()
     linear_cross_entropy(e.detach().half().requires_grad_(), c.detach().half().requires_grad_(), t).backward()
     assert GT.launch_count == before

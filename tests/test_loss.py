@@ -423,16 +423,18 @@ def test_kernels_two_pass_ending_sums_all_of_de_in_fp32(monkeypatch, ignore_ever
 
 
 @pytest.mark.parametrize("nv, D, V, left, in_dc", [
-    (8192, 2304, 256000, 0, True),  # the benchmark shapes keep the whole accumulator in dC
-    (8192, 4096, 128256, 0, True),
-    (16384, 4096, 128256, 2048, True),  # whole: 26.5% recomputed; right half in dC: 13.8%
+    (8192, 2304, 256000, 1152, True),  # even D: right half in dC, 4.1% recomputed (whole: 7.3%)
+    (8192, 4096, 128256, 2048, True),  # 7.4% (whole: 13.8%)
+    (16384, 4096, 128256, 2048, True),  # 13.8% (whole: 26.5%, over MAX_RECOMPUTED)
     (8192, 576, 49152, 288, False),  # not even the half fits: separate right half (nv x 288 fp32)
-    (16384, 577, 49152, 0, False),  # odd D: no half fits dE's rows, the whole accumulator separate
+    (8192, 2305, 256000, 0, True),  # odd D: no half fits dE's rows, the whole accumulator in dC
+    (16384, 577, 49152, 0, False),  # odd D, too many tokens: the whole accumulator separate
 ])
-def test_in_dc_plan_splits_the_accumulator_where_dc_cannot_host_it(nv, D, V, left, in_dc):
-    """With an fp32 dE accumulator the in-dC schedule takes, in order: the whole accumulator in dC's last rows;
-    its right half there and its left half in dE's own bytes; a separate buffer (for the part not in dE) --
-    the first whose two-pass ending recomputes at most MAX_RECOMPUTED of the vocabulary."""
+def test_in_dc_plan_splits_the_accumulator_for_even_d(nv, D, V, left, in_dc):
+    """With an fp32 dE accumulator the in-dC schedule keeps, for even D, the accumulator's left half in dE's own
+    bytes and its right half in dC's last rows; for odd D the whole accumulator in dC. Either is taken only when
+    its two-pass ending recomputes at most MAX_RECOMPUTED of the vocabulary, else the part not in dE is
+    separate (acc_off None). The split recomputes less than the whole would have."""
     from thrifty.loss.backward import MAX_RECOMPUTED, in_dc_plan, plan_chunks, recomputed_fraction
 
     step, buf = 256, max(256, (8 << 20) // (2 * nv) // 256 * 256)
@@ -442,9 +444,9 @@ def test_in_dc_plan_splits_the_accumulator_where_dc_cannot_host_it(nv, D, V, lef
     if acc_off is not None:
         assert (plan, acc_off) == plan_chunks(V, D, nv, step, buf, 2 * nv * (D - left))
         assert acc_off + 2 * nv * (D - left) <= V * D
-    if left:  # the split was needed: the whole accumulator would recompute too much or not fit
-        whole, whole_off = plan_chunks(V, D, nv, step, buf, 2 * nv * D)
-        assert whole_off is None or recomputed_fraction(whole, V) > MAX_RECOMPUTED
+        if left:
+            whole, whole_off = plan_chunks(V, D, nv, step, buf, 2 * nv * D)
+            assert whole_off is None or recomputed_fraction(whole, V) > recomputed_fraction(plan, V)
     assert in_dc_plan(V, D, nv, step, buf, False)[1:] == (None, 0)  # fp32 inputs: no accumulator
 
 

@@ -39,6 +39,10 @@ GROUP_ROWS = 2048
 # 64 x 256); a tile is HALVES * block_m rows; stages: 4 x 48 KB (two 64-row E blocks and one 256-row C block of 64
 # columns) = 192 KB of the 227 KB; the consumers get 240 registers each, the producer 24.
 TILE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=4, consumer_regs=240, producer_regs=24, num_warps=4)
+# Softcapped tiles: the two-pass epilogue keeps the other column half live beside z and g, which spills 272 B
+# at 64 x 256; 64 x 128 per warpgroup (64 accumulator registers) fits, and 6 stages of 32 KB keep the same
+# ~192 KB of loads in flight (Gemma-2 caps its logits at 30: the paper's 256k shape).
+SOFTCAP_TILE_CONFIG = dict(TILE_CONFIG, block_n=128, stages=6)
 HALVES = 2  # consumer warpgroups, each on its own row half of every tile
 
 launch_count = 0  # Gluon tile launches in this process: tests read it to see which kernel a backward took
@@ -115,9 +119,9 @@ def _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, soft
               uniform_weight, acc_layout: gl.constexpr, HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr):
     """The tile's gradient from its logits in registers. With a softcap, z and the running gradient are both live
-    per element (the factor 1 − (z/softcap)² needs z after the exp): for the whole tile that is 256 registers
-    beside the accumulator's 128 and spills, so the tile is done in two halves, the even and the odd columns (in
-    the wgmma layout a thread holds columns in pairs, so the split moves no data)."""
+    per element (the factor 1 − (z/softcap)² needs z after the exp), so the tile is done in two halves, the even
+    and the odd columns (in the wgmma layout a thread holds columns in pairs, so the split moves no data); at
+    64 x 256 even that spills, hence SOFTCAP_TILE_CONFIG's 64 x 128."""
     if HAS_SOFTCAP:
         even, odd = gl.split(gl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         cols = 2 * gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(0, even.type.layout))
@@ -311,11 +315,10 @@ def _lse_gluon_kernel(e_desc, c_desc, TGT, PART, NV, V, D, softcap,
 def gluon_tiles_ok(e2d: torch.Tensor, c: torch.Tensor, *, bias, filtering: bool, order, g_dtype: torch.dtype,
                    softcap=None, tiles: str = "auto") -> bool:
     """Whether a backward's gradient tiles go to the Gluon kernel: ``tiles == "auto"``; bf16 E and C, bf16 tiles,
-    no bias (no dbias either), no filtering or sorted vocabulary (the dense path: no work lists); no softcap (its
-    two-pass epilogue spills 272 B of stack at the 64 x 256 warpgroup tile: correct on the GPU, never timed);
-    TMA-ready rows (unit inner stride, row strides and base addresses 16-byte aligned, so D % 8 == 0); a Hopper
+    no bias (no dbias either), no filtering or sorted vocabulary (the dense path: no work lists; a softcap
+    takes SOFTCAP_TILE_CONFIG); TMA-ready rows (unit inner stride, row strides and base addresses 16-byte aligned, so D % 8 == 0); a Hopper
     GPU (``on_hopper``). Every other call keeps ``backward._grad_tile_kernel``."""
-    if tiles != "auto" or bias is not None or filtering or order is not None or softcap is not None:
+    if tiles != "auto" or bias is not None or filtering or order is not None:
         return False
     if e2d.dtype != torch.bfloat16 or c.dtype != torch.bfloat16 or g_dtype != torch.bfloat16:
         return False
@@ -366,9 +369,9 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
                uniform_weight: float, config: dict | None = None) -> None:
     """g_buf (nv x cur bf16, unit inner stride) = the gradient tiles of rows ``e_valid`` (nv x D) against the
     vocabulary rows ``c_chunk`` (cur x D, vocabulary ids v_start + j); targets, lse, w: per valid row.
-    ``config``: TILE_CONFIG overrides (tests and timing runs)."""
+    ``config``: overrides (tests and timing runs) of TILE_CONFIG, or of SOFTCAP_TILE_CONFIG with a softcap."""
     global launch_count
-    cfg = tile_config(config)
+    cfg = tile_config(config, SOFTCAP_TILE_CONFIG if softcap is not None else TILE_CONFIG)
     nv, D = e_valid.shape
     cur = c_chunk.shape[0]
     if nv == 0 or cur == 0:
