@@ -54,6 +54,9 @@ def parse(argv=None):
     ap.add_argument("--local", type=int, default=4)
     ap.add_argument("--outlier-radius-share", type=float, default=ShadowKVConfig().outlier_radius_share,
                     help="share of ShadowKV's outlier chunks chosen by the largest chunk radius (0: the paper's rule)")
+    ap.add_argument("--outlier-window-share", type=float, default=ShadowKVConfig().outlier_window_share,
+                    help="ShadowKVConfig.outlier_window_share: outlier chunks by the last prompt queries' attention")
+    ap.add_argument("--observation-window", type=int, default=ShadowKVConfig().observation_window)
     ap.add_argument("--radius-weight", type=float, default=ShadowKVConfig().radius_weight,
                     help="ShadowKV's chunk-radius term λ (0: the paper's mean-landmark score; default: the library's)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -99,7 +102,8 @@ def load_model(args, device):
 def methods_for(args, max_generated: int) -> dict:
     common = dict(rank=args.rank, chunk_size=args.chunk, outlier_chunks=args.outliers, local_chunks=args.local,
                   min_prompt_len=1, max_generated=max_generated, radius_weight=args.radius_weight,
-                  outlier_radius_share=args.outlier_radius_share)
+                  outlier_radius_share=args.outlier_radius_share, outlier_window_share=args.outlier_window_share,
+                  observation_window=args.observation_window)
     methods = {"dense": None}
     for b in args.budgets:
         methods[f"shadowkv@{b}"] = ShadowKVConfig(sparse_budget=b, **common)

@@ -476,3 +476,139 @@ def test_evaluate_batch_full_budget_matches_dense_and_small_budget_runs(hf_model
     with pytest.raises(ValueError, match="one prompt length"):
         evaluate_batch(hf_model, tasks[:1] + [make_needle_task("single", encode, filler, 310, 0.5, rng)],
                        methods, decode)
+
+
+# ----------------------------------------------------------------------------------------------- observation window
+
+def test_window_config_is_checked():
+    assert (ShadowKVConfig().outlier_window_share, ShadowKVConfig().observation_window) == (0.0, 32)
+    with pytest.raises(ValueError, match="outlier_window_share"):
+        small_config(outlier_window_share=0.6, outlier_radius_share=0.5)  # the shares split one set of chunks
+    with pytest.raises(ValueError, match="outlier_window_share"):
+        small_config(outlier_window_share=-0.1)
+    with pytest.raises(ValueError, match="observation_window"):
+        small_config(observation_window=0)
+    small_config(outlier_window_share=0.5, outlier_radius_share=0.5)  # all by the two rules: fine
+
+
+@pytest.mark.parametrize("block", [16384, 37, 5])
+def test_window_mass_is_the_causal_softmax_mass_per_chunk(block):
+    """Against float64: each window row (at lengths[b] - w + j) softmaxes over the keys up to its position,
+    rows before position 0 count for nothing, the mass is summed over rows and the group, then per chunk."""
+    g = torch.Generator().manual_seed(block)
+    B, H, G, T, D, w, c = 3, 2, 3, 61, 8, 10, 4
+    lengths = torch.tensor([61, 40, 7])  # the last one is shorter than the window
+    k = torch.randn(B, H, T, D, generator=g)
+    q = torch.randn(B, H * G, w, D, generator=g)
+    C = -(-T // c)
+    got = ref.window_mass(q, k, lengths, C, c, block=block)
+    want = torch.zeros(B, H, C * c, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H * G):
+            for j in range(w):
+                pos = int(lengths[b]) - w + j
+                if pos < 0:
+                    continue
+                s = k[b, h // G, :pos + 1].double() @ q[b, h, j].double() / math.sqrt(D)
+                want[b, h // G, :pos + 1] += s.softmax(0)
+    want = want.view(B, H, C, c).sum(-1)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert torch.allclose(got.sum((1, 2)).double(), torch.tensor([G * H * w, G * H * w, G * H * 7.0]).double())
+
+
+def test_a_share_of_the_outliers_goes_to_the_observation_window():
+    """outlier_window_share: the min-cosine rule takes its share, the chunks the window's queries attend most
+    among the rest the window's share, then the radius share (chunk 5: one opposite key, lowest cosine; chunk 9:
+    the widest; chunk 12: four equal keys in a direction only the window's query looks at). Without the window's
+    queries its share goes to the min-cosine rule."""
+    k, v, q, L, cos, sin = ragged_batch([64], H=1, D=4)
+    e = k[0, 0, 0].clone()
+    k[0, 0, :] = e
+    k[0, 0, 21] = -e  # chunk 5
+    k[0, 0, 36:40] *= torch.tensor([1.0, 9.0, 1.0, 9.0])[:, None]  # chunk 9
+    u = torch.randn(4, generator=torch.Generator().manual_seed(1))
+    u = u - (u @ e) / (e @ e) * e  # orthogonal to every other key
+    k[0, 0, 48:52] = u  # chunk 12
+    window_q = (20.0 * u / u.norm()).expand(1, 3, 8, 4).clone()  # 3 query heads (G = 3), w = 8
+    cfg = dict(rank=4, outlier_chunks=2, outlier_radius_share=0.0, outlier_window_share=0.5, observation_window=8)
+    st = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(**cfg), window_q=window_q)
+    assert st.outlier_ids[0, 0].tolist() == [5, 12]
+    assert torch.equal(st.dense_k[0, 0, 4:8], k[0, 0, 48:52])
+    three = dict(cfg, outlier_chunks=3, outlier_radius_share=1 / 3, outlier_window_share=1 / 3)
+    st = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(**three), window_q=window_q)
+    assert st.outlier_ids[0, 0].tolist() == [5, 12, 9]
+    no_window = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(**cfg))
+    as_cos = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(**dict(cfg, outlier_window_share=0.0)))
+    assert torch.equal(no_window.outlier_ids, as_cos.outlier_ids)
+
+
+def _capture_windows(monkeypatch):
+    seen = []
+    real = ref.compress_prompt
+
+    def spy(*a, window_q=None, **kw):
+        seen.append(window_q)
+        return real(*a, window_q=window_q, **kw)
+
+    monkeypatch.setattr(ref, "compress_prompt", spy)
+    return seen
+
+
+def test_hf_generate_hands_each_prompts_last_queries_to_the_compression(hf_model, monkeypatch):
+    """On a transformers model the prefill's attention call passes the last w real queries of every prompt
+    (left padding removed) to the compression: the queries of that prompt run alone."""
+    from thrifty.kvcache.needle import dense_prefill
+
+    ids = torch.randint(0, 101, (2, 60), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0  # left padding: 60 and 43 tokens
+    seen = _capture_windows(monkeypatch)
+    cfg = small_config(rank=16, sparse_budget=8, min_prompt_len=20, outlier_chunks=4, outlier_radius_share=0.25,
+                       outlier_window_share=0.5, observation_window=6)
+    _greedy(hf_model, ids, mask, ShadowKVCache(hf_model, cfg), n=3)
+    assert len(seen) == 2 and all(q is not None and q.shape == (2, 4, 6, 16) for q in seen)
+    for b, start in ((0, 0), (1, 17)):
+        _, want = dense_prefill(hf_model, ids[b:b + 1, start:], window=6)
+        for layer, q in enumerate(seen):
+            assert torch.allclose(q[b:b + 1].float(), want[layer], atol=1e-4), (b, layer)
+
+
+def test_reference_model_compresses_with_the_window_at_its_attention_call(monkeypatch):
+    from thrifty.models import LlamaForCausalLM, generate, preset
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(preset("tiny", vocab_size=97)).init_weights(std=0.2, seed=0).eval()
+    ids = torch.randint(0, 97, (2, 75), generator=torch.Generator().manual_seed(4))
+    dense = generate(model, ids, 4)
+    seen = _capture_windows(monkeypatch)
+    cfg = small_config(rank=64, sparse_budget=400, min_prompt_len=20, outlier_window_share=0.5,
+                       outlier_radius_share=0.0, observation_window=5)
+    out = generate(model, ids, 4, cache_factory=lambda: ShadowKVCache(model, cfg))
+    heads, head_dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert len(seen) == model.config.num_hidden_layers
+    assert all(q is not None and q.shape == (2, heads, 5, head_dim) for q in seen)
+    assert torch.equal(out, dense)  # full budget: still dense attention
+
+
+def test_load_prompt_window_queries_and_forks(hf_model):
+    from thrifty.kvcache.needle import dense_prefill, greedy_steps
+
+    ids = torch.randint(0, 101, (2, 90), generator=torch.Generator().manual_seed(3))
+    kv, wq = dense_prefill(hf_model, ids[:, :-1], batch=1, window=8)
+    assert len(wq) == 2 and wq[0].shape == (2, 4, 8, 16)
+    cfg = small_config(rank=20, min_prompt_len=16, outlier_chunks=4, outlier_window_share=0.5,
+                       outlier_radius_share=0.0, observation_window=8)
+    base = ShadowKVCache(hf_model, cfg)
+    base.load_prompt(kv, window_queries=wq)
+    plain = ShadowKVCache(hf_model, cfg)
+    plain.load_prompt(kv)  # no queries: the window's share goes to the min-cosine rule
+    windowed = any(not torch.equal(a.outlier_ids, b.outlier_ids)
+                   for a, b in zip(base.engine.states, plain.engine.states))
+    assert windowed
+    greedy_steps(hf_model, base.fork(hf_model, cfg), ids[:, -1:], 2)
+    with pytest.raises(ValueError, match="outlier_window_share"):
+        base.fork(hf_model, small_config(rank=20, min_prompt_len=16, outlier_chunks=4, outlier_radius_share=0.0))
+    with pytest.raises(ValueError, match="window_queries"):
+        ShadowKVCache(hf_model, cfg).load_prompt(kv, window_queries=wq[:1])
+    with pytest.raises(ValueError, match="window_queries"):
+        ShadowKVCache(hf_model, cfg).load_prompt(kv, window_queries=[q[:1] for q in wq])

@@ -42,6 +42,10 @@ class ShadowKVCache(_cache_base()):
     SVD mixes every token and head of a sequence.
     """
 
+    # the settings the compressed prompt depends on: forks must share them (the rest are per decode step)
+    COMPRESSION_FIELDS = ("rank", "chunk_size", "outlier_chunks", "local_chunks", "host_values", "selector",
+                          "outlier_radius_share", "outlier_window_share", "observation_window")
+
     def __new__(cls, model=None, config: Optional[ShadowKVConfig] = None, *, impl: str = "auto"):
         if cls is ShadowKVCache and model is not None and _is_thrifty_model(model):
             cls = ThriftyModelShadowKVCache
@@ -77,10 +81,12 @@ class ShadowKVCache(_cache_base()):
     def host_bytes_per_sequence(self) -> int:
         return self.engine.host_bytes_per_sequence()
 
-    def load_prompt(self, keys_values, lengths: Optional[torch.Tensor] = None) -> None:
+    def load_prompt(self, keys_values, lengths: Optional[torch.Tensor] = None, window_queries=None) -> None:
         """Fills the cache from a prompt already run densely: per layer the post-RoPE keys and values
         (B, H, T, D), token t of sequence b at index t (what a transformers ``DynamicCache`` holds), ``lengths``
-        (B,) when prompts differ. Lets several configurations share one prefill."""
+        (B,) when prompts differ. Lets several configurations share one prefill. ``window_queries``: per layer
+        the post-RoPE queries (B, Hq, w, D) of each prompt's last w tokens, for ``outlier_window_share``
+        (``needle.dense_prefill`` returns them)."""
         from .._checks import check_tensor
 
         if self._dense is not None:
@@ -94,19 +100,45 @@ class ShadowKVCache(_cache_base()):
                              f"got shape {tuple(k0.shape)}")
         if lengths is None:
             lengths = torch.full((B,), T, device=k0.device)
+        if window_queries is not None and len(window_queries) != len(keys_values):
+            raise ValueError(f"window_queries: expected one tensor per layer ({len(keys_values)}), "
+                             f"got {len(window_queries)}")
         if self._decide(T):
             for i, (k, v) in enumerate(keys_values):
                 self._dense_append(i, k, v)
             return
         for i, (k, v) in enumerate(keys_values):
-            self.engine.prefill(i, k, v, lengths)
+            wq = None if window_queries is None else self._check_window(window_queries[i], B)
+            self.engine.prefill(i, k, v, lengths, window_q=wq)
+
+    def _check_window(self, q: torch.Tensor, batch: int) -> torch.Tensor:
+        from .._checks import check_tensor
+
+        check_tensor("window_queries", q, ndim=4, floating=True)
+        Hq = q.shape[1]
+        if q.shape[0] != batch or q.shape[3] != self.engine.head_dim or Hq % self.engine.kv_heads:
+            raise ValueError(f"window_queries: expected ({batch}, a multiple of {self.engine.kv_heads} heads, w, "
+                             f"{self.engine.head_dim}), got shape {tuple(q.shape)}")
+        return q
+
+    def _window_rows(self, q: torch.Tensor, order: Optional[torch.Tensor], lengths: torch.Tensor):
+        """The observation window of a prefill's queries (B, Hq, T, D): each sequence's last w real rows (its
+        tokens left-aligned by ``order`` (B, T), or in place when None), or None when the config takes none."""
+        if self.config.outlier_window_share <= 0:
+            return None
+        B, Hq, T, D = q.shape
+        w = min(self.config.observation_window, T)
+        rows = (lengths[:, None] - w + torch.arange(w, device=q.device)).clamp_min(0)  # (B, w) left-aligned
+        if order is not None:
+            rows = order.gather(1, rows)
+        return q.gather(2, rows[:, None, :, None].expand(B, Hq, w, D))
 
     def fork(self, model, config: ShadowKVConfig) -> "ShadowKVCache":
         """A new cache over this cache's compressed prompt with another ``sparse_budget`` / ``max_generated``
         (the compression, which does not depend on them, is done once: a sweep over budgets shares it). Only
-        before this cache decodes; the compression settings (rank, chunk_size, outlier_chunks, local_chunks,
-        host_values, selector) must match. The prompt state is shared read-only: each cache decodes on its own
-        (the reference path appends into new tensors, the kernel path into its own buffers)."""
+        before this cache decodes; the compression settings (``COMPRESSION_FIELDS``) must match. The prompt
+        state is shared read-only: each cache decodes on its own (the reference path appends into new tensors,
+        the kernel path into its own buffers)."""
         import dataclasses
 
         if not isinstance(config, ShadowKVConfig):
@@ -115,8 +147,7 @@ class ShadowKVCache(_cache_base()):
             raise ValueError("fork: this cache holds no compressed prompt (none yet, or a dense one)")
         if any(self.engine.generated(i) for i in range(self.engine.num_layers)):
             raise ValueError("fork: this cache has already decoded; fork it before its first decode step")
-        shared = ("rank", "chunk_size", "outlier_chunks", "local_chunks", "host_values", "selector")
-        diff = [f"{f} ({getattr(self.config, f)!r} vs {getattr(config, f)!r})" for f in shared
+        diff = [f"{f} ({getattr(self.config, f)!r} vs {getattr(config, f)!r})" for f in self.COMPRESSION_FIELDS
                 if getattr(config, f) != getattr(self.config, f)]
         if diff:
             raise ValueError(f"config: a fork shares the compressed prompt, so these must match: {', '.join(diff)}")
@@ -171,7 +202,7 @@ class ShadowKVCache(_cache_base()):
         self._modules[idx].__dict__[PENDING_ATTR] = self
         return k, v
 
-    def _compress_hf(self, layer: int, k, v, mask, position_ids) -> None:
+    def _compress_hf(self, layer: int, k, v, mask, position_ids, query=None) -> None:
         B, _, T, _ = k.shape
         valid = valid_keys(mask, B, T, k.device)
         lengths = valid.sum(-1)
@@ -184,7 +215,8 @@ class ShadowKVCache(_cache_base()):
             if bool(bad.any()):
                 raise ValueError("position_ids: ShadowKV expects the tokens of each prompt at positions 0..n-1")
         idx = order[:, None, :, None].expand_as(k)
-        self.engine.prefill(layer, k.gather(2, idx), v.gather(2, idx), lengths)
+        window = None if query is None else self._window_rows(query, order, lengths)
+        self.engine.prefill(layer, k.gather(2, idx), v.gather(2, idx), lengths, window_q=window)
 
 
 class ThriftyModelShadowKVCache(ShadowKVCache):
@@ -213,9 +245,12 @@ class ThriftyModelShadowKVCache(ShadowKVCache):
             return self._dense_append(layer_idx, k_post, v)
         if not self.engine.compressed(layer_idx):
             lengths = torch.full((k.shape[0],), k.shape[2], device=k.device)
-            self.engine.prefill(layer_idx, k_post, v, lengths, k_pre=k)
+            if self.config.outlier_window_share > 0:  # the queries come with the attention call: compress there
+                self._dispatch[layer_idx].pending = (self, layer_idx, (k_post, v, lengths, k))
+            else:
+                self.engine.prefill(layer_idx, k_post, v, lengths, k_pre=k)
             return k_post, v
-        self._dispatch[layer_idx].pending = (self, layer_idx)
+        self._dispatch[layer_idx].pending = (self, layer_idx, None)
         return k_post, v
 
     def __len__(self) -> int:  # the reference model reads the cached length this way
@@ -234,8 +269,14 @@ class _ThriftyDispatch:
         pending, self.pending = self.pending, None
         if pending is None:
             return self.inner(q, k, v, causal=causal, scale=scale)
-        cache, layer = pending
-        return cache.engine.decode(layer, q, k, v, scale)
+        cache, layer, prompt = pending
+        if prompt is None:
+            return cache.engine.decode(layer, q, k, v, scale)
+        out = self.inner(q, k, v, causal=causal, scale=scale)  # the prefill itself runs dense
+        k_post, v_prompt, lengths, k_pre = prompt
+        cache.engine.prefill(layer, k_post, v_prompt, lengths, k_pre=k_pre,
+                             window_q=cache._window_rows(q, None, lengths))
+        return out
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -35,6 +35,14 @@ class ShadowKVConfig:
       chunk is the one the radius term over-scores, so holding it exact frees budget; on SmolLM2's needle rows
       (GPU, the same 420 prompts, λ = 0.5) 0.5 took ShadowKV from 0.605 / 0.621 / 0.625 to 0.616 / 0.630 / 0.623
       at budgets 256 / 512 / 1024 (``kvcache/NOTES.md``, "Half the outliers by radius on the GPU").
+    * ``outlier_window_share``: the share of the outlier chunks chosen by the attention the prompt's last
+      ``observation_window`` queries pay them (SnapKV's observation window: softmax over the prompt per query
+      head, summed over the window and the KV head's group), among the chunks the min-cosine rule did not take;
+      0 (the default): none. It needs the prompt's queries, which ``generate`` on a transformers model and the
+      reference model hand the cache; ``load_prompt`` takes them as ``window_queries``, and without them this
+      share goes back to the min-cosine rule. Suits prompts whose question comes last (the window already looks
+      for the answer); a later question about another part of the prompt gets no help from it.
+    * ``observation_window``: the number of last prompt queries of ``outlier_window_share`` (32, SnapKV's).
     * ``radius_weight``: λ of the chunk logit ``(q·landmark + λ·‖q‖·r)/√D``, r = the chunk's largest distance
       between a post-RoPE key and its landmark (one fp32 per chunk and KV head beside the landmark's D values).
       0 is the paper's mean-landmark score. Why not 0: a chunk whose one key scores high among seven that score
@@ -56,6 +64,8 @@ class ShadowKVConfig:
     selector: str = "shadowkv"
     radius_weight: float = 0.5
     outlier_radius_share: float = 0.5
+    outlier_window_share: float = 0.0
+    observation_window: int = 32
 
     def __post_init__(self):
         check_positive_int("rank", self.rank)
@@ -69,6 +79,12 @@ class ShadowKVConfig:
         check_choice("selector", self.selector, SELECTORS)
         check_range("radius_weight", self.radius_weight, 0.0, 1e3)
         check_range("outlier_radius_share", self.outlier_radius_share, 0.0, 1.0)
+        check_range("outlier_window_share", self.outlier_window_share, 0.0, 1.0)
+        check_positive_int("observation_window", self.observation_window)
+        if self.outlier_radius_share + self.outlier_window_share > 1.0 + 1e-9:
+            raise ValueError(f"outlier_window_share: expected at most 1 - outlier_radius_share = "
+                             f"{1.0 - self.outlier_radius_share:g} (the two shares split one set of outlier chunks), "
+                             f"got {self.outlier_window_share}")
         if self.sparse_budget < self.chunk_size:
             raise ValueError(f"sparse_budget: expected at least one chunk ({self.chunk_size} tokens), "
                              f"got {self.sparse_budget}")

@@ -44,7 +44,7 @@ class ShadowKVEngine:
         return self.n_generated[layer]
 
     def prefill(self, layer: int, k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                k_pre: Optional[torch.Tensor] = None) -> None:
+                k_pre: Optional[torch.Tensor] = None, window_q: Optional[torch.Tensor] = None) -> None:
         B, T = k_post.shape[0], k_post.shape[2]
         if B == 0 or T == 0:
             raise ValueError(f"k_post: an empty prompt (shape {tuple(k_post.shape)}) has nothing to compress; "
@@ -55,7 +55,7 @@ class ShadowKVEngine:
         host = torch.device("cpu") if k_post.device.type == "cuda" else k_post.device
         self.n_generated[layer], self.fast[layer] = 0, None
         self.states[layer] = ref.compress_prompt(k_post, v, lengths, self.cos[:T], self.sin[:T], self.config,
-                                                 host_device=host, k_pre=k_pre)
+                                                 host_device=host, k_pre=k_pre, window_q=window_q)
 
     def decode(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
         if q.shape[2] != 1:

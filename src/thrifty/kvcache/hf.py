@@ -50,7 +50,7 @@ def shadowkv_attention(module, query, key, value, attention_mask, dropout: float
         return out.transpose(1, 2).contiguous(), None
     out = (prefill_attention or sdpa_attention_forward)(module, query, key, value, attention_mask, dropout=dropout,
                                                         scaling=scaling, is_causal=is_causal, **kwargs)
-    cache._compress_hf(layer, key, value, attention_mask, kwargs.get("position_ids"))
+    cache._compress_hf(layer, key, value, attention_mask, kwargs.get("position_ids"), query=query)
     return out
 
 

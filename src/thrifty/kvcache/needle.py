@@ -180,21 +180,62 @@ def new_tokens_for(task: NeedleTask) -> int:
 
 
 @torch.no_grad()
-def dense_prefill(model, ids: torch.Tensor, batch: int = 8) -> list:
+def dense_prefill(model, ids: torch.Tensor, batch: int = 8, window: int = 0):
     """Dense prefill of ``ids`` (B, T) in sub-batches of ``batch``: per layer the post-RoPE keys and values
-    (B, H, T, D) of a transformers ``DynamicCache`` (only the last position's logits are computed)."""
+    (B, H, T, D) of a transformers ``DynamicCache`` (only the last position's logits are computed). With
+    ``window`` > 0, returns ``(keys_values, window_queries)``: also per layer the post-RoPE queries of the last
+    ``window`` positions (B, Hq, w, D), for :meth:`ShadowKVCache.load_prompt`'s ``outlier_window_share``."""
     from transformers import DynamicCache
 
     check_positive_int("batch", batch)
-    per = []
+    check_positive_int("window", window, allow_zero=True)
+    per, queries = [], []
     for i in range(0, ids.shape[0], batch):
         dc = DynamicCache(config=model.config)
-        model(input_ids=ids[i:i + batch], past_key_values=dc, use_cache=True, logits_to_keep=1)
+        with _WindowQueries(model, window) as wq:
+            model(input_ids=ids[i:i + batch], past_key_values=dc, use_cache=True, logits_to_keep=1)
         per.append([(layer.keys, layer.values) for layer in dc.layers])
+        queries.append(wq.queries)
         del dc
-    if len(per) == 1:
-        return per[0]
-    return [(torch.cat([p[i][0] for p in per]), torch.cat([p[i][1] for p in per])) for i in range(len(per[0]))]
+    kv = per[0] if len(per) == 1 else [(torch.cat([p[i][0] for p in per]), torch.cat([p[i][1] for p in per]))
+                                       for i in range(len(per[0]))]
+    if not window:
+        return kv
+    return kv, [torch.cat([q[i] for q in queries]) for i in range(len(queries[0]))]
+
+
+class _WindowQueries:
+    """Within the block, forward hooks on every layer's ``q_proj`` keep the post-RoPE queries (rotated with the
+    model's own ``rotary_emb``) of the last ``window`` positions, by layer; positions 0..T-1 (no padding).
+    ``window`` 0: no hooks."""
+
+    def __init__(self, model, window: int):
+        self.model, self.window, self.queries, self.handles = model, window, [], []
+
+    def __enter__(self):
+        if not self.window:
+            return self
+        from .hf import find_rotary
+        from .reference import apply_rope
+
+        rotary = find_rotary(self.model)
+        layers = [m for m in self.model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+        self.queries = [None] * len(layers)
+        for attn in layers:
+            def hook(mod, inp, out, attn=attn):
+                B, T, _ = out.shape
+                w = min(self.window, T)
+                q = out[:, T - w:].reshape(B, w, -1, attn.head_dim).transpose(1, 2).float()
+                cos, sin = rotary(q, torch.arange(T - w, T, device=q.device)[None])
+                self.queries[attn.layer_idx] = apply_rope(q, cos[0].float(), sin[0].float())
+
+            self.handles.append(attn.q_proj.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
 
 
 @torch.no_grad()
@@ -245,7 +286,10 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
     for k in ("prefill_s", "compress_s", "decode_s", "decode_steps"):
         tm.setdefault(k, 0.0)
     t0 = time.perf_counter()
-    kv = dense_prefill(model, ids[:, :-1], prefill_batch)
+    window = max((cfg.observation_window for cfg in methods.values()
+                  if cfg is not None and cfg.outlier_window_share > 0), default=0)
+    kv = dense_prefill(model, ids[:, :-1], prefill_batch, window)
+    kv, window_q = kv if window else (kv, None)
     _sync(dev)
     tm["prefill_s"] += time.perf_counter() - t0
     compressed: dict = {}
@@ -258,13 +302,16 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
             cache = ShadowKVCache(model, ShadowKVConfig(rank=1, min_prompt_len=ids.shape[1] + 1))  # dense
             cache.load_prompt(kv)
         else:
-            key = (cfg.rank, cfg.chunk_size, cfg.outlier_chunks, cfg.local_chunks, cfg.host_values, cfg.selector)
+            key = tuple(getattr(cfg, f) for f in ShadowKVCache.COMPRESSION_FIELDS)
             if key not in compressed:
                 from dataclasses import replace
 
                 base = ShadowKVCache(model, replace(cfg, min_prompt_len=1),
                                      impl=impl if cfg.selector == "shadowkv" else "auto")  # Quest: reference only
-                base.load_prompt(kv)
+                wq = None
+                if window_q is not None and cfg.outlier_window_share > 0:
+                    wq = [q[:, :, q.shape[2] - cfg.observation_window:] for q in window_q]
+                base.load_prompt(kv, window_queries=wq)
                 compressed[key] = base
             cache = compressed[key].fork(model, cfg)
         _sync(dev)

@@ -174,12 +174,69 @@ def chunk_layout(lengths: torch.Tensor, config: ShadowKVConfig) -> torch.Tensor:
     return (lengths - config.local_chunks * c).clamp_min(0) // c
 
 
+def window_mass(window_q: torch.Tensor, k_post: torch.Tensor, lengths: torch.Tensor, n_chunks_total: int,
+                chunk: int, block: int = 16384) -> torch.Tensor:
+    """(B, H, C) fp32: the attention mass each chunk of the prompt gets from the observation window (SnapKV).
+    ``window_q`` (B, Hq, w, D): post-RoPE queries, row j of sequence b at position lengths[b] - w + j (rows
+    before position 0 count for nothing); they attend causally over ``k_post`` (B, H, T, D); softmax per query
+    head and row, summed over the rows and the KV head's group, then over each chunk's tokens. Keys in blocks
+    of ``block`` (two passes: the row maxima and sums, then the mass), so no (Hq, w, T) tensor is whole."""
+    B, Hq, w, D = window_q.shape
+    H, T = k_post.shape[1], k_post.shape[2]
+    dev = k_post.device
+    q = window_q.float().reshape(B, H, (Hq // H) * w, D) / math.sqrt(D)  # row g*w + j: head g of the group
+    qpos = (lengths.to(dev)[:, None] - w + torch.arange(w, device=dev)).repeat(1, Hq // H)  # (B, G*w)
+    row_ok = (qpos >= 0)[:, None, :]
+
+    def scores(t0):
+        kb = k_post[:, :, t0:t0 + block].float()
+        kpos = t0 + torch.arange(kb.shape[2], device=dev)
+        seen = kpos[None, None, :] <= qpos[:, :, None]  # (B, G*w, tb): causal, and never past the length
+        return (q @ kb.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf"))
+
+    m = torch.full(q.shape[:3], float("-inf"), device=dev)
+    total = torch.zeros(q.shape[:3], device=dev)
+    for t0 in range(0, T, block):
+        sc = scores(t0)
+        new_m = torch.maximum(m, sc.amax(-1))
+        safe = torch.where(torch.isfinite(new_m), new_m, 0.0)
+        total = total * torch.exp(torch.where(torch.isfinite(m), m, 0.0) - safe) + torch.exp(sc - safe[..., None]).sum(-1)
+        m = new_m
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    inv = torch.where(row_ok & (total > 0), 1.0 / total.clamp_min(1e-30), 0.0)
+    mass = torch.zeros(B, H, max(T, n_chunks_total * chunk), device=dev)
+    for t0 in range(0, T, block):
+        p = torch.exp(scores(t0) - m[..., None]) * inv[..., None]
+        mass[:, :, t0:t0 + p.shape[-1]] = p.sum(2)
+    return mass[:, :, :n_chunks_total * chunk].view(B, H, n_chunks_total, chunk).sum(-1)
+
+
+def choose_outliers(min_cos, radius, mass, chunk_real, O: int, config: ShadowKVConfig) -> torch.Tensor:
+    """(B, H, O) outlier chunk ids: first the chunks with the lowest min cosine to their landmark (the paper's
+    rule), then, among the rest, ``outlier_window_share`` of O by the observation window's mass (when ``mass`` is
+    given) and ``outlier_radius_share`` of O by the largest radius (when ``radius`` is: ShadowKV). Padding chunks
+    come last in every ranking."""
+    n_rad = O - int(O * (1.0 - config.outlier_radius_share) + 1e-9) if radius is not None else 0
+    n_win = 0
+    if mass is not None and radius is not None:
+        n_win = O - n_rad - int(O * (1.0 - config.outlier_radius_share - config.outlier_window_share) + 1e-9)
+    ids = min_cos.topk(O - n_rad - n_win, dim=-1, largest=False).indices  # (B, H, by_cos)
+    real = chunk_real[:, None].expand_as(min_cos)
+    for n, rank in ((n_win, mass), (n_rad, radius)):
+        if n:
+            rest = rank.masked_fill(~real, -1.0).scatter(2, ids, -2.0)
+            ids = torch.cat((ids, rest.topk(n, dim=-1).indices), 2)
+    return ids
+
+
 def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, config: ShadowKVConfig, *, host_device: Optional[torch.device] = None,
-                    k_pre: Optional[torch.Tensor] = None) -> LayerState:
+                    k_pre: Optional[torch.Tensor] = None, window_q: Optional[torch.Tensor] = None) -> LayerState:
     """Prefill of one layer. ``k_post``/``v``: (B, H, T, D), token t of sequence b at index t; ``lengths`` (B,);
     ``cos``/``sin``: (T, D) the RoPE table at positions 0..T-1. ``k_pre`` skips the un-rotation when the caller
-    has the pre-RoPE keys (the reference model's seam)."""
+    has the pre-RoPE keys (the reference model's seam). ``window_q``: the observation window's post-RoPE queries
+    (B, Hq, w, D), row j of sequence b at position lengths[b] - w + j (:func:`window_mass`), for
+    ``config.outlier_window_share``; without them that share goes to the min-cosine rule."""
     B, H, T, D = k_post.shape
     c, dev, dtype = config.chunk_size, k_post.device, k_post.dtype
     lengths = lengths.to(dev)
@@ -215,11 +272,10 @@ def compress_prompt(k_post: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
     min_cos = torch.nn.functional.cosine_similarity(keys_c, means[:, :, :, None], dim=-1).amin(-1)
     min_cos = min_cos.masked_fill(~chunk_real[:, None], float("inf"))
     O = min(config.kept_outlier_chunks, C)
-    by_cos = int(O * (1.0 - config.outlier_radius_share) + 1e-9) if radius is not None else O
-    outlier_ids = min_cos.topk(by_cos, dim=-1, largest=False).indices  # (B, H, by_cos)
-    if by_cos < O:
-        rest = radius.masked_fill(~chunk_real[:, None], -1.0).scatter(2, outlier_ids, -2.0)
-        outlier_ids = torch.cat((outlier_ids, rest.topk(O - by_cos, dim=-1).indices), 2)  # (B, H, O)
+    mass = None
+    if window_q is not None and config.outlier_window_share > 0 and O > 0:
+        mass = window_mass(window_q, k_post, lengths, C, c)
+    outlier_ids = choose_outliers(min_cos, radius, mass, chunk_real, O, config)  # (B, H, O)
     outlier_real = chunk_real[:, None].expand(B, H, C).gather(2, outlier_ids)
     selectable = chunk_real[:, None].expand(B, H, C).clone()
     selectable.scatter_(2, outlier_ids, False)
