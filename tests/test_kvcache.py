@@ -56,7 +56,8 @@ def test_bad_config_names_the_argument(kw, arg):
 def test_config_types_and_defaults():
     c = ShadowKVConfig()
     assert (c.rank, c.chunk_size, c.sparse_budget, c.outlier_chunks, c.local_chunks) == (160, 8, 2048, 96, 4)
-    assert (c.radius_weight, c.outlier_radius_share) == (0.5, 0.5)  # the library's two measured departures
+    # the library's measured departures from the paper: the radius term, half the outliers by the window
+    assert (c.radius_weight, c.outlier_window_share, c.outlier_radius_share, c.observation_window) == (0.5, 0.5, 0.0, 32)
     with pytest.raises(TypeError, match="rank"):
         ShadowKVConfig(rank=16.0)
     with pytest.raises(ValueError, match="rank"):
@@ -149,13 +150,15 @@ def test_a_share_of_the_outliers_goes_to_the_widest_chunks():
     k[0, 0, 21] = -k[0, 0, 21]  # chunk 5 (chunk_size 4)
     k[0, 0, 36:40] *= torch.tensor([1.0, 9.0, 1.0, 9.0])[:, None]  # chunk 9: same direction, far from its mean
     st = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(outlier_chunks=2, rank=4,
-                                                                       outlier_radius_share=0.5))
+                                                                       outlier_radius_share=0.5,
+                                                                       outlier_window_share=0.0))
     assert st.outlier_ids[0, 0].tolist() == [5, 9]
     assert not st.selectable[0, 0, 5] and not st.selectable[0, 0, 9]
     assert torch.equal(st.dense_k[0, 0, 4:8], k[0, 0, 36:40])  # (k is post-RoPE, as the cache gets it)
     for share, want in ((0.0, [5]), (1.0, [9])):  # one outlier: min cosine alone, radius alone
         one = ref.compress_prompt(k, v, L, cos[:64], sin[:64], small_config(outlier_chunks=1, rank=4,
-                                                                            outlier_radius_share=share))
+                                                                            outlier_radius_share=share,
+                                                                            outlier_window_share=0.0))
         assert one.outlier_ids[0, 0].tolist() == want, share
     with pytest.raises(ValueError, match="outlier_radius_share"):
         small_config(outlier_radius_share=1.5)
@@ -481,7 +484,6 @@ def test_evaluate_batch_full_budget_matches_dense_and_small_budget_runs(hf_model
 # ----------------------------------------------------------------------------------------------- observation window
 
 def test_window_config_is_checked():
-    assert (ShadowKVConfig().outlier_window_share, ShadowKVConfig().observation_window) == (0.0, 32)
     with pytest.raises(ValueError, match="outlier_window_share"):
         small_config(outlier_window_share=0.6, outlier_radius_share=0.5)  # the shares split one set of chunks
     with pytest.raises(ValueError, match="outlier_window_share"):
@@ -607,7 +609,7 @@ def test_load_prompt_window_queries_and_forks(hf_model):
     assert windowed
     greedy_steps(hf_model, base.fork(hf_model, cfg), ids[:, -1:], 2)
     with pytest.raises(ValueError, match="outlier_window_share"):
-        base.fork(hf_model, small_config(rank=20, min_prompt_len=16, outlier_chunks=4, outlier_radius_share=0.0))
+        base.fork(hf_model, small_config(rank=20, min_prompt_len=16, outlier_chunks=4, outlier_window_share=0.0))
     with pytest.raises(ValueError, match="window_queries"):
         ShadowKVCache(hf_model, cfg).load_prompt(kv, window_queries=wq[:1])
     with pytest.raises(ValueError, match="window_queries"):
