@@ -77,8 +77,8 @@ choice and group aggregation with the radius (CPU proxy)"): options after commas
 (:data:`SPEC_OPTIONS`, documented above :func:`parse_spec`), e.g. ``shadowkv@256+rad0.5,orad`` (outliers = the
 chunks with the largest radius), ``,orel`` (largest radius / landmark norm), ``,ohalf`` (half min cosine, half
 largest radius), ``,owin`` / ``,owinh`` (all / half of the outliers by the attention mass of the last
-:data:`WINDOW` prompt queries, SnapKV's observation window; the queries captured at prefill by
-:class:`WindowQueries`), ``,gsum`` / ``,glogit`` (sum of the group's softmaxes / max of its logits instead of the
+:data:`WINDOW` prompt queries, SnapKV's observation window, ``reference.window_mass``; the queries from
+``needle.dense_prefill(..., window=WINDOW)``), ``,gsum`` / ``,glogit`` (sum of the group's softmaxes / max of its logits instead of the
 max of its softmaxes), ``,r2`` (radius = mean of the two largest key-to-landmark distances). A method with an
 outlier option gets its own compression (same SVD, other outlier chunks); the others fork the library's.
 Seeds 0 and 1 with every option at both budgets (``-outgroup{,-seed1}``), then seeds 2 and 3 held out with the
@@ -341,58 +341,6 @@ def reselect_outliers(st, k_post, v, lengths, config, radius, rule, window_mass=
     st.outlier_ids, st.selectable, st.dense_k, st.dense_v, st.dense_valid = ids, selectable, dense_k, dense_v, valid
 
 
-def window_mass(q_win: torch.Tensor, k_post: torch.Tensor, T: int, C: int, c: int) -> torch.Tensor:
-    """(B, H, C) SnapKV-style chunk mass: the last w prompt queries q_win (B, Hq, w, D) post-RoPE, at positions
-    T-w..T-1, attend causally over the prompt keys k_post (B, H, T, D); softmax per query head and query, summed
-    over the window and the group, then per chunk."""
-    B, Hq, w, D = q_win.shape
-    H = k_post.shape[1]
-    qg = q_win.float().view(B, H, Hq // H, w, D)
-    s = torch.einsum("bhgwd,bhtd->bhgwt", qg, k_post[:, :, :T].float()) / math.sqrt(D)
-    causal = torch.arange(T)[None, :] <= torch.arange(T - w, T)[:, None]  # (w, T)
-    p = s.masked_fill(~causal, float("-inf")).softmax(-1).sum((2, 3))  # (B, H, T)
-    p = torch.nn.functional.pad(p, (0, max(C * c - T, 0)))[:, :, :C * c]
-    return p.view(B, H, C, c).sum(-1)
-
-
-class WindowQueries:
-    """Within the block, hooks on every layer's ``q_proj`` keep the last :data:`WINDOW` queries of a prefill,
-    rotated as the model does (post-RoPE, (B, Hq, w, D)), by layer. Positions from 0, no padding: equal-length
-    prompts (the ablation's batches; ``lengths`` of :func:`reselect_outliers` is not consulted either)."""
-
-    def __init__(self, model):
-        self.model, self.q = model, {}
-
-    def __enter__(self):
-        self.handles = []
-        layers = self.model.model.layers
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-
-            def hook(mod, inp, out, i=i, attn=attn):
-                B, T, _ = out.shape
-                D = attn.head_dim
-                w = min(WINDOW, T)
-                q = out[:, T - w:].reshape(B, w, -1, D).transpose(1, 2).float()
-                pos = torch.arange(T - w, T)[None]
-                cos, sin = self.model.model.rotary_emb(q, pos)
-                self.q.setdefault(i, []).append(R.apply_rope(q, cos[0], sin[0]))
-
-            self.handles.append(attn.q_proj.register_forward_hook(hook))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        return False
-
-    def take(self) -> list:
-        """The captured window queries per layer (sub-batches of a prefill concatenated), then cleared."""
-        out = [torch.cat(self.q[i]) for i in sorted(self.q)]
-        self.q = {}
-        return out
-
-
 class MetaReference:
     """End to end (``--answer-logprob``): ``R.compress_prompt`` wrapped for the whole run so that every ShadowKV
     layer state gets its :func:`chunk_meta` (from the exact post-RoPE keys, as a prefill would compute it), kept
@@ -423,7 +371,7 @@ class MetaReference:
                     if self.outlier_rule in ("owin", "owinh"):
                         kk, qw = self.window_q[id(k_post)]
                         assert kk is k_post
-                        wm = window_mass(qw, k_post, int(lengths.max()), C, c)
+                        wm = R.window_mass(qw, k_post, lengths, C, c)
                     reselect_outliers(st, k_post, v, lengths, config, self.meta[id(st.landmarks)][1]["radius"],
                                       self.outlier_rule, wm)
             return st
@@ -841,10 +789,11 @@ def answer_logprob_runs(model, encode, args, methods, tf32_methods, scorer_metho
             ids = torch.cat([t.input_ids for t in batch])
             ans = torch.tensor([encode(" " + t.answers[0]) for t in batch])  # (B, A): same digit count
             rules = {outlier_rule(spec) for spec in scorer_methods.values()}
-            with (WindowQueries(model) if rules & {"owin", "owinh"} else contextlib.nullcontext()) as wq:
+            if rules & {"owin", "owinh"}:
+                kv, window_q = dense_prefill(model, ids[:, :-1], args.prefill_batch, window=WINDOW)
+                meta.window_q = {id(k): (k, q) for (k, _), q in zip(kv, window_q)}
+            else:
                 kv = dense_prefill(model, ids[:, :-1], args.prefill_batch)
-            if wq is not None:
-                meta.window_q = {id(k): (k, q) for (k, _), q in zip(kv, wq.take())}
             inputs = torch.cat((ids[:, -1:], ans[:, :-1]), 1)
             bases = {}
             for name, cfg in methods.items():

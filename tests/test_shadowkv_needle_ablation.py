@@ -141,8 +141,8 @@ def test_meta_scorers_bound_and_end_to_end_patch():
 
 def test_spec_options_outliers_and_group():
     """Scorer options: parse_spec; reselect_outliers with the library's rule reproduces compress_prompt's state,
-    other rules keep the outlier count and the local window; gsum / glogit pick only selectable chunks;
-    window_mass is the window's attention mass per chunk."""
+    other rules keep the outlier count and the local window (owin/owinh with the library's window mass); gsum /
+    glogit pick only selectable chunks."""
     A = _module()
     assert A.parse_spec("rad0.5,orad,gsum") == ("radius", 0.5, ("orad", "gsum"))
     assert A.outlier_rule("rad0.5,gsum") == "mincos" and A.outlier_rule("rad0.5,owinh") == "owinh"
@@ -162,7 +162,7 @@ def test_spec_options_outliers_and_group():
     st = R.compress_prompt(k, v, L, cos, sin, cfg)
     C = st.selectable.shape[-1]
     qw = torch.randn(B, H * G, 5, D)
-    wm = A.window_mass(qw, k, T, C, c)
+    wm = R.window_mass(qw, k, L, C, c)
     assert wm.shape == (B, H, C) and float(wm.sum()) <= H * G * 5 + 1e-4
     same = dataclasses.replace(st)
     A.reselect_outliers(same, k, v, L, cfg, st.radius, "mincos")
