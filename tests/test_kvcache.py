@@ -614,3 +614,24 @@ def test_load_prompt_window_queries_and_forks(hf_model):
         ShadowKVCache(hf_model, cfg).load_prompt(kv, window_queries=wq[:1])
     with pytest.raises(ValueError, match="window_queries"):
         ShadowKVCache(hf_model, cfg).load_prompt(kv, window_queries=[q[:1] for q in wq])
+
+
+def test_needle_window_queries_never_exceed_a_short_prompt(hf_model, monkeypatch):
+    """A prompt shorter than the observation window hands every one of its query rows to the compression (the
+    window is the whole prompt), not a negative slice's tail."""
+    from thrifty.kvcache import needle
+
+    seen = []
+    load = ShadowKVCache.load_prompt
+
+    def spy(self, kv, lengths=None, window_queries=None):
+        seen.append([q.shape[2] for q in window_queries])
+        return load(self, kv, lengths, window_queries=window_queries)
+
+    monkeypatch.setattr(ShadowKVCache, "load_prompt", spy)
+    ids = torch.randint(0, 101, (1, 21), generator=torch.Generator().manual_seed(3))
+    task = needle.NeedleTask(kind="single", input_ids=ids, answers=[12345], length=21, depth=0.5)
+    cfg = small_config(outlier_window_share=0.5, observation_window=32)
+    scores = needle.evaluate_batch(hf_model, [task], {"shadowkv": cfg}, decode=lambda ids: "")
+    assert seen == [[20, 20]]  # 20 prefilled positions, 2 layers
+    assert scores["shadowkv"] == [0.0]

@@ -310,7 +310,7 @@ def evaluate_batch(model, tasks: Sequence[NeedleTask], methods: dict, decode: Ca
                                      impl=impl if cfg.selector == "shadowkv" else "auto")  # Quest: reference only
                 wq = None
                 if window_q is not None and cfg.outlier_window_share > 0:
-                    wq = [q[:, :, q.shape[2] - cfg.observation_window:] for q in window_q]
+                    wq = [q[:, :, max(0, q.shape[2] - cfg.observation_window):] for q in window_q]
                 base.load_prompt(kv, window_queries=wq)
                 compressed[key] = base
             cache = compressed[key].fork(model, cfg)

@@ -437,7 +437,7 @@ def linear_ce_backward(e2d, c, bias, rows, targets, lse, w, *, softcap: Optional
     lists = filtering or g_dtype != e2d.dtype or DENSE_ABOVE >= 1.0
     # the Gluon kernel writes the tiles only (no work lists, no dbias): the dense path, every tile kept
     gluon = not lists and gluon_tiles_ok(e2d, c, bias=bias, filtering=filtering, order=order, g_dtype=g_dtype,
-                                         softcap=softcap, tiles=tiles)
+                                         tiles=tiles)
     dc_flat = dc.view(-1).view(g_dtype) if in_dc else None  # per-chunk views: one as_strided (launch-bound shapes)
     cnt_dc = cnt_de = cnt_all = counts  # placeholders when no lists are kept
     e_valid = None  # the valid rows of e, for the dense path (a view when no token is ignored)

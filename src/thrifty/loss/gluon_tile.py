@@ -313,7 +313,7 @@ def _lse_gluon_kernel(e_desc, c_desc, TGT, PART, NV, V, D, softcap,
 
 # ------------------------------------------------------------------------------------------------- host side
 def gluon_tiles_ok(e2d: torch.Tensor, c: torch.Tensor, *, bias, filtering: bool, order, g_dtype: torch.dtype,
-                   softcap=None, tiles: str = "auto") -> bool:
+                   tiles: str = "auto") -> bool:
     """Whether a backward's gradient tiles go to the Gluon kernel: ``tiles == "auto"``; bf16 E and C, bf16 tiles,
     no bias (no dbias either), no filtering or sorted vocabulary (the dense path: no work lists; a softcap
     takes SOFTCAP_TILE_CONFIG); TMA-ready rows (unit inner stride, row strides and base addresses 16-byte aligned, so D % 8 == 0); a Hopper
