@@ -77,16 +77,17 @@ class Spec:
 
 
 def entry(kernel, label: str, consts: dict, ptrs: dict, *, fp32: str = "", i64: str = "", ones: str = "",
-          aligned: str = "", num_warps: int | None = None, num_stages: int | None = None) -> Spec:
+          nones: str = "", aligned: str = "", num_warps: int | None = None, num_stages: int | None = None) -> Spec:
     """One compile entry. ``ptrs``: {"name1 name2": "*bf16", ...} (space-separated argument names per pointer
     type); ``fp32`` / ``i64``: space-separated names of float / 64-bit integer arguments; ``ones``: integer
-    arguments the launcher passes as 1 (innermost strides: Triton turns an int 1 into a constexpr); ``aligned``:
+    arguments the launcher passes as 1 (innermost strides: Triton turns an int 1 into a constexpr); ``nones``:
+    arguments it passes as None (an unused descriptor: a constexpr None too); ``aligned``:
     integer arguments it passes as multiples of 16 (row lengths and strides of the widths listed: Triton then
     knows their divisibility, which decides the vector width of loads and stores); every other runtime argument is
     an i32. ``consts``: a value for each constexpr argument. Names are checked."""
     params = {p.name: p for p in kernel.params}
     sig = {}
-    for names, typ in [*ptrs.items(), (fp32, "fp32"), (i64, "i64"), (ones, "constexpr")]:
+    for names, typ in [*ptrs.items(), (fp32, "fp32"), (i64, "i64"), (ones, "constexpr"), (nones, "constexpr")]:
         for n in names.split():
             if n not in params or params[n].is_constexpr:
                 raise KeyError(f"{kernel_key(kernel)} [{label}]: no runtime argument {n!r}")
@@ -95,7 +96,8 @@ def entry(kernel, label: str, consts: dict, ptrs: dict, *, fp32: str = "", i64: 
     if set(consts) != want:
         raise KeyError(f"{kernel_key(kernel)} [{label}]: constexprs {sorted(consts)} != the kernel's {sorted(want)}")
     sig = {n: "constexpr" if n in want else sig.get(n, "i32") for n in kernel.arg_names}
-    consts = {n: 1 if n in ones.split() else consts[n] for n in kernel.arg_names if sig[n] == "constexpr"}
+    consts = {n: 1 if n in ones.split() else None if n in nones.split() else consts[n] for n in kernel.arg_names
+              if sig[n] == "constexpr"}
     options = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     for n in aligned.split():
         if sig.get(n) not in ("i32", "i64"):
@@ -405,8 +407,9 @@ def _loss():
 
 def _loss_gluon():
     """loss.gluon_tile._grad_tile_gluon_kernel as gluon_tile.grad_tiles launches it (bf16 only): the default
-    config, the chunk's width (the tiles' row stride too) a multiple of 16 (plan_chunks' chunks: 4-byte stores) or
-    not (the last chunk of an odd vocabulary: 2-byte stores); softcapped calls with SOFTCAP_TILE_CONFIG."""
+    config (a TMA store of the tiles where the chunk's rows are 16-byte aligned), the chunk's width (the tiles' row
+    stride too) a multiple of 16 (plan_chunks' chunks) or not (the last chunk of an odd vocabulary: stores from
+    registers, 2 bytes wide); softcapped calls with SOFTCAP_TILE_CONFIG (stores from registers)."""
     from thrifty.loss import gluon_tile as GT
 
     for aligned in (True, False):
@@ -423,17 +426,20 @@ def loss_gluon_entry(cfg, softcap: bool, aligned: bool, name: str) -> Spec:
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     e_layout, c_layout = GT.shared_layouts(bm, bn, bk)
     tile_m = GT.HALVES * bm
+    tma_store = cfg["tma_store"] and not softcap and aligned  # as grad_tiles decides (16-byte aligned rows)
     label = (f"bf16 {name} block_m={bm} block_n={bn} stages={cfg['stages']} "
-             f"softcap={softcap} cur%16={'0' if aligned else 'any'}")
+             f"softcap={softcap} cur%16={'0' if aligned else 'any'} tma_store={tma_store}")
+    descs = {"e_desc": f"tensordesc<bf16[{bm}, {bk}],{e_layout!r}>",
+             "c_desc": f"tensordesc<bf16[{bn}, {bk}],{c_layout!r}>"}
+    if tma_store:
+        descs["g_desc"] = f"tensordesc<bf16[{bm}, {bn}],{GT.grad_store_layout(bm, bn)!r}>"
     return entry(GT._grad_tile_gluon_kernel, label,
                  dict(HAS_SOFTCAP=softcap, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
                       A_SUB=GT.HALVES, GROUP_M=max(1, GT.GROUP_ROWS // tile_m),
-                      CONSUMER_REGS=cfg["consumer_regs"], PRODUCER_REGS=cfg["producer_regs"]),
-                 {"TGT": "*i64", "LSE W": "*fp32", "G": "*bf16",
-                  "e_desc": f"tensordesc<bf16[{bm}, {bk}],{e_layout!r}>",
-                  "c_desc": f"tensordesc<bf16[{bn}, {bk}],{c_layout!r}>"},
-                 fp32="softcap z_loss onehot_weight uniform_weight", aligned="VC stride_g" if aligned else "",
-                 num_warps=cfg["num_warps"])
+                      CONSUMER_REGS=cfg["consumer_regs"], PRODUCER_REGS=cfg["producer_regs"], TMA_STORE=tma_store),
+                 {"TGT": "*i64", "LSE W": "*fp32", "G": "*bf16", **descs},
+                 fp32="softcap z_loss onehot_weight uniform_weight", nones="" if tma_store else "g_desc",
+                 aligned="VC stride_g" if aligned else "", num_warps=cfg["num_warps"])
 
 
 def loss_gluon_lse_entry(cfg, softcap: bool) -> Spec:

@@ -16,6 +16,10 @@ relaunches per tile. Here (NOTES.md "The Gluon gradient-tile kernel"):
   cooperatively: both work on every 128 x 256 tile, one 64-row half each. (A ping-pong schedule, alternate
   128 x 128 tiles per warpgroup with one's epilogue under the other's MMAs, measured 15–35% slower on the H100 and
   was removed: NOTES.md.)
+* each warpgroup hands its bf16 half-tile to a TMA store through its own shared-memory buffer
+  (``tma_store``): the copy to HBM runs while the warpgroup starts the next tile's MMAs, where ``gl.store`` from
+  the accumulator layout kept it in the epilogue (the same mainloop without the store, the LSE forward, runs
+  2.5 ms faster per vocabulary at 256k). Softcapped tiles and rows not 16-byte aligned keep ``gl.store``.
 """
 
 from __future__ import annotations
@@ -36,16 +40,21 @@ from ..triton_utils import cdiv, interpreting, sm_count
 GROUP_ROWS = 2048
 
 # block_m: rows per consumer warpgroup (its accumulator is block_m x block_n fp32: 128 registers per thread at
-# 64 x 256); a tile is HALVES * block_m rows; stages: 4 x 48 KB (two 64-row E blocks and one 256-row C block of 64
-# columns) = 192 KB of the 227 KB; the consumers get 240 registers each, the producer 24.
-TILE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=4, consumer_regs=240, producer_regs=24, num_warps=4)
+# 64 x 256); a tile is HALVES * block_m rows; stages of 48 KB (two 64-row E blocks and one 256-row C block of 64
+# columns); tma_store: the gradient leaves through a 32 KB shared buffer per warpgroup and a TMA store, so the
+# ring keeps 3 stages (144 + 64 KB of the 227 KB; 4 without the buffers); the consumers get 240 registers each,
+# the producer 24.
+TILE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=3, consumer_regs=240, producer_regs=24, num_warps=4,
+                   tma_store=True)
 # Softcapped tiles: the two-pass epilogue keeps the other column half live beside z and g, which spills 272 B
 # at 64 x 256; 64 x 128 per warpgroup (64 accumulator registers) fits, and 6 stages of 32 KB keep the same
-# ~192 KB of loads in flight (Gemma-2 caps its logits at 30: the paper's 256k shape).
-SOFTCAP_TILE_CONFIG = dict(TILE_CONFIG, block_n=128, stages=6)
+# ~192 KB of loads in flight (Gemma-2 caps its logits at 30: the paper's 256k shape). Its even/odd column halves
+# are not boxes a TMA store can take, so it stores from registers.
+SOFTCAP_TILE_CONFIG = dict(TILE_CONFIG, block_n=128, stages=6, tma_store=False)
 HALVES = 2  # consumer warpgroups, each on its own row half of every tile
 
 launch_count = 0  # Gluon tile launches in this process: tests read it to see which kernel a backward took
+tma_store_count = 0  # of which stored the gradient by TMA: tests read it to see that path ran
 
 
 @gluon.jit
@@ -138,10 +147,39 @@ def _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, soft
 @gluon.jit
 def _store_grad(acc, cols, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off_n, softcap, z_loss, onehot_weight,
                 uniform_weight, HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr):
-    """g for logits ``acc`` at tile columns ``cols`` (in acc's column layout), as backward._grad_tile_kernel forms
-    it; stored as bf16 with masks (rows < NV, columns < VC), int64 row offsets."""
+    """g for logits ``acc`` at tile columns ``cols`` (in acc's column layout), stored as bf16 with masks
+    (rows < NV, columns < VC), int64 row offsets."""
     rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
     row_ok = rows < NV
+    g = _grad_values(acc, cols, rows, row_ok, TGT, LSE, W, v_start, off_n, softcap, z_loss, onehot_weight,
+                     uniform_weight, HAS_SOFTCAP)
+    ptrs = G + (rows.to(gl.int64) * stride_g + off_n)[:, None] + cols[None, :]
+    gl.store(ptrs, g.to(G.dtype.element_ty), mask=row_ok[:, None] & (cols < VC - off_n)[None, :])
+
+
+@gluon.jit
+def _tma_store_grad(acc, TGT, LSE, W, g_desc, g_smem, NV, v_start, off_m, off_n, z_loss, onehot_weight,
+                    uniform_weight, acc_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """g for logits ``acc`` (no softcap) through this warpgroup's shared buffer and one TMA store, which clips the
+    rows past NV and the columns past the chunk (the descriptor's shape). The store is left in flight: the next
+    tile's mainloop runs under it, and only the next epilogue waits for it to have read the buffer."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    g = _grad_values(acc, cols, rows, rows < NV, TGT, LSE, W, v_start, off_n, 1.0, z_loss, onehot_weight,
+                     uniform_weight, False)
+    tma.store_wait(0)  # the previous tile's copy has read the buffer (waited on by the thread that issued it) ...
+    gl.thread_barrier()  # ... before any thread of the warpgroup overwrites it
+    g_smem.store(g.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's part is in shared memory before the copy is issued
+    tma.async_copy_shared_to_global(g_desc, [off_m, off_n], g_smem)
+
+
+@gluon.jit
+def _grad_values(acc, cols, rows, row_ok, TGT, LSE, W, v_start, off_n, softcap, z_loss, onehot_weight,
+                 uniform_weight, HAS_SOFTCAP: gl.constexpr):
+    """The fp32 gradient of logits ``acc`` (rows ``rows``, tile columns ``cols``), as backward._grad_tile_kernel
+    forms it."""
     lse = gl.load(LSE + rows, mask=row_ok, other=0.0)
     w = gl.load(W + rows, mask=row_ok, other=0.0)
     # the target's column inside this tile (any value outside the tile matches no column)
@@ -154,18 +192,17 @@ def _store_grad(acc, cols, TGT, LSE, W, G, NV, VC, stride_g, v_start, off_m, off
     if HAS_SOFTCAP:
         zc = z / softcap
         g = g * (1.0 - zc * zc)
-    g = g * w[:, None]
-    ptrs = G + (rows.to(gl.int64) * stride_g + off_n)[:, None] + cols[None, :]
-    gl.store(ptrs, g.to(G.dtype.element_ty), mask=row_ok[:, None] & (cols < VC - off_n)[None, :])
+    return g * w[:, None]
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
-              onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps,
+def _consumer(a_smem, b_smem, ready, empty, TGT, LSE, W, G, g_desc, g_smem, NV, VC, stride_g, v_start, softcap,
+              z_loss, onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps,
               HAS_SOFTCAP: gl.constexpr, TILE_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+              STAGES: gl.constexpr, A_SUB: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr,
+              WG: gl.constexpr):
     """Consumer warpgroup WG (of A_SUB): rows [WG·BLOCK_M, +BLOCK_M) of every local tile; local tile i holds ring
-    steps [i·k_steps, +k_steps)."""
+    steps [i·k_steps, +k_steps). TMA_STORE: the gradient leaves through g_smem's buffer WG and ``g_desc``."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     pid = gl.program_id(0)
@@ -175,8 +212,14 @@ def _consumer(a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_
         i = (t - pid) // n_prog
         acc = _mainloop(a_smem, b_smem, ready, empty, i * k_steps, k_steps, acc_layout, BLOCK_M, BLOCK_N, STAGES,
                         A_SUB, WG)
-        _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, m * TILE_M + WG * BLOCK_M, n * BLOCK_N,
-                  softcap, z_loss, onehot_weight, uniform_weight, acc_layout, HAS_SOFTCAP, BLOCK_M, BLOCK_N)
+        if TMA_STORE:
+            _tma_store_grad(acc, TGT, LSE, W, g_desc, g_smem.index(WG), NV, v_start, m * TILE_M + WG * BLOCK_M,
+                            n * BLOCK_N, z_loss, onehot_weight, uniform_weight, acc_layout, BLOCK_M, BLOCK_N)
+        else:
+            _epilogue(acc, TGT, LSE, W, G, NV, VC, stride_g, v_start, m * TILE_M + WG * BLOCK_M, n * BLOCK_N,
+                      softcap, z_loss, onehot_weight, uniform_weight, acc_layout, HAS_SOFTCAP, BLOCK_M, BLOCK_N)
+    if TMA_STORE:
+        tma.store_wait(0)  # the last copy has read the buffer before the program's shared memory is released
 
 
 @gluon.jit
@@ -196,26 +239,34 @@ def _ring(e_desc, c_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K:
 
 
 @gluon.jit
-def _grad_tile_gluon_kernel(e_desc, c_desc, TGT, LSE, W, G, NV, VC, D, stride_g, v_start,
+def _grad_tile_gluon_kernel(e_desc, c_desc, g_desc, TGT, LSE, W, G, NV, VC, D, stride_g, v_start,
                             softcap, z_loss, onehot_weight, uniform_weight,
                             HAS_SOFTCAP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, A_SUB: gl.constexpr,
-                            GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                            GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            TMA_STORE: gl.constexpr):
     """Persistent over the chunk's tiles: E_valid rows (``e_desc``, nv x D) against the chunk's C rows
-    (``c_desc``, cur x D); G: the chunk's nv x cur gradient view (row stride ``stride_g``)."""
+    (``c_desc``, cur x D); G: the chunk's nv x cur gradient view (row stride ``stride_g``), also ``g_desc``
+    (BLOCK_M x BLOCK_N boxes) when TMA_STORE, else None."""
     TILE_M: gl.constexpr = BLOCK_M * A_SUB  # rows of one scheduled tile (A_SUB = 2 warpgroup halves)
     n_m = gl.cdiv(NV, TILE_M)
     n_n = gl.cdiv(VC, BLOCK_N)
     n_tiles = n_m * n_n
     k_steps = gl.cdiv(D, BLOCK_K)
     a_smem, b_smem, ready, empty = _ring(e_desc, c_desc, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, A_SUB)
+    if TMA_STORE:
+        g_smem = gl.allocate_shared_memory(gl.bfloat16, [A_SUB, BLOCK_M, BLOCK_N], g_desc.layout)
+        g_out = g_desc
+    else:  # unused placeholders: warp_specialize takes no None
+        g_smem = G
+        g_out = G
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
-                     onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
-                     BLOCK_N, STAGES, A_SUB, GROUP_M, 0)),
-        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, NV, VC, stride_g, v_start, softcap, z_loss,
-                     onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP, TILE_M, BLOCK_M,
-                     BLOCK_N, STAGES, A_SUB, GROUP_M, 1)),
+        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, g_out, g_smem, NV, VC, stride_g, v_start,
+                     softcap, z_loss, onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP,
+                     TILE_M, BLOCK_M, BLOCK_N, STAGES, A_SUB, GROUP_M, TMA_STORE, 0)),
+        (_consumer, (a_smem, b_smem, ready, empty, TGT, LSE, W, G, g_out, g_smem, NV, VC, stride_g, v_start,
+                     softcap, z_loss, onehot_weight, uniform_weight, n_tiles, n_m, n_n, k_steps, HAS_SOFTCAP,
+                     TILE_M, BLOCK_M, BLOCK_N, STAGES, A_SUB, GROUP_M, TMA_STORE, 1)),
         (_producer, (e_desc, c_desc, a_smem, b_smem, ready, empty, n_tiles, n_m, n_n, k_steps, TILE_M, BLOCK_M,
                      BLOCK_N, BLOCK_K, STAGES, A_SUB, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -344,6 +395,17 @@ def shared_layouts(block_m: int, block_n: int, block_k: int):
             gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16))
 
 
+@functools.lru_cache(maxsize=None)
+def grad_store_layout(block_m: int, block_n: int):
+    """The shared layout of a warpgroup's gradient half-tile and of the TMA store descriptor that copies it out."""
+    return gl.NVMMASharedLayout.get_default_for([block_m, block_n], gl.bfloat16)
+
+
+def _tma_store_ok(g_buf: torch.Tensor) -> bool:
+    """A gradient view a TMA store can write: unit inner stride, 16-byte aligned rows and base."""
+    return g_buf.stride(1) == 1 and g_buf.stride(0) % 8 == 0 and g_buf.data_ptr() % 16 == 0
+
+
 def _descriptors(e_rows: torch.Tensor, c_rows: torch.Tensor, block_m: int, block_n: int, block_k: int):
     """TMA descriptors over E rows (block_m x block_k boxes) and C rows (block_n x block_k), both K-major; boxes
     past the tensors' edges arrive zero-filled."""
@@ -370,7 +432,7 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
     """g_buf (nv x cur bf16, unit inner stride) = the gradient tiles of rows ``e_valid`` (nv x D) against the
     vocabulary rows ``c_chunk`` (cur x D, vocabulary ids v_start + j); targets, lse, w: per valid row.
     ``config``: overrides (tests and timing runs) of TILE_CONFIG, or of SOFTCAP_TILE_CONFIG with a softcap."""
-    global launch_count
+    global launch_count, tma_store_count
     cfg = tile_config(config, SOFTCAP_TILE_CONFIG if softcap is not None else TILE_CONFIG)
     nv, D = e_valid.shape
     cur = c_chunk.shape[0]
@@ -379,21 +441,26 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     tile_m = HALVES * bm
     e_desc, c_desc = _descriptors(e_valid, c_chunk, bm, bn, bk)
+    tma_store = cfg["tma_store"] and softcap is None and _tma_store_ok(g_buf)
+    g_desc = None
+    if tma_store:
+        g_desc = TensorDescriptor(g_buf, [nv, cur], [g_buf.stride(0), 1], [bm, bn], grad_store_layout(bm, bn))
     n_tiles = cdiv(nv, tile_m) * cdiv(cur, bn)
     grid = (min(sm_count(e_valid.device), n_tiles), )
     _grad_tile_gluon_kernel[grid](
-        e_desc, c_desc, targets, lse, w, g_buf, nv, cur, D, g_buf.stride(0), v_start,
+        e_desc, c_desc, g_desc, targets, lse, w, g_buf, nv, cur, D, g_buf.stride(0), v_start,
         float(softcap or 1.0), float(z_loss), float(onehot_weight), float(uniform_weight),
         HAS_SOFTCAP=softcap is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
         A_SUB=HALVES, GROUP_M=max(1, GROUP_ROWS // tile_m), CONSUMER_REGS=cfg["consumer_regs"],
-        PRODUCER_REGS=cfg["producer_regs"], num_warps=cfg["num_warps"])
+        PRODUCER_REGS=cfg["producer_regs"], TMA_STORE=tma_store, num_warps=cfg["num_warps"])
     launch_count += 1
+    tma_store_count += tma_store
 
 
 # ------------------------------------------------------------------------------ host side: the forward's LSE
 # the forward's tiles: the gradient tiles' schedule (the statistics epilogue is lighter than the gradient's: no
 # store of the tile, a 1 KB read-modify-write of the slot per warpgroup)
-LSE_CONFIG = dict(TILE_CONFIG)
+LSE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=4, consumer_regs=240, producer_regs=24, num_warps=4)
 
 lse_launch_count = 0  # Gluon LSE launches in this process: tests read it to see which forward a call took
 
