@@ -51,16 +51,15 @@ def real_accuracy(dev):
 
 GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon_config overrides), timed beside the rest
     "thrifty8_gluon": {},  # the default (gluon_config)
-    "thrifty8_gluon_1wg": dict(ws=False, consumers=1, pingpong=False),  # one consumer that issues its own loads
-    "thrifty8_gluon_ws1": dict(ws=True, consumers=1, pingpong=False),  # + a producer warp
+    "thrifty8_gluon_ws1": dict(consumers=1, pingpong=False),  # one consumer warpgroup beside the producer warp
     # two consumer warpgroups + a producer warp (FA3 layout), running freely, P̃ moved between lanes
-    "thrifty8_gluon_ws2": dict(ws=True, consumers=2, pingpong=False, v_perm16=False),
-    "thrifty8_gluon_ws2_vperm": dict(ws=True, consumers=2, pingpong=False, v_perm16=True),  # + P̃ as it lies
+    "thrifty8_gluon_ws2": dict(consumers=2, pingpong=False, v_perm16=False),
+    "thrifty8_gluon_ws2_vperm": dict(consumers=2, pingpong=False, v_perm16=True),  # + P̃ as it lies
 }
 # head_dim 64: the structures above run on its default 128x128 tiles (gluon_kernel.D64_TILES; ws2_vperm is the
 # default there); beside them the 64x64 tiles, and FA3's ping-pong schedule on 64 query rows per consumer (128
 # spill) with the same tiles without it
-GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(ws=True, consumers=2, **SMALL_D64_TILES),
+GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(consumers=2, **SMALL_D64_TILES),
                       "thrifty8_gluon_n128": dict(block_m=64),
                       "thrifty8_gluon_pp_n128": dict(block_m=64, pingpong=True)}
 GLUON_D128_VARIANTS = {"thrifty8_gluon_pp": dict(pingpong=True, v_perm16=False),

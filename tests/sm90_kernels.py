@@ -193,15 +193,13 @@ PINGPONG_TILES = ((128, dict(v_perm16=False)), (128, dict(block_n=64, scale_bloc
 
 def _attention_gluon():
     """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
-    each structure (one consumer warpgroup loading for itself; + a producer warp; two consumer warpgroups + a
-    producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out; P̃ from the accumulator
+    each structure (one or two consumer warpgroups beside a producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out; P̃ from the accumulator
     registers (v_perm16) and its pre-pass; at D=64 both its default 128x128 tiles (``gluon_kernel.D64_TILES``) and
     the 64x64 ones (``SMALL_D64_TILES``)."""
     from thrifty.attention import gluon_kernel as G
 
     bf16 = torch.bfloat16
-    variants = [dict(ws=False, consumers=1, pingpong=False), dict(ws=True, consumers=1, pingpong=False),
-                dict(ws=True, consumers=2)]  # the last: each head_dim's default
+    variants = [dict(consumers=1, pingpong=False), dict(consumers=2)]  # the last: each head_dim's default
     calls = [(D, causal, bf16, False, False, v) for D in G.GLUON_HEAD_DIMS for causal in (False, True)
              for v in variants]  # at D=64 on its default 128x128 tiles
     calls += [(64, causal, bf16, False, False, dict(v, **G.SMALL_D64_TILES)) for causal in (False, True)
@@ -227,13 +225,13 @@ def gluon_entry(D, causal, dtype, lse, smooth_v, variant) -> Spec:
     cfg = dict(G.gluon_config(D, causal), **variant)
     k_layout, v_layout = G.shared_layouts(D, cfg["block_n"])
     t = PTR[dtype]
-    label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} ws={cfg['ws']} consumers={cfg['consumers']}"
+    label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} consumers={cfg['consumers']}"
              f" block_m={cfg['block_m']} block_n={cfg['block_n']}" + " v_perm16" * cfg["v_perm16"] + " lse" * lse
              + " smooth_v" * smooth_v + " pingpong" * cfg["pingpong"])
     return entry(G._sage_fwd_gluon_kernel, label,
                  dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
                       STAGES=cfg["stages"], QMAX=127.0, CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse,
-                      REVERSE=causal and cfg["reverse"], WS=cfg["ws"], CONSUMERS=cfg["consumers"],
+                      REVERSE=causal and cfg["reverse"], CONSUMERS=cfg["consumers"],
                       PRODUCER_REGS=cfg["producer_regs"], CONSUMER_REGS=cfg["consumer_regs"],
                       LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT, V_PERM16=cfg["v_perm16"],
                       PINGPONG=cfg["pingpong"]),

@@ -13,14 +13,13 @@ from thrifty.bench import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # head_dim 128: the default (two consumer warpgroups, P̃ from the accumulator as it lies; in FA3's ping-pong when
-# causal, free-running when not), the other warp structures, ping-pong on and off whatever the mask, and without
+# causal, free-running when not), one consumer warpgroup, ping-pong on and off whatever the mask, and without
 # v_perm16
-VARIANTS = [dict(), dict(ws=False, consumers=1, pingpong=False), dict(ws=True, consumers=1, pingpong=False),
-            dict(pingpong=False, v_perm16=False), dict(pingpong=False), dict(pingpong=True), dict(v_perm16=False)]
-# head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with each warp structure, the 64x64 tiles, and
-# the ping-pong schedule on 64x128 tiles
-D64_VARIANTS = [dict(), dict(ws=False, consumers=1), dict(ws=True, consumers=1), SMALL_D64_TILES,
-                dict(block_m=64, pingpong=True)]
+VARIANTS = [dict(), dict(consumers=1, pingpong=False), dict(pingpong=False, v_perm16=False), dict(pingpong=False),
+            dict(pingpong=True), dict(v_perm16=False)]
+# head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with one and two consumer warpgroups, the 64x64
+# tiles, and the ping-pong schedule on 64x128 tiles
+D64_VARIANTS = [dict(), dict(consumers=1), SMALL_D64_TILES, dict(block_m=64, pingpong=True)]
 
 
 def _vid(variant):
@@ -103,8 +102,8 @@ def test_gluon_launch_checks_the_k_scale_blocks():
     with pytest.raises(ValueError, match="v_perm16"):  # the kernel must read Vᵀ in the order the pre-pass wrote
         launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192,
                config=dict(v_perm16=True))
-    for config in (dict(pingpong=True, consumers=1), dict(pingpong=True, ws=False, consumers=1)):
-        with pytest.raises(ValueError, match="pingpong=True needs ws=True and consumers=2"):
+    for config in (dict(pingpong=True, consumers=1), dict(consumers=3), dict(consumers=0, pingpong=False)):
+        with pytest.raises(ValueError, match="consumers must be 1 or 2, and pingpong=True needs consumers=2"):
             launch(prepared, torch.empty_like(q), None, causal=False, H=1, H_kv=1, Sq=64, Sk=192, config=config)
 
 
@@ -116,33 +115,26 @@ def test_gluon_resolved_config_is_made_once_per_overrides():
 
     for D in (64, 128):
         for causal in (False, True):
-            for over in (None, {}, dict(ws=False, consumers=1), dict(ws=1), SMALL_D64_TILES):
+            for over in (None, {}, dict(consumers=1), dict(consumers=True), SMALL_D64_TILES):
                 cfg, key = resolved_config(D, over, causal)
                 want = dict(gluon_config(D, causal), **(over or {}))
                 assert dict(cfg) == want and [type(v) for v in cfg.values()] == [type(v) for v in want.values()]
                 assert key == tuple(sorted(want.items()))
                 assert resolved_config(D, dict(over or {}), causal)[0] is cfg
                 with pytest.raises(TypeError):
-                    cfg["ws"] = False
+                    cfg["consumers"] = 1
     assert [resolved_config(128, None, causal)[0]["pingpong"] for causal in (False, True)] == [False, True]
     assert not any(resolved_config(64, None, causal)[0]["pingpong"] for causal in (False, True))
-    assert type(resolved_config(64, dict(ws=1), True)[0]["ws"]) is int
-    assert resolved_config(64, dict(ws=True), True)[0]["ws"] is True
+    assert type(resolved_config(64, dict(consumers=1), True)[0]["consumers"]) is int
+    assert resolved_config(64, dict(consumers=True), True)[0]["consumers"] is True
     with pytest.raises(TypeError):
         resolved_config(64, {1: 2}, True)
-
-
-ONE_WARPGROUP_NAN = pytest.mark.xfail(strict=True, reason="ws=False with 64x64 tiles wrote NaN rows at D=64, B=2, "
-                                      "H=32, S=2048 on the H200 (attention_gluon_h200.json at e18fe69); not "
-                                      "understood yet")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("variant,causal", [
     *(pytest.param(dict(v, **SMALL_D64_TILES), False, id=_vid(v) + "-small")
-      for v in (dict(ws=True, consumers=1), dict(ws=True, consumers=2))),
-    pytest.param(dict(ws=False, consumers=1, **SMALL_D64_TILES), False, marks=ONE_WARPGROUP_NAN,
-                 id="wsFalse-consumers1-small"),
+      for v in (dict(consumers=1), dict(consumers=2))),
     *(pytest.param(v, causal, id=f"{_vid(v)}-{'causal' if causal else 'full'}") for v in D64_VARIANTS
       for causal in (False, True))])
 def test_cuda_gluon_at_the_benchmark_shape(variant, causal):

@@ -12,10 +12,10 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
 
 * K and Vᵀ tiles come by TMA (host-side descriptors) into a ``STAGES``-deep shared-memory ring, each slot with
   its own K and V mbarrier, so Q·Kᵀ of a tile starts as soon as its K has landed.
-* ``WS=False``: one consumer warpgroup (4 warps) that also issues the loads, ``STAGES − 1`` tiles ahead
-  (software pipelining by hand). ``WS=True``: ``gl.warp_specialize`` with a 1-warp producer partition that
-  only issues TMA loads (waiting on per-slot "empty" barriers) and the consumer warpgroup as the default
-  partition; the producer asks for ``PRODUCER_REGS`` registers (setmaxnreg).
+* ``gl.warp_specialize`` with a 1-warp producer partition that only issues TMA loads (waiting on per-slot
+  "empty" barriers) and one or two consumer warpgroups (``CONSUMERS``); the producer asks for ``PRODUCER_REGS``
+  registers (setmaxnreg). (A one-warpgroup structure that issued its own loads ``STAGES − 1`` tiles ahead wrote
+  NaN rows at D=64 with 64x64 tiles and was slower than the default everywhere it was measured: removed.)
 * Inside the consumer, the P̃·V ``wgmma`` is issued asynchronously and the accumulator rescale (acc·α) and the
   row sum run while it executes.
 * ``PINGPONG`` (the head_dim-128 default): FA3's ordering of two consumer warpgroups. They take turns through two
@@ -73,23 +73,9 @@ def _max_keep_nan(a, b):
 
 
 @gluon.jit
-def _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j, n_tiles, k_row0, v_row0,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of KV tile j (if j < n_tiles) into ring slot j % STAGES."""
-    slot = j % STAGES
-    ok = j < n_tiles
-    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot),
-                                    pred=ok)
-    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [v_row0, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot),
-                                    pred=ok)
-
-
-@gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0, v_row0,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """WS producer partition (1 warp): tile j goes into slot j % STAGES once the consumer released its previous
+    """The producer partition (1 warp): tile j goes into slot j % STAGES once the consumer released its previous
     occupant (tile j − STAGES); a fresh barrier counts as released (parity trick: wait on phase 1 first)."""
     for j in range(n_tiles):
         slot = j % STAGES
@@ -183,11 +169,11 @@ def _to_p8(p, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-           ks_base, n_ks, offs_m, j_lo, j_hi, n_tiles, k_row0, v_row0, Sk, causal_offset,
+def _tiles(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+           ks_base, n_ks, offs_m, j_lo, j_hi, Sk, causal_offset,
            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-           STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, WS: gl.constexpr,
+           STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
            LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr):
     """KV tiles [j_lo, j_hi) of one consumer warpgroup; ``MASKED``: the diagonal / ragged-end tiles. A tile
     holds ``KSPLIT`` = BLOCK_N / KS_BLOCK blocks of the pre-pass's K scales (1, or 2 with BLOCK_N 128 at D=64:
@@ -207,15 +193,11 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
     for j in range(j_lo, j_hi):
         slot = j % STAGES
         phase = (j // STAGES) & 1
-        if not WS:  # this warpgroup is its own producer: tile j + STAGES − 1 into the slot tile j − 1 freed
-            _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, j + STAGES - 1, n_tiles, k_row0, v_row0,
-                        BLOCK_N, STAGES)
         c0, c1 = _k_scales(q_scale, ks_base, j, n_ks, KSPLIT)
         mbarrier.wait(k_ready.index(slot), phase)
         s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=(s_tok, ))
-        if WS:
-            mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_new = _softmax_tile(s_i, j, m_i, offs_n, first, key_end, c0, c1, Sk, BLOCK_N, KSPLIT, MASKED,
                                         CAUSAL, LOG2_P_SCALE)
         if not SUM_UNDER_PV:
@@ -228,8 +210,7 @@ def _tiles(acc, l_i, m_i, q_smem, q_scale, k_desc, v_desc, k_smem, v_smem, k_rea
             l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, o_row)[:, None]
         pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
-        if WS:
-            mbarrier.arrive(v_empty.index(slot), count=1)
+        mbarrier.arrive(v_empty.index(slot), count=1)
         acc = acc + pv
         m_i = m_new
     return acc, l_i, m_i
@@ -342,13 +323,13 @@ def _bounds(m_blk, Sk, causal_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-              k_empty, v_empty, turns, q_smem, pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
+def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_smem, v_smem, k_ready, v_ready,
+              k_empty, v_empty, turns, q_smem, pid_m, b, h, bh_kv, n_tiles,
               stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               H, BH_KV, Sq, Sk, Sk_pad, causal_offset,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr,
-              RETURN_LSE: gl.constexpr, WS: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
+              RETURN_LSE: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
               MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts BLOCK_M-row blocks): Q's
     quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
@@ -393,25 +374,25 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem,
                                         causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
                                         HEAD_DIM, STAGES, CAUSAL, LOG2_P_SCALE, V_PERM16, WG)
     else:
-        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                               k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile, n_tiles, k_row0, v_row0,
+        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_smem, v_smem, k_ready, v_ready,
+                               k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile,
                                Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                               HEAD_DIM, STAGES, False, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
-        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                               k_empty, v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile, n_tiles, k_row0,
-                               v_row0, Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
-                               HEAD_DIM, STAGES, True, CAUSAL, WS, LOG2_P_SCALE, V_PERM16)
-    if WS:  # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
-        for j in range(hi_tile, n_tiles):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.wait(v_ready.index(slot), phase)
-            mbarrier.arrive(v_empty.index(slot), count=1)
-            if PINGPONG:  # keep the turns in step: the other warpgroup takes one turn per tile and one more
-                _turn(turns, j + 1, WG)
-                mbarrier.arrive(turns.index(1 - WG), count=1)
+                               HEAD_DIM, STAGES, False, CAUSAL, LOG2_P_SCALE, V_PERM16)
+        acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_smem, v_smem, k_ready, v_ready,
+                               k_empty, v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile,
+                               Sk, causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
+                               HEAD_DIM, STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16)
+    # tiles the other consumer reads: wait until they landed (so the arrival counts for them), release
+    for j in range(hi_tile, n_tiles):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        if PINGPONG:  # keep the turns in step: the other warpgroup takes one turn per tile and one more
+            _turn(turns, j + 1, WG)
+            mbarrier.arrive(turns.index(1 - WG), count=1)
 
     # Epilogue: 1/l (l holds 448·Σp) and V's per-channel scale once per row; rows that saw no key give zeros.
     offs_om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_row)
@@ -453,10 +434,10 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, QMAX: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
-                           WS: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
                            MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr):
-    gl.static_assert(not PINGPONG or (WS and CONSUMERS == 2), "ping-pong needs two consumer warpgroups (WS)")
+    gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong needs two consumer warpgroups")
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -486,42 +467,31 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
         mbarrier.init(turns.index(i), count=1)
     fence_async_shared()
 
-    if WS:
-        if CONSUMERS == 1:
-            gl.warp_specialize([
-                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
-                           v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
-                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
-                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)),
-                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
-                           v_row0, BLOCK_N, STAGES)),
-            ], [1], [PRODUCER_REGS])
-        else:  # two consumer warpgroups (query blocks 2·pid_m and 2·pid_m + 1) sharing the K/V ring
-            gl.warp_specialize([
-                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
-                           v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles, k_row0, v_row0,
-                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
-                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 0)),
-                (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready,
-                           v_ready, k_empty, v_empty, turns, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles, k_row0, v_row0,
-                           stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
-                           BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                           STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 1)),
-                (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
-                           v_row0, BLOCK_N, STAGES)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.static_assert(CONSUMERS == 1, "two consumer warpgroups need WS")
-        for jj in gl.static_range(STAGES - 1):  # prologue: the first STAGES − 1 tiles in flight
-            _issue_load(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, jj, n_tiles, k_row0, v_row0, BLOCK_N,
-                        STAGES)
-        _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-                  k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles, k_row0, v_row0,
-                  stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H, BH_KV, Sq, Sk,
-                  Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK, STAGES, CAUSAL,
-                  HAS_VMEAN, RETURN_LSE, WS, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_smem, v_smem, k_ready,
+                         v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles,
+                         stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                         BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
+                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
+                         v_row0, BLOCK_N, STAGES)),
+        ], [1], [PRODUCER_REGS])
+    else:  # two consumer warpgroups (query blocks 2·pid_m and 2·pid_m + 1) sharing the K/V ring
+        gl.warp_specialize([
+            (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_smem, v_smem, k_ready,
+                         v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles,
+                         stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                         BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
+                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 0)),
+            (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_smem, v_smem, k_ready,
+                         v_ready, k_empty, v_empty, turns, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles,
+                         stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
+                         BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
+                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 1)),
+            (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
+                         v_row0, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 _GLUON_LAUNCH = FastLauncher(_sage_fwd_gluon_kernel)
@@ -539,14 +509,14 @@ def gluon_config(head_dim: int, causal: bool) -> dict:
     Q)."""
     # Two consumer warpgroups + a producer warp (the FA3 layout): on the H200 (attention_gluon_h200.json, e18fe69)
     # the only structure correct in every row, and the fastest at D=128 from 8K on (1.27-1.29x cuDNN at 32K). The
-    # one-warpgroup structure (ws=False) wrote NaN rows at D=64 with 64x64 tiles (B=2, H=32, S >= 2K) and once at
-    # D=128 32K: unexplained, kept selectable for that investigation (tests: strict xfail at that shape).
+    # one-warpgroup structure without a producer (ws=False) wrote NaN rows at D=64 with 64x64 tiles (B=2, H=32,
+    # S >= 2K) and once at D=128 32K, and lost to these configs at every measured shape: removed (NOTES.md).
     # D=128: P̃ taken from the accumulator as it lies (v_perm16); FA3's ping-pong schedule for causal calls only.
     # Kernel alone, H200, two runs (4cb493d attention_gluon_h200-pp128.json; d359f3c attention_gluon_h200-rs.json),
     # TFLOP/s, ping-pong vs free-running: causal 432/434 vs 412/415 at 2K, 732/734 vs 684/688 at 8K, 830/821 vs
     # 821/815 at 32K; full 600/603 vs 636/636 at 2K, 718 vs 748 at 4K, 791/787 vs 817/824 at 8K, 856/834 vs 865/852
     # at 32K. Against the structure with neither, ping-pong + v_perm16 gained 1.03-1.11x at 8K-32K.
-    cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, ws=True, consumers=2,
+    cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, consumers=2,
                producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=bool(causal))
     if head_dim <= 64:
         cfg.update(D64_TILES)
@@ -558,7 +528,7 @@ def gluon_config(head_dim: int, causal: bool) -> dict:
 # B=2 H=32, TFLOP/s, full / causal): the kernel alone 446 vs 300 / 219 vs 187 at 2K, 554 vs 353 / 449 vs 333 at 8K,
 # 596 vs 389 / 532 vs 366 at 32K; GPU time with the pre-pass 332 vs 256 / 177 vs 184 at 2K (the one loss), 516 vs
 # 340 / 405 vs 310 at 8K, 586 vs 389 / 518 vs 365 at 32K. 128 rows alone or 128 keys alone were in between.
-# SMALL_D64_TILES: the 64x64 tiles (the shape of the ws=False NaN investigation).
+# SMALL_D64_TILES: the 64x64 tiles (the D=64 default before).
 # The ping-pong schedule needs 64 rows per consumer at D=64 (128 spill), and there it lost to these tiles without it
 # (H200, 4cb493d, attention_gluon_h200-pp.json: 482 vs 589 TOP/s at 32K full, 476 vs 527 causal, kernel alone).
 D64_TILES = dict(block_m=128, block_n=128, scale_block=64, v_perm16=True, pingpong=False)
@@ -617,9 +587,10 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         raise ValueError(f"gluon launch: block_n {cfg['block_n']} must be 1 or 2 K-scale blocks of "
                          f"{cfg['scale_block']} keys, as the pre-pass wrote them ({S_pad} keys, "
                          f"{p['k_scale'].shape[1]} scales)")
-    if cfg["pingpong"] and not (cfg["ws"] and cfg["consumers"] == 2):
-        raise ValueError(f"gluon launch: config pingpong=True needs ws=True and consumers=2 (two consumer "
-                         f"warpgroups take turns), got ws={cfg['ws']}, consumers={cfg['consumers']}")
+    if cfg["consumers"] not in (1, 2) or (cfg["pingpong"] and cfg["consumers"] != 2):
+        raise ValueError(f"gluon launch: config consumers must be 1 or 2, and pingpong=True needs consumers=2 (two "
+                         f"consumer warpgroups take turns), got consumers={cfg['consumers']}, "
+                         f"pingpong={cfg['pingpong']}")
     if p.get("v_perm16", False) != cfg["v_perm16"]:
         raise ValueError(f"gluon launch: config v_perm16={cfg['v_perm16']} but the pre-pass wrote Vᵀ with "
                          f"v_perm16={p.get('v_perm16', False)}")
@@ -637,7 +608,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
         STAGES=cfg["stages"], QMAX=p["qmax"],
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
-        WS=cfg["ws"], CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
+        CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
         V_PERM16=cfg["v_perm16"], PINGPONG=cfg["pingpong"])
     if sig is None:
