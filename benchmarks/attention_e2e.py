@@ -3,7 +3,11 @@
 Sections (``--sections``, default all):
   prefill  Llama-3.2-1B shape (16 layers, 32/8 heads, head_dim 64) and Llama-3.1-8B shape (32 layers, 32/8
            heads, head_dim 128), random bf16 weights, batch 1, prompt 8K / 32K / 128K, no cache, logits of the
-           last position only. Same model object: ``enable_hf``/``disable_hf`` switch the attention.
+           last position only. Same model object: ``enable_hf``/``disable_hf`` switch the attention. A third
+           row runs the model with no attention at all (the query copied out as the output), so the summary
+           says what share of the SDPA prefill attention is (``e2e_prefill_attention_share_*``), how much
+           faster thrifty's attention is inside the model (``e2e_prefill_attention_speedup_*``) and how much
+           faster it would have to be for the 1.15x prefill goal (``e2e_prefill_attention_speedup_needed_*``).
   decode   greedy ms/token after a 4K and a 32K prompt: SDPA + DynamicCache against thrifty + DynamicCache (the
            default: one-row steps through FlashAttention-2) and thrifty + ``thrifty_kv_cache`` (int8 cache,
            split-K kernel), in steady state; SDPA and thrifty again at key lengths not met before (cold).
@@ -31,6 +35,8 @@ import time
 import torch
 
 from thrifty import bench
+
+PREFILL_GOAL = 1.15  # issue #28: prefill at 32K >= 1.15x SDPA
 
 SHAPES = {
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -61,8 +67,17 @@ def build_model(shape: dict, device, layers=None, dtype=torch.bfloat16):
     return model.eval()
 
 
+NO_ATTENTION = "bench_no_attention"
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """Not attention: the query, laid out as an attention output (SDPA's own transpose + copy). A prefill with
+    it times everything but the attention kernel, so the kernel's share of a prefill can be read off."""
+    return query.transpose(1, 2).contiguous(), None
+
+
 class Switch:
-    """The two attention paths of one model: ``with Switch(model, "thrifty"):``."""
+    """The attention paths of one model: ``with Switch(model, "thrifty"):`` (or "sdpa", or "no_attention")."""
 
     def __init__(self, model, which, **options):
         self.model, self.which, self.options = model, which, options
@@ -71,10 +86,18 @@ class Switch:
         from thrifty.attention import enable_hf
         if self.which == "thrifty":
             enable_hf(self.model, **self.options)
+        elif self.which == "no_attention":
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+            AttentionInterface.register(NO_ATTENTION, _no_attention)
+            AttentionMaskInterface.register(NO_ATTENTION, sdpa_mask)
+            self.model.set_attn_implementation(NO_ATTENTION)
         return self.model
 
     def __exit__(self, *exc):
         from thrifty.attention import disable_hf
+        if self.which == "no_attention":
+            self.model.set_attn_implementation("sdpa")
         disable_hf(self.model)
 
 
@@ -96,7 +119,7 @@ def prefill(args, device, rows, summary):
         for S in lengths:
             ids = torch.randint(0, model.config.vocab_size, (1, S), device=device)
             ms = {}
-            for which in ("sdpa", "thrifty"):
+            for which in ("sdpa", "thrifty", "no_attention"):
                 try:
                     with Switch(model, which), torch.no_grad():
                         t = bench.time_fn(lambda: model(ids, use_cache=False, logits_to_keep=1), warmup=2,
@@ -107,15 +130,30 @@ def prefill(args, device, rows, summary):
                 except Exception as e:  # noqa: BLE001 - an error row, the run goes on
                     rows.append(dict(section="prefill", shape=name, S=S, backend=which, error=repr(e)[:300]))
                 _free(device)
-            if len(ms) == 2:
+            if "sdpa" in ms and "thrifty" in ms:
                 rows.append(dict(section="prefill", shape=name, S=S, backend="speedup",
                                  speedup=ms["sdpa"] / ms["thrifty"]))
                 summary[f"e2e_prefill_speedup_{name}_{_k(S)}"] = ms["sdpa"] / ms["thrifty"]
+            if len(ms) == 3:
+                summary.update(attention_share(name, S, ms))
         del model
         _free(device)
     for name in args.prefill_shapes.split(","):
         summary[f"e2e_prefill_speedup_{name}_32k"] = summary.get(f"e2e_prefill_speedup_{name}_{_k(args.headline_s)}",
                                                                  float("nan"))
+
+
+def attention_share(name: str, S: int, ms: dict, goal: float = PREFILL_GOAL) -> dict:
+    """What a prefill's attention is, read off three timings of one model: its share of the SDPA prefill, thrifty's
+    attention over SDPA's inside the model (each minus the prefill without attention), and the attention speed-up
+    the prefill goal needs at this share (Amdahl: 1/goal = (1 - share) + share/r; inf: out of reach)."""
+    tag = f"{name}_{_k(S)}"
+    sdpa, ours = ms["sdpa"] - ms["no_attention"], ms["thrifty"] - ms["no_attention"]
+    share = sdpa / ms["sdpa"]
+    room = 1 / goal - (1 - share)
+    return {f"e2e_prefill_attention_share_{tag}": share,
+            f"e2e_prefill_attention_speedup_{tag}": sdpa / ours if ours > 0 else float("nan"),
+            f"e2e_prefill_attention_speedup_needed_{tag}": share / room if room > 0 else float("inf")}
 
 
 def _k(S):

@@ -11,6 +11,12 @@
    quantizer alone as the layer calls it (``layer_codes``), with its byte floor (``floor_ms``: x read + codes
    written at the measured copy bandwidth) and ``pct_of_floor`` (100 = at the floor). a4.8's quantizers (INT4, TopK)
    are timed at 1 and 16 tokens. ``torch._int_mm`` needs more than 16 rows: it runs on 17-row-padded inputs.
+   ``launch`` is the smallest kernel (a one-element add) timed the same way: the fixed cost of any layer call
+   here; each thrifty row's ``floor_ms`` = that + the packed bytes at the copy bandwidth, ``floor_speedup_vs_bf16``
+   the most a one-launch layer could show, ``pct_of_floor_speedup`` the share of it reached.
+   **Graph** rows (``what="graph"``, 1-16 tokens): the layer replayed in a CUDA graph, each call on its own weight
+   copy, with copies enough for twice the L2 (the eager rows re-read one layer's weights, L2-resident when
+   packed); the floor there uses a launch inside a graph. This is how decode runs (and how the anchors measure).
 3. **Sweep** (M = 1 and 16, 7B shapes): other tiles / K splits of the same kernels, so ``plan()`` can be checked.
 4. **Model decode**: a Llama-7B-shaped model (32 layers, 4096 / 11008, vocab 32000) with *random* ternary weights
    (speed does not depend on the values, so random weights are honest for it) against the same shape in bf16,
@@ -22,7 +28,9 @@
 
 Writes ``benchmarks/results/bitnet_kernels_<device>.json`` + PNG; summary keys ``gemv_speedup_vs_bf16_b1_min``,
 ``gemv_speedup_vs_bf16_b16_min``, ``gemm_speedup_vs_bf16_t2048_min`` (7B shapes, GPU time, full layer incl.
-activation quantization), ``packed_weight_mem_ratio``, ``decode_tokens_per_s_ratio_vs_bf16_b1`` (the reused
+activation quantization), ``gemv_speedup_vs_bf16_b{1,16}_graph_min`` (graph rows),
+``gemv_floor_speedup_vs_bf16_b{1,16}[_graph]_min`` and ``gemv_pct_of_floor_speedup_b{1,16}[_graph]_min`` (the
+floors above), ``launch_floor_us`` / ``launch_floor_graph_us``, ``packed_weight_mem_ratio``, ``decode_tokens_per_s_ratio_vs_bf16_b1`` (the reused
 graph; ``..._graph_one_shot``, ``..._gpu_busy`` and ``..._eager`` beside it), ``kv3_ppl_delta_pct`` (copied from
 ``benchmarks/bitnet_kv.py``'s result). GPU box:
 
@@ -167,11 +175,85 @@ def layer_rows(args, device, hbm_gbs: float) -> list[dict]:
                 for r in rows[-len(impls):]:
                     if "gpu_ms" in r and "bf16" in times:
                         r["speedup_vs_bf16"] = times["bf16"] / r["gpu_ms"]
+                    if r.get("impl") == "thrifty" and args.launch_ms and "bf16" in times:
+                        add_floor(r, args.launch_ms, layer.packed.numel(), hbm_gbs, times["bf16"])
                 rows.append(codes_row(base, x, layer, args, device, hbm_gbs))
                 if "gpu_ms" in rows[-1]:
                     times["codes"] = rows[-1]["gpu_ms"]
                 print(f"  {model_name} {n}x{k} m={m}: " + ", ".join(f"{i} {t * 1e3:.1f} us" for i, t in times.items())
                       + (f"  match={gate.get('match')}" if gate else ""), flush=True)
+    return rows
+
+
+def launch_floor_ms(args, device) -> float | None:
+    """One launch of the smallest kernel there is (a one-element add), timed as the layer rows are: the fixed
+    cost every layer call pays under this timing, whatever it reads."""
+    if device.type != "cuda":
+        return None
+    one = torch.zeros(1, device=device)
+    return _timed(lambda: one.add_(1), args, device)
+
+
+def add_floor(row: dict, fixed_ms: float, packed_bytes: int, hbm_gbs: float, bf16_ms: float) -> None:
+    """The floor of a one-launch layer: the fixed launch cost plus the packed weights read once at the copy
+    bandwidth; ``floor_speedup_vs_bf16`` is the most any such kernel could show against the bf16 time measured
+    the same way, ``pct_of_floor_speedup`` how much of it this row reaches."""
+    floor = fixed_ms + packed_bytes / hbm_gbs / 1e6
+    row.update(floor_ms=floor, floor_speedup_vs_bf16=bf16_ms / floor,
+               pct_of_floor_speedup=100 * (bf16_ms / row["gpu_ms"]) / (bf16_ms / floor))
+
+
+def graph_ms_per_call(calls: list, device, args) -> float:
+    """ms per call of ``calls`` run back to back inside one CUDA graph (each once per replay), the replay queued
+    behind a spin kernel and timed by events: what a graph-replayed decode step sees (no host, no per-call event)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # compile and allocate outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    t = time_fn(graph.replay, warmup=2, reps=max(5, args.reps // 5), gpu_only=True, device=device)
+    return t.median_ms / len(calls)
+
+
+def graph_rows(args, device, hbm_gbs: float) -> list[dict]:
+    """Layer calls replayed in a CUDA graph, each call on its own copy of the weights, with enough copies to
+    fill twice the L2 cache: every call reads its weights from HBM, as each layer of a decoded model does. (The
+    eager rows call one layer again and again: its packed weights, 1.6-11 MB, stay in the 50-60 MB L2.) The
+    floor is the same graph of one-element adds (a launch's cost inside a graph) plus the packed bytes at the
+    copy bandwidth."""
+    if device.type != "cuda":
+        return []
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    one = torch.zeros(1, device=device)
+    launch = graph_ms_per_call([lambda: one.add_(1)] * 64, device, args)
+    rows = [dict(what="graph", impl="launch", gpu_ms=launch)]
+    for model_name, shapes in args.shapes.items():
+        for n, k in shapes:
+            packed = [random_packed(n, k, "int8", device, seed=i)
+                      for i in range(max(2, -(-2 * l2 // (n * k // 4))))]
+            dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+                     for _ in range(max(2, -(-2 * l2 // (2 * n * k))))]
+            for m in args.graph_tokens_layers:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                base = dict(what="graph", model=model_name, shape=f"{n}x{k}", N=n, K=k, tokens=m)
+                bf16 = graph_ms_per_call([lambda w=w: F.linear(x, w) for w in dense], device, args)
+                ours = graph_ms_per_call([lambda layer=layer: PK.packed_linear(x, layer) for layer in packed],
+                                         device, args)
+                rows.append({**base, "impl": "bf16", "gpu_ms": bf16, "copies": len(dense),
+                             "pct_of_hbm": 100 * 2 * n * k / bf16 / 1e6 / hbm_gbs})
+                row = {**base, "impl": "thrifty", "gpu_ms": ours, "copies": len(packed),
+                       "speedup_vs_bf16": bf16 / ours}
+                add_floor(row, launch, packed[0].packed.numel(), hbm_gbs, bf16)
+                rows.append(row)
+                print(f"  graph {model_name} {n}x{k} m={m}: bf16 {bf16 * 1e3:.1f} us, thrifty {ours * 1e3:.1f} us "
+                      f"({bf16 / ours:.2f}x; floor {row['floor_speedup_vs_bf16']:.2f}x)", flush=True)
+            del packed, dense
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -615,7 +697,8 @@ def kv_cache_bytes(cfg: dict, context: int = 32768) -> dict:
 def summarize(rows: list[dict]) -> dict:
     def speedups(m):
         return [r["speedup_vs_bf16"] for r in rows if r.get("impl") == "thrifty" and r.get("model") == "7B"
-                and r.get("tokens") == m and "speedup_vs_bf16" in r and r.get("tree") != "baseline"]
+                and r.get("tokens") == m and "speedup_vs_bf16" in r and r.get("tree") != "baseline"
+                and r.get("what") is None]
 
     out = {}
     ab = {r["pdl"]: r["graph_reuse_ms"] for r in rows if r.get("what") == "decode_pdl_ab" and "pdl" in r}
@@ -646,6 +729,19 @@ def summarize(rows: list[dict]) -> dict:
                    ("gemm_speedup_vs_bf16_t2048_min", 2048)):
         s = speedups(m)
         out[key] = min(s) if s else None
+    for tag, what in (("", None), ("_graph", "graph")):  # the most a one-launch layer could show, and our share
+        for m in (1, 16):
+            ours = [r for r in rows if r.get("impl") == "thrifty" and r.get("model") == "7B" and r.get("tokens") == m
+                    and r.get("what") == what and "floor_speedup_vs_bf16" in r and r.get("tree") != "baseline"]
+            if ours:
+                out[f"gemv_floor_speedup_vs_bf16_b{m}{tag}_min"] = min(r["floor_speedup_vs_bf16"] for r in ours)
+                out[f"gemv_pct_of_floor_speedup_b{m}{tag}_min"] = min(r["pct_of_floor_speedup"] for r in ours)
+                if what:
+                    out[f"gemv_speedup_vs_bf16_b{m}_graph_min"] = min(r["speedup_vs_bf16"] for r in ours)
+    launch = {r.get("what"): r["gpu_ms"] for r in rows if r.get("impl") == "launch" and "gpu_ms" in r}
+    if launch:
+        out["launch_floor_us"] = launch.get(None, float("nan")) * 1e3
+        out["launch_floor_graph_us"] = launch.get("graph", float("nan")) * 1e3
     for r in rows:  # this tree's decode step over the baseline tree's, per model and batch, same run
         if r.get("tree") == "baseline" and r.get("what") == "decode":
             new = next((t for t in rows if t.get("tree") != "baseline" and t.get("what") == "decode"
@@ -694,20 +790,24 @@ def plot(rows: list, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layer = [r for r in rows if r.get("impl") == "thrifty" and "speedup_vs_bf16" in r]
+    layer = [r for r in rows if r.get("impl") == "thrifty" and "speedup_vs_bf16" in r and r.get("what") is None]
+    graphed = [r for r in rows if r.get("impl") == "thrifty" and "speedup_vs_bf16" in r and r.get("what") == "graph"]
     shapes = list(dict.fromkeys(f"{r['model']} {r['shape']}" for r in layer))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
     for s in shapes:
         pts = sorted((r["tokens"], r["speedup_vs_bf16"]) for r in layer if f"{r['model']} {r['shape']}" == s)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+        pts = sorted((r["tokens"], r["speedup_vs_bf16"]) for r in graphed if f"{r['model']} {r['shape']}" == s)
+        if pts:  # the same layer replayed in a CUDA graph on rotating weight copies
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x", ls="--", color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("tokens")
-    ax.set_ylabel("speed-up over bf16 F.linear (GPU time)")
+    ax.set_ylabel("speed-up over bf16 F.linear (GPU time; dashed: CUDA graph, cold weights)")
     ax.set_title(title)
     ax.legend(fontsize=7)
     gbs = [r for r in rows if r.get("tokens") == 1 and r.get("impl") in ("bf16", "thrifty", "thrifty_matmul")
-           and "pct_of_hbm" in r]
+           and "pct_of_hbm" in r and r.get("what") is None]
     impls = ["bf16", "thrifty", "thrifty_matmul"]
     for j, impl in enumerate(impls):
         vals = [next((r["pct_of_hbm"] for r in gbs if r["impl"] == impl and f"{r['model']} {r['shape']}" == s), 0)
@@ -733,6 +833,8 @@ def main(argv=None) -> int:
                     help="alternating long/short GraphedDecoder calls whose median difference is graph_reuse_ms")
     ap.add_argument("--no-model", action="store_true", help="skip the 7B model decode")
     ap.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweep")
+    ap.add_argument("--no-graph-layers", action="store_true",
+                    help="skip the layer calls replayed in a CUDA graph on rotating weight copies")
     ap.add_argument("--pdl-ab", type=int, default=0, metavar="ROUNDS",
                     help="also time the stacked model's decode with the GEMV's dependent launch on / off, alternating")
     ap.add_argument("--kernel-table", action="store_true",
@@ -763,6 +865,7 @@ def main(argv=None) -> int:
                                  tie_word_embeddings=False)
         args.out = args.out or tempfile.mkdtemp(prefix="bitnet_kernels_smoke_")
     args.check_tokens = set(args.tokens)
+    args.graph_tokens_layers = [m for m in args.tokens if m <= 16]
     args.sweep_splits = (1, 2) if args.smoke else (1, 2, 4, 8, 16)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     torch.backends.cuda.matmul.allow_tf32 = False  # the PyTorch path's fp32 integer matmul must stay exact
@@ -773,7 +876,10 @@ def main(argv=None) -> int:
     print(f"inline-PTX gate: {asm_gate}", flush=True)
     hbm = hbm_bandwidth_gbs(device, args)
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s", flush=True)
+    args.launch_ms = launch_floor_ms(args, device)
     rows = layer_rows(args, device, hbm)
+    if args.launch_ms is not None and not args.rows_only:
+        rows.append(dict(impl="launch", gpu_ms=args.launch_ms))
     if args.rows_only:  # a --baseline-src subprocess: this tree's layer (and model) rows, nothing written
         if args.with_model:
             rows += model_rows(args, device)
@@ -782,6 +888,8 @@ def main(argv=None) -> int:
     if args.baseline_src:
         rows += baseline_rows(args)
     rows += a48_rows(args, device)
+    if not args.no_graph_layers:
+        rows += graph_rows(args, device, hbm)
     if not args.no_sweep:
         rows += sweep_rows(args, device)
     if args.gemm_sweep_tokens:
@@ -799,10 +907,10 @@ def main(argv=None) -> int:
     results_dir = Path(args.out) if args.out else default_results_dir()
     path = write_result("bitnet_kernels", rows, summary, device=label, extra=extra, results_dir=results_dir)
     plot(rows, path.with_suffix(".png"), f"packed ternary W2A8 vs bf16, {label}")
-    print_table([r for r in rows if "impl" in r],
+    print_table([r for r in rows if "impl" in r and r.get("what") is None],
                 ["tree", "model", "shape", "tokens", "impl", "gpu_ms", "host_ms", "weight_gbs", "pct_of_hbm",
                  "pct_of_floor", "speedup_vs_bf16", "match"])
-    for what in ("a4.8 activation", "sweep", "gemm sweep", "decode", "decode_kernels"):
+    for what in ("graph", "a4.8 activation", "sweep", "gemm sweep", "decode", "decode_kernels"):
         part = [r for r in rows if r.get("what") == what]
         if part:
             print_table(part)
