@@ -522,7 +522,8 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
     """decode_plan's default at 1 token is the v3 GEMV on ready codes (8 rows per program, 2 warps, K chunks of 256
     int32 words: one chunk at K = 4096 with plain loads, three at 11008 pipelined in 3 stages); version=2 gives the
     v2 tile (≤ 16 rows per program, rows spread evenly over p·SMs programs, 1 KB K chunks, 256 B where a shape
-    gives ≥ 4 programs per SM, 8 warps); 2–4 tokens take v1 (measured faster there); version= picks any."""
+    gives ≥ 4 programs per SM, 8 warps); 2 tokens of a layer of ≤ 4096 rows take v1, wider layers and 3–4 tokens
+    the tensor-core GEMM (measured faster there); version= picks any decode GEMV up to 4 tokens."""
     from thrifty.bitnet import packed_kernel as PK
 
     v3 = {(4096, 4096): 1, (12288, 4096): 1, (22016, 4096): 1, (4096, 11008): 3, (11008, 4096): 1}
@@ -543,8 +544,12 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
         assert p == 1 or -(-n // ((p - 1) * 132)) > 16  # p: the fewest programs per SM with ≤ 16 rows each
         for m in (2, 3, 4):
             cfg = PK.plan(m, n, k, 132)
-            assert cfg["version"] == 1 and cfg["BLOCK_M"] == PK._pow2(m)
+            if m == 2 and n <= 4096:
+                assert cfg["kernel"] == "decode" and cfg["version"] == 1 and cfg["BLOCK_M"] == 2
+            else:
+                assert cfg["kernel"] == "gemm" and cfg == PK.plan(16, n, k, 132), (m, n, k, cfg)
             assert PK.decode_plan(m, n, k, 132, version=2)["rows_per_program"] <= 8
+            assert PK.decode_plan(m, n, k, 132)["version"] == 1
         assert PK.decode_plan(1, n, k, 132, version=1)["version"] == 1
     with pytest.raises(ValueError, match="version"):
         PK.decode_plan(1, 64, 64, version=4)
@@ -554,14 +559,19 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
 
 @needs_kernels
 def test_forward_of_a_decode_step_is_one_launch(monkeypatch):
-    """PackedBitLinear's kernel path at 2–4 rows of an INT8 layer never runs the separate codes kernel (1 row: v3 on
-    codes made once per input, test_one_token_runs_v3_on_codes_made_once_per_input)."""
+    """PackedBitLinear's kernel path at 2 rows of a narrow INT8 layer never runs the separate codes kernel (1 row:
+    v3 on codes made once per input, test_one_token_runs_v3_on_codes_made_once_per_input); at 3 rows it runs the
+    codes kernel and the tensor-core GEMM, with the same values."""
     from thrifty.bitnet import packed_kernel as PK
 
     p = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="triton")
-    monkeypatch.setattr(PK, "quantize_codes", lambda *a, **k: pytest.fail("codes kernel launched"))
-    want = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="reference")(tokens(2, 64))
-    assert torch.equal(p(tokens(2, 64)), want) and p.last_path == "triton"
+    ref = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="reference")
+    launched = []
+    codes_kernel = PK.quantize_codes
+    monkeypatch.setattr(PK, "quantize_codes", lambda *a, **k: launched.append(1) or codes_kernel(*a, **k))
+    assert torch.equal(p(tokens(2, 64)), ref(tokens(2, 64))) and p.last_path == "triton" and not launched
+    assert torch.equal(p(tokens(3, 64)), ref(tokens(3, 64))) and launched == [1]
+    assert PK.plan(3, 16, 64)["kernel"] == "gemm"
 
 
 # ------------------------------------------------------------------------------------------- decode GEMV v3

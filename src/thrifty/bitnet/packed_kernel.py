@@ -54,7 +54,12 @@ USE_ASM = not interpreting()  # inline PTX (dp4a, packed decode) on the GPU; pla
 # COMPILED_ (kernel_math.COMPILED): compiled, not interpreted, kernels spell products that an add follows mul.rn,
 # which LLVM never contracts into an FMA (Triton's enable_fp_fusion does: one rounding where PyTorch rounds twice).
 # Fixed at import, as the kernels are; a constexpr global (not an argument): USE_ASM stays free to toggle on the GPU
-GEMV_MAX_TOKENS = 4  # up to here CUDA-core dp4a (the one-launch decode GEMV); beyond, tensor cores
+GEMV_MAX_TOKENS = 4  # the decode GEMVs take up to this many tokens (an explicit config); plan() sends them fewer
+# plan(): 2 tokens stay on the CUDA-core decode GEMV (v1) only up to this many output rows; wider layers and 3-4
+# tokens go to the tensor-core GEMM. H200, 24b5466 (probe in NOTES.md "2-4 tokens"), graph-replayed on cold weights:
+# 2 tokens v1 / GEMM 7.3 / 11.6 us at 4096x4096, 6.4 / 8.6 at 2560x2560, but 16.8 / 12.7 at 11008x4096 and 11.3 /
+# 9.1 at 6912x2560; 3-4 tokens the GEMM wins everywhere (12.5 / 11.6 at 4096x4096 up to 59.0 / 14.9 at 22016x4096).
+TWO_TOKEN_GEMV_MAX_ROWS = 4096
 FUSED_KINDS = {"int8": 0, "int4": 1}  # quantized inside the decode GEMV; TopK (a 15–31-step search) launches apart
 NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±inf or NaN
 GROUP_ = tl.constexpr(GROUP)  # weights per packed group (kernels read constexprs, never plain module globals)
@@ -840,11 +845,17 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
                 KW=kw, SB=max(32, min(_pow2(k), 4096 // block_m)), split=1, num_warps=warps, num_stages=1)
 
 
+def takes_decode_gemv(m: int, n: int) -> bool:
+    """True when :func:`plan` gives ``m`` tokens × ``n`` output rows the CUDA-core decode GEMV: 1 token, and 2
+    tokens of a layer with at most ``TWO_TOKEN_GEMV_MAX_ROWS`` rows (measured; the tensor-core GEMM elsewhere)."""
+    return m == 1 or (m == 2 and n <= TWO_TOKEN_GEMV_MAX_ROWS)
+
+
 def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Kernel, tile, K split and launch options for an (m tokens) × (n, k) product, from the shape alone.
 
-    1–4 tokens: :func:`decode_plan` (no split; 1 token: v3 on ready codes, 2–4: one launch quantizing its
-    input). Beyond, the tensor-core GEMM with the tile a sweep
+    1 token, and 2 tokens of a layer of ≤ 4096 rows (:func:`takes_decode_gemv`): :func:`decode_plan` (no split;
+    1 token: v3 on ready codes, 2: one launch quantizing its input). Beyond, the tensor-core GEMM with the tile a sweep
     of 60 tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
     ≤ 32 tokens 64 × 16 tiles, ≤ 128 tokens 64 × 64, beyond 128 × 64 with 8 warps; 3 stages. The K loop is split
     only for long K (≥ 24 groups: 6912, 11008) at ≤ 128 tokens, until 1.5 programs per SM or 4 groups per
@@ -852,7 +863,7 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     and the second launch cost more than the idle SMs (4096 × 4096 at 16 tokens: 8.9 unsplit, 10.0 split). (``kernel="gemv"``, the
     split-K CUDA-core GEMV the decode kernel replaced, is still run when a config asks for it: tests, the
     benchmark's sweep.)"""
-    if m <= GEMV_MAX_TOKENS:
+    if takes_decode_gemv(m, n):
         return decode_plan(m, n, k, sms)
     groups = padded_k(k) // GROUP
     if m <= 32:
@@ -1129,7 +1140,7 @@ def fuses(layer, m: int, config: dict | None = None) -> bool:
     """True when ``layer``'s forward on ``m`` rows (with ``config``, else the plan's) is a decode GEMV quantizing its
     own input (v1, v2: one launch); v3 (1 token by default) reads codes made once per input."""
     if config is None:
-        if not 0 < m <= GEMV_MAX_TOKENS:
+        if not takes_decode_gemv(m, layer.out_features):
             return False
         version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
     elif config["kernel"] == "decode":
