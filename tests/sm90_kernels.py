@@ -695,19 +695,22 @@ def _bitnet_packed():
                         {"codes_ptr sum_ptr w_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
                          "out_ptr": PTR[dtype]}, num_warps=warps, num_stages=stages)
     for kernel, bn, bm, split, warps, stages in sorted(plans):
-        # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel
-        for dtype, bias, mode in ((bf16, False, int(split)), (fp32, True, int(split))):
+        # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel; the GEMM's tiles of few
+        # tokens in both launch modes (gemm_launches_early also counts programs), wider tiles without
+        pdls = (None,) if kernel == "gemv" else (False, True) if bm <= PK.GEMM_PDL_MAX_TOKENS else (False,)
+        for (dtype, bias, mode), pdl in itertools.product(((bf16, False, int(split)), (fp32, True, int(split))), pdls):
             fn = PK._gemv_kernel if kernel == "gemv" else PK._gemm_kernel
             w, x = ("*i32", "*i32") if kernel == "gemv" else ("*u8", "*i8")
-            yield entry(fn, f"{kernel} {bn}x{bm} split={mode} {NAME[dtype]} bias={bias}",
-                        dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=mode, HAS_BIAS=bias, USE_ASM=PK.USE_ASM,
-                             **(dict(STAGES=stages) if kernel == "gemv" else {})),
+            extra = dict(STAGES=stages) if kernel == "gemv" else dict(PDL=pdl)
+            yield entry(fn, f"{kernel} {bn}x{bm} split={mode} {NAME[dtype]} bias={bias}"
+                        + ("" if pdl is None else f" pdl={pdl}"),
+                        dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=mode, HAS_BIAS=bias, USE_ASM=PK.USE_ASM, **extra),
                         {"w_ptr": w, "x_ptr": x, "ws_ptr sum_ptr": "*i32",
                          "scale_ptr alpha_ptr bias_ptr": "*fp32", "out_ptr": PTR[dtype]}, num_warps=warps,
                         num_stages=stages)
     # the plain-Triton decode, which benchmarks/bitnet_kernels.py falls back to if the inline PTX were wrong
     for fn, w, x, bn, bm, extra in ((PK._gemv_kernel, "*i32", "*i32", 32, 1, dict(STAGES=4)),
-                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, {})):
+                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, dict(PDL=False))):
         yield entry(fn, f"USE_ASM=False {bn}x{bm}", dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=1, HAS_BIAS=False,
                                                          USE_ASM=False, **extra),
                     {"w_ptr": w, "x_ptr": x, "ws_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",

@@ -712,6 +712,42 @@ def test_decode_v3_launches_early_on_hopper_and_stays_exact_in_a_graph():
             assert torch.equal(out, w)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [3, 16])
+def test_gemm_of_few_tokens_launches_early_on_hopper_and_stays_exact_in_a_graph(m):
+    """sm_90: the tensor-core GEMM of few tokens on a grid of ≤ 2 programs per SM (4096 rows: 64) is launched with
+    programmatic dependent launch behind its codes kernel (the compiled kernel carries the attribute: the fast path
+    ran); a grid of more programs per SM is not. Eager and CUDA-graph replays equal the reference bit for bit, also
+    when the input changes between replays (the GEMM waits for its codes)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    assert PK.plan(m, 4096, 4096)["kernel"] == "gemm"
+    assert PK.gemm_launches_early(m, 64, dev) and not PK.gemm_launches_early(m, 3 * PK._sm_count(dev), dev)
+    bl = layer(4096, 4096, "int8", bias=True, seed=5).cuda()
+    ref_layer = PackedBitLinear.from_bitlinear(bl, impl="reference")
+    p = PackedBitLinear.from_bitlinear(bl, impl="triton")
+    xs = [tokens(m, 4096, seed=s).cuda().to(torch.bfloat16) for s in range(3)]
+    with torch.no_grad():
+        want = [ref_layer(x) for x in xs]
+        PK._GEMM_LAUNCH.cache.clear()
+        assert torch.equal(p(xs[0]), want[0])
+        assert [kernel.metadata.launch_pdl for kernel, _ in PK._GEMM_LAUNCH.cache.values()] == [True]
+        static = xs[0].clone()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = p(static)
+        for x, w in zip(xs[::-1], want[::-1]):
+            static.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, w)
+
+
 def test_norm_codes_refuses_bad_arguments_by_name():
     """Checked before any launch: the quantizer kind (TopK is not fused), the weight's shape, the residual's shape
     and dtype, and a row longer than the kernel's."""

@@ -60,6 +60,14 @@ GEMV_MAX_TOKENS = 4  # the decode GEMVs take up to this many tokens (an explicit
 # 2 tokens v1 / GEMM 7.3 / 11.6 us at 4096x4096, 6.4 / 8.6 at 2560x2560, but 16.8 / 12.7 at 11008x4096 and 11.3 /
 # 9.1 at 6912x2560; 3-4 tokens the GEMM wins everywhere (12.5 / 11.6 at 4096x4096 up to 59.0 / 14.9 at 22016x4096).
 TWO_TOKEN_GEMV_MAX_ROWS = 4096
+# The tensor-core GEMM launches early (programmatic dependent launch, weights prefetched into L2 behind the codes
+# kernel) up to this many tokens and programs per SM. H200, f265734 for every token count: the layer 2-14% faster at
+# 16 tokens, 6-59% slower at 128-2048 tokens. 5c27846 + this rule, graph-replayed on cold weights, on vs off in one
+# process (NOTES.md "Few tokens: the GEMM launched early"): 3-16 tokens 6-18% faster wherever the grid has at most
+# 2 programs per SM (4096x4096 11.6 -> 9.3 us at 4 tokens), slower with more (22016x4096, 344 programs: 15.0 -> 16.5;
+# 32 tokens of 11008x4096, 344: 13.8 -> 16.6).
+GEMM_PDL_MAX_TOKENS = 32
+GEMM_PDL_MAX_PROGRAMS_PER_SM = 2
 FUSED_KINDS = {"int8": 0, "int4": 1}  # quantized inside the decode GEMV; TopK (a 15–31-step search) launches apart
 NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±inf or NaN
 GROUP_ = tl.constexpr(GROUP)  # weights per packed group (kernels read constexprs, never plain module globals)
@@ -345,10 +353,22 @@ def _gemv_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
 
 
 @triton.jit
+def _prefetch_groups_l2(w_ptr, rows, row_ok, stride_w, g_start, g_end):
+    """``prefetch.global.L2`` of the packed weight groups [g_start, g_end) of ``rows`` (u8 rows of ``stride_w``
+    bytes, 64 bytes a group): one prefetch per 128-byte line (two groups)."""
+    for g in range(g_start, g_end, 2):
+        ptrs = w_ptr + rows.to(tl.int64) * stride_w + g * SLICE_
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [ptrs, row_ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
                  groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Int8 tensor cores, swap-AB: acc[n, m] += W_field(BLOCK_N, 64) @ Xᵀ_field(64, BLOCK_M) per 2-bit field."""
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """Int8 tensor cores, swap-AB: acc[n, m] += W_field(BLOCK_N, 64) @ Xᵀ_field(64, BLOCK_M) per 2-bit field.
+    ``PDL`` (launched with programmatic dependent launch, few tokens): as the decode GEMV, the program starts while
+    the codes kernel ahead still runs, prefetches its weight groups into L2 and waits before reading the codes."""
     # row strides come in units of 16 elements (rows are whole groups): the compiler then knows every row is
     # 16-byte aligned, so loads vectorize and the tensor-core loop pipelines (cp.async)
     stride_w = w_row16 * 16
@@ -363,6 +383,9 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
     g_start = tl.program_id(1) * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, n_groups)
+    if PDL:
+        _prefetch_groups_l2(w_ptr, rows, rows < N, stride_w, g_start, g_end)
+        gdc_wait()  # the codes, Σ codes and scales are the kernel ahead's output (and the workspace its zeros)
     for g in range(g_start, g_end):
         packed = tl.load(w_rows + g * SLICE_, mask=row_ok, other=0)
         for field in tl.static_range(4):
@@ -889,6 +912,13 @@ def pdl_ok(device: torch.device) -> bool:
     return USE_ASM and device.type == "cuda" and capability(device) >= (9, 0)
 
 
+def gemm_launches_early(m: int, programs: int, device: torch.device) -> bool:
+    """True when the tensor-core GEMM of ``m`` tokens on ``programs`` programs launches with programmatic dependent
+    launch behind its codes kernel (measured: few tokens, at most ``GEMM_PDL_MAX_PROGRAMS_PER_SM`` programs per SM)."""
+    return (m <= GEMM_PDL_MAX_TOKENS and programs <= GEMM_PDL_MAX_PROGRAMS_PER_SM * _sm_count(device)
+            and pdl_ok(device))
+
+
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     """An all-zero int32 buffer of at least ``numel`` per device (the kernels leave it zero). One stream: two
     matmuls running concurrently on different streams would share it."""
@@ -1066,10 +1096,12 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
                      USE_ASM=USE_ASM, STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
                      num_stages=cfg["num_stages"])
     else:
+        pdl = gemm_launches_early(m, grid[0] * grid[1] * grid[2], out.device)
         _GEMM_LAUNCH(grid, packed, codes, ws, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
                      cfg["groups_per_split"], packed.stride(0) // 16, codes.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=mode, HAS_BIAS=bias is not None,
-                     USE_ASM=USE_ASM, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                     USE_ASM=USE_ASM, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                     launch_pdl=pdl)
     if mode == 1:
         bn, bm = EPILOGUE_TILE
         _EPILOGUE_LAUNCH((_cdiv(n, bn), _cdiv(m, bm)), ws, sums, scale, alpha_rows, bias_arg, out, n, m,
