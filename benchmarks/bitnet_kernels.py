@@ -175,7 +175,7 @@ def layer_rows(args, device, hbm_gbs: float) -> list[dict]:
                 for r in rows[-len(impls):]:
                     if "gpu_ms" in r and "bf16" in times:
                         r["speedup_vs_bf16"] = times["bf16"] / r["gpu_ms"]
-                    if r.get("impl") == "thrifty" and args.launch_ms and "bf16" in times:
+                    if r.get("impl") == "thrifty" and args.launch_ms and "bf16" in times and m <= 16:  # bytes-bound
                         add_floor(r, args.launch_ms, layer.packed.numel(), hbm_gbs, times["bf16"])
                 rows.append(codes_row(base, x, layer, args, device, hbm_gbs))
                 if "gpu_ms" in rows[-1]:

@@ -72,8 +72,8 @@ def loss_grad_fn(e, c, t, cfg):
     return run
 
 
-def timed(fn, budget_reps: int) -> float:
-    return bench.time_fn(fn, warmup=2, reps=budget_reps).median_ms
+def timed(fn, reps: int) -> float:
+    return bench.time_fn(fn, warmup=2, reps=reps).median_ms
 
 
 def main():

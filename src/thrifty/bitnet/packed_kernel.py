@@ -65,8 +65,9 @@ TWO_TOKEN_GEMV_MAX_ROWS = 4096
 # 16 tokens, 6-59% slower at 128-2048 tokens. 5c27846 + this rule, graph-replayed on cold weights, on vs off in one
 # process (NOTES.md "Few tokens: the GEMM launched early"): 3-16 tokens 6-18% faster wherever the grid has at most
 # 2 programs per SM (4096x4096 11.6 -> 9.3 us at 4 tokens), slower with more (22016x4096, 344 programs: 15.0 -> 16.5;
-# 32 tokens of 11008x4096, 344: 13.8 -> 16.6).
-GEMM_PDL_MAX_TOKENS = 32
+# 32 tokens of 11008x4096, 344: 13.8 -> 16.6). At 32 tokens it also lost on 4096x11008's 256 programs (19.3 -> 21.6):
+# 16 tokens is where it stops.
+GEMM_PDL_MAX_TOKENS = 16
 GEMM_PDL_MAX_PROGRAMS_PER_SM = 2
 FUSED_KINDS = {"int8": 0, "int4": 1}  # quantized inside the decode GEMV; TopK (a 15–31-step search) launches apart
 NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±inf or NaN

@@ -401,11 +401,6 @@ def grad_store_layout(block_m: int, block_n: int):
     return gl.NVMMASharedLayout.get_default_for([block_m, block_n], gl.bfloat16)
 
 
-def _tma_store_ok(g_buf: torch.Tensor) -> bool:
-    """A gradient view a TMA store can write: unit inner stride, 16-byte aligned rows and base."""
-    return g_buf.stride(1) == 1 and g_buf.stride(0) % 8 == 0 and g_buf.data_ptr() % 16 == 0
-
-
 def _descriptors(e_rows: torch.Tensor, c_rows: torch.Tensor, block_m: int, block_n: int, block_k: int):
     """TMA descriptors over E rows (block_m x block_k boxes) and C rows (block_n x block_k), both K-major; boxes
     past the tensors' edges arrive zero-filled."""
@@ -441,7 +436,7 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     tile_m = HALVES * bm
     e_desc, c_desc = _descriptors(e_valid, c_chunk, bm, bn, bk)
-    tma_store = cfg["tma_store"] and softcap is None and _tma_store_ok(g_buf)
+    tma_store = cfg["tma_store"] and softcap is None and _tma_rows(g_buf)
     g_desc = None
     if tma_store:
         g_desc = TensorDescriptor(g_buf, [nv, cur], [g_buf.stride(0), 1], [bm, bn], grad_store_layout(bm, bn))
@@ -459,8 +454,9 @@ def grad_tiles(e_valid: torch.Tensor, c_chunk: torch.Tensor, targets: torch.Tens
 
 # ------------------------------------------------------------------------------ host side: the forward's LSE
 # the forward's tiles: the gradient tiles' schedule (the statistics epilogue is lighter than the gradient's: no
-# store of the tile, a 1 KB read-modify-write of the slot per warpgroup)
-LSE_CONFIG = dict(block_m=64, block_n=256, block_k=64, stages=4, consumer_regs=240, producer_regs=24, num_warps=4)
+# store of the tile, a 1 KB read-modify-write of the slot per warpgroup), with the ring's 4th stage in the shared
+# memory the gradient buffers take there
+LSE_CONFIG = {**{k: v for k, v in TILE_CONFIG.items() if k != "tma_store"}, "stages": 4}
 
 lse_launch_count = 0  # Gluon LSE launches in this process: tests read it to see which forward a call took
 
