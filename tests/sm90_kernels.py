@@ -660,18 +660,18 @@ def _bitnet_packed():
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912),
                  (12288, 4096), (22016, 4096), (1024, 2560), (64, 1100)):  # + the stacked 7B q/k/v, gate/up
         for m in (1, 2, 3, 4, 16, 32, 64, 128, 256, 2048):  # every tile class of plan()
-            cfg = PK.plan(m, n, k)
-            if cfg["kernel"] == "decode":
-                if m == 1:  # v3, decode_plan's default at 1 token (on ready codes)
-                    cfg = PK.decode_plan(m, n, k, version=3)
-                    v3.add((cfg["BLOCK_N"], cfg["KW"], cfg["num_warps"], cfg["num_stages"]))
-                for version in (1, 2):  # v1 (2–4 tokens) and v2, timed beside v3 by the benchmark
+            if m == 1:  # v3, decode_plan's default at 1 token (on ready codes)
+                cfg = PK.decode_plan(m, n, k, version=3)
+                v3.add((cfg["BLOCK_N"], cfg["KW"], cfg["num_warps"], cfg["num_stages"]))
+            if m <= PK.GEMV_MAX_TOKENS:  # v1 (2 tokens of narrow layers; 3–4 by config) and v2, timed beside v3
+                for version in (1, 2):
                     cfg = PK.decode_plan(m, n, k, version=version)
                     decode.add((version, cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["KW"], cfg["SB"], cfg["num_warps"],
                                 cfg["num_stages"]))
-                continue
-            plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
-                       cfg["num_stages"]))
+            cfg = PK.plan(m, n, k)
+            if cfg["kernel"] != "decode":
+                plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
+                           cfg["num_stages"]))
     # the one-launch decode GEMV: quantizing its input (INT8 / INT4 range, sub-norm or not, bf16 / fp32 rows) at
     # every decode plan, and on ready codes (TopK rows, shared inputs)
     for version, bn, bm, kw, sb, warps, stages in sorted(decode):

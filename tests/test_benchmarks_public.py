@@ -162,18 +162,19 @@ def test_attention_e2e_host_section_on_the_cpu(tmp_path):
     assert set(doc["summary"]) == {"host_python_us_per_call_cpu", "host_python_us_per_decode_call_cpu"}
 
 
-def test_bitnet_packed_diag_at_4_tokens(capsys):
-    """4 tokens plan the decode GEMV (no K split, no groups_per_split): the diagnosis prints its plan and checks the
-    decode GEMV and the split-K GEMV beside it (it ended in a KeyError before)."""
+def test_bitnet_packed_diag_at_2_tokens(capsys):
+    """2 tokens of a narrow layer plan the decode GEMV (no K split, no groups_per_split): the diagnosis prints its
+    plan and checks the decode GEMV and the split-K GEMV beside it (it ended in a KeyError before, at 4 tokens,
+    which now plan the tensor-core GEMM)."""
     from thrifty.triton_utils import kernels_available
 
     if not kernels_available("cpu"):
         pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it on a CPU machine)")
     diag = _load("bitnet_packed_diag")
-    assert diag.main(["--small", "--tokens", "4", "--kinds", "int8"]) == 0
+    assert diag.main(["--small", "--tokens", "2", "--kinds", "int8"]) == 0
     out = capsys.readouterr().out
-    assert "[int8 m=4] plan decode" in out and "int8      m=4    OK" in out
-    labels = [label for label, cfg, asm in diag.variants(4, 96, 700, 132)]
+    assert "[int8 m=2] plan decode" in out and "int8      m=2    OK" in out
+    labels = [label for label, cfg, asm in diag.variants(2, 96, 700, 132)]
     assert labels[:2] == ["planned", "planned"] and "gemv split-epilogue-kernel" in labels
 
 
