@@ -163,7 +163,7 @@ def test_attention_e2e_host_section_on_the_cpu(tmp_path):
 
 
 def test_bitnet_packed_diag_at_2_tokens(capsys):
-    """2 tokens of a narrow layer plan the decode GEMV (no K split, no groups_per_split): the diagnosis prints its
+    """2 tokens of a narrow layer plan the decode GEMV (v3; no K split, no groups_per_split): the diagnosis prints its
     plan and checks the decode GEMV and the split-K GEMV beside it (it ended in a KeyError before, at 4 tokens,
     which now plan the tensor-core GEMM)."""
     from thrifty.triton_utils import kernels_available

@@ -522,8 +522,8 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
     """decode_plan's default at 1 token is the v3 GEMV on ready codes (8 rows per program, 2 warps, K chunks of 256
     int32 words: one chunk at K = 4096 with plain loads, three at 11008 pipelined in 3 stages); version=2 gives the
     v2 tile (≤ 16 rows per program, rows spread evenly over p·SMs programs, 1 KB K chunks, 256 B where a shape
-    gives ≥ 4 programs per SM, 8 warps); 2 tokens of a layer of ≤ 4096 rows take v1, wider layers and 3–4 tokens
-    the tensor-core GEMM (measured faster there); version= picks any decode GEMV up to 4 tokens."""
+    gives ≥ 4 programs per SM, 8 warps); 2 tokens of a layer of ≤ 4096 rows take v3 as well, wider layers and 3–4
+    tokens the tensor-core GEMM (measured faster there); version= picks any decode GEMV up to 4 tokens."""
     from thrifty.bitnet import packed_kernel as PK
 
     v3 = {(4096, 4096): 1, (12288, 4096): 1, (22016, 4096): 1, (4096, 11008): 3, (11008, 4096): 1}
@@ -545,11 +545,11 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
         for m in (2, 3, 4):
             cfg = PK.plan(m, n, k, 132)
             if m == 2 and n <= 4096:
-                assert cfg["kernel"] == "decode" and cfg["version"] == 1 and cfg["BLOCK_M"] == 2
+                assert cfg == PK.decode_plan(1, n, k, 132) and cfg["version"] == 3
             else:
                 assert cfg["kernel"] == "gemm" and cfg == PK.plan(16, n, k, 132), (m, n, k, cfg)
             assert PK.decode_plan(m, n, k, 132, version=2)["rows_per_program"] <= 8
-            assert PK.decode_plan(m, n, k, 132)["version"] == 1
+            assert PK.decode_plan(m, n, k, 132, version=1)["BLOCK_M"] == PK._pow2(m)
         assert PK.decode_plan(1, n, k, 132, version=1)["version"] == 1
     with pytest.raises(ValueError, match="version"):
         PK.decode_plan(1, 64, 64, version=4)
@@ -558,10 +558,10 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
 
 
 @needs_kernels
-def test_forward_of_a_decode_step_is_one_launch(monkeypatch):
-    """PackedBitLinear's kernel path at 2 rows of a narrow INT8 layer never runs the separate codes kernel (1 row:
-    v3 on codes made once per input, test_one_token_runs_v3_on_codes_made_once_per_input); at 3 rows it runs the
-    codes kernel and the tensor-core GEMM, with the same values."""
+def test_few_token_forwards_quantize_once_then_multiply(monkeypatch):
+    """PackedBitLinear's kernel path at 2 rows of a narrow INT8 layer: the codes kernel once, then the v3 GEMV (one
+    grid row per token); at 3 rows the codes kernel once, then the tensor-core GEMM; both equal the reference (1 row:
+    test_one_token_runs_v3_on_codes_made_once_per_input)."""
     from thrifty.bitnet import packed_kernel as PK
 
     p = PackedBitLinear.from_bitlinear(layer(64, 16, "int8"), impl="triton")
@@ -569,9 +569,9 @@ def test_forward_of_a_decode_step_is_one_launch(monkeypatch):
     launched = []
     codes_kernel = PK.quantize_codes
     monkeypatch.setattr(PK, "quantize_codes", lambda *a, **k: launched.append(1) or codes_kernel(*a, **k))
-    assert torch.equal(p(tokens(2, 64)), ref(tokens(2, 64))) and p.last_path == "triton" and not launched
-    assert torch.equal(p(tokens(3, 64)), ref(tokens(3, 64))) and launched == [1]
-    assert PK.plan(3, 16, 64)["kernel"] == "gemm"
+    assert PK.plan(2, 16, 64)["version"] == 3 and PK.plan(3, 16, 64)["kernel"] == "gemm"
+    assert torch.equal(p(tokens(2, 64)), ref(tokens(2, 64))) and p.last_path == "triton" and launched == [1]
+    assert torch.equal(p(tokens(3, 64)), ref(tokens(3, 64))) and launched == [1, 1]
 
 
 # ------------------------------------------------------------------------------------------- decode GEMV v3
@@ -637,8 +637,8 @@ def test_decode_v3_tiles_tokens_and_bad_rows(rows, block_n, kw, warps, stages):
 @needs_kernels
 def test_one_token_runs_v3_on_codes_made_once_per_input(monkeypatch):
     """PackedBitLinear's kernel path at 1 row: the codes kernel once per input (siblings sharing an input reuse
-    it), then the v3 decode GEMV — never v1 or v2 — with the PyTorch path's output; at 2 rows still one launch
-    of the self-quantizing v1 (no codes kernel)."""
+    it), then the v3 decode GEMV — never v1 or v2 — with the PyTorch path's output; at 2 rows of this narrow layer
+    the same two kernels (v3 with one grid row per token)."""
     from thrifty.bitnet import packed_kernel as PK
     from thrifty.bitnet.bitlinear import SharedInput
 
@@ -662,7 +662,7 @@ def test_one_token_runs_v3_on_codes_made_once_per_input(monkeypatch):
     p = siblings[0]
     p.impl, p.shared_input = "triton", None
     p(tokens(2, 64))
-    assert ran == ["_DECODE_V1_LAUNCH"]
+    assert ran == ["_ACT_LAUNCH", "_DECODE_V3_LAUNCH"]
     with pytest.raises(ValueError, match="ready codes"):
         PK.fused_linear(x, p, PK.decode_plan(1, 24, 64))
 

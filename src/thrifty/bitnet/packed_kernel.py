@@ -55,10 +55,12 @@ USE_ASM = not interpreting()  # inline PTX (dp4a, packed decode) on the GPU; pla
 # which LLVM never contracts into an FMA (Triton's enable_fp_fusion does: one rounding where PyTorch rounds twice).
 # Fixed at import, as the kernels are; a constexpr global (not an argument): USE_ASM stays free to toggle on the GPU
 GEMV_MAX_TOKENS = 4  # the decode GEMVs take up to this many tokens (an explicit config); plan() sends them fewer
-# plan(): 2 tokens stay on the CUDA-core decode GEMV (v1) only up to this many output rows; wider layers and 3-4
-# tokens go to the tensor-core GEMM. H200, 24b5466 (probe in NOTES.md "2-4 tokens"), graph-replayed on cold weights:
-# 2 tokens v1 / GEMM 7.3 / 11.6 us at 4096x4096, 6.4 / 8.6 at 2560x2560, but 16.8 / 12.7 at 11008x4096 and 11.3 /
-# 9.1 at 6912x2560; 3-4 tokens the GEMM wins everywhere (12.5 / 11.6 at 4096x4096 up to 59.0 / 14.9 at 22016x4096).
+# plan(): 2 tokens stay on the CUDA-core decode GEMV only up to this many output rows; wider layers and 3-4 tokens
+# go to the tensor-core GEMM. H200, 24b5466 (probe in NOTES.md "Few tokens"), graph-replayed on cold weights: 2
+# tokens v1 / GEMM 7.3 / 11.6 us at 4096x4096, 6.4 / 8.6 at 2560x2560, but 16.8 / 12.7 at 11008x4096 and 11.3 / 9.1
+# at 6912x2560; 3-4 tokens the GEMM wins everywhere (12.5 / 11.6 at 4096x4096 up to 59.0 / 14.9 at 22016x4096).
+# (v3 at 2 tokens, which replaced v1 there, also beats the early-launched GEMM at 11008x4096 and 12288x4096, 10.1 /
+# 11.8 and 10.7 / 12.0, but not at 6912x2560 or 22016x4096; the row rule stays.)
 TWO_TOKEN_GEMV_MAX_ROWS = 4096
 # The tensor-core GEMM launches early (programmatic dependent launch, weights prefetched into L2 behind the codes
 # kernel) up to this many tokens and programs per SM. H200, f265734 for every token count: the layer 2-14% faster at
@@ -805,12 +807,11 @@ STREAM_CHUNK = 1024
 STREAM_WARPS = 4
 
 DECODE_VERSION = 3  # decode_plan's default at 1 token: 3 = _decode_gemv_v3_kernel (on ready codes)
-# v2 (_decode_gemv_kernel, quantizing its own input) stays selectable (version=2) until the GPU has timed v3 beside
-# it; fused_linear's default at 1 token. Before v3:
-# H200, 4ca92a6 (bitnet_kernels.py, v1 tree timed in the same run): v2 wins at 1 token at every 7B shape (7.44 /
-# 13.95 / 11.65 us against 7.97 / 17.06 / 12.10), v1 wins at 4 tokens (15.1 / 35.7 / 27.8 us against 17.1 / 38.4
-# / 33.2): v1 takes 2-4 tokens.
-DECODE_VERSION_MULTI = 1
+# and at 2 tokens (one grid row per token, the second reading the weights from L2). H200, 5a139c7, graph-replayed
+# on cold weights, one process (NOTES.md "Few tokens"): 2 tokens v3 / v1 6.0 / 7.3 us at 4096x4096, 5.6 / 6.4 at
+# 2560x2560, 8.1 / 9.0 at 2560x6912, 12.8 / 12.9 at 4096x11008. v1 and v2 (quantizing their own input) keep no
+# default route: selectable by version= for the benchmark's sweep, and the next thing to delete.
+DECODE_VERSION_MULTI = 3
 # v2 chunk width when a shape gives >= this many programs per SM: 11008x4096 (787 programs, 6 per SM) ran in 9.95 us
 # with 256-byte chunks (KW = 64) against 13.7 with 1 KB; 4096 rows (2 per SM) are fastest with 1 KB (7.39 us).
 DECODE_NARROW_AT = 4
@@ -845,7 +846,7 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
     ~1 µs of HBM latency at 4.1 TB/s asks for). ``rows_per_program = ceil(n / (p·SMs))`` for the smallest p that
     fits the cap, so every SM streams the same bytes: 4096 rows → 16 per program (256 programs, 2 per SM);
     11008 → 14 (787 programs, 6 per SM; there 256-byte chunks, ``DECODE_NARROW_AT``). ``version=1``: the v1 tile
-    (≤ 32 rows, 139–255 registers, 1 per SM), the default at 2–4 tokens (measured faster there)."""
+    (≤ 32 rows, 139–255 registers, 1 per SM). v3 is also the default at 2–4 tokens (``DECODE_VERSION_MULTI``)."""
     if version is None:
         version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
     if version not in (1, 2, 3):
@@ -870,8 +871,9 @@ def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = No
 
 
 def takes_decode_gemv(m: int, n: int) -> bool:
-    """True when :func:`plan` gives ``m`` tokens × ``n`` output rows the CUDA-core decode GEMV: 1 token, and 2
-    tokens of a layer with at most ``TWO_TOKEN_GEMV_MAX_ROWS`` rows (measured; the tensor-core GEMM elsewhere)."""
+    """True when :func:`plan` gives ``m`` tokens × ``n`` output rows the CUDA-core decode GEMV (v3, on ready codes):
+    1 token, and 2 tokens of a layer with at most ``TWO_TOKEN_GEMV_MAX_ROWS`` rows (measured; the tensor-core GEMM
+    elsewhere)."""
     return m == 1 or (m == 2 and n <= TWO_TOKEN_GEMV_MAX_ROWS)
 
 
@@ -879,7 +881,7 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Kernel, tile, K split and launch options for an (m tokens) × (n, k) product, from the shape alone.
 
     1 token, and 2 tokens of a layer of ≤ 4096 rows (:func:`takes_decode_gemv`): :func:`decode_plan` (no split;
-    1 token: v3 on ready codes, 2: one launch quantizing its input). Beyond, the tensor-core GEMM with the tile a sweep
+    v3 on ready codes). Beyond, the tensor-core GEMM with the tile a sweep
     of 60 tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
     ≤ 32 tokens 64 × 16 tiles, ≤ 128 tokens 64 × 64, beyond 128 × 64 with 8 warps; 3 stages. The K loop is split
     only for long K (≥ 24 groups: 6912, 11008) at ≤ 128 tokens, until 1.5 programs per SM or 4 groups per
