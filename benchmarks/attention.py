@@ -61,12 +61,9 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
 # spill) with the same tiles without it
 GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(consumers=2, **SMALL_D64_TILES),
                       "thrifty8_gluon_n128": dict(block_m=64),
-                      "thrifty8_gluon_pp_n128": dict(block_m=64, pingpong=True),
-                      # the next QKᵀ issued ahead of each softmax, free-running (64 rows: 128 spill)
-                      "thrifty8_gluon_overlap_n128": dict(block_m=64, pingpong=False, overlap=True)}
+                      "thrifty8_gluon_pp_n128": dict(block_m=64, pingpong=True)}
 GLUON_D128_VARIANTS = {"thrifty8_gluon_pp": dict(pingpong=True, v_perm16=False),
-                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True),  # the D=128 causal default
-                       "thrifty8_gluon_overlap": dict(pingpong=False, overlap=True)}
+                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True)}  # the D=128 causal default
 
 
 def gluon_structures(D):

@@ -190,9 +190,6 @@ def _attention():
 PINGPONG_TILES = ((128, dict(v_perm16=False)), (128, dict(block_n=64, scale_block=64)), (64, dict(block_m=64)),
                   (64, dict(block_m=64, v_perm16=False)))
 
-# the free-running schedule with the next QKᵀ issued ahead of each softmax (gluon_config overlap=True)
-OVERLAP_TILES = ((128, {}), (64, {}), (64, dict(block_m=64)))
-
 
 def _attention_gluon():
     """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
@@ -211,8 +208,6 @@ def _attention_gluon():
     calls += [(128, causal, bf16, False, False, dict(v_perm16=False, pingpong=False)) for causal in (False, True)]
     calls += [(D, causal, bf16, False, False, dict(pingpong=True, **tiles)) for causal in (False, True)
               for D, tiles in PINGPONG_TILES]
-    calls += [(D, causal, bf16, False, False, dict(pingpong=False, overlap=True, **tiles)) for causal in (False, True)
-              for D, tiles in OVERLAP_TILES]
     for call in calls:
         yield gluon_entry(*call)
     # the pre-pass with Vᵀ in v_slot order (the Triton path's entries cover the rest of the Gluon pre-pass)
@@ -232,14 +227,14 @@ def gluon_entry(D, causal, dtype, lse, smooth_v, variant) -> Spec:
     t = PTR[dtype]
     label = (f"D{D} {NAME[dtype]} {'causal' if causal else 'full'} consumers={cfg['consumers']}"
              f" block_m={cfg['block_m']} block_n={cfg['block_n']}" + " v_perm16" * cfg["v_perm16"] + " lse" * lse
-             + " smooth_v" * smooth_v + " pingpong" * cfg["pingpong"] + " overlap" * cfg["overlap"])
+             + " smooth_v" * smooth_v + " pingpong" * cfg["pingpong"])
     return entry(G._sage_fwd_gluon_kernel, label,
                  dict(HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], KS_BLOCK=cfg["scale_block"],
                       STAGES=cfg["stages"], QMAX=127.0, CAUSAL=causal, HAS_VMEAN=smooth_v, RETURN_LSE=lse,
                       REVERSE=causal and cfg["reverse"], CONSUMERS=cfg["consumers"],
                       PRODUCER_REGS=cfg["producer_regs"], CONSUMER_REGS=cfg["consumer_regs"],
                       LOG2_P_SCALE=G.LOG2_FP8_MAX, MAX_SPLIT=Q.MAX_SPLIT, V_PERM16=cfg["v_perm16"],
-                      PINGPONG=cfg["pingpong"], OVERLAP=cfg["overlap"]),
+                      PINGPONG=cfg["pingpong"]),
                  {"Q Out": t, "Ks Stats": "*fp32", "FirstBad": "*i32", "Lse": "*fp32" if lse else t,
                   "k_desc": f"tensordesc<i8[{cfg['block_n']}, {D}],{k_layout!r}>",
                   "v_desc": f"tensordesc<fp8e4nv[{D}, {cfg['block_n']}],{v_layout!r}>"},

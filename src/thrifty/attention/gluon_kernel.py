@@ -309,79 +309,6 @@ def _tiles_pingpong(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, k_ready, v_r
 
 
 @gluon.jit
-def _overlap_step(acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                  ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row: gl.constexpr,
-                  p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KSPLIT: gl.constexpr,
-                  STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                  V_PERM16: gl.constexpr, LAST: gl.constexpr):
-    """FA3's intra-warpgroup overlap: Q·K_{j+1} is issued before tile j's softmax (whose scores ``s_i`` are in),
-    so this warpgroup's own softmax runs under its next QKᵀ wgmma; then P̃_j·V_j. Groups retire in order: the
-    wait for one pending group is Q·K_{j+1}'s."""
-    slot = j % STAGES
-    if not LAST:
-        nxt = (j + 1) % STAGES
-        c0_next, c1_next = _k_scales(q_scale, ks_base, j + 1, n_ks, KSPLIT)
-        mbarrier.wait(k_ready.index(nxt), ((j + 1) // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    p, alpha, m_i = _softmax_tile(s_i, j, m_i, offs_n, first, key_end, c0, c1, Sk, BLOCK_N, KSPLIT, MASKED, CAUSAL,
-                                  LOG2_P_SCALE)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    p8 = _to_p8(p, p_layout, BLOCK_M, BLOCK_N, V_PERM16)
-    mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-    acc = acc * gl.convert_layout(alpha, o_row)[:, None]
-    if not LAST:
-        s_i = warpgroup_mma_wait(1, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(nxt), count=1)
-        c0, c1 = c0_next, c1_next
-    pv = warpgroup_mma_wait(0, deps=(pv_tok, ))
-    mbarrier.arrive(v_empty.index(slot), count=1)
-    acc = acc + pv
-    return acc, l_i, m_i, s_i, c0, c1
-
-
-@gluon.jit
-def _tiles_overlap(acc, l_i, m_i, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   ks_base, n_ks, offs_m, full_end, hi, Sk, causal_offset,
-                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS_BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOG2_P_SCALE: gl.constexpr, V_PERM16: gl.constexpr):
-    """KV tiles [0, hi) of one free-running consumer warpgroup with the next tile's QKᵀ issued ahead of each
-    softmax (:func:`_overlap_step`); the last tile takes the masked softmax (exact for any tile)."""
-    KSPLIT: gl.constexpr = BLOCK_N // KS_BLOCK
-    gl.static_assert(KSPLIT * KS_BLOCK == BLOCK_N and KSPLIT <= 2, "BLOCK_N: one or two K-scale blocks")
-    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    first = (offs_n < KS_BLOCK)[None, :]
-    key_end = gl.minimum(offs_m + (causal_offset + 1), Sk)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
-    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-
-    c0, c1 = _k_scales(q_scale, ks_base, 0, n_ks, KSPLIT)
-    mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s_i = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-
-    split = gl.minimum(full_end, hi - 1)
-    for j in range(0, split):
-        acc, l_i, m_i, s_i, c0, c1 = _overlap_step(
-            acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-            ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
-            STAGES, False, CAUSAL, LOG2_P_SCALE, V_PERM16, False)
-    for j in range(split, hi - 1):
-        acc, l_i, m_i, s_i, c0, c1 = _overlap_step(
-            acc, l_i, m_i, s_i, c0, c1, j, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-            ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
-            STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, False)
-    acc, l_i, m_i, s_i, c0, c1 = _overlap_step(
-        acc, l_i, m_i, s_i, c0, c1, hi - 1, q_smem, q_scale, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-        ks_base, n_ks, offs_n, first, key_end, Sk, s_zero, o_zero, o_row, p_layout, BLOCK_M, BLOCK_N, KSPLIT,
-        STAGES, True, CAUSAL, LOG2_P_SCALE, V_PERM16, True)
-    return acc, l_i, m_i
-
-
-@gluon.jit
 def _bounds(m_blk, Sk, causal_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(first masked KV tile, end tile) of query block ``m_blk``: tiles [0, full_end) need no mask, [full_end,
     hi) hold the diagonal or the ragged end."""
@@ -403,8 +330,7 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_smem, v_smem, k_ready
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               KS_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_VMEAN: gl.constexpr,
               RETURN_LSE: gl.constexpr, QMAX: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-              WG: gl.constexpr):
+              MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """One consumer warpgroup, query rows [pid_m·BLOCK_M, +BLOCK_M) (``pid_m`` counts BLOCK_M-row blocks): Q's
     quantization, the KV loop over this block's tiles, the epilogue and the NaN rule. Tiles of the CTA's ring
     that this block does not need (causal, the lower block of a 2-consumer CTA) are released unread."""
@@ -447,11 +373,6 @@ def _consumer(Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_smem, v_smem, k_ready
                                         v_empty, turns, ks_base, n_ks, offs_m, full_end_tile, hi_tile, Sk,
                                         causal_offset, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK,
                                         HEAD_DIM, STAGES, CAUSAL, LOG2_P_SCALE, V_PERM16, WG)
-    elif OVERLAP:
-        acc, l_i, m_i = _tiles_overlap(acc, l_i, m_i, q_smem, c_scale, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                       v_empty, ks_base, n_ks, offs_m, full_end_tile, hi_tile, Sk, causal_offset,
-                                       s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, KS_BLOCK, HEAD_DIM, STAGES,
-                                       CAUSAL, LOG2_P_SCALE, V_PERM16)
     else:
         acc, l_i, m_i = _tiles(acc, l_i, m_i, q_smem, c_scale, k_smem, v_smem, k_ready, v_ready,
                                k_empty, v_empty, ks_base, n_ks, offs_m, 0, full_end_tile,
@@ -515,10 +436,8 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                            HAS_VMEAN: gl.constexpr, RETURN_LSE: gl.constexpr, REVERSE: gl.constexpr,
                            CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, LOG2_P_SCALE: gl.constexpr,
-                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr,
-                           OVERLAP: gl.constexpr):
+                           MAX_SPLIT: gl.constexpr, V_PERM16: gl.constexpr, PINGPONG: gl.constexpr):
     gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong needs two consumer warpgroups")
-    gl.static_assert(not (PINGPONG and OVERLAP), "ping-pong and the free-running overlap are two schedules")
     pid_m, pid_bh = gl.program_id(0), gl.program_id(1)
     if REVERSE:  # causal: the longest rows first, so the short ones fill the tail of the launch
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -554,8 +473,7 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                          v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m, b, h, bh_kv, n_tiles,
                          stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                          BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, OVERLAP,
-                         0)),
+                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, False, 0)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                          v_row0, BLOCK_N, STAGES)),
         ], [1], [PRODUCER_REGS])
@@ -565,14 +483,12 @@ def _sage_fwd_gluon_kernel(Q, k_desc, v_desc, Ks, Stats, FirstBad, n_split, Out,
                          v_ready, k_empty, v_empty, turns, q_smem.index(0), pid_m * 2, b, h, bh_kv, n_tiles,
                          stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                          BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG,
-                         OVERLAP, 0)),
+                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 0)),
             (_consumer, (Q, Ks, Stats, FirstBad, n_split, Out, Lse, k_smem, v_smem, k_ready,
                          v_ready, k_empty, v_empty, turns, q_smem.index(1), pid_m * 2 + 1, b, h, bh_kv, n_tiles,
                          stride_qb, stride_qh, stride_qs, stride_qd, stride_ob, stride_oh, stride_os, stride_od, H,
                          BH_KV, Sq, Sk, Sk_pad, causal_offset, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, KS_BLOCK,
-                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG,
-                         OVERLAP, 1)),
+                         STAGES, CAUSAL, HAS_VMEAN, RETURN_LSE, QMAX, LOG2_P_SCALE, MAX_SPLIT, V_PERM16, PINGPONG, 1)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, n_tiles, k_row0,
                          v_row0, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -601,7 +517,7 @@ def gluon_config(head_dim: int, causal: bool) -> dict:
     # 821/815 at 32K; full 600/603 vs 636/636 at 2K, 718 vs 748 at 4K, 791/787 vs 817/824 at 8K, 856/834 vs 865/852
     # at 32K. Against the structure with neither, ping-pong + v_perm16 gained 1.03-1.11x at 8K-32K.
     cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, consumers=2,
-               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=bool(causal), overlap=False)
+               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=bool(causal))
     if head_dim <= 64:
         cfg.update(D64_TILES)
     return cfg
@@ -671,8 +587,6 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         raise ValueError(f"gluon launch: block_n {cfg['block_n']} must be 1 or 2 K-scale blocks of "
                          f"{cfg['scale_block']} keys, as the pre-pass wrote them ({S_pad} keys, "
                          f"{p['k_scale'].shape[1]} scales)")
-    if cfg["pingpong"] and cfg["overlap"]:
-        raise ValueError("gluon launch: config pingpong=True and overlap=True are two schedules; choose one")
     if cfg["consumers"] not in (1, 2) or (cfg["pingpong"] and cfg["consumers"] != 2):
         raise ValueError(f"gluon launch: config consumers must be 1 or 2, and pingpong=True needs consumers=2 (two "
                          f"consumer warpgroups take turns), got consumers={cfg['consumers']}, "
@@ -696,7 +610,7 @@ def launch(prepared: dict, out: torch.Tensor, lse: torch.Tensor | None, *, causa
         CAUSAL=causal, HAS_VMEAN=p["smooth_v"], RETURN_LSE=lse is not None, REVERSE=causal and cfg["reverse"],
         CONSUMERS=cfg["consumers"], PRODUCER_REGS=cfg["producer_regs"],
         CONSUMER_REGS=cfg["consumer_regs"], LOG2_P_SCALE=LOG2_FP8_MAX, MAX_SPLIT=MAX_SPLIT,
-        V_PERM16=cfg["v_perm16"], PINGPONG=cfg["pingpong"], OVERLAP=cfg["overlap"])
+        V_PERM16=cfg["v_perm16"], PINGPONG=cfg["pingpong"])
     if sig is None:
         _sage_fwd_gluon_kernel[grid](*args, **constexprs, num_warps=cfg["num_warps"])
     else:
