@@ -377,11 +377,10 @@ def gemm_sweep_rows(args, device) -> list[dict]:
 
 
 def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
-    """The decode GEMVs side by side in one process: v3 (decode_plan's default at 1 token, on ready codes) at its
-    plan and at other rows per program, warps (K chunk = 128 int32 words per warp) and pipeline stages; the layer
-    as planned (codes kernel + v3); the self-quantizing v2 and v1 (one launch each: the kernels v3 replaced at 1
-    token); and the split-K GEMV before them (on ready codes, + its epilogue launch) for reference. Every row is
-    checked against the planned layer's output bit for bit."""
+    """The decode GEMVs side by side in one process: v3 (decode_plan, on ready codes) at its plan and at other rows
+    per program, warps (K chunk = 128 int32 words per warp) and pipeline stages; the layer as planned (codes
+    kernel + v3); and the split-K GEMV before it (on ready codes, + its epilogue launch) for reference. Every row
+    is checked against the planned layer's output bit for bit."""
     from thrifty.triton_utils import sm_count
 
     n, k = layer.out_features, layer.in_features
@@ -398,11 +397,7 @@ def decode_sweep_rows(args, device, layer, m: int, planned: dict) -> list[dict]:
                    num_stages=cfg["num_stages"], split=cfg["split"], planned=planned_row)
         rows.append(checked_timing(row, fn, lambda: want, args, device))
 
-    for version in (1, 2):
-        cfg = PK.decode_plan(m, n, k, sms, version=version)
-        timed(f"decode v{version} (fused)", cfg, lambda cfg=cfg: PK.fused_linear(x, layer, cfg),
-              planned["version"] == version)
-    if planned["version"] == 3:
+    if planned["kernel"] == "decode":
         timed("decode v3 + codes kernel (layer)", planned, lambda: PK.packed_linear(x, layer), False)
         words = layer.packed.shape[1] // 4
         configs = [planned]
@@ -711,20 +706,6 @@ def summarize(rows: list[dict]) -> dict:
             if new:
                 out[f"thrifty_speedup_vs_baseline_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new["gpu_ms"]
                 out[f"baseline_speedup_vs_bf16_{r['shape']}_t{r['tokens']}"] = r.get("speedup_vs_bf16")
-    def sweep_ms(r, kernel):  # the sweep's row of ``kernel`` at r's shape and tokens (the planned tile for v3)
-        return next((t["gpu_ms"] for t in rows if t.get("what") == "sweep" and t.get("kernel") == kernel and
-                     t.get("shape") == r["shape"] and t.get("tokens") == r["tokens"] and "gpu_ms" in t and
-                     (t.get("planned") or kernel != "decode v3 (ready codes)")), None)
-
-    for r in rows:  # same process: v3 (the layer: codes kernel + v3; and the GEMV alone) over the fused v2 and v1
-        if r.get("what") == "sweep" and r.get("kernel") == "decode v2 (fused)" and "gpu_ms" in r:
-            for tag, kernel in (("", "decode v3 + codes kernel (layer)"), ("_gemv", "decode v3 (ready codes)")):
-                new = sweep_ms(r, kernel)
-                if new:
-                    out[f"decode_v3{tag}_speedup_vs_v2_{r['shape']}_t{r['tokens']}"] = r["gpu_ms"] / new
-            v1 = sweep_ms(r, "decode v1 (fused)")
-            if v1:
-                out[f"decode_v2_speedup_vs_v1_{r['shape']}_t{r['tokens']}"] = v1 / r["gpu_ms"]
     for key, m in (("gemv_speedup_vs_bf16_b1_min", 1), ("gemv_speedup_vs_bf16_b16_min", 16),
                    ("gemm_speedup_vs_bf16_t2048_min", 2048)):
         s = speedups(m)

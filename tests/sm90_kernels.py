@@ -656,37 +656,18 @@ def _bitnet_packed():
                          "sum_ptr": "*i32"},
                         fp32="beta_scale norm_eps", aligned="D KP stride_x stride_c",  # every width: 16·n
                         num_warps=max(1, min(PK.STREAM_WARPS, chunk // 256)), num_stages=1)  # quantize_codes
-    plans, decode, v3 = set(), set(), set()
+    plans, v3 = set(), set()
     for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (2560, 2560), (6912, 2560), (2560, 6912),
                  (12288, 4096), (22016, 4096), (1024, 2560), (64, 1100)):  # + the stacked 7B q/k/v, gate/up
         for m in (1, 2, 3, 4, 16, 32, 64, 128, 256, 2048):  # every tile class of plan()
-            if m == 1:  # v3, decode_plan's default at 1 token (on ready codes)
-                cfg = PK.decode_plan(m, n, k, version=3)
+            if m == 1:  # v3, decode_plan's (the tile does not depend on the tokens: one grid row each)
+                cfg = PK.decode_plan(m, n, k)
                 v3.add((cfg["BLOCK_N"], cfg["KW"], cfg["num_warps"], cfg["num_stages"]))
-            if m <= PK.GEMV_MAX_TOKENS:  # v1 (2 tokens of narrow layers; 3–4 by config) and v2, timed beside v3
-                for version in (1, 2):
-                    cfg = PK.decode_plan(m, n, k, version=version)
-                    decode.add((version, cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["KW"], cfg["SB"], cfg["num_warps"],
-                                cfg["num_stages"]))
             cfg = PK.plan(m, n, k)
             if cfg["kernel"] != "decode":
                 plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
                            cfg["num_stages"]))
-    # the one-launch decode GEMV: quantizing its input (INT8 / INT4 range, sub-norm or not, bf16 / fp32 rows) at
-    # every decode plan, and on ready codes (TopK rows, shared inputs)
-    for version, bn, bm, kw, sb, warps, stages in sorted(decode):
-        fn = PK._decode_gemv_kernel if version == 2 else PK._decode_gemv_v1_kernel
-        for fused, kind, norm, dtype, bias in ((True, 0, False, bf16, False), (True, 0, True, bf16, True),
-                                               (True, 1, False, bf16, False), (True, 1, True, fp32, False),
-                                               (False, 0, False, bf16, False), (False, 0, False, fp32, True)):
-            yield entry(fn, f"decode v{version} {bn}x{bm} KW={kw} fused={fused} kind={kind} norm={norm} "
-                        f"{NAME[dtype]} bias={bias}",
-                        dict(FUSED=fused, KIND=kind, HAS_NORM=norm, BLOCK_N=bn, BLOCK_M=bm, KW=kw, SB=sb,
-                             HAS_BIAS=bias, USE_ASM=PK.USE_ASM, EPS_=EPS),
-                        {"x_ptr": PTR[dtype] if fused else "*i32", "nw_ptr": "*fp32", "codes_ptr sum_ptr": "*i32",
-                         "scale_ptr alpha_ptr bias_ptr": "*fp32", "w_ptr": "*i32", "out_ptr": PTR[dtype]},
-                        fp32="beta_scale norm_eps", num_warps=warps, num_stages=stages)
-    # decode GEMV v3 at every 1-token plan: bf16 and fp32 outputs, with and without bias
+    # decode GEMV v3 at every decode plan: bf16 and fp32 outputs, with and without bias
     for bn, kw, warps, stages in sorted(v3):
         for dtype, bias, pdl in ((bf16, False, True), (fp32, True, True), (bf16, False, False)):
             yield entry(PK._decode_gemv_v3_kernel, f"decode v3 {bn}x1 KW={kw} stages={stages} {NAME[dtype]} "

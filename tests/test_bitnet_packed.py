@@ -464,18 +464,17 @@ def test_split_k_on_cuda_is_exact(kernel, m):
     assert not packed_kernel._WORKSPACES[x.device].any()
 
 
-# ------------------------------------------------------------------------------------- one-launch decode GEMV
+# ------------------------------------------------------------------------------------- decode GEMV at 1-4 tokens
 
 @needs_kernels
-@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("m,k,n,sub_norm,bias", [(1, 300, 37, False, False), (2, 513, 70, True, True),
                                                  (3, 1100, 45, False, True), (4, 257, 33, True, False)])
-def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias, version):
-    """1–4 tokens of an INT8 / INT4-range layer are one launch (the kernel quantizes the rows itself): the output
-    of the two-launch path (codes kernel + matmul on them) bit for bit, the PyTorch path's for INT8 without a
-    sub-norm (γ = max is order-free; a sum — sub-norm, INT4's mean — is added in another order: a code may move
-    at an exact half, as in the codes kernel); NaN and all-zero tokens; K not a multiple of the chunk."""
+def test_decode_gemv_at_few_tokens(kind, m, k, n, sub_norm, bias):
+    """The v3 decode GEMV at 1–4 tokens (one grid row per token) of an INT8 / INT4-range layer on the codes kernel's
+    codes: bit for bit the split-K GEMV on the same codes, the PyTorch path's output for INT8 without a sub-norm
+    (a sum — sub-norm, INT4's mean — is added in another order: a code may move at an exact half); NaN and
+    all-zero tokens; K not a multiple of the chunk."""
     from thrifty.bitnet import packed_kernel as PK
 
     bl = layer(k, n, kind, sub_norm=sub_norm, bias=bias, seed=m)
@@ -483,78 +482,47 @@ def test_decode_gemv_quantizes_its_own_input(kind, m, k, n, sub_norm, bias, vers
     x = tokens(m, k, seed=k + m)
     if m >= 2:
         x[1, 3] = float("nan")
-    cfg = PK.decode_plan(m, n, k, version=version)
-    got = PK.fused_linear(x, p, cfg)
-    two = PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(), p.bias, x.dtype, n, k,
-                          dict(cfg, kernel="gemv", BLOCK_N=32, split=1, groups_per_split=10 ** 6, num_stages=1))
+    cfg = PK.decode_plan(m, n, k)
+    got = PK.packed_linear(x, p, cfg)
+    gemv = dict(kernel="gemv", BLOCK_N=32, BLOCK_M=PK._pow2(m), split=1, groups_per_split=10 ** 6, num_warps=4,
+                num_stages=1)
+    two = PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(), p.bias, x.dtype, n, k, gemv)
     want = p(x)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan) and (nan.any(1) == torch.isnan(x).any(1)).all()
     ok = ~nan
+    assert torch.equal(got[ok], two[ok])
     if kind == "int8" and not sub_norm:
-        assert torch.equal(got[ok], want[ok]) and torch.equal(got[ok], two[ok])
+        assert torch.equal(got[ok], want[ok])
     else:
         assert ((got[ok] - want[ok]).abs() <= 2e-6 * want[ok].abs().amax() + 1e-6).all()
     if m >= 3:  # the all-zero token: bias only
         assert torch.equal(got[-1], want[-1])
 
 
-@needs_kernels
-@pytest.mark.parametrize("version", [2, 1])
-@pytest.mark.parametrize("fused", [True, False])
-def test_decode_gemv_tiles_chunks_and_masked_rows(fused, version):
-    """Other tiles than plan's: rows_per_program not a power of two (the tile's rest masked), several K chunks with
-    a partial last one, two tokens per program, on its own codes or on ready ones (TopK, shared inputs)."""
-    from thrifty.bitnet import packed_kernel as PK
-
-    bl = layer(1100, 45, "int8", bias=True)
-    p = PackedBitLinear.from_bitlinear(bl, impl="reference")
-    x = tokens(2, 1100, seed=3).to(torch.bfloat16)
-    want = p(x)
-    cfg = dict(kernel="decode", version=version, BLOCK_N=8, BLOCK_M=2, rows_per_program=6, KW=32, SB=256, split=1,
-               num_warps=1, num_stages=1)
-    got = PK.packed_linear(x, p, cfg) if fused else PK.matmul_codes(*PK.layer_codes(x, p), p.packed, p.row_scale(),
-                                                                     p.bias, x.dtype, 45, 1100, cfg)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-
-
 def test_decode_plan_7b_shapes_take_the_v3_tile():
-    """decode_plan's default at 1 token is the v3 GEMV on ready codes (8 rows per program, 2 warps, K chunks of 256
-    int32 words: one chunk at K = 4096 with plain loads, three at 11008 pipelined in 3 stages); version=2 gives the
-    v2 tile (≤ 16 rows per program, rows spread evenly over p·SMs programs, 1 KB K chunks, 256 B where a shape
-    gives ≥ 4 programs per SM, 8 warps); 2 tokens of a layer of ≤ 4096 rows take v3 as well, wider layers and 3–4
-    tokens the tensor-core GEMM (measured faster there); version= picks any decode GEMV up to 4 tokens."""
+    """decode_plan is the v3 GEMV on ready codes (8 rows per program, 2 warps, K chunks of 256 int32 words: one chunk
+    at K = 4096 with plain loads, three at 11008 pipelined in 3 stages) for 1–4 tokens; plan() gives it 1 token and
+    2 tokens of a layer of ≤ 4096 rows, wider layers and 3–4 tokens the tensor-core GEMM (measured faster there)."""
     from thrifty.bitnet import packed_kernel as PK
 
     v3 = {(4096, 4096): 1, (12288, 4096): 1, (22016, 4096): 1, (4096, 11008): 3, (11008, 4096): 1}
     for (n, k), stages in v3.items():
         cfg = PK.plan(1, n, k, 132)
-        assert cfg == PK.decode_plan(1, n, k, 132)
+        assert cfg == PK.decode_plan(1, n, k, 132) == PK.decode_plan(4, n, k, 132)
         assert (cfg["kernel"], cfg["version"], cfg["rows_per_program"], cfg["BLOCK_N"], cfg["KW"], cfg["num_warps"],
                 cfg["num_stages"]) == ("decode", 3, 8, 8, 256, 2, stages), (n, k, cfg)
-    assert PK.decode_plan(1, 1024, 2560, 132)["rows_per_program"] == 4  # 8 rows: < 2 programs per SM
-    assert PK.decode_plan(1, 64, 1100, 132)["KW"] == 128  # < 256 words per row: 1 warp
-    want = {(4096, 4096): (16, 256), (11008, 4096): (14, 64), (4096, 11008): (16, 256)}
-    for (n, k), (rows, kw) in want.items():
-        cfg = PK.decode_plan(1, n, k, 132, version=2)
-        assert (cfg["kernel"], cfg["version"], cfg["rows_per_program"], cfg["BLOCK_N"], cfg["KW"],
-                cfg["num_warps"]) == ("decode", 2, rows, 16, kw, 8 if kw == 256 else 2), (n, k, cfg)
-        p = -(-n // (rows * 132))  # programs per SM
-        assert rows == -(-n // (p * 132))  # the rows spread evenly over p·SMs programs
-        assert p == 1 or -(-n // ((p - 1) * 132)) > 16  # p: the fewest programs per SM with ≤ 16 rows each
         for m in (2, 3, 4):
             cfg = PK.plan(m, n, k, 132)
             if m == 2 and n <= 4096:
-                assert cfg == PK.decode_plan(1, n, k, 132) and cfg["version"] == 3
+                assert cfg == PK.decode_plan(1, n, k, 132)
             else:
                 assert cfg["kernel"] == "gemm" and cfg == PK.plan(16, n, k, 132), (m, n, k, cfg)
-            assert PK.decode_plan(m, n, k, 132, version=2)["rows_per_program"] <= 8
-            assert PK.decode_plan(m, n, k, 132, version=1)["BLOCK_M"] == PK._pow2(m)
-        assert PK.decode_plan(1, n, k, 132, version=1)["version"] == 1
-    with pytest.raises(ValueError, match="version"):
-        PK.decode_plan(1, 64, 64, version=4)
-    with pytest.raises(ValueError, match="1–4 tokens"):
-        PK.decode_plan(5, 64, 64)
+    assert PK.decode_plan(1, 1024, 2560, 132)["rows_per_program"] == 4  # 8 rows: < 2 programs per SM
+    assert PK.decode_plan(1, 64, 1100, 132)["KW"] == 128  # < 256 words per row: 1 warp
+    for m in (0, 5):
+        with pytest.raises(ValueError, match="1–4 tokens"):
+            PK.decode_plan(m, 64, 64)
 
 
 @needs_kernels
@@ -637,13 +605,13 @@ def test_decode_v3_tiles_tokens_and_bad_rows(rows, block_n, kw, warps, stages):
 @needs_kernels
 def test_one_token_runs_v3_on_codes_made_once_per_input(monkeypatch):
     """PackedBitLinear's kernel path at 1 row: the codes kernel once per input (siblings sharing an input reuse
-    it), then the v3 decode GEMV — never v1 or v2 — with the PyTorch path's output; at 2 rows of this narrow layer
-    the same two kernels (v3 with one grid row per token)."""
+    it), then the v3 decode GEMV with the PyTorch path's output; at 2 rows of this narrow layer the same two kernels
+    (v3 with one grid row per token)."""
     from thrifty.bitnet import packed_kernel as PK
     from thrifty.bitnet.bitlinear import SharedInput
 
     ran = []
-    for name in ("_ACT_LAUNCH", "_DECODE_V3_LAUNCH", "_DECODE_LAUNCH", "_DECODE_V1_LAUNCH"):
+    for name in ("_ACT_LAUNCH", "_DECODE_V3_LAUNCH", "_GEMV_LAUNCH", "_GEMM_LAUNCH"):
         launcher = getattr(PK, name)
         monkeypatch.setattr(PK, name, lambda *a, _l=launcher, _n=name, **kw: ran.append(_n) or _l(*a, **kw))
     shared = SharedInput(3)
@@ -663,8 +631,6 @@ def test_one_token_runs_v3_on_codes_made_once_per_input(monkeypatch):
     p.impl, p.shared_input = "triton", None
     p(tokens(2, 64))
     assert ran == ["_ACT_LAUNCH", "_DECODE_V3_LAUNCH"]
-    with pytest.raises(ValueError, match="ready codes"):
-        PK.fused_linear(x, p, PK.decode_plan(1, 24, 64))
 
 
 @pytest.mark.cuda

@@ -6,9 +6,6 @@ unit, never contracts a product into an FMA).
   zeroes sums another warp has not read: on the H200 tokens ≥ 2 came out as −Σx·s·α).
 * with a bias, ``(y·α) + b`` must not become one ``fma`` (PyTorch rounds the product first); nor ``mean·β + ε``
   in the INT4 activation codes.
-* the v2 decode GEMV at its planned 1-token tile (NOTES.md "Decode GEMV v2"): no spills, ≤ 128 registers (two
-  256-thread programs per SM), and one dp4a per weight word, field and token per thread (v1's 3-D activation
-  tile made the compiler replicate every weight word on 4 threads: 4× the dp4a, 255 registers, a spill stack).
 * the v3 decode GEMV at its 1-token plans (NOTES.md "Decode GEMV v3"): no spills, ≤ 128 registers (≥ 8 programs
   of 64 threads per SM), one dp4a per word and field, weights in 16-byte vectors — all of a one-chunk row's issued
   as plain loads, a longer row's through 16-byte cp.async two chunks ahead — and no FMA in the bias epilogue.
@@ -72,23 +69,6 @@ SCRIPT = textwrap.dedent("""
                   dict(KIND=code, HAS_NORM=False, KEY_SHIFT=16, KEY_BITS=15, BLOCK_D=4096, EPS_=EPS, PDL=True),
                   dict(num_warps=8, num_stages=3))
         out[f"act_{kind}_fma"] = sum("fma" in l for l in act.splitlines())
-    for kind in (0, 1):  # the one-launch decode GEMV: its own INT8 / INT4-range codes, sub-norm and bias epilogue
-        dec = ptx(PK._decode_gemv_kernel, {"x_ptr": "*bf16", "nw_ptr": "*fp32", "codes_ptr": "*i32", "sum_ptr": "*i32",
-                  "scale_ptr": "*fp32", "w_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
-                  "beta_scale": "fp32", "norm_eps": "fp32"},
-                  dict(FUSED=True, KIND=kind, HAS_NORM=True, BLOCK_N=32, BLOCK_M=1, KW=256, SB=4096, HAS_BIAS=True,
-                       USE_ASM=True, EPS_=EPS), dict(num_warps=8, num_stages=1))
-        out[f"decode_{kind}_fma"] = sum("fma" in l for l in dec.splitlines())
-    cfg = PK.decode_plan(1, 4096, 4096, version=2)  # the v2 tile of a 7B layer at 1 token
-    ptrs = {"x_ptr": "*bf16", "nw_ptr": "*fp32", "codes_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
-            "w_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16", "beta_scale": "fp32",
-            "norm_eps": "fp32"}
-    v2 = compiled(PK._decode_gemv_kernel, ptrs,
-                  dict(FUSED=True, KIND=0, HAS_NORM=False, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=1, KW=cfg["KW"],
-                       SB=cfg["SB"], HAS_BIAS=False, USE_ASM=True, EPS_=EPS),
-                  dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    out["v2"] = dict(resources(v2), dp4a=v2.asm["ptx"].count("dp4a"), threads=32 * cfg["num_warps"],
-                     words=cfg["BLOCK_N"] * cfg["KW"])
     for k in (4096, 11008):  # v3: one chunk per row (plain loads) and three (cp.async pipeline)
         cfg = PK.decode_plan(1, 4096, k)
         v3 = compiled(PK._decode_gemv_v3_kernel, {"codes_ptr": "*i32", "sum_ptr": "*i32", "scale_ptr": "*fp32",
@@ -127,15 +107,6 @@ def test_no_fma_where_pytorch_rounds_twice(report):
     assert report["epilogue_fma"] == 0, report
     for kind in ("int8", "int4", "topk_int8"):
         assert report[f"act_{kind}_fma"] == 0, (kind, report)
-    assert report["decode_0_fma"] == 0 and report["decode_1_fma"] == 0, report
-
-
-def test_decode_v2_tile_fits_two_programs_per_sm_without_replication(report):
-    v2 = report["v2"]
-    assert "error" not in v2, v2
-    assert v2["stack"] == 0 and v2["reg"] * v2["threads"] * 2 <= 65536, v2  # no spill; 2 programs per SM
-    per_thread = v2["words"] // v2["threads"]  # weight words a thread holds per chunk
-    assert v2["dp4a"] == 4 * per_thread + 4, v2  # 4 fields per word + Σ codes: no word on two threads
 
 
 def test_decode_v3_loads_16_byte_vectors_without_spills_or_replication(report):

@@ -52,8 +52,9 @@ def test_stacked_logits_are_the_unstacked_logits_bit_for_bit(recipe):
 
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_stacked_layer_is_its_siblings_in_the_kernels(tokens):
-    """The Triton decode kernels (v2 at one token, v1 at 2–4) on the stacked q/k/v rows: each slice equals its
-    sibling's own launch bit for bit (TRITON_INTERPRET=1 on the CPU; the model-level test covers the rest)."""
+    """The Triton kernels (the v3 decode GEMV at one token, the tensor-core GEMM at 3) on the stacked q/k/v rows:
+    each slice equals its sibling's own launch bit for bit (TRITON_INTERPRET=1 on the CPU; the model-level test
+    covers the rest)."""
     torch.manual_seed(tokens)
     siblings = [PackedBitLinear.from_bitlinear(bitnet.BitLinear(64, n, activation="int4"), impl="triton").to(DEVICE)
                 for n in (48, 16, 16)]

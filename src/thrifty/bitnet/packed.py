@@ -190,10 +190,7 @@ class PackedBitLinear(nn.Module):
 
             self.last_path = "triton"
             rows = x.reshape(-1, self.in_features)
-            if packed_kernel.fuses(self, rows.shape[0]):  # 2 rows of a narrow layer: one launch quantizes and multiplies
-                y = packed_kernel.fused_linear(rows, self)
-            else:
-                y = packed_kernel.packed_linear(rows, self, codes=self._input_codes(x, kernels))
+            y = packed_kernel.packed_linear(rows, self, codes=self._input_codes(x, kernels))
             return y.view(*x.shape[:-1], self.out_features)
         self.last_path = "reference"
         y = self._forward_torch(x, self._input_codes(x, kernels))

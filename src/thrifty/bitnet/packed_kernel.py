@@ -3,11 +3,8 @@
 Decode at 1 token is ``_decode_gemv_v3_kernel`` on codes made once per input (NOTES.md "Decode GEMV v3": the
 codes kernel below, shared by sibling projections): programs of 8 whole output rows, 16-byte weight loads all in
 flight (cp.async pipelined when a row is longer than one 1 KB chunk), the dp4a on masked fields, no layout change
-before the final reduction. 2–4 tokens of an INT8 / INT4-range layer are **one launch** of a GEMV that quantizes
-the short activation rows itself in its prologue (``_decode_gemv_v1_kernel``; ``_decode_gemv_kernel``, v2, was the
-1-token path before v3; ``decode_plan(..., version=2)`` still selects it: one launch where v3 needs the codes kernel
-too, which is what an eager (host-bound) step without ready codes would want, NOTES.md "Decode GEMV v3, measured").
-Otherwise a forward is two launches (one more when K is split):
+before the final reduction; 2 tokens of a layer of ≤ 4096 rows run it too, one grid row per token. A forward is
+two launches (one more when K is split):
 
 1. ``_act_codes_kernel``, one program per token: the optional sub-norm and the recipe's quantizer (INT8 absmax,
    INT4-range absmean, TopK+INT8) with the arithmetic of ``quant_kernel._quantize_rows_kernel`` (its helpers),
@@ -17,10 +14,11 @@ Otherwise a forward is two launches (one more when K is split):
 2. the matmul, weights unpacked in registers, ``acc = Σ c·x`` with the *codes* ``c = w + 1`` (the −1 is the
    per-token ``Σ x`` subtracted once in the epilogue), then ``((acc − Σx)·s_x)·α (+ b)`` in fp32:
 
-   * ``_gemv_kernel`` (1–4 tokens): CUDA cores. The packed row is read as int32 words; ``(word >> 2i) &
+   * ``_gemv_kernel`` (1–4 tokens, by config: the CUDA-core split-K GEMV v3 replaced, kept as the tests'
+     cross-check): CUDA cores. The packed row is read as int32 words; ``(word >> 2i) &
      0x03030303`` is 4 consecutive codes as bytes, multiplied with 4 int8 activations by one ``dp4a``: 3
      instructions per 4 weights and token, per-lane accumulators reduced once at the end.
-   * ``_gemm_kernel`` (more tokens; decode 5–16 and prefill): int8 tensor cores, ``tl.dot(int8, int8) → int32``
+   * ``_gemm_kernel`` (3+ tokens, and 2 of wider layers; decode and prefill): int8 tensor cores, ``tl.dot(int8, int8) → int32``
      with the weights on the MMA's large side (swap-AB: ``acc[n, m]``) so 16 tokens fill the small side. A
      64-byte packed tile decodes into four (BLOCK_N, 64) int8 operands, 2 instructions per 4 weights (``shr`` +
      ``and`` on 4 packed bytes via ``inline_asm_elementwise``, pack = 4).
@@ -44,7 +42,7 @@ from ..fused_layers import _store_rms_norm, check_glu
 from ..triton_utils import FastLauncher, capability, interpreting
 from ..triton_utils import sm_count as _sm_count  # PK._sm_count: the benchmarks' name (older trees have it)
 from .pack import GROUP, SLICE, padded_k
-from .kernel_math import COMPILED as COMPILED_, cast_to, mul_rn, quant_code, quant_round, quant_scales, subnorm
+from .kernel_math import COMPILED as COMPILED_, mul_rn, quant_code, quant_round, quant_scales, subnorm
 from .kernel_math import subnorm_rstd
 from .quant_kernel import KEYS, MAX_ROW, _cast, _topk_keep
 from .reference import EPS, topk_count
@@ -54,7 +52,7 @@ USE_ASM = not interpreting()  # inline PTX (dp4a, packed decode) on the GPU; pla
 # COMPILED_ (kernel_math.COMPILED): compiled, not interpreted, kernels spell products that an add follows mul.rn,
 # which LLVM never contracts into an FMA (Triton's enable_fp_fusion does: one rounding where PyTorch rounds twice).
 # Fixed at import, as the kernels are; a constexpr global (not an argument): USE_ASM stays free to toggle on the GPU
-GEMV_MAX_TOKENS = 4  # the decode GEMVs take up to this many tokens (an explicit config); plan() sends them fewer
+GEMV_MAX_TOKENS = 4  # decode_plan takes up to this many tokens (an explicit config); plan() sends it 1-2
 # plan(): 2 tokens stay on the CUDA-core decode GEMV only up to this many output rows; wider layers and 3-4 tokens
 # go to the tensor-core GEMM. H200, 24b5466 (probe in NOTES.md "Few tokens"), graph-replayed on cold weights: 2
 # tokens v1 / GEMM 7.3 / 11.6 us at 4096x4096, 6.4 / 8.6 at 2560x2560, but 16.8 / 12.7 at 11008x4096 and 11.3 / 9.1
@@ -244,31 +242,6 @@ def _dp4a(a, b, acc, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dp4a_field(w, FIELD: tl.constexpr, x, acc, USE_ASM: tl.constexpr):
-    """acc + dp4a(2-bit field ``FIELD`` of the packed word ``w`` as 4 byte codes, ``x``): one asm block, so the packed
-    word (not each decoded field) is what a layout conversion would move, once for all four fields."""
-    if USE_ASM:
-        if FIELD == 0:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; and.b32 t, $1, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }", "=r,r,r,r", [w, x, acc],
-                dtype=tl.int32, is_pure=True, pack=1)
-        elif FIELD == 1:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }",
-                "=r,r,r,r", [w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
-        elif FIELD == 2:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 t, t, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }",
-                "=r,r,r,r", [w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; shr.b32 t, $1, 6; and.b32 t, t, 0x03030303; dp4a.u32.s32 $0, t, $2, $3; }",
-                "=r,r,r,r", [w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        return _dp4a((w >> (2 * FIELD)) & 0x03030303, x, acc, False)
-
-
-@triton.jit
 def _decode_field(p, FIELD: tl.constexpr, USE_ASM: tl.constexpr):
     """int8 codes 0..2 of 2-bit field ``FIELD`` of every packed byte: with PTX, 4 bytes per shift + and."""
     if USE_ASM:
@@ -401,156 +374,13 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
 
 
 @triton.jit
-def _token_scales(x_ptr, nw_ptr, toks64, tok_ok, D, stride_x, beta_scale, norm_eps, KIND: tl.constexpr,
-                  HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, SB: tl.constexpr, EPS_: tl.constexpr):
-    """(rstd, multiplier, scale) per token of the rows ``x`` (the codes kernel's values): Σx² for the sub-norm, then
-    max|x| (INT8) or Σ|x| (INT4 range) of the normed row, in passes of ``SB`` values (L2, then L1 hits)."""
-    xs = tl.arange(0, SB)
-    x_rows = x_ptr + toks64[:, None] * stride_x
-    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if HAS_NORM:
-        sum_sq = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
-        for k0 in range(0, D, SB):
-            x = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & (k0 + xs < D)[None, :],
-                        other=0.0).to(tl.float32)
-            sum_sq += mul_rn(x, x, COMPILED_)
-        rstd = subnorm_rstd(tl.sum(sum_sq, axis=1), D, norm_eps)
-    top = tl.zeros([BLOCK_M, SB], dtype=tl.int32)
-    abs_sum = tl.zeros([BLOCK_M, SB], dtype=tl.float32)
-    for k0 in range(0, D, SB):
-        inside = (k0 + xs < D)[None, :]
-        x_in = tl.load(x_rows + (k0 + xs)[None, :], mask=tok_ok[:, None] & inside, other=0.0)
-        x = x_in.to(tl.float32)
-        if HAS_NORM:
-            nw = tl.load(nw_ptr + k0 + xs, mask=k0 + xs < D, other=0.0).to(tl.float32)
-            x = subnorm(x, x_in.dtype, rstd[:, None], nw[None, :], COMPILED_)
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # padding loads 0.0: bits 0
-        top = tl.maximum(top, bits)
-        if KIND == 1:
-            abs_sum += bits.to(tl.float32, bitcast=True)
-    top_row = tl.max(top, axis=1)
-    multiplier, step = quant_scales(top_row, tl.sum(abs_sum, axis=1), D, beta_scale, KIND, EPS_, COMPILED_)
-    return rstd, multiplier, tl.where(top_row >= NAN_BITS, float("nan"), step)
-
-
-ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: v + it rounds |v| < 2^22 to an integer, ties to even
-
-
-@triton.jit
-def _code_low_byte(x, multiplier, KIND: tl.constexpr):
-    """Low byte (0..255) of :func:`kernel_math.quant_code`'s code: the same clamp, then the rounding by one fp32 add
-    of 1.5·2^23 (round to nearest even, as ``cvt.rni``: the integer is the sum's low mantissa bits, two's
-    complement), so the FP32 pipe rounds instead of the quarter-rate F2I unit (~0.9 µs of F2I for the 3.2 M codes
-    of an 11008×4096 decode). The clamp keeps |v| ≤ 128, far below 2^22; NaN (a token with a NaN scale, whose
-    output is NaN anyway) gives some byte."""
-    lo = -8.0 if KIND == 1 else -128.0
-    hi = 7.0 if KIND == 1 else 127.0
-    v = tl.minimum(tl.maximum(x * multiplier, lo), hi)
-    return (v + ROUND_MAGIC).to(tl.int32, bitcast=True) & 0xFF
-
-
-@triton.jit
-def _code_byte(x_tok, nw_ptr, k, tok_ok, D, rstd, multiplier, KIND: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Low byte of the code of the activations ``k`` of every token: load (an L1 hit after the prologue's pass),
-    sub-norm, quantizer."""
-    inside = k < D
-    x_in = tl.load(x_tok + k, mask=tok_ok & inside, other=0.0)
-    x = x_in.to(tl.float32)
-    if HAS_NORM:
-        nw = tl.load(nw_ptr + k, mask=inside, other=0.0).to(tl.float32)
-        x = subnorm(x, x_in.dtype, rstd, nw, COMPILED_)
-    return _code_low_byte(x, multiplier, KIND)
-
-
-@triton.jit
-def _code_word(x_tok, nw_ptr, idx, tok_ok, D, rstd, multiplier, KIND: tl.constexpr, HAS_NORM: tl.constexpr):
-    """int32 words of the 4 activation codes ``4·idx + 0..3`` per token ([BLOCK_M, W] from ``x_tok`` [BLOCK_M, 1]
-    and ``idx`` [1, W]): 4 strided loads, the bytes shifted into place. Deliberately no [.., 4] byte axis: in v1 a
-    3-D tile put the 4 bytes on 4 threads, and the compiler moved the whole weight tile into that layout (every
-    word replicated on 4 threads: 4× the dp4a; 255 registers and a 480-byte spill stack on sm_90)."""
-    xw = _code_byte(x_tok, nw_ptr, 4 * idx, tok_ok, D, rstd, multiplier, KIND, HAS_NORM)
-    for byte in tl.static_range(1, 4):
-        xw |= _code_byte(x_tok, nw_ptr, 4 * idx + byte, tok_ok, D, rstd, multiplier, KIND, HAS_NORM) << (8 * byte)
-    return xw
-
-
-@triton.jit
-def _decode_gemv_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, D,
-                        n_words, rows_per_program, stride_x, x_row16, w_row16, stride_out, beta_scale, norm_eps,
-                        FUSED: tl.constexpr, KIND: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, KW: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        USE_ASM: tl.constexpr, EPS_: tl.constexpr):
-    """Decode (1–4 tokens) in one launch, no split-K (v2; NOTES.md "Decode GEMV v2"): a program owns
-    ``rows_per_program`` whole output rows (a ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks
-    K in chunks of ``KW`` int32 words per row, the next chunk's loads issued before the current one is used (and
-    the first before the activation statistics). The weight tile keeps the layout it is loaded in (16-byte
-    vectors of a row per thread); the activation words of a chunk are computed in the broadcast [1, KW] shape, so
-    only they (KW words) ever change layout, never the weights.
-
-    ``FUSED``: the program quantizes the activation rows itself (``x_ptr``, sub-norm ``nw_ptr`` if ``HAS_NORM``;
-    ``KIND`` 0 INT8 absmax, 1 INT4-range absmean), Σ codes from the same words by ``dp4a`` against 0x01010101.
-    Else the codes (int32 words), scales and sums come from memory (TopK rows, shared inputs)."""
-    pid = tl.program_id(0)
-    local = tl.arange(0, BLOCK_N)
-    rows = pid * rows_per_program + local
-    row_ok = (local < rows_per_program) & (rows < N)
-    toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok_ok = toks < M
-    toks64 = toks.to(tl.int64)
-    cols = tl.arange(0, KW)
-    # int32 offsets from a per-chunk scalar base (the launcher checks N·row words < 2^31): a [BLOCK_N, KW] tile of
-    # 64-bit pointers kept live across the loop cost 2 registers per word
-    w_offs = rows[:, None] * (w_row16 * 16) + cols[None, :]
-    w_next = tl.load(w_ptr + w_offs, mask=row_ok[:, None] & (cols < n_words)[None, :], other=0,
-                     eviction_policy="evict_first")
-    if FUSED:  # the token statistics while the first weight chunk is in flight
-        rstd, multiplier, scale = _token_scales(x_ptr, nw_ptr, toks64, tok_ok, D, stride_x, beta_scale, norm_eps,
-                                                KIND, HAS_NORM, BLOCK_M, SB, EPS_)
-        code_sum = tl.zeros([BLOCK_M, KW], dtype=tl.int32)
-        x_tok = x_ptr + toks64[:, None] * stride_x
-    else:
-        scale = tl.load(scale_ptr + toks, mask=tok_ok, other=0.0)
-        x_words = codes_ptr + toks64[:, None] * (x_row16 * 16)
-    acc = tl.zeros([BLOCK_N, KW] if BLOCK_M == 1 else [BLOCK_N, BLOCK_M, KW], dtype=tl.int32)
-    for c in range(0, tl.cdiv(n_words, KW)):
-        w = w_next
-        nxt = (c + 1) * KW + cols
-        w_next = tl.load((w_ptr + (c + 1) * KW) + w_offs, mask=row_ok[:, None] & (nxt < n_words)[None, :], other=0,
-                         eviction_policy="evict_first")
-        word = c * KW + cols  # word j of a row: group j // 16, byte 4·(j % 16) of it
-        for field in tl.static_range(4):
-            # activation word of this field: codes 256·g + 64·field + 4·(j % 16) + 0..3
-            idx = ((word // WORDS_) * (GROUP_ // 4) + field * WORDS_ + word % WORDS_)[None, :]
-            if FUSED:
-                xw = _code_word(x_tok, nw_ptr, idx, tok_ok[:, None], D, rstd[:, None], multiplier[:, None], KIND,
-                                HAS_NORM)
-                code_sum = _dp4a(tl.full([BLOCK_M, KW], 0x01010101, tl.int32), xw, code_sum, USE_ASM)
-            else:
-                xw = tl.load(x_words + idx, mask=tok_ok[:, None] & (word < n_words)[None, :], other=0)
-            if BLOCK_M == 1:
-                acc = _dp4a_field(w, field, tl.broadcast_to(xw, acc.shape), acc, USE_ASM)
-            else:
-                acc = _dp4a_field(tl.broadcast_to(w[:, None, :], acc.shape), field,
-                                  tl.broadcast_to(xw[None, :, :], acc.shape), acc, USE_ASM)
-    if BLOCK_M == 1:
-        total = tl.sum(acc, axis=1)[:, None]
-    else:
-        total = tl.sum(acc, axis=2)
-    if FUSED:
-        sx = tl.sum(code_sum, axis=1)
-    else:
-        sx = tl.load(sum_ptr + toks, mask=tok_ok, other=0)
-    _store_out(total, sx, scale, rows, row_ok, toks, N, M, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
-
-
-@triton.jit
 def _dp4a_fields(w, x0, x1, x2, x3, acc64, acc16, USE_ASM: tl.constexpr):
     """The 4 fields of the packed word ``w`` dotted with their activation words ``x0..x3``, with masks instead of
     shifts: ``w & 0xC0C0C0C0`` is field 3 × 64 per byte, ``w & 0x30303030`` field 2 × 16, and of ``s = w << 4``
     (one shift for both) ``s & 0xC0C0C0C0`` field 1 × 64, ``s & 0x30303030`` field 0 × 16. So fields 1 and 3 go
     into ``acc64`` (64·Σ), 0 and 2 into ``acc16`` (16·Σ), and the caller divides once (exact: every term is a
     multiple). 9 instructions per word (1 shift, 4 and, 4 dp4a) against 11 with a shift per field
-    (``_dp4a_field``), on two pipes (ALU: shift/and; FMA: dp4a)."""
+    (a shift per field), on two pipes (ALU: shift/and; FMA: dp4a)."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
             "{ .reg .b32 s, t, a, b;\n\t"
@@ -668,88 +498,6 @@ def _decode_gemv_v3_kernel(codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias
 
 
 @triton.jit
-def _decode_gemv_v1_kernel(x_ptr, nw_ptr, codes_ptr, sum_ptr, scale_ptr, w_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, D,
-                        n_words, rows_per_program, stride_x, x_row16, w_row16, stride_out, beta_scale, norm_eps,
-                        FUSED: tl.constexpr, KIND: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, KW: tl.constexpr, SB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        USE_ASM: tl.constexpr, EPS_: tl.constexpr):
-    """The first one-launch decode GEMV (v1, ``decode_plan(..., version=1)``; kept to be timed beside the new one
-    until the GPU has measured both). Decode (1–4 tokens) in one launch, no split-K: a program owns
-    ``rows_per_program`` whole output rows (a ``BLOCK_N`` tile, the rest masked) for ``BLOCK_M`` tokens and walks all
-    of K in chunks of ``KW`` int32 words per row (16·KW weights), the next chunk's loads issued before the current
-    one is used.
-
-    ``FUSED``: the program quantizes the activation rows itself (``x_ptr``, with the sub-norm ``nw_ptr`` if
-    ``HAS_NORM``; ``KIND`` 0 INT8 absmax, 1 INT4-range absmean): a first pass over the row gives the statistics
-    (the first weight chunk is already in flight), then every chunk's codes are recomputed from the row (an L1
-    hit) next to its weights, packed 4 to an int32 word for ``dp4a``; Σ codes comes from the same words. Else the
-    codes, their scales and sums come from memory (``codes_ptr``: int32 words; TopK's rows, shared inputs)."""
-    pid = tl.program_id(0)
-    local = tl.arange(0, BLOCK_N)
-    rows = pid * rows_per_program + local
-    row_ok = (local < rows_per_program) & (rows < N)
-    toks = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok_ok = toks < M
-    toks64 = toks.to(tl.int64)
-    cols = tl.arange(0, KW)
-    # one int32 word per thread and row (a warp reads 128 contiguous bytes of a row per load), each thread holding
-    # its column of all the tile's rows: the activation word of a column is then needed by one thread only, and
-    # the accumulator keeps the loaded layout. (With the contiguity visible the compiler loads 16-byte vectors,
-    # 4 columns per thread, and then moves every decoded field through shared memory into the accumulator's.)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * (w_row16 * 16) + cols[None, :]
-    w_next = tl.load(w_rows, mask=row_ok[:, None] & (cols < n_words)[None, :], other=0,
-                     eviction_policy="evict_first")
-    if FUSED:  # the token statistics (the weights' first chunk is in flight meanwhile)
-        rstd, multiplier, scale = _token_scales(x_ptr, nw_ptr, toks64, tok_ok, D, stride_x, beta_scale, norm_eps,
-                                                KIND, HAS_NORM, BLOCK_M, SB, EPS_)
-        code_sum = tl.zeros([BLOCK_M, KW], dtype=tl.int32)
-        byte = tl.arange(0, 4)
-        x_tok = x_ptr + toks64[:, None, None] * stride_x
-    else:
-        scale = tl.load(scale_ptr + toks, mask=tok_ok, other=0.0)
-        x_words = codes_ptr + toks64[:, None] * (x_row16 * 16)
-    # one token: a 2-D accumulator in the weight tile's own layout (a 3-D one made the compiler move the weights
-    # through shared memory into its layout, 32 words per thread and chunk, rather than the activation words)
-    acc = tl.zeros([BLOCK_N, KW] if BLOCK_M == 1 else [BLOCK_N, BLOCK_M, KW], dtype=tl.int32)
-    for c in range(0, tl.cdiv(n_words, KW)):
-        w = w_next
-        nxt = (c + 1) * KW + cols
-        w_next = tl.load(w_rows + (c + 1) * KW, mask=row_ok[:, None] & (nxt < n_words)[None, :], other=0,
-                         eviction_policy="evict_first")
-        word = c * KW + cols  # word j of a row: group j // 16, byte 4·(j % 16) of it
-        for field in tl.static_range(4):
-            # activation word of this field: codes 256·g + 64·field + 4·(j % 16) + 0..3
-            xw_index = (word // WORDS_) * (GROUP_ // 4) + field * WORDS_ + word % WORDS_
-            if FUSED:
-                k = (4 * xw_index)[None, :, None] + byte[None, None, :]
-                inside = k < D
-                x_in = tl.load(x_tok + k, mask=tok_ok[:, None, None] & inside, other=0.0)
-                x = x_in.to(tl.float32)
-                if HAS_NORM:
-                    nw = tl.load(nw_ptr + k, mask=inside, other=0.0).to(tl.float32)
-                    x = subnorm(x, x_in.dtype, rstd[:, None, None], nw, COMPILED_)
-                q = quant_code(x, multiplier[:, None, None], KIND, COMPILED_)
-                xw = tl.sum((q & 0xFF) << (8 * byte)[None, None, :], axis=2)  # disjoint bytes: the sum is an OR
-                code_sum = _dp4a(tl.full([BLOCK_M, KW], 0x01010101, tl.int32), xw, code_sum, USE_ASM)
-            else:
-                xw = tl.load(x_words + xw_index[None, :], mask=tok_ok[:, None] & (word < n_words)[None, :], other=0)
-            if BLOCK_M == 1:
-                acc = _dp4a_field(w, field, tl.broadcast_to(xw, acc.shape), acc, USE_ASM)
-            else:
-                acc = _dp4a_field(tl.broadcast_to(w[:, None, :], acc.shape), field,
-                                  tl.broadcast_to(xw[None, :, :], acc.shape), acc, USE_ASM)
-    if BLOCK_M == 1:
-        total = tl.sum(acc, axis=1)[:, None]
-    else:
-        total = tl.sum(acc, axis=2)
-    if FUSED:
-        sx = tl.sum(code_sum, axis=1)
-    else:
-        sx = tl.load(sum_ptr + toks, mask=tok_ok, other=0)
-    _store_out(total, sx, scale, rows, row_ok, toks, N, M, alpha_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
-
-
-@triton.jit
 def _splitk_epilogue_kernel(ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, stride_out,
                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The epilogue of a split-K matmul; leaves the workspace zero for the next one."""
@@ -774,8 +522,6 @@ _ACT_STREAM_LAUNCH = FastLauncher(_act_codes_stream_kernel)
 _NORM_CODES_LAUNCH = FastLauncher(_norm_codes_kernel)
 _GLU_CODES_LAUNCH = FastLauncher(_glu_codes_kernel)
 _GEMV_LAUNCH = FastLauncher(_gemv_kernel)
-_DECODE_LAUNCH = FastLauncher(_decode_gemv_kernel)
-_DECODE_V1_LAUNCH = FastLauncher(_decode_gemv_v1_kernel)
 _DECODE_V3_LAUNCH = FastLauncher(_decode_gemv_v3_kernel)
 _GEMM_LAUNCH = FastLauncher(_gemm_kernel)
 _EPILOGUE_LAUNCH = FastLauncher(_splitk_epilogue_kernel)
@@ -806,17 +552,6 @@ STREAM_MIN_BLOCK = {"int8": 16384, "int4": 8192}
 STREAM_CHUNK = 1024
 STREAM_WARPS = 4
 
-DECODE_VERSION = 3  # decode_plan's default at 1 token: 3 = _decode_gemv_v3_kernel (on ready codes)
-# and at 2 tokens (one grid row per token, the second reading the weights from L2). H200, 5a139c7, graph-replayed
-# on cold weights, one process (NOTES.md "Few tokens"): 2 tokens v3 / v1 6.0 / 7.3 us at 4096x4096, 5.6 / 6.4 at
-# 2560x2560, 8.1 / 9.0 at 2560x6912, 12.8 / 12.9 at 4096x11008. v1 and v2 (quantizing their own input) keep no
-# default route: selectable by version= for the benchmark's sweep, and the next thing to delete.
-DECODE_VERSION_MULTI = 3
-# v2 chunk width when a shape gives >= this many programs per SM: 11008x4096 (787 programs, 6 per SM) ran in 9.95 us
-# with 256-byte chunks (KW = 64) against 13.7 with 1 KB; 4096 rows (2 per SM) are fastest with 1 KB (7.39 us).
-DECODE_NARROW_AT = 4
-DECODE_ROWS_CAP = {1: 16, 2: 8, 4: 8}  # v2: rows per program by BLOCK_M (≤ 16 weight words per thread and chunk)
-SELF_QUANTIZING = (1, 2)  # decode versions that quantize their own input (FUSED); v3 reads ready codes
 V3_ROWS = 8  # v3 rows per program (4 where 8 would leave fewer than V3_MIN_PROGRAMS programs per SM)
 V3_MIN_PROGRAMS = 2
 V3_MAX_WORDS = 1 << 16  # v3's accumulators hold 64·Σ: |64 · 2 · 128 · 16·words| < 2^31 up to 2^16 words per row
@@ -835,39 +570,13 @@ def _v3_plan(n: int, words: int, sms: int) -> dict:
                 num_warps=warps, num_stages=stages)
 
 
-def decode_plan(m: int, n: int, k: int, sms: int = 132, version: int | None = None) -> dict:
-    """Tile of the decode GEMV (1–4 tokens): one launch, no K split, so a program owns whole rows.
-
-    v3 (the default at 1 token; :func:`_v3_plan`): on ready codes (the caller's codes kernel, or a sibling's), 4–8
-    rows per program, 16-byte loads, chunks pipelined. v2 (``version=2``; NOTES.md "Decode GEMV v2"): quantizes
-    its own input; ≤ 16 rows per program at 1 token (8 at 2–4 tokens), 8 warps, chunks
-    of ``KW`` = 256 int32 words per row (1 KB), one word column per thread: 16 words of weights per thread and
-    chunk, ~100 registers, so 2 programs share an SM and each has its 16 KB chunk in flight (32 KB per SM, what
-    ~1 µs of HBM latency at 4.1 TB/s asks for). ``rows_per_program = ceil(n / (p·SMs))`` for the smallest p that
-    fits the cap, so every SM streams the same bytes: 4096 rows → 16 per program (256 programs, 2 per SM);
-    11008 → 14 (787 programs, 6 per SM; there 256-byte chunks, ``DECODE_NARROW_AT``). ``version=1``: the v1 tile
-    (≤ 32 rows, 139–255 registers, 1 per SM). v3 is also the default at 2–4 tokens (``DECODE_VERSION_MULTI``)."""
-    if version is None:
-        version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
-    if version not in (1, 2, 3):
-        raise ValueError(f"version: expected 1, 2 or 3, got {version!r}")
-    block_m = _pow2(m)
-    if block_m > GEMV_MAX_TOKENS:
+def decode_plan(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """Tile of the decode GEMV (v3, :func:`_v3_plan`) for 1–``GEMV_MAX_TOKENS`` tokens: on ready codes (the caller's
+    codes kernel, or a sibling's), 4–8 rows per program, 16-byte loads, chunks pipelined; one grid row per token
+    (the second and later tokens read the weights from L2), no K split, so a program owns whole rows."""
+    if not 0 < m <= GEMV_MAX_TOKENS:
         raise ValueError(f"m: the decode GEMV takes 1–{GEMV_MAX_TOKENS} tokens, got {m}")
-    if version == 3:
-        return _v3_plan(n, padded_k(k) // 16, sms)
-    cap = min(32, 64 // block_m) if version == 1 else DECODE_ROWS_CAP[block_m]
-    p = 1
-    while _cdiv(n, p * sms) > cap:
-        p += 1
-    rows = _cdiv(n, p * sms)
-    words = padded_k(k) // 16
-    kw = min(256, _pow2(words))
-    if version == 2 and _cdiv(n, rows) >= DECODE_NARROW_AT * sms:
-        kw = min(kw, 64)
-    warps = max(1, min(8, kw // 32))
-    return dict(kernel="decode", version=version, BLOCK_N=_pow2(rows), BLOCK_M=block_m, rows_per_program=rows,
-                KW=kw, SB=max(32, min(_pow2(k), 4096 // block_m)), split=1, num_warps=warps, num_stages=1)
+    return _v3_plan(n, padded_k(k) // 16, sms)
 
 
 def takes_decode_gemv(m: int, n: int) -> bool:
@@ -1037,10 +746,10 @@ def norm_codes(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str, *, 
 
 def glu_takes_codes(layer, m: int) -> bool:
     """True when ``layer`` (a PackedBitLinear) on ``m`` rows would run the whole-row codes kernel on its input
-    (INT8 / INT4 range, not a self-quantizing decode GEMV, not the streaming kernel): then :func:`glu_codes` can
-    make those codes in the GLU's launch."""
+    (INT8 / INT4 range, not the streaming kernel): then :func:`glu_codes` can make those codes in the GLU's
+    launch."""
     return (layer.activation in FUSED_KINDS and layer.in_features <= MAX_ROW[layer.activation] and m > 0
-            and not fuses(layer, m) and codes_kernel(layer.activation, m, layer.in_features) == "whole-row")
+            and codes_kernel(layer.activation, m, layer.in_features) == "whole-row")
 
 
 def glu_codes(gate: torch.Tensor, up: torch.Tensor, kind: str, layer):
@@ -1083,8 +792,8 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
         codes = codes.contiguous()
     cfg = config or plan(m, n, k, _sm_count(codes.device))
     if cfg["kernel"] == "decode":
-        return _decode(cfg, out, codes=codes, scale=scale, sums=sums, packed=packed, alpha_rows=alpha_rows, bias=bias,
-                       n=n, k=k)
+        return _decode_v3(cfg, out, codes.view(torch.int32), scale, sums, packed.view(torch.int32), alpha_rows, bias,
+                          n)
     groups = padded_k(k) // GROUP
     split = cfg["split"] > 1
     mode = 1 if split else 0  # 1: partial sums to the workspace, then the epilogue kernel
@@ -1119,41 +828,6 @@ def _check_offsets(n: int, w_words: torch.Tensor) -> None:
                          "offsets (2^31 words)")
 
 
-def _decode(cfg: dict, out: torch.Tensor, *, packed, alpha_rows, bias, n: int, k: int, codes=None, scale=None,
-            sums=None, x=None, kind: str = "int8", beta_scale: float = 1.0, norm_weight=None, norm_eps: float = 1e-5):
-    """One launch of the decode GEMV ``cfg["version"]`` names: on ready codes, or (``x`` given; v1, v2) quantizing
-    ``x`` itself."""
-    m = out.shape[0]
-    w_words = packed.view(torch.int32)
-    fused = x is not None
-    version = cfg["version"]
-    if version == 3:
-        if fused:
-            raise ValueError("config: the v3 decode GEMV reads ready codes; quantize first (layer_codes)")
-        return _decode_v3(cfg, out, codes.view(torch.int32), scale, sums, w_words, alpha_rows, bias, n)
-    if fused:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        codes_words = sums_arg = scale_arg = alpha_rows  # unused pointers (any tensor)
-        x_arg, stride_x, x_row16 = x, x.stride(0), 0
-    else:
-        codes_words = codes.view(torch.int32)
-        x_arg, sums_arg, scale_arg, stride_x, x_row16 = codes_words, sums, scale, 0, codes_words.stride(0) // 16
-    rpp = cfg["rows_per_program"]
-    grid = (_cdiv(n, rpp), _cdiv(m, cfg["BLOCK_M"]))
-    v1 = version == 1
-    if not v1:
-        _check_offsets(n, w_words)
-    launch = _DECODE_V1_LAUNCH if v1 else _DECODE_LAUNCH
-    launch(grid, x_arg, norm_weight if norm_weight is not None else alpha_rows, codes_words, sums_arg, scale_arg,
-           w_words, alpha_rows, bias if bias is not None else alpha_rows, out, n, m, k, w_words.shape[1], rpp,
-           stride_x, x_row16, w_words.stride(0) // 16, out.stride(0), float(beta_scale), float(norm_eps),
-           FUSED=fused, KIND=FUSED_KINDS.get(kind, 0), HAS_NORM=norm_weight is not None, BLOCK_N=cfg["BLOCK_N"],
-           BLOCK_M=cfg["BLOCK_M"], KW=cfg["KW"], SB=cfg["SB"], HAS_BIAS=bias is not None, USE_ASM=USE_ASM, EPS_=EPS,
-           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
-
-
 def _decode_v3(cfg: dict, out, codes_words, scale, sums, w_words, alpha_rows, bias, n: int):
     """One launch of ``_decode_gemv_v3_kernel``: a program per ``rows_per_program`` rows and token."""
     m = out.shape[0]
@@ -1171,35 +845,6 @@ def _decode_v3(cfg: dict, out, codes_words, scale, sums, w_words, alpha_rows, bi
     return out
 
 
-def fuses(layer, m: int, config: dict | None = None) -> bool:
-    """True when ``layer``'s forward on ``m`` rows (with ``config``, else the plan's) is a decode GEMV quantizing its
-    own input (v1, v2: one launch); v3 (1 token by default) reads codes made once per input."""
-    if config is None:
-        if not takes_decode_gemv(m, layer.out_features):
-            return False
-        version = DECODE_VERSION if m == 1 else DECODE_VERSION_MULTI
-    elif config["kernel"] == "decode":
-        version = config["version"]
-    else:
-        return False
-    return version in SELF_QUANTIZING and layer.activation in FUSED_KINDS and layer.in_features <= MAX_ROW["int8"]
-
-
-def fused_linear(x: torch.Tensor, layer, config: dict | None = None) -> torch.Tensor:
-    """``layer``'s forward on rows ``x`` (M ≤ 4, INT8 / INT4-range input) in one launch of a self-quantizing decode
-    GEMV (v2 at 1 token, v1 at 2–4 unless ``config`` says otherwise): sub-norm, quantizer and the packed matmul;
-    the values of :func:`layer_codes` + :func:`matmul_codes`."""
-    m, n, k = x.shape[0], layer.out_features, layer.in_features
-    if x.dtype not in KEYS:
-        raise TypeError(f"x: expected a float32, bfloat16 or float16 tensor, got {x.dtype}")
-    cfg = config or decode_plan(m, n, k, _sm_count(x.device), version=2 if m == 1 else DECODE_VERSION_MULTI)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    norm = layer.norm
-    return _decode(cfg, out, packed=layer.packed, alpha_rows=layer.row_scale(), bias=layer.bias, n=n, k=k, x=x,
-                   kind=layer.activation, beta_scale=layer.beta_scale,
-                   norm_weight=None if norm is None else norm.weight, norm_eps=1e-5 if norm is None else norm.eps)
-
-
 def layer_codes(x: torch.Tensor, layer):
     """(codes, scales, Σ codes) of rows ``x`` (M, in) for ``layer`` (a PackedBitLinear): its sub-norm and quantizer."""
     norm = layer.norm
@@ -1209,11 +854,8 @@ def layer_codes(x: torch.Tensor, layer):
 
 def packed_linear(x: torch.Tensor, layer, config: dict | None = None, codes=None) -> torch.Tensor:
     """The forward of ``layer`` (a PackedBitLinear) on rows ``x`` (M, in) with the kernels; ``codes``: the rows'
-    :func:`layer_codes` when a sibling projection already computed them. Without ready codes: one launch where the
-    plan's decode GEMV quantizes its own input (2–4 rows of an INT8 / INT4-range layer: :func:`fused_linear`),
-    else the codes kernel, then the matmul (1 row: the v3 decode GEMV)."""
-    if codes is None and fuses(layer, x.shape[0], config):
-        return fused_linear(x, layer, config)
+    :func:`layer_codes` when a sibling projection already computed them. Otherwise the codes kernel, then the
+    matmul (the plan's: the v3 decode GEMV at 1 token and 2 of a narrow layer, else the tensor-core GEMM)."""
     codes, scale, sums = codes if codes is not None else layer_codes(x, layer)
     return matmul_codes(codes, scale, sums, layer.packed, layer.row_scale(), layer.bias, x.dtype,
                         layer.out_features, layer.in_features, config)

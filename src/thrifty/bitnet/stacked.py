@@ -91,10 +91,10 @@ class ProjectionSlice(nn.Module):
 
 class CodesRMSNorm(RMSNorm):
     """The RMSNorm in front of a stacked INT8 projection: where the projection would quantize the norm's output with
-    the codes kernel (its decode GEMV or GEMM reads ready codes: 1 row, ≥ 5 rows), the norm's one launch writes the
-    codes too (``packed_kernel.norm_codes``: y is the plain fused norm's bit for bit, the codes the codes kernel's)
-    and hands them to the projection through its ``shared_input``. Elsewhere (autograd, the CPU's PyTorch form,
-    2–4 rows, which the self-quantizing GEMV takes) it is the plain norm. INT8 only: INT4's mean would be summed
+    the codes kernel (its decode GEMV and GEMM read ready codes), the norm's one launch writes the codes too
+    (``packed_kernel.norm_codes``: y is the plain fused norm's bit for bit, the codes the codes kernel's) and hands
+    them to the projection through its ``shared_input``. Elsewhere (autograd, the CPU's PyTorch form) it is the
+    plain norm. INT8 only: INT4's mean would be summed
     in another order than the codes kernel's, so a code could move at an exact half and the stacked model would
     no longer be the unstacked one bit for bit."""
 
@@ -106,11 +106,8 @@ class CodesRMSNorm(RMSNorm):
         consumer.shared_input = self.slot
 
     def _writes_codes(self, x: torch.Tensor) -> bool:
-        from . import packed_kernel
-
         c = self.consumer
-        return (self._fused(x) and x.shape[-1] == c.in_features and c._use_kernels(x)
-                and not packed_kernel.fuses(c, x.numel() // x.shape[-1]))
+        return self._fused(x) and x.shape[-1] == c.in_features and c._use_kernels(x)
 
     def _hand_over(self, y: torch.Tensor, codes) -> torch.Tensor:
         self.slot.store(y, self.consumer.codes_key(True), codes, "packed")
