@@ -20,8 +20,8 @@
 3. **Sweep** (M = 1 and 16, 7B shapes): other tiles / K splits of the same kernels, so ``plan()`` can be checked.
 4. **Model decode**: a Llama-7B-shaped model (32 layers, 4096 / 11008, vocab 32000) with *random* ternary weights
    (speed does not depend on the values, so random weights are honest for it) against the same shape in bf16,
-   batch 1 and 16, 128 cached tokens: ms per decode step as run eagerly (host included), the GPU busy time
-   (sum of the step's kernel durations, torch.profiler), per new token of ``generate(..., cuda_graph=True)``
+   batch 1, 2, 4 and 16 (``--batches``), 128 cached tokens: ms per decode step as run eagerly (host included),
+   the GPU busy time (sum of the step's kernel durations, torch.profiler), per new token of ``generate(..., cuda_graph=True)``
    (each step one graph replay, the call's capture included) and per new token of a ``GraphedDecoder`` called
    again (the graph captured once, replayed across calls); tokens/s from the reused-graph figure when it ran,
    weight bytes; KV-cache bytes at 32K context computed.
@@ -614,7 +614,7 @@ def model_rows(args, device) -> list[dict]:
     for name, model in (("bf16", dense), ("ternary packed (random weights)", ternary),
                         ("stacked ternary, q/k/v and gate/up one launch each (random weights)", stacked)):
         mem = weight_bytes(model)
-        for batch in (1, 16):
+        for batch in args.batches:
             t = decode_step_times(model, batch, args, device)
             ms = t.get("graph_reuse_ms") or t["graph_ms"] or t["gpu_busy_ms"] or t["eager_ms"]
             busy = t["gpu_busy_ms"] or t["eager_ms"]
@@ -738,8 +738,9 @@ def summarize(rows: list[dict]) -> dict:
         b, t = dec[("bf16", 1)], dec[(fast, 1)]
         out["packed_weight_mem_ratio"] = dec[("ternary", 1)]["projection_bytes"] / b["projection_bytes"]
         out["decode_tokens_per_s_ratio_vs_bf16_b1"] = t["tokens_per_s"] / b["tokens_per_s"]
-        out["decode_tokens_per_s_ratio_vs_bf16_b16"] = dec[(fast, 16)]["tokens_per_s"] / \
-            dec[("bf16", 16)]["tokens_per_s"]
+        for batch in sorted({bb for _, bb in dec} - {1}):  # batch 16, and 2 / 4 where --batches has them
+            out[f"decode_tokens_per_s_ratio_vs_bf16_b{batch}"] = dec[(fast, batch)]["tokens_per_s"] / \
+                dec[("bf16", batch)]["tokens_per_s"]
         out["decode_tokens_per_s_ratio_unstacked_vs_bf16_b1"] = dec[("ternary", 1)]["tokens_per_s"] / b["tokens_per_s"]
         out["decode_tokens_per_s_ratio_vs_bf16_b1_eager"] = t["tokens_per_s_eager"] / b["tokens_per_s_eager"]
         out["decode_tokens_per_s_ratio_vs_bf16_b1_graph_one_shot"] = \
@@ -807,6 +808,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--batches", default="1,2,4,16", help="batch sizes of the model decode (1 is needed)")
     ap.add_argument("--context", type=int, default=128, help="cached tokens before the timed decode steps")
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--graph-tokens", type=int, default=256, help="new tokens per timed generate(cuda_graph=True)")
@@ -833,6 +835,9 @@ def main(argv=None) -> int:
     if args.baseline_src is not None and not Path(args.baseline_src, "thrifty").is_dir():
         ap.error(f"--baseline-src: {args.baseline_src!r} holds no thrifty package (give the old tree's src/)")
     args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if 1 not in args.batches:
+        ap.error("--batches: batch 1 is needed (the summary's decode ratios are over it)")
     args.gemm_sweep_tokens = [int(t) for t in str(args.gemm_sweep_tokens).split(",") if t]
     args.shapes = SHAPES
     args.model_config = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

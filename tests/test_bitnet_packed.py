@@ -158,14 +158,15 @@ def test_kernels_equal_the_torch_path(kind, m, k, n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kernel,block_m", [("gemv", 2), ("gemm", 16)])
-def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m):
+@pytest.mark.parametrize("kernel,block_m,one_dot", [("gemv", 2, None), ("gemm", 16, True), ("gemm", 16, False)])
+def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m, one_dot):
+    """Split K, both GEMM loop forms (a group's four fields as one K=256 product, or one product per field)."""
     from thrifty.bitnet import packed_kernel
 
     bl = layer(1100, 45, "int8", bias=True)
     x = tokens(2, 1100, seed=5).to(torch.bfloat16)
     cfg = dict(kernel=kernel, BLOCK_N=32 if kernel == "gemv" else 64, BLOCK_M=block_m, split=3,
-               groups_per_split=2, num_warps=4, num_stages=2)
+               groups_per_split=2, num_warps=4, num_stages=2, one_dot=one_dot)
     got, want = _kernel_vs_torch(bl, x, cfg)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert not packed_kernel._WORKSPACES[x.device].any()
@@ -523,6 +524,22 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
     for m in (0, 5):
         with pytest.raises(ValueError, match="1–4 tokens"):
             PK.decode_plan(m, 64, 64)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,one_dot", [(3, True), (128, True), (129, False)])
+def test_gemm_multiplies_a_group_in_one_product_up_to_128_tokens(monkeypatch, m, one_dot):
+    """The GEMM takes a packed group's four fields as one K=256 product on its 64-row tiles (≤ 128 tokens, measured
+    faster there) and one product per field on the 128-row prefill tile: the launch says which ran, and both equal
+    the torch path bit for bit (odd K and N)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    launched = []
+    launch = PK._GEMM_LAUNCH
+    monkeypatch.setattr(PK, "_GEMM_LAUNCH", lambda *a, **kw: launched.append(kw["ONE_DOT"]) or launch(*a, **kw))
+    assert PK.plan(m, 4096, 4096)["one_dot"] is one_dot
+    got, want = _kernel_vs_torch(layer(300, 37, "int8", seed=m), tokens(m, 300, seed=m))
+    assert launched == [one_dot] and torch.equal(got, want)
 
 
 @needs_kernels

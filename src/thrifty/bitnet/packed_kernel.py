@@ -68,6 +68,12 @@ TWO_TOKEN_GEMV_MAX_ROWS = 4096
 # 32 tokens of 11008x4096, 344: 13.8 -> 16.6). At 32 tokens it also lost on 4096x11008's 256 programs (19.3 -> 21.6):
 # 16 tokens is where it stops.
 GEMM_PDL_MAX_TOKENS = 16
+# The GEMM gives a group's four 2-bit fields to the tensor cores as one K=256 product (``ONE_DOT``: one wgmma wait
+# per group, not one per field) up to this many tokens, i.e. on its 64-row tiles. H200, one process, old / new
+# alternating, outputs bit-identical (NOTES.md "One wgmma wait per group"): 3-128 tokens 4-29% faster on every 7B/2B
+# shape (4096x4096 at 16 tokens 9.65 -> 8.76 us graph-replayed, 22016x4096 at 128 tokens 43.2 -> 30.6); at 2048
+# tokens (128x64 tiles, 8 warps) 1-10% slower, so the prefill tile keeps one product per field.
+GEMM_ONE_DOT_MAX_TOKENS = 128
 GEMM_PDL_MAX_PROGRAMS_PER_SM = 2
 FUSED_KINDS = {"int8": 0, "int4": 1}  # quantized inside the decode GEMV; TopK (a 15–31-step search) launches apart
 NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±inf or NaN
@@ -339,10 +345,24 @@ def _prefetch_groups_l2(w_ptr, rows, row_ok, stride_w, g_start, g_end):
 
 
 @triton.jit
+def _group_weights(packed, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """int8 codes (BLOCK_N, 256) of one packed group in the inputs' order (k = field·64 + byte): the four fields
+    side by side. Each thread already holds every field of its bytes, so this is a renaming of registers, no data
+    moves between threads (sm_90 SASS: the four decodes, then the wgmma straight from those registers)."""
+    w = tl.join(tl.join(_decode_field(packed, 0, USE_ASM), _decode_field(packed, 2, USE_ASM)),
+                tl.join(_decode_field(packed, 1, USE_ASM), _decode_field(packed, 3, USE_ASM)))
+    # w[n, byte, i, o] is field 2i + o: [n, i, o, byte] flattens to k = (2i + o)·64 + byte
+    return tl.reshape(tl.permute(w, (0, 2, 3, 1)), [BLOCK_N, GROUP_])
+
+
+@triton.jit
 def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
                  groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
-    """Int8 tensor cores, swap-AB: acc[n, m] += W_field(BLOCK_N, 64) @ Xᵀ_field(64, BLOCK_M) per 2-bit field.
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
+                 ONE_DOT: tl.constexpr):
+    """Int8 tensor cores, swap-AB: acc[n, m] += W(BLOCK_N, 256) @ Xᵀ(256, BLOCK_M) per packed group.
+    ``ONE_DOT``: the group's four 2-bit fields go to the tensor cores as one K=256 product (one wgmma wait per
+    group); else one K=64 product per field, each waited for before the next field's decode reuses its registers.
     ``PDL`` (launched with programmatic dependent launch, few tokens): as the decode GEMV, the program starts while
     the codes kernel ahead still runs, prefetches its weight groups into L2 and waits before reading the codes."""
     # row strides come in units of 16 elements (rows are whole groups): the compiler then knows every row is
@@ -354,6 +374,7 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
     k = tl.arange(0, SLICE_)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + k[None, :]
     x_cols = x_ptr + toks.to(tl.int64)[None, :] * stride_x + k[:, None]
+    x_groups = x_ptr + toks.to(tl.int64)[None, :] * stride_x + tl.arange(0, GROUP_)[:, None]
     row_ok = (rows < N)[:, None]
     tok_ok = (toks < M)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
@@ -364,9 +385,13 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
         gdc_wait()  # the codes, Σ codes and scales are the kernel ahead's output (and the workspace its zeros)
     for g in range(g_start, g_end):
         packed = tl.load(w_rows + g * SLICE_, mask=row_ok, other=0)
-        for field in tl.static_range(4):
-            xt = tl.load(x_cols + g * GROUP_ + field * SLICE_, mask=tok_ok, other=0)
-            acc = tl.dot(_decode_field(packed, field, USE_ASM), xt, acc, out_dtype=tl.int32)
+        if ONE_DOT:
+            xt = tl.load(x_groups + g * GROUP_, mask=tok_ok, other=0)
+            acc = tl.dot(_group_weights(packed, BLOCK_N, USE_ASM), xt, acc, out_dtype=tl.int32)
+        else:
+            for field in tl.static_range(4):
+                xt = tl.load(x_cols + g * GROUP_ + field * SLICE_, mask=tok_ok, other=0)
+                acc = tl.dot(_decode_field(packed, field, USE_ASM), xt, acc, out_dtype=tl.int32)
     if SPLIT:
         _add_partial_sums(acc, rows, toks, N, M, ws_ptr)
     else:
@@ -613,7 +638,7 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
         split *= 2
     per_split = _cdiv(groups, split)
     return dict(kernel="gemm", BLOCK_N=block_n, BLOCK_M=block_m, split=_cdiv(groups, per_split),
-                groups_per_split=per_split, num_warps=warps, num_stages=3)
+                groups_per_split=per_split, num_warps=warps, num_stages=3, one_dot=m <= GEMM_ONE_DOT_MAX_TOKENS)
 
 
 def pdl_ok(device: torch.device) -> bool:
@@ -812,7 +837,8 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
         _GEMM_LAUNCH(grid, packed, codes, ws, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
                      cfg["groups_per_split"], packed.stride(0) // 16, codes.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=mode, HAS_BIAS=bias is not None,
-                     USE_ASM=USE_ASM, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                     USE_ASM=USE_ASM, PDL=pdl, ONE_DOT=cfg.get("one_dot", True), num_warps=cfg["num_warps"],
+                     num_stages=cfg["num_stages"],
                      launch_pdl=pdl)
     if mode == 1:
         bn, bm = EPILOGUE_TILE
