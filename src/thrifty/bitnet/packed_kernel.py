@@ -72,7 +72,7 @@ GEMM_PDL_MAX_TOKENS = 16
 # per group, not one per field) up to this many tokens, i.e. on its 64-row tiles. H200, one process, old / new
 # alternating, outputs bit-identical (NOTES.md "One wgmma wait per group"): 3-128 tokens 4-29% faster on every 7B/2B
 # shape (4096x4096 at 16 tokens 9.65 -> 8.76 us graph-replayed, 22016x4096 at 128 tokens 43.2 -> 30.6); at 2048
-# tokens (128x64 tiles, 8 warps) 1-10% slower, so the prefill tile keeps one product per field.
+# tokens (128x64 tiles, 8 warps) up to 6% slower on 7 of 8 shapes, so the prefill tile keeps one product per field.
 GEMM_ONE_DOT_MAX_TOKENS = 128
 GEMM_PDL_MAX_PROGRAMS_PER_SM = 2
 FUSED_KINDS = {"int8": 0, "int4": 1}  # quantized inside the decode GEMV; TopK (a 15–31-step search) launches apart
