@@ -433,10 +433,11 @@ def test_pack_checks_every_layer_before_converting_any(spoil, match, monkeypatch
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("m", [1, 3, 16, 200])
+@pytest.mark.parametrize("m", [1, 3, 16, 200, 2048])
 def test_compiled_kernels_equal_the_torch_path_on_cuda(kind, m):
     """The GPU build (inline PTX: dp4a, 4-byte decode; wgmma; cp.async pipelining), which the interpreter never
-    runs: 7B-like and odd shapes, every plan, against the PyTorch path on the same GPU."""
+    runs: 7B-like and odd shapes, every plan (2048 tokens of 4096x4096: the square prefill tile), against the
+    PyTorch path on the same GPU."""
     torch.backends.cuda.matmul.allow_tf32 = False  # the PyTorch path's fp32 integer matmul must stay exact
     for k, n in ((4096, 4096), (1100, 333)):
         bl = layer(k, n, kind, seed=m).cuda()
@@ -540,6 +541,23 @@ def test_gemm_multiplies_a_group_in_one_product_up_to_128_tokens(monkeypatch, m,
     assert PK.plan(m, 4096, 4096)["one_dot"] is one_dot
     got, want = _kernel_vs_torch(layer(300, 37, "int8", seed=m), tokens(m, 300, seed=m))
     assert launched == [one_dot] and torch.equal(got, want)
+
+
+@needs_kernels
+def test_prefill_takes_square_tiles_with_one_product_where_they_fill_the_gpu():
+    """Prefill: 128x128 tiles of 4 warps, one K=256 product per group, where that grid fills ≥ 3 waves (7B layers at
+    2048 tokens), else 128x64 tiles of 8 warps, one product per field (the 2B's 2560-row layers); the square tile
+    equals the torch path bit for bit (odd K and N, a partial token tile)."""
+    from thrifty.bitnet import packed_kernel as PK
+
+    square = PK.plan(2048, 4096, 4096, 132)
+    assert (square["BLOCK_N"], square["BLOCK_M"], square["num_warps"], square["one_dot"]) == (128, 128, 4, True)
+    narrow = PK.plan(2048, 2560, 2560, 132)
+    assert (narrow["BLOCK_N"], narrow["BLOCK_M"], narrow["num_warps"], narrow["one_dot"]) == (128, 64, 8, False)
+    bl = layer(300, 150, "int8", bias=True, seed=7)
+    cfg = dict(PK.plan(130, 150, 300), BLOCK_N=128, BLOCK_M=128, num_warps=4, one_dot=True)
+    got, want = _kernel_vs_torch(bl, tokens(130, 300, seed=7), cfg)
+    assert torch.equal(got, want)
 
 
 @needs_kernels
