@@ -339,15 +339,14 @@ def sweep_rows(args, device) -> list[dict]:
     return rows
 
 
-GEMM_TILES = [(bn, bm, warps, stages, one_dot) for bn in (64, 128) for bm in (64, 128, 256) for warps in (4, 8)
-              for stages in (3, 4) for one_dot in (False, True)
-              if not (bm == 256 and warps == 4)]  # 256 tokens x 4 warps: 256+ int32 registers
+GEMM_TILES = [(bn, bm, warps, stages) for bn in (64, 128) for bm in (64, 128, 256) for warps in (4, 8)
+              for stages in (3, 4) if not (bm == 256 and warps == 4)]  # 256 tokens x 4 warps: 256+ int32 registers
 
 
 def gemm_sweep_rows(args, device) -> list[dict]:
     """Prefill tiles on ready codes (``--gemm-sweep-tokens``): BLOCK_N (weight rows, the wgmma's M) x BLOCK_M
-    (tokens, its N) x warps x stages x the K loop's form (one K=256 product per packed group, or one per 2-bit
-    field), unsplit, at every layer shape; each config must equal the planned one bit for bit. The layer rows of the same run give bf16's time beside them."""
+    (tokens, its N) x warps x stages, unsplit, at every layer shape; each config must equal the planned one bit
+    for bit. The layer rows of the same run give bf16's time beside them."""
     from thrifty.triton_utils import sm_count
 
     rows = []
@@ -360,20 +359,19 @@ def gemm_sweep_rows(args, device) -> list[dict]:
                 codes, scale, sums = PK.quantize_codes(torch.randn(m, k, device=device, dtype=torch.bfloat16), "int8")
                 planned = PK.plan(m, n, k, sm_count(device))
                 want = PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, planned)
-                for bn, bm, warps, stages, one_dot in GEMM_TILES:
+                for bn, bm, warps, stages in GEMM_TILES:
                     cfg = dict(planned, kernel="gemm", BLOCK_N=bn, BLOCK_M=bm, num_warps=warps, num_stages=stages,
-                               split=1, groups_per_split=groups, one_dot=one_dot)
+                               split=1, groups_per_split=groups)
                     row = dict(what="gemm sweep", model=model_name, shape=f"{n}x{k}", tokens=m, BLOCK_N=bn,
-                               BLOCK_M=bm, num_warps=warps, num_stages=stages, one_dot=one_dot,
-                               planned=(bn, bm, warps, stages, one_dot) == (
-                                   planned["BLOCK_N"], planned["BLOCK_M"], planned["num_warps"],
-                                   planned["num_stages"], planned["one_dot"]))
+                               BLOCK_M=bm, num_warps=warps, num_stages=stages,
+                               planned=(bn, bm, warps, stages) == (planned["BLOCK_N"], planned["BLOCK_M"],
+                                                                   planned["num_warps"], planned["num_stages"]))
 
                     def run():
                         return PK.matmul_codes(codes, scale, sums, layer.packed, rs, None, torch.bfloat16, n, k, cfg)
 
                     rows.append(checked_timing(row, run, lambda: want, args, device))
-                    print(f"  gemm sweep {n}x{k} m={m} {bn}x{bm} w{warps} s{stages} one_dot={one_dot}: "
+                    print(f"  gemm sweep {n}x{k} m={m} {bn}x{bm} w{warps} s{stages}: "
                           f"{row.get('gpu_ms', float('nan')) * 1e3:.1f} us", flush=True)
     return rows
 

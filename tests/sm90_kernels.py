@@ -666,7 +666,7 @@ def _bitnet_packed():
             cfg = PK.plan(m, n, k)
             if cfg["kernel"] != "decode":
                 plans.add((cfg["kernel"], cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["split"] > 1, cfg["num_warps"],
-                           cfg["num_stages"], cfg.get("one_dot", False)))
+                           cfg["num_stages"]))
     # decode GEMV v3 at every decode plan: bf16 and fp32 outputs, with and without bias
     for bn, kw, warps, stages in sorted(v3):
         for dtype, bias, pdl in ((bf16, False, True), (fp32, True, True), (bf16, False, False)):
@@ -675,23 +675,23 @@ def _bitnet_packed():
                                                        USE_ASM=PK.USE_ASM, PDL=pdl),
                         {"codes_ptr sum_ptr w_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",
                          "out_ptr": PTR[dtype]}, num_warps=warps, num_stages=stages)
-    for kernel, bn, bm, split, warps, stages, one_dot in sorted(plans):
+    for kernel, bn, bm, split, warps, stages in sorted(plans):
         # split mode as matmul_codes passes it: 0 none, 1 workspace + epilogue kernel; the GEMM's tiles of few
         # tokens in both launch modes (gemm_launches_early also counts programs), wider tiles without
         pdls = (None,) if kernel == "gemv" else (False, True) if bm <= PK.GEMM_PDL_MAX_TOKENS else (False,)
         for (dtype, bias, mode), pdl in itertools.product(((bf16, False, int(split)), (fp32, True, int(split))), pdls):
             fn = PK._gemv_kernel if kernel == "gemv" else PK._gemm_kernel
             w, x = ("*i32", "*i32") if kernel == "gemv" else ("*u8", "*i8")
-            extra = dict(STAGES=stages) if kernel == "gemv" else dict(PDL=pdl, ONE_DOT=one_dot)
+            extra = dict(STAGES=stages) if kernel == "gemv" else dict(PDL=pdl)
             yield entry(fn, f"{kernel} {bn}x{bm} split={mode} {NAME[dtype]} bias={bias}"
-                        + ("" if pdl is None else f" pdl={pdl}") + (" one_dot" if one_dot else ""),
+                        + ("" if pdl is None else f" pdl={pdl}"),
                         dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=mode, HAS_BIAS=bias, USE_ASM=PK.USE_ASM, **extra),
                         {"w_ptr": w, "x_ptr": x, "ws_ptr sum_ptr": "*i32",
                          "scale_ptr alpha_ptr bias_ptr": "*fp32", "out_ptr": PTR[dtype]}, num_warps=warps,
                         num_stages=stages)
     # the plain-Triton decode, which benchmarks/bitnet_kernels.py falls back to if the inline PTX were wrong
     for fn, w, x, bn, bm, extra in ((PK._gemv_kernel, "*i32", "*i32", 32, 1, dict(STAGES=4)),
-                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, dict(PDL=False, ONE_DOT=True))):
+                                    (PK._gemm_kernel, "*u8", "*i8", 64, 16, dict(PDL=False))):
         yield entry(fn, f"USE_ASM=False {bn}x{bm}", dict(BLOCK_N=bn, BLOCK_M=bm, SPLIT=1, HAS_BIAS=False,
                                                          USE_ASM=False, **extra),
                     {"w_ptr": w, "x_ptr": x, "ws_ptr sum_ptr": "*i32", "scale_ptr alpha_ptr bias_ptr": "*fp32",

@@ -158,15 +158,14 @@ def test_kernels_equal_the_torch_path(kind, m, k, n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kernel,block_m,one_dot", [("gemv", 2, None), ("gemm", 16, True), ("gemm", 16, False)])
-def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m, one_dot):
-    """Split K, both GEMM loop forms (a group's four fields as one K=256 product, or one product per field)."""
+@pytest.mark.parametrize("kernel,block_m", [("gemv", 2), ("gemm", 16)])
+def test_split_k_is_exact_and_leaves_the_workspace_zero(kernel, block_m):
     from thrifty.bitnet import packed_kernel
 
     bl = layer(1100, 45, "int8", bias=True)
     x = tokens(2, 1100, seed=5).to(torch.bfloat16)
     cfg = dict(kernel=kernel, BLOCK_N=32 if kernel == "gemv" else 64, BLOCK_M=block_m, split=3,
-               groups_per_split=2, num_warps=4, num_stages=2, one_dot=one_dot)
+               groups_per_split=2, num_warps=4, num_stages=2)
     got, want = _kernel_vs_torch(bl, x, cfg)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert not packed_kernel._WORKSPACES[x.device].any()
@@ -528,34 +527,18 @@ def test_decode_plan_7b_shapes_take_the_v3_tile():
 
 
 @needs_kernels
-@pytest.mark.parametrize("m,one_dot", [(3, True), (128, True), (129, False)])
-def test_gemm_multiplies_a_group_in_one_product_up_to_128_tokens(monkeypatch, m, one_dot):
-    """The GEMM takes a packed group's four fields as one K=256 product on its 64-row tiles (≤ 128 tokens, measured
-    faster there) and one product per field on the 128-row prefill tile: the launch says which ran, and both equal
-    the torch path bit for bit (odd K and N)."""
-    from thrifty.bitnet import packed_kernel as PK
-
-    launched = []
-    launch = PK._GEMM_LAUNCH
-    monkeypatch.setattr(PK, "_GEMM_LAUNCH", lambda *a, **kw: launched.append(kw["ONE_DOT"]) or launch(*a, **kw))
-    assert PK.plan(m, 4096, 4096)["one_dot"] is one_dot
-    got, want = _kernel_vs_torch(layer(300, 37, "int8", seed=m), tokens(m, 300, seed=m))
-    assert launched == [one_dot] and torch.equal(got, want)
-
-
-@needs_kernels
-def test_prefill_takes_square_tiles_with_one_product_where_they_fill_the_gpu():
-    """Prefill: 128x128 tiles of 4 warps, one K=256 product per group, where that grid fills ≥ 3 waves (7B layers at
-    2048 tokens), else 128x64 tiles of 8 warps, one product per field (the 2B's 2560-row layers); the square tile
+def test_prefill_takes_square_tiles_where_they_fill_the_gpu():
+    """More than 32 tokens: 128x128 tiles where the layer has ≥ 4096 rows and they fill 1.5 waves (7B layers at
+    1024–2048 tokens), else 64x64 (the 2B's 2560-row layers, 512 tokens of 4096 rows), all 4 warps; the square tile
     equals the torch path bit for bit (odd K and N, a partial token tile)."""
     from thrifty.bitnet import packed_kernel as PK
 
-    square = PK.plan(2048, 4096, 4096, 132)
-    assert (square["BLOCK_N"], square["BLOCK_M"], square["num_warps"], square["one_dot"]) == (128, 128, 4, True)
-    narrow = PK.plan(2048, 2560, 2560, 132)
-    assert (narrow["BLOCK_N"], narrow["BLOCK_M"], narrow["num_warps"], narrow["one_dot"]) == (128, 64, 8, False)
+    tile = lambda m, n: (lambda p: (p["BLOCK_N"], p["BLOCK_M"], p["num_warps"]))(PK.plan(m, n, 4096, 132))
+    assert tile(2048, 4096) == tile(1024, 4096) == tile(512, 11008) == (128, 128, 4)
+    assert tile(2048, 2560) == tile(512, 4096) == tile(129, 22016) == tile(64, 4096) == (64, 64, 4)
+    assert tile(32, 4096) == (64, 16, 4)
     bl = layer(300, 150, "int8", bias=True, seed=7)
-    cfg = dict(PK.plan(130, 150, 300), BLOCK_N=128, BLOCK_M=128, num_warps=4, one_dot=True)
+    cfg = dict(PK.plan(130, 150, 300), BLOCK_N=128, BLOCK_M=128)
     got, want = _kernel_vs_torch(bl, tokens(130, 300, seed=7), cfg)
     assert torch.equal(got, want)
 
@@ -682,6 +665,21 @@ def test_decode_v3_on_cuda_equals_the_torch_path(n, k):
     assert torch.equal(got, want)
 
 
+def _assert_graph_replays_exact(p, xs, want):
+    """``p`` captured in a CUDA graph on a static copy of ``xs[0]``, then replayed on each input in reverse order:
+    every output equals ``want`` bit for bit (a kernel launched early must still wait for the codes it reads)."""
+    static = xs[0].clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = p(static)
+    for x, w in zip(xs[::-1], want[::-1]):
+        static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, w)
+
+
 @pytest.mark.cuda
 def test_decode_v3_launches_early_on_hopper_and_stays_exact_in_a_graph():
     """sm_90: the v3 GEMV is launched with programmatic dependent launch (its compiled kernel carries the
@@ -701,16 +699,7 @@ def test_decode_v3_launches_early_on_hopper_and_stays_exact_in_a_graph():
         want = [ref_layer(x) for x in xs]
         assert torch.equal(p(xs[0]), want[0])
         assert any(kernel.metadata.launch_pdl for kernel, _ in PK._DECODE_V3_LAUNCH.cache.values())
-        static = xs[0].clone()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = p(static)
-        for x, w in zip(xs[::-1], want[::-1]):
-            static.copy_(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, w)
+        _assert_graph_replays_exact(p, xs, want)
 
 
 @pytest.mark.cuda
@@ -737,16 +726,7 @@ def test_gemm_of_few_tokens_launches_early_on_hopper_and_stays_exact_in_a_graph(
         PK._GEMM_LAUNCH.cache.clear()
         assert torch.equal(p(xs[0]), want[0])
         assert [kernel.metadata.launch_pdl for kernel, _ in PK._GEMM_LAUNCH.cache.values()] == [True]
-        static = xs[0].clone()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = p(static)
-        for x, w in zip(xs[::-1], want[::-1]):
-            static.copy_(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, w)
+        _assert_graph_replays_exact(p, xs, want)
 
 
 def test_norm_codes_refuses_bad_arguments_by_name():

@@ -68,18 +68,17 @@ TWO_TOKEN_GEMV_MAX_ROWS = 4096
 # 32 tokens of 11008x4096, 344: 13.8 -> 16.6). At 32 tokens it also lost on 4096x11008's 256 programs (19.3 -> 21.6):
 # 16 tokens is where it stops.
 GEMM_PDL_MAX_TOKENS = 16
-# The GEMM gives a group's four 2-bit fields to the tensor cores as one K=256 product (``ONE_DOT``: one wgmma wait
-# per group, not one per field) up to this many tokens, i.e. on its 64-row tiles. H200, one process, old / new
-# alternating, outputs bit-identical (NOTES.md "One wgmma wait per group"): 3-128 tokens 4-29% faster on every 7B/2B
-# shape (4096x4096 at 16 tokens 9.65 -> 8.76 us graph-replayed, 22016x4096 at 128 tokens 43.2 -> 30.6); at 2048
-# tokens (128x64 tiles, 8 warps) up to 6% slower on 7 of 8 shapes, so the prefill tile keeps one product per field.
-GEMM_ONE_DOT_MAX_TOKENS = 128
-# Prefill: 128x128 tiles of 4 warps with one K=256 product per group where that grid fills at least this many waves
-# of programs, else 128x64 tiles of 8 warps with one product per field. H200, ead31ae, 2048 tokens, 48 configs per
-# shape, every config bit-exact (bitnet_kernels_h200-gemm2048-onedot.json; NOTES.md "Prefill tiles with one product
-# per group"): 128x128 one product 10-21% faster on every layer of >= 4096 rows (4096x4096 66.8 -> 55.4 us, 1240
-# TOP/s), 5-6% slower on the 2B's 2560-row layers (320 programs: 2.4 waves).
-PREFILL_SQUARE_MIN_WAVES = 3
+# Prefill tiles (more than 32 tokens), all 4 warps: 128x128 from PREFILL_SQUARE_MIN_TOKENS tokens (the fewest
+# measured) where the layer has at least PREFILL_SQUARE_MIN_ROWS rows and that grid fills PREFILL_SQUARE_MIN_WAVES
+# waves of programs, else 64x64. H200, 512-2048 tokens, 48 configs per shape, every config bit-exact
+# (bitnet_kernels_h200-gemm2048-onedot.json, bitnet_kernels_h200-prefill-tiles.json; NOTES.md "Prefill tiles"): at
+# 2048 tokens 128x128 is 10-21% faster than the 128x64 8-warp tile it replaces on every layer of >= 4096 rows
+# (4096x4096 66.8 -> 55.4 us, 1240 TOP/s) and 5-6% slower on the 2B's 2560-row layers, where 64x64 is within
+# 1.5-3% of it; at 512 tokens 64x64 wins where 128x128 gives < 1.5 waves (4096x4096: 128 programs, 24.2 us against
+# 21.8; the old tile 23.2).
+PREFILL_SQUARE_MIN_TOKENS = 512
+PREFILL_SQUARE_MIN_ROWS = 4096
+PREFILL_SQUARE_MIN_WAVES = 1.5
 GEMM_PDL_MAX_PROGRAMS_PER_SM = 2
 FUSED_KINDS = {"int8": 0, "int4": 1}  # quantized inside the decode GEMV; TopK (a 15–31-step search) launches apart
 NAN_BITS = tl.constexpr(0x7F800000)  # |x| bit patterns at or above this are ±inf or NaN
@@ -364,11 +363,11 @@ def _group_weights(packed, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, out_ptr, N, M, n_groups,
                  groups_per_split, w_row16, x_row16, stride_out, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr,
-                 ONE_DOT: tl.constexpr):
-    """Int8 tensor cores, swap-AB: acc[n, m] += W(BLOCK_N, 256) @ Xᵀ(256, BLOCK_M) per packed group.
-    ``ONE_DOT``: the group's four 2-bit fields go to the tensor cores as one K=256 product (one wgmma wait per
-    group); else one K=64 product per field, each waited for before the next field's decode reuses its registers.
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """Int8 tensor cores, swap-AB: acc[n, m] += W(BLOCK_N, 256) @ Xᵀ(256, BLOCK_M) per packed group, its four 2-bit
+    fields as one K=256 product: one wgmma wait per group. (One product per field made the tensor cores wait four
+    times a group, since each field's decode reuses the registers the wgmma reads: 4-29% slower at 3-128 tokens,
+    NOTES.md "One wgmma wait per group".)
     ``PDL`` (launched with programmatic dependent launch, few tokens): as the decode GEMV, the program starts while
     the codes kernel ahead still runs, prefetches its weight groups into L2 and waits before reading the codes."""
     # row strides come in units of 16 elements (rows are whole groups): the compiler then knows every row is
@@ -377,9 +376,7 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
     stride_x = x_row16 * 16
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     toks = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k = tl.arange(0, SLICE_)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + k[None, :]
-    x_cols = x_ptr + toks.to(tl.int64)[None, :] * stride_x + k[:, None]
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + tl.arange(0, SLICE_)[None, :]
     x_groups = x_ptr + toks.to(tl.int64)[None, :] * stride_x + tl.arange(0, GROUP_)[:, None]
     row_ok = (rows < N)[:, None]
     tok_ok = (toks < M)[None, :]
@@ -391,13 +388,8 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
         gdc_wait()  # the codes, Σ codes and scales are the kernel ahead's output (and the workspace its zeros)
     for g in range(g_start, g_end):
         packed = tl.load(w_rows + g * SLICE_, mask=row_ok, other=0)
-        if ONE_DOT:
-            xt = tl.load(x_groups + g * GROUP_, mask=tok_ok, other=0)
-            acc = tl.dot(_group_weights(packed, BLOCK_N, USE_ASM), xt, acc, out_dtype=tl.int32)
-        else:
-            for field in tl.static_range(4):
-                xt = tl.load(x_cols + g * GROUP_ + field * SLICE_, mask=tok_ok, other=0)
-                acc = tl.dot(_decode_field(packed, field, USE_ASM), xt, acc, out_dtype=tl.int32)
+        xt = tl.load(x_groups + g * GROUP_, mask=tok_ok, other=0)
+        acc = tl.dot(_group_weights(packed, BLOCK_N, USE_ASM), xt, acc, out_dtype=tl.int32)
     if SPLIT:
         _add_partial_sums(acc, rows, toks, N, M, ws_ptr)
     else:
@@ -622,8 +614,9 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
 
     1 token, and 2 tokens of a layer of ≤ 4096 rows (:func:`takes_decode_gemv`): :func:`decode_plan` (no split;
     v3 on ready codes). Beyond, the tensor-core GEMM with the tile a sweep
-    of 60 tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
-    ≤ 32 tokens 64 × 16 tiles, ≤ 128 tokens 64 × 64, beyond 128 × 64 with 8 warps; 3 stages. The K loop is split
+    of tile/warp/split configs chose on the H200 (7B and 2B layer shapes, 32–2048 tokens, `bitnet/NOTES.md`):
+    ≤ 32 tokens 64 × 16 tiles; from 512 tokens 128 × 128 where the layer has ≥ ``PREFILL_SQUARE_MIN_ROWS`` rows
+    and those tiles fill ``PREFILL_SQUARE_MIN_WAVES`` waves; else 64 × 64; 4 warps, 3 stages. The K loop is split
     only for long K (≥ 24 groups: 6912, 11008) at ≤ 128 tokens, until 1.5 programs per SM or 4 groups per
     slice: there it pays (2560 × 6912 at 16 tokens: 10.2 against 12.8 µs unsplit); on K ≤ 4096 the workspace
     and the second launch cost more than the idle SMs (4096 × 4096 at 16 tokens: 8.9 unsplit, 10.0 split). (``kernel="gemv"``, the
@@ -632,22 +625,20 @@ def plan(m: int, n: int, k: int, sms: int = 132) -> dict:
     if takes_decode_gemv(m, n):
         return decode_plan(m, n, k, sms)
     groups = padded_k(k) // GROUP
-    one_dot = m <= GEMM_ONE_DOT_MAX_TOKENS
     if m <= 32:
-        block_n, block_m, warps = 64, 16, 4
-    elif m <= 128:
-        block_n, block_m, warps = 64, 64, 4
-    elif _cdiv(n, 128) * _cdiv(m, 128) >= PREFILL_SQUARE_MIN_WAVES * sms:
-        block_n, block_m, warps, one_dot = 128, 128, 4, True
+        block_n, block_m = 64, 16
+    elif (m >= PREFILL_SQUARE_MIN_TOKENS and n >= PREFILL_SQUARE_MIN_ROWS
+          and _cdiv(n, 128) * _cdiv(m, 128) >= PREFILL_SQUARE_MIN_WAVES * sms):
+        block_n, block_m = 128, 128
     else:
-        block_n, block_m, warps = 128, 64, 8
+        block_n, block_m = 64, 64
     tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
     split = 1
     while m <= 128 and groups >= 24 and tiles * split < 3 * sms // 2 and groups // (split * 2) >= 4:
         split *= 2
     per_split = _cdiv(groups, split)
     return dict(kernel="gemm", BLOCK_N=block_n, BLOCK_M=block_m, split=_cdiv(groups, per_split),
-                groups_per_split=per_split, num_warps=warps, num_stages=3, one_dot=one_dot)
+                groups_per_split=per_split, num_warps=4, num_stages=3)
 
 
 def pdl_ok(device: torch.device) -> bool:
@@ -846,8 +837,7 @@ def matmul_codes(codes, scale, sums, packed, alpha_rows, bias, out_dtype, n: int
         _GEMM_LAUNCH(grid, packed, codes, ws, sums, scale, alpha_rows, bias_arg, out, n, m, groups,
                      cfg["groups_per_split"], packed.stride(0) // 16, codes.stride(0) // 16, out.stride(0),
                      BLOCK_N=cfg["BLOCK_N"], BLOCK_M=cfg["BLOCK_M"], SPLIT=mode, HAS_BIAS=bias is not None,
-                     USE_ASM=USE_ASM, PDL=pdl, ONE_DOT=cfg.get("one_dot", True), num_warps=cfg["num_warps"],
-                     num_stages=cfg["num_stages"],
+                     USE_ASM=USE_ASM, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                      launch_pdl=pdl)
     if mode == 1:
         bn, bm = EPILOGUE_TILE
