@@ -220,6 +220,11 @@ def graph_ms_per_call(calls: list, device, args) -> float:
     return t.median_ms / len(calls)
 
 
+def copies_past_l2(nbytes: int, l2_bytes: int) -> int:
+    """Weight copies (at least 2) that together hold twice the L2: cycled through, each is read from HBM."""
+    return max(2, -(-2 * l2_bytes // nbytes))
+
+
 def graph_rows(args, device, hbm_gbs: float) -> list[dict]:
     """Layer calls replayed in a CUDA graph, each call on its own copy of the weights, with enough copies to
     fill twice the L2 cache: every call reads its weights from HBM, as each layer of a decoded model does. (The
@@ -234,10 +239,9 @@ def graph_rows(args, device, hbm_gbs: float) -> list[dict]:
     rows = [dict(what="graph", impl="launch", gpu_ms=launch)]
     for model_name, shapes in args.shapes.items():
         for n, k in shapes:
-            packed = [random_packed(n, k, "int8", device, seed=i)
-                      for i in range(max(2, -(-2 * l2 // (n * k // 4))))]
+            packed = [random_packed(n, k, "int8", device, seed=i) for i in range(copies_past_l2(n * k // 4, l2))]
             dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-                     for _ in range(max(2, -(-2 * l2 // (2 * n * k))))]
+                     for _ in range(copies_past_l2(2 * n * k, l2))]
             for m in args.graph_tokens_layers:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 base = dict(what="graph", model=model_name, shape=f"{n}x{k}", N=n, K=k, tokens=m)
