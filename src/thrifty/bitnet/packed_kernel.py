@@ -71,11 +71,11 @@ GEMM_PDL_MAX_TOKENS = 16
 # Prefill tiles (more than 32 tokens), all 4 warps: 128x128 from PREFILL_SQUARE_MIN_TOKENS tokens (the fewest
 # measured) where the layer has at least PREFILL_SQUARE_MIN_ROWS rows and that grid fills PREFILL_SQUARE_MIN_WAVES
 # waves of programs, else 64x64. H200, 512-2048 tokens, 48 configs per shape, every config bit-exact
-# (bitnet_kernels_h200-gemm2048-onedot.json, bitnet_kernels_h200-prefill-tiles.json; NOTES.md "Prefill tiles"): at
-# 2048 tokens 128x128 is 10-21% faster than the 128x64 8-warp tile it replaces on every layer of >= 4096 rows
-# (4096x4096 66.8 -> 55.4 us, 1240 TOP/s) and 5-6% slower on the 2B's 2560-row layers, where 64x64 is within
-# 1.5-3% of it; at 512 tokens 64x64 wins where 128x128 gives < 1.5 waves (4096x4096: 128 programs, 24.2 us against
-# 21.8; the old tile 23.2).
+# (bitnet_kernels_h200-gemm2048-onedot.json, bitnet_kernels_h200-prefill-tiles.json; NOTES.md "One wgmma wait per
+# group, and the prefill tiles"): at 2048 tokens 128x128 is 10-21% faster than the 128x64 8-warp tile it replaces
+# on every layer of >= 4096 rows (4096x4096 66.8 -> 55.4 us, 1240 TOP/s) and 5-6% slower on the 2B's 2560-row
+# layers, where 64x64 is within 1.5-3% of it; at 512 tokens 64x64 wins where 128x128 gives < 1.5 waves (4096x4096:
+# 128 programs, 24.2 us against 21.8; the old tile 23.2).
 PREFILL_SQUARE_MIN_TOKENS = 512
 PREFILL_SQUARE_MIN_ROWS = 4096
 PREFILL_SQUARE_MIN_WAVES = 1.5
