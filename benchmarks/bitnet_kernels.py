@@ -21,8 +21,8 @@
 4. **Model decode**: a Llama-7B-shaped model (32 layers, 4096 / 11008, vocab 32000) with *random* ternary weights
    (speed does not depend on the values, so random weights are honest for it) against the same shape in bf16,
    batch 1, 2, 4 and 16 (``--batches``), 128 cached tokens: ms per decode step as run eagerly (host included),
-   the GPU busy time (sum of the step's kernel durations, torch.profiler), per new token of ``generate(..., cuda_graph=True)``
-   (each step one graph replay, the call's capture included) and per new token of a ``GraphedDecoder`` called
+   the GPU busy time (sum of the step's kernel durations, torch.profiler), per new token of
+   ``generate(..., cuda_graph=True)`` (each step one graph replay, the call's capture included) and per new token of a ``GraphedDecoder`` called
    again (the graph captured once, replayed across calls); tokens/s from the reused-graph figure when it ran,
    weight bytes; KV-cache bytes at 32K context computed.
 

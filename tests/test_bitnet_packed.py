@@ -533,7 +533,10 @@ def test_prefill_takes_square_tiles_where_they_fill_the_gpu():
     equals the torch path bit for bit (odd K and N, a partial token tile)."""
     from thrifty.bitnet import packed_kernel as PK
 
-    tile = lambda m, n: (lambda p: (p["BLOCK_N"], p["BLOCK_M"], p["num_warps"]))(PK.plan(m, n, 4096, 132))
+    def tile(m, n):
+        p = PK.plan(m, n, 4096, 132)
+        return p["BLOCK_N"], p["BLOCK_M"], p["num_warps"]
+
     assert tile(2048, 4096) == tile(1024, 4096) == tile(512, 11008) == (128, 128, 4)
     assert tile(2048, 2560) == tile(512, 4096) == tile(129, 22016) == tile(64, 4096) == (64, 64, 4)
     assert tile(32, 4096) == (64, 16, 4)

@@ -367,7 +367,7 @@ def _gemm_kernel(w_ptr, x_ptr, ws_ptr, sum_ptr, scale_ptr, alpha_ptr, bias_ptr, 
     """Int8 tensor cores, swap-AB: acc[n, m] += W(BLOCK_N, 256) @ Xᵀ(256, BLOCK_M) per packed group, its four 2-bit
     fields as one K=256 product: one wgmma wait per group. (One product per field made the tensor cores wait four
     times a group, since each field's decode reuses the registers the wgmma reads: 4-29% slower at 3-128 tokens,
-    NOTES.md "One wgmma wait per group".)
+    NOTES.md "One wgmma wait per group, and the prefill tiles".)
     ``PDL`` (launched with programmatic dependent launch, few tokens): as the decode GEMV, the program starts while
     the codes kernel ahead still runs, prefetches its weight groups into L2 and waits before reading the codes."""
     # row strides come in units of 16 elements (rows are whole groups): the compiler then knows every row is
