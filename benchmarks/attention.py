@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from thrifty import bench
 from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention
 from thrifty.attention.attn_kernel import kernel_config, launch, quantize_inputs, sage_forward_triton
-from thrifty.attention.gluon_kernel import SMALL_D64_TILES
+from thrifty.attention.gluon_kernel import NARROW_D128_TILES, SMALL_D64_TILES
 
 BF16 = torch.bfloat16
 QKV_FILE = Path(__file__).resolve().parents[1] / "build" / "attn_qkv" / "smollm2_qkv.safetensors"
@@ -62,8 +62,11 @@ GLUON_VARIANTS = {  # --gluon: the Gluon kernel's structures (gluon_kernel.gluon
 GLUON_D64_VARIANTS = {"thrifty8_gluon_ws2_64x64": dict(consumers=2, **SMALL_D64_TILES),
                       "thrifty8_gluon_n128": dict(block_m=64),
                       "thrifty8_gluon_pp_n128": dict(block_m=64, pingpong=True)}
-GLUON_D128_VARIANTS = {"thrifty8_gluon_pp": dict(pingpong=True, v_perm16=False),
-                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True)}  # the D=128 causal default
+# head_dim 128: FA3's ping-pong schedule (the causal default) with and without v_perm16, on 128-key tiles; and the
+# 128-key tiles whatever the mask (the full default before 256-key tiles, gluon_kernel.D128_FULL_TILES)
+GLUON_D128_VARIANTS = {"thrifty8_gluon_pp": dict(pingpong=True, v_perm16=False, **NARROW_D128_TILES),
+                       "thrifty8_gluon_pp_vperm": dict(pingpong=True, v_perm16=True, **NARROW_D128_TILES),
+                       "thrifty8_gluon_n128": dict(NARROW_D128_TILES)}
 
 
 def gluon_structures(D):

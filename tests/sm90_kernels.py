@@ -187,15 +187,16 @@ def _attention():
 
 # the ping-pong schedule (gluon_config pingpong=True) on the tiles it is benchmarked with: 64 query rows per
 # consumer (a 128x128 D=64 tile would hold S, P̃ in flight, the P̃·V fragment and acc: > 240 registers)
-PINGPONG_TILES = ((128, dict(v_perm16=False)), (128, dict(block_n=64, scale_block=64)), (64, dict(block_m=64)),
-                  (64, dict(block_m=64, v_perm16=False)))
+PINGPONG_TILES = ((128, dict(v_perm16=False, block_n=128, stages=3)), (128, dict(block_n=64, scale_block=64)),
+                  (64, dict(block_m=64)), (64, dict(block_m=64, v_perm16=False)))
 
 
 def _attention_gluon():
     """gluon_kernel._sage_fwd_gluon_kernel (issue #28) as gluon_kernel.launch makes it: D 64/128, causal on/off,
     each structure (one or two consumer warpgroups beside a producer warp), the default config with LSE and V smoothing, fp16 and fp32 Q/out; P̃ from the accumulator
     registers (v_perm16) and its pre-pass; at D=64 both its default 128x128 tiles (``gluon_kernel.D64_TILES``) and
-    the 64x64 ones (``SMALL_D64_TILES``)."""
+    the 64x64 ones (``SMALL_D64_TILES``); at D=128 without a mask both its default 256-key tiles
+    (``D128_FULL_TILES``) and the 128-key ones (``NARROW_D128_TILES``)."""
     from thrifty.attention import gluon_kernel as G
 
     bf16 = torch.bfloat16
@@ -205,7 +206,9 @@ def _attention_gluon():
     calls += [(64, causal, bf16, False, False, dict(v, **G.SMALL_D64_TILES)) for causal in (False, True)
               for v in variants]
     calls += [(D, True, dtype, True, True, {}) for D in G.GLUON_HEAD_DIMS for dtype in (torch.float16, torch.float32)]
+    calls += [(128, False, dtype, True, True, {}) for dtype in (torch.float16, torch.float32)]  # 256-key tiles
     calls += [(128, causal, bf16, False, False, dict(v_perm16=False, pingpong=False)) for causal in (False, True)]
+    calls += [(128, False, bf16, False, False, dict(G.NARROW_D128_TILES))]  # full D=128 on 128-key tiles
     calls += [(D, causal, bf16, False, False, dict(pingpong=True, **tiles)) for causal in (False, True)
               for D, tiles in PINGPONG_TILES]
     for call in calls:

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from thrifty.attention import SageConfig, accuracy_metrics, exact_attention, sage_attention, sage_attention_reference
-from thrifty.attention.gluon_kernel import SMALL_D64_TILES, gluon_config
+from thrifty.attention.gluon_kernel import NARROW_D128_TILES, SMALL_D64_TILES, gluon_config
 from thrifty.bench import capture_graph
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# head_dim 128: the default (two consumer warpgroups, P̃ from the accumulator as it lies; in FA3's ping-pong when
-# causal, free-running when not), one consumer warpgroup, ping-pong on and off whatever the mask, and without
-# v_perm16
+# head_dim 128: the default (two consumer warpgroups, P̃ from the accumulator as it lies; in FA3's ping-pong on
+# 128-key tiles when causal, free-running on 256-key tiles when not), one consumer warpgroup, ping-pong on and off
+# whatever the mask, 128-key tiles whatever the mask, and without v_perm16
 VARIANTS = [dict(), dict(consumers=1, pingpong=False), dict(pingpong=False, v_perm16=False), dict(pingpong=False),
-            dict(pingpong=True), dict(v_perm16=False)]
+            dict(pingpong=True, **NARROW_D128_TILES), dict(NARROW_D128_TILES), dict(v_perm16=False)]
 # head_dim 64: the default 128x128 tiles (gluon_kernel.D64_TILES) with one and two consumer warpgroups, the 64x64
 # tiles, and the ping-pong schedule on 64x128 tiles
 D64_VARIANTS = [dict(), dict(consumers=1), SMALL_D64_TILES, dict(block_m=64, pingpong=True)]
@@ -51,18 +51,19 @@ def _cos(a, b):
     return accuracy_metrics(a.float(), b.float())["cos_sim"]
 
 
-def _wide_pv(variant, D):
-    """True for D=64 with 128-key tiles (the default): each P̃·V wgmma sums 128 fp8 products before its fp32 add
-    (the Triton kernel at D=64 sums 64; at D=128 it sums 128 too), so they are not the same arithmetic as the
-    Triton kernel at D=64 (cos 0.99997-0.999987 against it on the H200, ad1a33c)."""
-    return D == 64 and dict(gluon_config(D, False), **variant)["block_n"] == 128  # tiles: the mask does not matter
+def _wide_pv(variant, D, causal=False):
+    """True where a tile holds more keys than the Triton kernel's (64 at D=64, 128 at D=128): D=64 with 128-key
+    tiles (its default) and D=128 with 256-key tiles (its default without a mask). Each P̃·V wgmma then sums
+    more fp8 products before its fp32 add, so the two kernels are not the same arithmetic (cos 0.99997-0.999987
+    against the Triton kernel on the H200 at D=64, ad1a33c)."""
+    return dict(gluon_config(D, causal), **variant)["block_n"] > (64 if D == 64 else 128)
 
 
 def _assert_agrees(out, ref, variant, D, q=None, k=None, v=None, causal=False):
     """Same arithmetic: cos > 0.99999 against the Triton kernel's ``ref``. A wider P̃·V accumulation instead: cos >
     0.9999 against it, and (given the inputs) no larger an error against float64 attention than the Triton
     kernel's own, within 10%."""
-    if not _wide_pv(variant, D):
+    if not _wide_pv(variant, D, causal):
         assert _cos(out, ref) > 0.99999
         return
     assert _cos(out, ref) > 0.9999
@@ -189,7 +190,7 @@ def test_cuda_gluon_matches_reference_and_fp32(D, causal):
             out = sage_forward_gluon(q, k, v, causal=causal, sm_scale=D ** -0.5, config=variant)
         else:  # the public API's route
             out = sage_attention(q, k, v, causal=causal, impl="gluon")
-        if _wide_pv(variant, D):  # not the reference's 64-key P̃·V blocks: against the Triton kernel and float64
+        if _wide_pv(variant, D, causal):  # not the reference's 64-key P̃·V blocks: against the Triton kernel and float64
             triton_out = sage_attention(q, k, v, causal=causal, impl="triton")
             _assert_agrees(out, triton_out, variant, D, q, k, v, causal)
         else:
@@ -218,7 +219,7 @@ def test_cuda_gluon_nan_rule(variant, D):
             continue
         assert (~bad).any()
         ref = sage_forward_triton(q, k, v, causal=causal, sm_scale=0.125)
-        _assert_agrees(out[~bad], ref[~bad], variant, D)  # the accuracy of wide P̃·V: the tests above
+        _assert_agrees(out[~bad], ref[~bad], variant, D, causal=causal)  # the accuracy of wide P̃·V: the tests above
 
 
 @pytest.mark.cuda
