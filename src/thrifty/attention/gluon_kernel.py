@@ -23,7 +23,7 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
   while the other warpgroup's pair occupies the tensor cores (``_tiles_pingpong``).
 * Tile shapes (``gluon_config``): ``block_m`` query rows per consumer warpgroup (64: one m64 ``wgmma``; 128:
   two, over the same 4 warps) and ``block_n`` keys per tile, one or two of the pre-pass's K-scale blocks
-  (D=64: 128-key tiles at 64-key scales). D=64 is bound by instruction issue, not by the tensor cores: 128
+  (D=64: 128-key tiles at 64-key scales; D=128 without a mask: 256-key tiles at 128-key scales). D=64 is bound by instruction issue, not by the tensor cores: 128
   rows spread the per-tile costs (mbarrier waits, warpgroup barriers, wgmma issue and waits, loop overhead)
   over twice the scores, 128 keys also the per-row ones (max and sum shuffles, α, the exponent's bias) and
   halve acc·α per score. The arithmetic per score is unchanged; with 128-key tiles each fresh P̃·V fragment
