@@ -111,7 +111,8 @@ def test_gluon_launch_checks_the_k_scale_blocks():
 def test_gluon_resolved_config_is_made_once_per_overrides():
     """What a call's host path reads: gluon_config merged with the overrides (each value's own type), read-only,
     and the launch key (the items sorted, as the kernel cache keyed them), one object per (head_dim, mask,
-    overrides). At head_dim 128 the ping-pong schedule is the causal default only."""
+    overrides). At head_dim 128 the ping-pong schedule is the causal default only, and 256-key tiles the default
+    without a mask."""
     from thrifty.attention.gluon_kernel import resolved_config
 
     for D in (64, 128):
@@ -125,6 +126,9 @@ def test_gluon_resolved_config_is_made_once_per_overrides():
                 with pytest.raises(TypeError):
                     cfg["consumers"] = 1
     assert [resolved_config(128, None, causal)[0]["pingpong"] for causal in (False, True)] == [False, True]
+    # head_dim 128: 256-key tiles (two 128-key K-scale blocks) in a 2-stage ring without a mask, 128-key causal
+    defaults = [resolved_config(128, None, causal)[0] for causal in (False, True)]
+    assert [(c["block_n"], c["stages"], c["scale_block"]) for c in defaults] == [(256, 2, 128), (128, 3, 128)]
     assert not any(resolved_config(64, None, causal)[0]["pingpong"] for causal in (False, True))
     assert type(resolved_config(64, dict(consumers=1), True)[0]["consumers"]) is int
     assert resolved_config(64, dict(consumers=True), True)[0]["consumers"] is True
