@@ -18,16 +18,17 @@ What Gluon adds over the Triton kernel (structure, one CTA = BLOCK_M query rows 
   NaN rows at D=64 with 64x64 tiles and was slower than the default everywhere it was measured: removed.)
 * Inside the consumer, the P̃·V ``wgmma`` is issued asynchronously and the accumulator rescale (acc·α) and the
   row sum run while it executes.
-* ``PINGPONG`` (the head_dim-128 default): FA3's ordering of two consumer warpgroups. They take turns through two
-  mbarriers; in turn j + 1 a warpgroup issues P̃ⱼ·Vⱼ together with Q·Kⱼ₊₁, and its softmax of tile j + 1 runs
+* ``PINGPONG`` (the head_dim-128 causal default): FA3's ordering of two consumer warpgroups. They take turns through
+  two mbarriers; in turn j + 1 a warpgroup issues P̃ⱼ·Vⱼ together with Q·Kⱼ₊₁, and its softmax of tile j + 1 runs
   while the other warpgroup's pair occupies the tensor cores (``_tiles_pingpong``).
-* Tile shapes (``gluon_config``): ``block_m`` query rows per consumer warpgroup (64: one m64 ``wgmma``; 128:
-  two, over the same 4 warps) and ``block_n`` keys per tile, one or two of the pre-pass's K-scale blocks
-  (D=64: 128-key tiles at 64-key scales; D=128 without a mask: 256-key tiles at 128-key scales). D=64 is bound by instruction issue, not by the tensor cores: 128
-  rows spread the per-tile costs (mbarrier waits, warpgroup barriers, wgmma issue and waits, loop overhead)
-  over twice the scores, 128 keys also the per-row ones (max and sum shuffles, α, the exponent's bias) and
-  halve acc·α per score. The arithmetic per score is unchanged; with 128-key tiles each fresh P̃·V fragment
-  sums 128 products in the tensor core's accumulator before the fp32 add (as at D=128) instead of 64.
+* Tile shapes (``gluon_config``): ``block_m`` query rows per consumer warpgroup (64: one m64 ``wgmma``; 128: two,
+  over the same 4 warps) and ``block_n`` keys per tile, one or two of the pre-pass's K-scale blocks (D=64: 128-key
+  tiles at 64-key scales; D=128 without a mask: 256-key tiles at 128-key scales). D=64 is bound by instruction
+  issue, not by the tensor cores: 128 rows spread the per-tile costs (mbarrier waits, warpgroup barriers, wgmma
+  issue and waits, loop overhead) over twice the scores, 128 keys also the per-row ones (max and sum shuffles, α,
+  the exponent's bias) and halve acc·α per score. The arithmetic per score is unchanged; with 128-key tiles each
+  fresh P̃·V fragment sums 128 products in the tensor core's accumulator before the fp32 add (as at D=128 causal;
+  256 at D=128 full) instead of 64.
 * ``v_perm16``: the pre-pass stores Vᵀ's tokens in the order in which a thread's Q·Kᵀ accumulator columns
   line up with the k slots of the P̃·V ``wgmma``'s register operand (``quant_kernel.v_slot``, SageAttention2's
   V layout), and the kernel relabels P̃'s columns to match (reshape/permute: no data movement), instead of
@@ -517,8 +518,8 @@ def gluon_config(head_dim: int, causal: bool) -> dict:
     # TFLOP/s, ping-pong vs free-running: causal 432/434 vs 412/415 at 2K, 732/734 vs 684/688 at 8K, 830/821 vs
     # 821/815 at 32K; full 600/603 vs 636/636 at 2K, 718 vs 748 at 4K, 791/787 vs 817/824 at 8K, 856/834 vs 865/852
     # at 32K. Against the structure with neither, ping-pong + v_perm16 gained 1.03-1.11x at 8K-32K.
-    cfg = dict(block_m=64, block_n=128, scale_block=128, stages=3, num_warps=4, consumers=2,
-               producer_regs=24, consumer_regs=240, reverse=True, v_perm16=True, pingpong=bool(causal))
+    cfg = dict(block_m=64, scale_block=128, num_warps=4, consumers=2, producer_regs=24, consumer_regs=240,
+               reverse=True, v_perm16=True, pingpong=bool(causal), **NARROW_D128_TILES)
     if head_dim <= 64:
         cfg.update(D64_TILES)
     elif not causal:
@@ -529,7 +530,7 @@ def gluon_config(head_dim: int, causal: bool) -> dict:
 # D=128 without a mask: 256-key tiles (two 128-key K-scale blocks; the S wgmma as two n128 instructions) in a
 # 2-stage ring (2·(32 + 32) KB of K/Vᵀ). The per-tile costs (mbarrier waits, warpgroup barriers, the row max's
 # shuffles, α, the exponent's bias) cover twice the keys, and acc·α runs half as often per score. Against
-# NARROW_D128_TILES (the default before) in one process (H200, 3208517 + this change, B=2 H=32, pre-pass
+# NARROW_D128_TILES (the default before) in one process (H200, 14a7839, B=2 H=32, pre-pass
 # included, TFLOP/s): 8K 793 vs 746 (1.20x vs 1.13x cuDNN), 32K 927 vs 857 (1.48x vs 1.37x); 2K 432 vs 440. A
 # 3-stage ring (214 KB of shared memory) was 756 / 893. Causal calls keep 128-key tiles: 256 in the ping-pong
 # spills 152 B and ran 0.86x, free-running 0.98-1.0x.
